@@ -1,0 +1,97 @@
+"""The DFlash multi-block attention mask, defined once.
+
+Layout: queries are N blocks of B slots, `[block_0 | ... | block_{N-1}]`; keys/values are
+`[context (S positions) | block_0 | ... | block_{N-1}]`. A query in block j may see
+
+  1. context keys strictly before its anchor (`kv < anchor_j`): the anchor's own target
+     state is not available at inference, and seeing it is the "shortcut" leak that makes
+     training accuracy look great while real acceptance is ~1;
+  2. every key of its own block (bidirectional);
+  3. nothing else. Invalid (padding) blocks see nothing.
+
+`mask_mod` is the single definition. On CUDA it is compiled into a flex_attention
+BlockMask; elsewhere the same function is evaluated on an index grid to give a dense
+boolean mask for SDPA. Tests hold the two equal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockLayout:
+    """Where the blocks sit: `anchors[b, j]` is block j's anchor position in row b."""
+
+    anchors: torch.Tensor  # [batch, N] long
+    valid: torch.Tensor  # [batch, N] bool
+    context_len: int  # S
+    block_size: int  # B
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.context_len + self.q_len
+
+    def block_positions(self) -> torch.Tensor:
+        """Absolute positions of block slots: slot k of block j sits at `anchor_j + k`."""
+        k = torch.arange(self.block_size, device=self.anchors.device)
+        return (self.anchors[:, :, None] + k).reshape(self.anchors.shape[0], -1)
+
+
+def make_mask_mod(layout: BlockLayout):
+    """The mask as a flex_attention `mask_mod(b, h, q_idx, kv_idx) -> bool`.
+
+    Written with tensor ops only, so it broadcasts over index grids too.
+    """
+    anchors, valid = layout.anchors, layout.valid
+    S, B = layout.context_len, layout.block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // B
+        in_context = kv_idx < S
+        sees_context = in_context & (kv_idx < anchors[b, blk])
+        sees_own_block = (~in_context) & (torch.div(kv_idx - S, B, rounding_mode="floor") == blk)
+        return valid[b, blk] & (sees_context | sees_own_block)
+
+    return mask_mod
+
+
+def dense_mask(layout: BlockLayout) -> torch.Tensor:
+    """`[batch, 1, N*B, S+N*B]` bool mask (True = may attend), from `make_mask_mod`."""
+    dev = layout.anchors.device
+    b = torch.arange(layout.anchors.shape[0], device=dev)[:, None, None, None]
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+    q = torch.arange(layout.q_len, device=dev)[None, None, :, None]
+    kv = torch.arange(layout.kv_len, device=dev)[None, None, None, :]
+    return make_mask_mod(layout)(b, h, q, kv)
+
+
+def flex_block_mask(layout: BlockLayout, *, compile: bool | None = None):
+    """The same mask as a flex_attention BlockMask (sparse: fully masked tiles are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dev = layout.anchors.device
+    if compile is None:
+        compile = dev.type == "cuda"
+    return create_block_mask(make_mask_mod(layout), B=layout.anchors.shape[0], H=None,
+                             Q_LEN=layout.q_len, KV_LEN=layout.kv_len, device=dev, _compile=compile)
+
+
+def build_attention_mask(layout: BlockLayout, backend: str = "auto"):
+    """Mask object for `DFlashDrafter`: a BlockMask for flex, a dense tensor for SDPA."""
+    if backend == "auto":
+        backend = "flex" if layout.anchors.device.type == "cuda" else "sdpa"
+    if backend == "flex":
+        return flex_block_mask(layout)
+    if backend == "sdpa":
+        return dense_mask(layout)
+    raise ValueError(f"unknown attention backend {backend!r} (flex, sdpa, auto)")

@@ -1,0 +1,104 @@
+"""Reference DFlash speculative decoding: draft a block, verify it in one target pass.
+
+Greedy and lossless: the committed tokens are exactly the target's greedy decode; what
+the drafter changes is only how many tokens each verify step commits (its acceptance
+length, 1..B, bonus token included). Batch size 1, written to be read, not to be fast.
+
+One round, with `start` the position of the last committed token (the anchor):
+  1. draft: block `[seq[start], MASK x (B-1)]` at positions start..start+B-1, context =
+     target features of positions < start;
+  2. verify: the target runs over the block tokens `[seq[start], d_1 .. d_{B-1}]`,
+     giving its greedy choice p_i for position start+i+1;
+  3. accept the longest prefix with d_i == p_{i-1}, then the bonus p_n; the target's
+     features for positions start..start+n become context, its KV cache is cropped to
+     start+n+1 (entries past that were computed from rejected drafts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import DFlashDrafter, DraftCache
+from .target import Target, crop_cache
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    accept_lengths: list[int] = field(default_factory=list)  # per verify step, bonus included
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+
+def _supports_crop(target: Target) -> bool:
+    """KV caches of linear-attention (recurrent) layers cannot be rolled back."""
+    types = getattr(target.parts.text_config, "layer_types", None) or []
+    return all(t in ("full_attention", "sliding_attention") for t in types) and not getattr(
+        target.parts.text_config, "sliding_window", None)
+
+
+@torch.no_grad()
+def greedy_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """Plain greedy decoding with the target (the reference that spec decoding must equal)."""
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id or 0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.no_grad()
+def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
+                         eos_token_id: int | None = None, use_cache: bool | None = None) -> SpecResult:
+    cfg = drafter.config
+    B, layer_ids = cfg.block_size, cfg.target_layer_ids
+    dev = target.device
+    embed, head = target.parts.embed_tokens, target.parts.lm_head
+    if use_cache is None:
+        use_cache = _supports_crop(target)
+
+    seq = list(prompt_ids)
+    pkv = None
+    if use_cache:
+        from transformers import DynamicCache
+        pkv = DynamicCache(config=target.model.config)
+    out = target.forward(torch.tensor([seq], device=dev), layer_ids, past_key_values=pkv, use_cache=use_cache)
+    ctx_feats = out.features  # features of positions [draft_cache.length, start)
+    seq.append(int(head(out.last_hidden[:, -1]).argmax(-1)))
+    result = SpecResult(tokens=[seq[-1]])
+    dcache = DraftCache(cfg.num_hidden_layers)
+    # drafter weights may be bf16 while the target runs fp32 (or vice versa)
+    ddtype = drafter.fc.weight.dtype
+
+    while len(result.tokens) < max_new_tokens and seq[-1] != eos_token_id:
+        start = len(seq) - 1
+        block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[0, 0] = seq[start]
+        positions = torch.arange(start, start + B, device=dev)[None]
+        ctx_pos = torch.arange(dcache.length, start, device=dev)[None]
+        hidden = drafter(embed(block).to(ddtype), positions, ctx_feats, ctx_pos, mask=None, cache=dcache)
+        drafts = head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)[0]
+
+        block[0, 1:] = drafts
+        if use_cache:
+            vout = target.forward(block, layer_ids, past_key_values=pkv, use_cache=True)
+            feats, last = vout.features, vout.last_hidden
+        else:
+            full = torch.tensor([seq[:start]], device=dev)
+            vout = target.forward(torch.cat([full, block], dim=1), layer_ids)
+            feats, last = vout.features[:, start:], vout.last_hidden[:, start:]
+        posterior = head(last).argmax(-1)[0]  # posterior[i]: target's token for position start+i+1
+        n = int(torch.cumprod((drafts == posterior[:-1]).int(), 0).sum())
+        new = drafts[:n].tolist() + [int(posterior[n])]
+        if use_cache:
+            crop_cache(pkv, start + n + 1)
+        ctx_feats = feats[:, : n + 1]
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]
+        seq.extend(new)
+        result.tokens.extend(new)
+        result.accept_lengths.append(n + 1)
+    result.tokens = result.tokens[:max_new_tokens]
+    return result

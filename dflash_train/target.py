@@ -1,0 +1,250 @@
+"""Target models: loading, locating their parts, and the one feature-extraction path.
+
+Trainer and worker both get context features from `Target.forward`: the outputs of the
+configured decoder layers (HF `hidden_states[id + 1]`), concatenated on the last axis.
+The decoder stack is found by structure, so wrapped vision-language targets
+(`Qwen3_5ForConditionalGeneration`: text stack under `model.language_model`) work
+the same as a plain `Qwen3ForCausalLM`: the seeds' harness hooked the wrong stack.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import DrafterConfig
+
+
+class TargetError(ValueError):
+    """A target that cannot be used (not found, unknown layout, drafter mismatch)."""
+
+
+@dataclass
+class TargetParts:
+    """The pieces of a causal LM that DFlash touches."""
+
+    text_model: nn.Module  # decoder stack: .layers, .embed_tokens, .norm
+    layers: nn.ModuleList
+    embed_tokens: nn.Embedding
+    final_norm: nn.Module
+    lm_head: nn.Module
+    text_config: Any
+
+
+def locate_parts(model: nn.Module) -> TargetParts:
+    """Find the text decoder stack, embedding, final norm and LM head of a HF model."""
+    candidates = []
+    for path in ("model.language_model", "language_model", "model.text_model", "model", ""):
+        obj = model
+        for attr in filter(None, path.split(".")):
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+        if obj is not None:
+            candidates.append((path or "<root>", obj))
+    for path, stack in candidates:
+        layers = getattr(stack, "layers", None)
+        embed = getattr(stack, "embed_tokens", None)
+        norm = getattr(stack, "norm", None)
+        if isinstance(layers, nn.ModuleList) and isinstance(embed, nn.Embedding) and norm is not None:
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            if head is None:
+                head = getattr(model, "lm_head", None)
+            if head is None:
+                raise TargetError(f"{type(model).__name__} has a decoder stack at {path} but no LM head")
+            cfg = getattr(stack, "config", None) or getattr(model.config, "text_config", None) or model.config
+            return TargetParts(stack, layers, embed, norm, head, cfg)
+    raise TargetError(
+        f"cannot find the decoder stack of {type(model).__name__}: looked for .layers/.embed_tokens/.norm under "
+        + ", ".join(p for p, _ in candidates))
+
+
+@dataclass
+class TargetOutput:
+    features: torch.Tensor  # [batch, seq, n_layers * hidden]
+    last_hidden: torch.Tensor  # [batch, seq, hidden], after the final norm (input of the LM head)
+    past_key_values: Any = None
+
+
+class Target:
+    """A frozen target model with the DFlash view of it."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, source: str | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.source = source
+        self.parts = locate_parts(model)
+        self._fingerprint: str | None = None
+
+    # --- loading ----------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | None = None,
+             device_map: str | dict | None = None, trust_remote_code: bool = False) -> "Target":
+        """Load a local HF causal LM (or conditional-generation wrapper) and its tokenizer.
+
+        Never downloads: `path` must be a local directory.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path} is not a model directory (no config.json)")
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        kwargs: dict[str, Any] = dict(dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code)
+        if device_map is not None:
+            kwargs["device_map"] = device_map  # placement through accelerate
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        archs = getattr(config, "architectures", None) or []
+        loader = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in archs) else AutoModelForCausalLM
+        try:
+            model = loader.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as e:
+            raise TargetError(f"cannot load target from {path}: {e}") from e
+        if device is not None and device_map is None:
+            model = model.to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        return cls(model, tokenizer, source=str(path))
+
+    # --- shape --------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.parts.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.parts.embed_tokens.weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding (the ids a drafter can embed, the mask token included)."""
+        return self.parts.embed_tokens.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts.embed_tokens.weight.dtype
+
+    def mask_token_id(self) -> int | None:
+        tok = self.tokenizer
+        if tok is None:
+            return None
+        if getattr(tok, "mask_token_id", None) is not None:
+            return int(tok.mask_token_id)
+        ids = tok.convert_tokens_to_ids(["<|MASK|>"])
+        return None if ids[0] in (None, tok.unk_token_id) else int(ids[0])
+
+    def check_drafter(self, cfg: DrafterConfig) -> None:
+        """Raise a TargetError naming every way `cfg` does not fit this target."""
+        problems = []
+        if cfg.hidden_size != self.hidden_size:
+            problems.append(f"drafter hidden_size {cfg.hidden_size} != target hidden size {self.hidden_size} "
+                            "(the drafter shares the target's embeddings and LM head)")
+        if cfg.target_hidden_size != self.hidden_size:
+            problems.append(f"drafter expects {cfg.target_hidden_size}-wide target features, target gives {self.hidden_size}")
+        too_deep = [i for i in cfg.target_layer_ids if i >= self.num_layers]
+        if too_deep:
+            problems.append(f"target_layer_ids {too_deep} beyond the target's {self.num_layers} layers")
+        if cfg.num_target_layers != self.num_layers:
+            problems.append(f"drafter was built for a {cfg.num_target_layers}-layer target, this one has {self.num_layers}")
+        if not 0 <= cfg.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's embedding ({self.vocab_size} rows)")
+        head_rows = self.parts.lm_head.weight.shape[0]
+        if cfg.vocab_size != head_rows:
+            problems.append(f"drafter vocab_size {cfg.vocab_size} != target LM head rows {head_rows}")
+        if problems:
+            raise TargetError("drafter and target do not fit: " + "; ".join(problems))
+
+    # --- the one extraction path -------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, layer_ids: list[int], *, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool = False, position_ids: torch.Tensor | None = None) -> TargetOutput:
+        """Run the decoder stack once; return concatenated features and the final hidden.
+
+        Feature i is the output of decoder layer `layer_ids[i]`, i.e. HF
+        `hidden_states[layer_ids[i] + 1]` (index 0 is the embedding output).
+        """
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(f"layer ids {bad} outside the target's {self.num_layers} layers")
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook(idx):
+            def fn(_module, _inputs, output):
+                captured[idx] = output[0] if isinstance(output, tuple) else output
+            return fn
+
+        handles = [self.parts.layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
+        kwargs = {}
+        if past_key_values is not None:  # transformers renamed `past_key_values` to `cache`
+            kwargs[_cache_kwarg(self.parts.text_model)] = past_key_values
+        try:
+            out = self.parts.text_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                        use_cache=use_cache, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        last = out.last_hidden_state
+        feats = []
+        for i in layer_ids:
+            f = captured[i]
+            if i == self.num_layers - 1:  # HF's last hidden_states entry is after the final norm
+                f = last
+            feats.append(f)
+        return TargetOutput(torch.cat(feats, dim=-1), last, past_key_values)
+
+    def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return self.parts.lm_head(last_hidden)
+
+    @torch.no_grad()
+    def greedy_tokens(self, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """argmax of the LM head, in chunks of positions so [seq, vocab] is never whole."""
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        for s in range(0, flat.shape[0], chunk):
+            out[s:s + chunk] = self.parts.lm_head(flat[s:s + chunk]).argmax(-1)
+        return out.view(last_hidden.shape[:-1])
+
+    # --- identity -------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """Digest of the config and the weights (sampled for large tensors); cached."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            cfg = self.model.config.to_dict()
+            for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+                cfg.pop(k, None)
+            h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+            for name, t in sorted(self.model.state_dict().items()):
+                h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+                h.update(_tensor_sample_bytes(t))
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+
+def _cache_kwarg(module: nn.Module) -> str:
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Drop cached positions >= keep (entries computed from rejected drafts)."""
+    extra = cache.get_seq_length() - keep
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _tensor_sample_bytes(t: torch.Tensor, full_below: int = 1 << 20, samples: int = 65536) -> bytes:
+    """Every element of small tensors; a fixed strided sample of large ones (fast on 27B)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() > full_below:
+        idx = torch.linspace(0, flat.numel() - 1, samples, device=flat.device).long()
+        flat = flat[idx]
+    return flat.float().cpu().numpy().tobytes()
