@@ -1,0 +1,51 @@
+"""`dflash-eval`: one entry point, one small module per subcommand (eval_worker/commands/).
+
+Each command module defines `HELP` (one line), `add_arguments(parser)` and
+`main(args) -> int`, and imports heavy dependencies inside `main` so that `--help`
+stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "run": "eval_worker.commands.run",  # evaluate one checkpoint, no queue
+    "worker": "eval_worker.commands.worker",  # serve the queue
+    "enqueue": "eval_worker.commands.enqueue",
+    "requeue": "eval_worker.commands.requeue",
+    "status": "eval_worker.commands.status",
+    "cancel": "eval_worker.commands.cancel",
+    "publish": "eval_worker.commands.publish",  # rebuild the W&B eval run from the ledger
+    "report": "eval_worker.commands.report",  # local HTML report
+    "demo": "eval_worker.commands.demo",  # the main job, end to end
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-eval", description="Acceptance-length evaluation of DFlash drafters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # command not built yet
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_main=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._main(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
