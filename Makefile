@@ -1,0 +1,48 @@
+# dflash-eval developer entry points.
+#   make demo   create the venv, install, run the main job end to end (embedded defaults)
+#   make test   create/reuse the venv, install dev extras, run the test suite
+# Override the venv location with VENV=/path, pass pytest flags with PYTEST_ARGS='-k redis'.
+
+VENV ?= .venv
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONSTRAINTS := constraints.txt
+EXTRAS ?= dev
+# Re-install only when the packaging inputs change (or the venv is new).
+STAMP := $(VENV)/.dflash-eval-installed-$(EXTRAS)
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+.PHONY: venv install test demo bench clean distclean
+
+venv: $(PY)
+
+$(PY):
+	@test -n "$(PYTHON)" || { echo "error: neither python3.11 nor python3 found on PATH" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+install: $(STAMP)
+
+$(STAMP): $(PY) setup.cfg pyproject.toml $(CONSTRAINTS)
+	$(PIP) install -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+	@touch $@
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: install
+	$(VENV)/bin/dflash-eval demo $(DEMO_ARGS)
+
+bench: install
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -f $(VENV)/.dflash-eval-installed-*
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,101 @@
+"""Shared fixtures. Keep this file small; put feature-specific fixtures next to their tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_TARGET = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
+
+# 2 shared cores: keep BLAS/torch from oversubscribing. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import torch
+    except ImportError:  # torch-free test subsets still run
+        return
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_dflash_home(tmp_path_factory: pytest.TempPathFactory):
+    """No test touches ~/.cache or a real Redis by accident.
+
+    DFLASH_HOME points at a per-session temp dir and REDIS_URL is unset, so code
+    that calls ``resolve_redis_url()`` starts its local server there; that server
+    is stopped when the session ends.
+    """
+    home = tmp_path_factory.mktemp("dflash_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_HOME", str(home))
+        for var in ("REDIS_URL", "DFLASH_REDIS_PASSWORD"):
+            mp.delenv(var, raising=False)
+        yield home
+    if (home / "redis").exists():
+        from eval_worker.redis_local import LocalRedis
+
+        LocalRedis(home / "redis").stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real ``redis-server`` for the whole session (a :class:`LocalRedis`).
+
+    Has ``.url``, ``.port``, ``.stop()`` and ``.start()``; ``start()`` after
+    ``stop()`` restarts on the same port from the same AOF directory, so fault
+    tests can take Redis away and bring it back. ``appendfsync always`` makes
+    every acknowledged write survive even a SIGKILL.
+    """
+    from eval_worker.redis_local import LocalRedis
+
+    server = LocalRedis(tmp_path_factory.mktemp("redis_server"), appendfsync="always")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the session Redis, flushed before the test (restarted if a test stopped it)."""
+    from eval_worker.redis_local import connect
+
+    if not redis_server.is_running():
+        redis_server.start()
+    client = connect(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def tiny_target_path() -> Path:
+    """The bundled tiny target model directory (skips if it is not there yet)."""
+    if not (TINY_TARGET / "config.json").is_file():
+        pytest.skip(f"bundled tiny target missing: {TINY_TARGET}")
+    return TINY_TARGET
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """W&B in offline mode, writing under a temp dir; returns WANDB_DIR."""
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return wandb_dir
