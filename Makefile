@@ -4,7 +4,7 @@
 # Override the venv location with VENV=/path, pass pytest flags with PYTEST_ARGS='-k redis'.
 
 VENV ?= .venv
-PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+BASE_PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := constraints.txt
@@ -20,8 +20,8 @@ BENCH_ARGS ?=
 venv: $(PY)
 
 $(PY):
-	@test -n "$(PYTHON)" || { echo "error: neither python3.11 nor python3 found on PATH" >&2; exit 1; }
-	$(PYTHON) -m venv $(VENV)
+	@test -n "$(BASE_PYTHON)" || { echo "error: neither python3.11 nor python3 found on PATH" >&2; exit 1; }
+	$(BASE_PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
 install: $(STAMP)
