@@ -1,0 +1,60 @@
+"""`dflash-eval publish --run RUN`: rebuild the W&B eval run of a training run from the ledger.
+
+Also the recovery path after a W&B outage: offline it writes one complete run with every
+ledger point; online it logs exactly the records the live run is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+HELP = "rebuild the W&B eval run of a training run from the results ledger (offline by default)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="training run id")
+    p.add_argument("--results", help="results (ledger) directory; default: the worker's")
+    p.add_argument("--mode", choices=("offline", "online"), help="W&B mode (default: $WANDB_MODE, else offline)")
+    p.add_argument("--wandb-dir", help="local W&B directory (default: $DFLASH_WANDB_DIR, $WANDB_DIR, ./wandb-eval)")
+    p.add_argument("--project", help="W&B project (default: as last published, $WANDB_PROJECT, dflash-eval)")
+    p.add_argument("--entity", help="W&B entity")
+    p.add_argument("--force", action="store_true", help="offline: rebuild even when the current build is up to date")
+    p.add_argument("--redis-url", help="Redis for the writer lock (default: $REDIS_URL; without one a local file lock)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from eval_worker.redis_local import redact_url
+    from eval_worker.run_results import ResultsError
+    from eval_worker.sinks.wandb_lock import LockTimeout
+    from eval_worker.sinks.wandb_sink import SinkError, default_root, publish_run, saved_identity, target_from
+
+    target_root = Path(args.wandb_dir).expanduser().resolve() if args.wandb_dir else default_root()
+    cfg = dict(saved_identity(args.run, target_root))
+    cfg.update({k: v for k, v in (("project", args.project), ("entity", args.entity)) if v})
+    try:
+        target = target_from(cfg, mode=args.mode, root=target_root)
+        redis_url = args.redis_url or os.environ.get("REDIS_URL")
+        info = publish_run(args.run, target, results_dir=args.results, redis_url=redis_url, force=args.force)
+    except ResultsError as e:
+        print(f"dflash-eval publish: {e}", file=sys.stderr)
+        return 2
+    except (SinkError, LockTimeout) as e:
+        print(f"dflash-eval publish: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # W&B / network errors: say what and where, keep the ledger untouched
+        print(f"dflash-eval publish: W&B publication failed ({type(e).__name__}): {redact_url(str(e))}", file=sys.stderr)
+        return 1
+    if info.get("mode") == "disabled":
+        print("W&B is disabled (WANDB_MODE=disabled); nothing published")
+        return 0
+    if target.mode == "online":
+        print(f"eval run {info['eval_run_id']}: logged {len(info['logged'])} missing record(s), "
+              f"{len(info['records'])} in total (project {target.project})")
+    else:
+        what = "already up to date" if info.get("skipped") else "rebuilt"
+        print(f"eval run {info['eval_run_id']} {what}: steps {', '.join(map(str, info['steps']))}")
+        print(f"  offline run: {info['run_dir']}")
+        print(f"  to upload:   {info['sync']}")
+    return 0

@@ -1,0 +1,65 @@
+"""The evaluations of one training run, as the W&B sink and the report see them.
+
+Read from the results ledger (docs/design.md "Results and W&B"): for every
+(step, suite) only the latest attempt counts. The ledger is the source of truth;
+W&B and the report are both rebuilt from it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULT_SCHEMA = "dflash-eval-result/1"
+
+
+class ResultsError(ValueError):
+    """Results that cannot be read; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One ledger record: where it lies, which attempt, and the result dict."""
+
+    step: int
+    suite_fp: str
+    attempt: int
+    path: Path
+    result: dict
+
+    @property
+    def key(self) -> str:
+        return f"{self.step}:{self.suite_fp}:{self.attempt}"
+
+
+def result_of(record: dict) -> dict:
+    """The `dflash-eval-result/1` dict inside a ledger record (or the record itself)."""
+    if not isinstance(record, dict):
+        raise ResultsError(f"ledger record must be a JSON object, got {type(record).__name__}")
+    if record.get("schema") == RESULT_SCHEMA:
+        return record
+    inner = record.get("result")
+    if isinstance(inner, dict) and inner.get("schema") == RESULT_SCHEMA:
+        return inner
+    raise ResultsError(f"not a {RESULT_SCHEMA} record (schema={record.get('schema')!r})")
+
+
+def load_run(run_id: str, results_dir: str | os.PathLike | None = None) -> list[RunResult]:
+    """Latest attempt of every (step, suite) of ``run_id``, ordered by (step, suite)."""
+    from eval_worker.ledger import Ledger, LedgerError
+
+    ledger = Ledger(results_dir)
+    try:
+        entries = ledger.entries(run_id)
+    except LedgerError as e:
+        raise ResultsError(str(e)) from None
+    if not entries:
+        raise ResultsError(f"no results for run {run_id!r} under {ledger.root}")
+    out = []
+    for e in entries:
+        try:
+            result = result_of(e.read())
+        except (LedgerError, ResultsError) as err:
+            raise ResultsError(f"{e.path}: {err}") from None
+        out.append(RunResult(e.step, e.suite_fingerprint, e.attempt, e.path, result))
+    return out

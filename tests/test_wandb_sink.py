@@ -1,0 +1,204 @@
+"""W&B sink: what lands in the offline run, read back from the .wandb log itself."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from eval_worker.ledger import read_record
+from eval_worker.sinks import publish_result
+from eval_worker.sinks.wandb_lock import LockTimeout, writer_lock
+from eval_worker.sinks.wandb_payload import marked_html, marked_text, scalars
+from tests.eval_results import fake_checkpoint, make_result, write_ledger
+from tests.wandb_reader import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def env(tmp_path, wandb_offline, monkeypatch):
+    results = tmp_path / "results"
+    monkeypatch.setenv("DFLASH_RESULTS_DIR", str(results))
+    monkeypatch.delenv("DFLASH_SINKS", raising=False)
+    return {"results": results, "ckpt": tmp_path / "ckpt", "wandb": wandb_offline}
+
+
+def record_for(env, run_id: str, step: int, p: float, **kw) -> tuple[dict, dict]:
+    ck, digest = fake_checkpoint(env["ckpt"], run_id, step)
+    res = make_result(run_id, step, p=p, checkpoint_root=str(env["ckpt"]), digest=digest, **kw)
+    record = read_record(write_ledger(env["results"], res))
+    return record, res
+
+
+def current_run(wandb_root: Path, run_id: str):
+    pointer = json.loads((wandb_root / f"{run_id}-eval.json").read_text())
+    link = wandb_root / f"{run_id}-eval"
+    assert link.resolve() == Path(pointer["run_dir"]).resolve(), "symlink and pointer disagree"
+    return pointer, read_run(pointer["wandb_file"])
+
+
+def assert_points(log, expected: dict[int, dict]) -> None:
+    """Every scalar of every result at its own train/step, and nothing else."""
+    assert sorted(log.points("eval/tau")) == sorted(expected)
+    for step, res in expected.items():
+        for key, value in scalars(res).items():
+            assert log.points(key)[step] == pytest.approx(value), (key, step)
+
+
+def test_out_of_order_results_land_at_their_training_step(env):
+    expected = {}
+    for step, p in ((300, 0.75), (100, 0.35), (200, 0.55)):  # a re-queued old checkpoint arrives late
+        record, res = record_for(env, "run-a", step, p, baseline_tau=2.0)
+        outcome = publish_result(record, record["job"])
+        assert outcome["wandb"]["ok"], outcome
+        expected[step] = res
+        pointer, log = current_run(env["wandb"], "run-a")
+        assert_points(log, expected)  # each publication is one complete run
+
+    pointer, log = current_run(env["wandb"], "run-a")
+    assert (log.run_id, log.group, log.job_type, log.exit_code) == ("run-a-eval", "run-a", "eval", 0)
+    # x comes from train/step in the same dict; W&B's own _step is just the row counter (never step=)
+    assert all("train/step" in row for row in log.history)
+    assert [row["_step"] for row in log.history] == list(range(len(log.history)))
+    assert {"glob_name": "eval/*", "step_metric": "train/step"}.items() <= next(
+        m for m in log.metrics if m["glob_name"] == "eval/*").items()
+    tau_def = next(m for m in log.metrics if m["name"] == "eval/tau")
+    assert tau_def["summary_max"] and tau_def["step_metric"] == "train/step"
+    assert log.summary["eval/tau"] == {"max": pytest.approx(expected[300]["tau"]["macro"])}
+
+    # histogram over accept lengths 1..B, baseline delta, per-position curve, per-prompt table
+    for step, res in expected.items():
+        row = next(r for r in log.history if r["train/step"] == step)
+        assert row["eval/accept_hist/values"] == res["acceptance_histogram"]
+        assert row["eval/accept_hist/bins"][0] == 0.5 and len(row["eval/accept_hist/bins"]) == 17
+        assert row["eval/delta_tau_vs_baseline"] == pytest.approx(res["baseline"]["delta_tau"])
+        assert row["eval/pos_accept/15"] == pytest.approx(res["per_position"]["conditional_accept"][14])
+        assert row["eval/prompts/_type"] == "table-file" and row["eval/prompts/nrows"] == len(res["prompts"])
+        assert row["eval/pos_curve_table/_type"] == "table-file"
+        assert row["eval/accept_len_bar_table/nrows"] == 16
+        table = json.loads((Path(pointer["run_dir"]) / "files" / row["eval/prompts/path"]).read_text())
+        assert table["columns"][:6] == ["train_step", "prompt", "tau", "baseline_tau", "verify_steps", "reference_marked"]
+        assert [r[0] for r in table["data"]] == [step] * len(res["prompts"])
+        first = res["prompts"][0]
+        assert table["data"][0][5] == marked_text(first["reference_text"], first["accepted_spans"])
+
+    # checkpoints: reference artifacts (file:// URIs, no upload), best-tau on the best one only
+    models = [a for a in log.artifacts if a["type"] == "model"]
+    assert len(models) == 3
+    for art in models:
+        assert all(ref.startswith("file://") for ref in art["refs"]) and len(art["refs"]) == 3
+    best = [a for a in models if "best-tau" in a["aliases"]]
+    assert len(best) == 1 and "step-300" in best[0]["aliases"]
+    assert any(ref.endswith("step-00000300/model.safetensors") for ref in best[0]["refs"])
+
+    # exactly one build is kept: it is the complete run that `wandb sync` should upload
+    assert [p.name for p in (env["wandb"] / "builds" / "run-a-eval").iterdir()] == [Path(pointer["run_dir"]).parents[1].name]
+    assert pointer["records"] == ["100:abcd1234:0", "200:abcd1234:0", "300:abcd1234:0"]
+
+
+def test_newer_attempt_replaces_the_point_and_best_alias_moves(env):
+    r1, res1 = record_for(env, "run-b", 100, 0.7)
+    r2, res2 = record_for(env, "run-b", 200, 0.5)
+    assert publish_result(r2, r2["job"])["wandb"]["ok"]
+    # re-evaluation of step 100 (attempt 1) with a worse τ: the ledger's latest attempt wins
+    worse = make_result("run-b", 100, p=0.2, checkpoint_root=str(env["ckpt"]), digest=res1["checkpoint"]["digest"])
+    r3 = read_record(write_ledger(env["results"], worse, attempt=1))
+    assert publish_result(r3, r3["job"])["wandb"]["ok"]
+    pointer, log = current_run(env["wandb"], "run-b")
+    assert log.points("eval/tau") == {100: pytest.approx(worse["tau"]["macro"]), 200: pytest.approx(res2["tau"]["macro"])}
+    best = [a for a in log.artifacts if a["type"] == "model" and "best-tau" in a["aliases"]]
+    assert len(best) == 1 and "step-200" in best[0]["aliases"]
+    assert "100:abcd1234:1" in pointer["records"]
+
+
+def test_marked_text_and_html_escape_and_survive_bad_spans():
+    text = "<b>x</b> & y"
+    assert marked_text(text, [[0, 3], [3, 8]]) == "⟦<b>⟧⟦x</b>⟧ & y"
+    html = marked_html(text, [[0, 3], [2, 99], ["bad"], [20, 30]])
+    assert "<b>" not in html.replace('<pre style="white-space:pre-wrap;font-family:monospace">', "")
+    assert "&lt;b&gt;" in html and "&amp;" in html
+    assert html.count("<span") == 2  # overlapping span clipped, junk and out-of-range dropped
+
+
+def test_sink_off_by_env_and_disabled_mode(env, monkeypatch):
+    record, _ = record_for(env, "run-c", 100, 0.5)
+    monkeypatch.setenv("DFLASH_SINKS", "none")
+    assert publish_result(record, record["job"]) == {}
+    monkeypatch.setenv("DFLASH_SINKS", "wandb")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert publish_result(record, record["job"]) == {"wandb": {"ok": True, "mode": "disabled"}}
+    assert not (env["wandb"] / "run-c-eval.json").exists()
+
+
+def test_sink_failure_is_reported_not_raised(env, monkeypatch):
+    record, _ = record_for(env, "run-d", 100, 0.5)
+    (env["results"] / "run-d" / "step-00000100" / "abcd1234" / "attempt-0.json").write_text("{torn")
+    out = publish_result(record, record["job"])
+    assert out["wandb"]["ok"] is False and "attempt-0.json" in out["wandb"]["error"]
+
+
+def test_redis_lock_excludes_a_second_writer(redis_url, tmp_path):
+    inside = threading.Event()
+    release = threading.Event()
+
+    def holder():
+        with writer_lock("run-x-eval", redis_url=redis_url, lock_dir=tmp_path / "a"):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(10)
+    try:  # a different lock dir: only Redis can stop this writer (another machine)
+        with pytest.raises(LockTimeout, match="still held"):
+            with writer_lock("run-x-eval", redis_url=redis_url, lock_dir=tmp_path / "b", wait_s=0.5):
+                pass
+    finally:
+        release.set()
+        t.join()
+    with writer_lock("run-x-eval", redis_url=redis_url, lock_dir=tmp_path / "b", wait_s=2) as kinds:
+        assert kinds == ["redis", "file"]
+
+
+WRITER = textwrap.dedent("""
+    import json, sys
+    from eval_worker.ledger import read_record
+    from eval_worker.sinks import publish_result
+    from tests.eval_results import fake_checkpoint, make_result, write_ledger
+    ckpt, results, steps = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3:]]
+    for step in steps:
+        _, digest = fake_checkpoint(ckpt, "run-w", step)
+        res = make_result("run-w", step, p=0.3 + step / 2000, checkpoint_root=ckpt, digest=digest)
+        record = read_record(write_ledger(results, res))
+        print(json.dumps(publish_result(record, record["job"])), flush=True)
+""")
+
+
+def test_two_concurrent_writers_lose_nothing(env, redis_url):
+    """Two processes publish to one eval run at once; the Redis lock keeps one writer at a time."""
+    child_env = {**os.environ, "REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(env["ckpt"]), str(env["results"]), *steps],
+                              env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for steps in (["100", "300", "500"], ["200", "400", "600"])]
+    outcomes = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+        outcomes += [json.loads(line)["wandb"] for line in out.splitlines()]
+    assert len(outcomes) == 6 and all(o["ok"] for o in outcomes), outcomes
+    assert all(o["lock"] == ["redis", "file"] for o in outcomes)
+    spans = sorted((o["locked_at"], o["unlocked_at"]) for o in outcomes)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), "two writers held the lock"
+    _, log = current_run(env["wandb"], "run-w")
+    expected = {s: make_result("run-w", s, p=0.3 + s / 2000) for s in range(100, 700, 100)}
+    assert sorted(log.points("eval/tau")) == sorted(expected)
+    for s, res in expected.items():
+        assert log.points("eval/tau")[s] == pytest.approx(res["tau"]["macro"])
+    assert len(list((env["wandb"] / "builds" / "run-w-eval").iterdir())) == 1
