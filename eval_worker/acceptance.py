@@ -1,0 +1,415 @@
+"""The acceptance evaluation engine: exact greedy τ from one cached target pass per prompt.
+
+One evaluation:
+  1. encode the suite's prompts; get the target's greedy reference for each (cached);
+  2. run the target once over prompt + reference for the drafter's feature layers (cached);
+  3. draft a block at every response position in a few batched multi-block passes;
+  4. replay the online greedy walk along the reference (what speculative decoding with
+     this drafter would do) and derive every metric from the same per-anchor drafts.
+`Evaluator` keeps the target, the caches and baseline scores loaded across jobs.
+"""
+from __future__ import annotations
+
+import platform
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_train.model import DFlashDrafter
+from dflash_train.speculative import speculative_generate
+from dflash_train.target import Target, TargetError
+
+from . import metrics
+from .cache import CacheReport, DiskCache, MemoryLRU, digest
+from .checkpoint_source import CheckpointInfo, open_drafter
+from .diagnostics import Facts, diagnose
+from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
+from .references import DEFAULT_LOOKAHEAD, LocalReferences, Reference, ReferenceError
+from .result import EvalResult, PromptResult
+from .scoring import PromptScore, Summary, score_prompt, summarize
+from .speed import measure_step_costs
+from .suite import EncodedPrompt, Suite, SuiteError, load_suite
+
+
+@dataclass
+class EvalOptions:
+    """Job options (`options` of the eval job); unknown keys are an error, not ignored."""
+
+    max_new_tokens: int | None = None  # default: the suite's
+    tree_budget: int = 8
+    tree_spine: bool = False
+    mode: str = "online"  # online | stride
+    num_prompts: int | None = None
+    max_blocks: int | None = None
+    validate: bool = False
+    bootstrap: int = 2000
+    seed: int = 0
+    chat_template: bool | None = None  # default: the suite's
+    eos_token_id: int | None = None  # default: the tokenizer's / generation config's
+    draft_verify_cost_ratio: float | None = None  # from the serving hardware; default: measured here
+    measure_speed: bool = True
+    anchors_per_chunk: int | None = None
+    head_rows: int = DEFAULT_HEAD_ROWS
+    backend: str = "auto"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "EvalOptions":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown eval options {unknown} (known: {sorted(known)})")
+        opts = cls(**d)
+        if opts.mode not in ("online", "stride"):
+            raise ValueError(f"mode must be 'online' or 'stride', got {opts.mode!r}")
+        for name in ("max_new_tokens", "num_prompts", "max_blocks", "anchors_per_chunk"):
+            v = getattr(opts, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(opts.tree_budget, int) or opts.tree_budget < 0:
+            raise ValueError(f"tree_budget must be an integer >= 0, got {opts.tree_budget!r}")
+        return opts
+
+
+@dataclass
+class DrafterRun:
+    """One drafter scored on the references (kept for the baseline across jobs)."""
+
+    scores: list[PromptScore]
+    summary: Summary
+    block_size: int
+    layer_ids: list[int]
+
+
+def software_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dflash-eval")
+    except Exception:
+        return "0.1.0"
+
+
+class Evaluator:
+    """Target + caches, loaded once; `evaluate(...)` per checkpoint."""
+
+    def __init__(self, target: Target | str | Path, cache_dir: str | Path | None = None, *,
+                 reference_source=None, progress: bool = False, memory_cache_bytes: int = 1 << 30,
+                 dtype: str = "float32", device: str | None = None):
+        if not isinstance(target, Target):
+            target = Target.load(target, dtype=dtype, device=device)
+        self.target = target
+        self.disk = DiskCache(cache_dir)
+        self.memory = MemoryLRU(memory_cache_bytes)
+        self.reference_source = reference_source or LocalReferences(target)
+        self.progress = progress
+        self._baselines: dict[str, DrafterRun] = {}
+        self._costs: dict[str, dict | None] = {}
+
+    # --- public -----------------------------------------------------------------------
+    def evaluate(self, checkpoint_dir: str | Path, suite: Suite | str = "builtin:coding-v1",
+                 baseline: str | Path | None = None, train_metrics: dict | None = None,
+                 options: dict | EvalOptions | None = None) -> EvalResult:
+        opts = options if isinstance(options, EvalOptions) else EvalOptions.from_dict(options)
+        timings: dict[str, float] = {}
+        report = CacheReport()
+        t_start = time.perf_counter()
+        with _timer(timings, "load"):
+            drafter, info = open_drafter(checkpoint_dir, self.target)
+            base = open_drafter(baseline, self.target) if baseline is not None else None
+            suite = load_suite(suite) if isinstance(suite, (str, Path)) else suite
+            suite = suite.head(opts.num_prompts)
+            prompts = self._encode(suite, opts, [drafter] + ([base[0]] if base else []))
+        max_new = opts.max_new_tokens or suite.max_new_tokens
+        eos = self._eos(opts)
+        B_max = max(drafter.config.block_size, base[0].config.block_size if base else 0)
+        lookahead = max(DEFAULT_LOOKAHEAD, B_max - 1)
+        with _timer(timings, "references"):
+            refs = self._references(suite, prompts, max_new, eos, lookahead, report)
+        main = self._run(drafter, refs, suite, opts, report, timings)
+        base_run = None
+        if base is not None:
+            with _timer(timings, "baseline"):
+                base_run = self._baseline_run(base, refs, suite, opts, report)
+        validation = None
+        if opts.validate:
+            with _timer(timings, "validation"):
+                validation = self.validate(drafter, refs, main.scores, max_new, eos)
+        with _timer(timings, "speed"):
+            speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
+        timings["total"] = time.perf_counter() - t_start
+        return self._assemble(info, drafter, suite, opts, refs, main, base, base_run, validation, speed, report,
+                              train_metrics if train_metrics is not None else info.train_metrics, timings,
+                              max_new, eos, lookahead)
+
+    def validate(self, drafter: DFlashDrafter, refs: list[Reference], scores: list[PromptScore], max_new: int,
+                 eos: int | None) -> dict:
+        """Run the real draft-verify loop on every prompt and compare step by step with the replay."""
+        mismatched, token_mismatch, steps = [], [], 0
+        for ref, sc in zip(refs, scores):
+            real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos)
+            replay = sc.online.accept_lengths
+            steps += len(real.accept_lengths)
+            if real.accept_lengths != replay:
+                first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay)) if a != b),
+                             min(len(real.accept_lengths), len(replay)))
+                mismatched.append({"name": ref.name, "first_step": first, "real": real.accept_lengths,
+                                   "replay": replay})
+            if real.tokens != ref.tokens:
+                token_mismatch.append(ref.name)
+        return {"prompts_checked": len(refs), "steps_checked": steps, "mismatched_prompts": mismatched,
+                "reference_differs_from_loop": token_mismatch, "ok": not mismatched}
+
+    # --- steps --------------------------------------------------------------------------
+    def _encode(self, suite: Suite, opts: EvalOptions, drafters: list[DFlashDrafter]) -> list[EncodedPrompt]:
+        prompts = suite.encode(self.target.tokenizer, opts.chat_template)
+        vocab = min([self.target.vocab_size] + [d.config.vocab_size for d in drafters])
+        for p in prompts:
+            bad = [i for i in p.ids if i >= vocab]
+            if bad:
+                raise SuiteError(f"prompt {p.name!r} has token ids {bad[:5]} outside the vocabulary ({vocab})")
+        return prompts
+
+    def _eos(self, opts: EvalOptions) -> int | None:
+        if opts.eos_token_id is not None:
+            return opts.eos_token_id
+        tok = self.target.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            return int(tok.eos_token_id)
+        eos = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return None if eos is None else int(eos)
+
+    def _target_slot(self) -> str:
+        return self.target.source or self.target.fingerprint()
+
+    def _references(self, suite: Suite, prompts: list[EncodedPrompt], max_new: int, eos: int | None,
+                    lookahead: int, report: CacheReport) -> list[Reference]:
+        src = self.reference_source
+        refs = []
+        for p in self._bar(prompts, "references"):
+            slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity()})
+            key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
+                   "max_new_tokens": max_new, "eos_token_id": eos, "lookahead": lookahead, "source": src.identity()}
+            look = self.disk.get_json("references", slot, key)
+            ref = None
+            if look.status == "hit":
+                try:
+                    ref = Reference.from_dict(look.value)
+                except (KeyError, TypeError, ValueError) as e:
+                    look.status, look.note = "corrupt", f"bad reference record ({e})"
+            if ref is None:
+                ref = src.generate(p.name, p.ids, max_new, eos, lookahead)
+                if not ref.tokens:
+                    raise ReferenceError(f"reference for {p.name!r} is empty")
+                self.disk.put_json("references", slot, key, ref.to_dict())
+            report.record("references", look, p.name)
+            refs.append(ref)
+        return refs
+
+    def _features(self, ref: Reference, suite: Suite, layer_ids: list[int], report: CacheReport) -> dict:
+        """Target features over prompt + response (and the target's argmax there), cached."""
+        ids = ref.prompt_ids + ref.tokens
+        slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids})
+        key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
+               "num_tokens": len(ids), "dtype": str(self.target.dtype).removeprefix("torch.")}
+        mkey = digest({"slot": slot, "key": key})
+        cached = self.memory.get(mkey)
+        if cached is not None:
+            report.record("features", _hit(), ref.name)
+            return cached
+        look = self.disk.get_tensors("features", slot, key)
+        value = look.value
+        if value is not None and (tuple(value.get("features", torch.empty(0)).shape[:1]) != (len(ids),)
+                                  or "greedy" not in value):
+            look.status, look.note, value = "corrupt", "tensor shapes do not match the key", None
+        if value is None:
+            out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids)
+            value = {"features": out.features[0].contiguous(),
+                     "greedy": self.target.greedy_tokens(out.last_hidden[0, len(ref.prompt_ids) - 1:]).cpu()}
+            self.disk.put_tensors("features", slot, key, value)
+        value = {k: v.to(self.target.device) if k == "features" else v for k, v in value.items()}
+        report.record("features", look, ref.name)
+        self.memory.put(mkey, value)
+        return value
+
+    def _run(self, drafter: DFlashDrafter, refs: list[Reference], suite: Suite, opts: EvalOptions,
+             report: CacheReport, timings: dict[str, float]) -> DrafterRun:
+        cfg = drafter.config
+        B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
+        topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
+        scores = []
+        for ref in self._bar(refs, f"draft B={B}"):
+            with _timer(timings, "features"):
+                feats = self._features(ref, suite, cfg.target_layer_ids, report)
+            P, n = len(ref.prompt_ids), len(ref.tokens)
+            with _timer(timings, "draft"):
+                ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
+                drafts = draft_anchors(drafter, embed, head, ids, feats["features"], np.arange(P, P + n), topk=topk,
+                                       anchors_per_chunk=opts.anchors_per_chunk, head_rows=opts.head_rows,
+                                       backend=opts.backend)
+            with _timer(timings, "score"):
+                sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
+                                  tree_spine=opts.tree_spine, max_blocks=opts.max_blocks)
+                sc.greedy = feats["greedy"].numpy()
+            scores.append(sc)
+        with _timer(timings, "score"):
+            summary = summarize(scores, B, opts.mode, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
+                                max_blocks=opts.max_blocks, n_resamples=opts.bootstrap, seed=opts.seed)
+        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids))
+
+    def _baseline_run(self, base: tuple[DFlashDrafter, CheckpointInfo], refs, suite, opts, report) -> DrafterRun:
+        drafter, info = base
+        key = digest({"digest": info.digest, "refs": [digest(r.to_dict()) for r in refs],
+                      "opts": {k: getattr(opts, k) for k in ("mode", "tree_budget", "tree_spine", "max_blocks",
+                                                             "bootstrap", "seed")},
+                      "target": self.target.fingerprint()})
+        if key not in self._baselines:  # a baseline is re-scored only when something it depends on changes
+            if len(self._baselines) > 8:
+                self._baselines.pop(next(iter(self._baselines)))
+            self._baselines[key] = self._run(drafter, refs, suite, opts, report, {})  # timed as "baseline"
+        return self._baselines[key]
+
+    def _speedup(self, drafter: DFlashDrafter, refs: list[Reference], tau: float | None, opts: EvalOptions) -> dict:
+        out: dict[str, Any] = {"draft_verify_cost_ratio": None, "estimated": None, "source": None}
+        if opts.draft_verify_cost_ratio is not None:
+            out.update(draft_verify_cost_ratio=opts.draft_verify_cost_ratio, source="given",
+                       estimated=metrics.estimated_speedup(tau, cost_ratio=opts.draft_verify_cost_ratio))
+            return out
+        if not opts.measure_speed:
+            return out
+        ctx = int(np.median([len(r.prompt_ids) + len(r.tokens) for r in refs]))
+        ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx})
+        if ckey not in self._costs:
+            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8))
+        costs = self._costs[ckey]
+        if costs is None:
+            out["source"] = "not measurable on this target (recurrent layers)"
+            return out
+        out.update(draft_verify_cost_ratio=costs["draft_s"] / costs["verify_s"],
+                   verify_decode_cost_ratio=costs["verify_s"] / costs["decode_s"],
+                   estimated=metrics.estimated_speedup(tau, draft_s=costs["draft_s"], verify_s=costs["verify_s"],
+                                                       ar_s=costs["decode_s"]),
+                   measured=costs, source=f"measured on {self.target.device}")
+        return out
+
+    # --- result --------------------------------------------------------------------------
+    def _assemble(self, info: CheckpointInfo, drafter, suite: Suite, opts: EvalOptions, refs, main: DrafterRun,
+                  base, base_run: DrafterRun | None, validation, speed, report: CacheReport, train_metrics,
+                  timings, max_new, eos, lookahead) -> EvalResult:
+        s = main.summary
+        decode = self._decoder()
+        base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
+        prompts, divergence, empty = [], {}, []
+        for ref, sc, tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus):
+            walk_spans = sc.online.spans if opts.mode == "online" else [
+                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride)]
+            text, spans = _char_spans(decode, ref.tokens, walk_spans)
+            first = _first_divergence(sc.greedy.tolist(), ref.ext)
+            if first is not None:
+                divergence[ref.name] = first
+            if not sc.accepts(opts.mode):
+                empty.append(ref.name)
+            tree_acc = sc.tree_accepts(opts.mode)
+            prompts.append(PromptResult(
+                name=ref.name, tau=tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
+                reference_text=text, accepted_spans=spans, num_tokens=len(ref.tokens), finish=ref.finish,
+                tree_tau=float(np.mean(tree_acc)) if tree_acc else None,
+                mean_streak=float(sc.streaks.mean()) if sc.num_tokens else None,
+                reference_agrees_with_target=first is None))
+        baseline = None
+        if base_run is not None:
+            d = metrics.paired_delta(s.per_prompt_tau, base_run.summary.per_prompt_tau, n_resamples=opts.bootstrap,
+                                     seed=opts.seed)
+            binfo = base[1]
+            baseline = {"checkpoint": binfo.path, "digest": binfo.digest, "tau": base_run.summary.tau["macro"],
+                        "tau_pooled": base_run.summary.tau["pooled"], "ci95": base_run.summary.tau["ci95"],
+                        "delta_tau": d["delta"], "delta_ci95": d["ci95"], "num_pairs": d["num_pairs"],
+                        "tree_tau": base_run.summary.tree["tau"], "block_size": base_run.block_size}
+        facts = Facts(tau=s.tau["macro"], block_size=main.block_size, eval_top1=s.per_position["top1_accuracy"],
+                      train_metrics=train_metrics, cache_notes=report.notes,
+                      drafter_dtype=str(drafter.fc.weight.dtype).removeprefix("torch."),
+                      target_dtype=str(self.target.dtype).removeprefix("torch."), layer_ids=main.layer_ids,
+                      target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
+                      tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
+                      empty_prompts=empty, validation=validation,
+                      baseline_layer_ids=base_run.layer_ids if base_run else None,
+                      reference_source=getattr(self.reference_source, "name", "local"))
+        return EvalResult(
+            checkpoint=info.to_dict(),
+            target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
+                    "num_layers": self.target.num_layers, "dtype": str(self.target.dtype).removeprefix("torch.")},
+            suite=suite.to_dict(),
+            settings={"block_size": main.block_size, "max_new_tokens": max_new, "mode": opts.mode,
+                      "tree_budget": opts.tree_budget, "tree_spine": opts.tree_spine, "max_blocks": opts.max_blocks,
+                      "chat_template": suite.chat_template if opts.chat_template is None else opts.chat_template,
+                      "eos_token_id": eos, "lookahead": lookahead, "layer_ids": main.layer_ids,
+                      "reference_source": getattr(self.reference_source, "name", "local")},
+            tau=s.tau, acceptance_histogram=s.histogram, per_position=s.per_position,
+            mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=speed, baseline=baseline,
+            prompts=prompts, diagnostics=diagnose(facts), cache=report.to_dict(),
+            provenance={"software_version": software_version(),
+                        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "timings_s": {k: round(v, 4) for k, v in timings.items()},
+                        "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
+            stride=s.stride, validation=validation)
+
+    def _decoder(self):
+        tok = self.target.tokenizer
+        if tok is None:
+            return lambda ids: "".join(f"<{i}>" for i in ids)
+        return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _bar(self, items, desc: str):
+        if not self.progress:
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, leave=False)
+
+
+def _hit():
+    from .cache import Lookup
+
+    return Lookup(None, "hit")
+
+
+def _first_divergence(greedy: list[int], ext: list[int]) -> int | None:
+    """First response offset where the target's own argmax differs from the reference."""
+    for i, (g, r) in enumerate(zip(greedy, ext)):
+        if g != r:
+            return i
+    return None
+
+
+def _char_spans(decode, tokens: list[int], token_spans: list[tuple[int, int]]) -> tuple[str, list[list[int]]]:
+    """The reference text and each step's [start, end) character span in it."""
+    text = decode(tokens)
+    cuts = sorted({0, len(tokens)} | {a for a, _ in token_spans} | {b for _, b in token_spans})
+    offset = {c: min(len(decode(tokens[:c])), len(text)) for c in cuts}
+    spans, last = [], 0
+    for a, b in token_spans:
+        lo = max(offset[a], last)  # byte-level BPE: partial characters can shift a prefix's length
+        hi = max(offset[b], lo)
+        spans.append([lo, hi])
+        last = hi
+    return text, spans
+
+
+@contextmanager
+def _timer(timings: dict[str, float], name: str):
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+
+
+__all__ = ["Evaluator", "EvalOptions", "EvalResult", "TargetError"]

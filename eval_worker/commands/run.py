@@ -1,0 +1,139 @@
+"""`dflash-eval run`: evaluate one checkpoint against a target, no queue; prints a table."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+HELP = "evaluate one drafter checkpoint (acceptance length τ and friends), no queue"
+
+
+def default_cache_dir() -> Path:
+    home = os.environ.get("DFLASH_HOME")
+    if home:
+        return Path(home).expanduser() / "eval-cache"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "dflash-eval" / "eval-cache"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="published checkpoint dir or plain drafter dir")
+    p.add_argument("--target", required=True, help="local target model directory")
+    p.add_argument("--baseline", help="baseline drafter dir (paired Δτ per prompt)")
+    p.add_argument("--suite", default="builtin:coding-v1", help="builtin:NAME[-vN] or a .jsonl file")
+    p.add_argument("--json", dest="json_out", help="write the full result JSON here")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--num-prompts", type=int, help="only the first N prompts of the suite")
+    p.add_argument("--max-blocks", type=int, help="at most N blocks (verify steps) per prompt")
+    p.add_argument("--mode", choices=["online", "stride"], default="online",
+                   help="online: replay real greedy decoding (default); stride: fixed blocks every B tokens")
+    p.add_argument("--tree-budget", type=int, default=8, help="DDTree node budget (0: off)")
+    p.add_argument("--tree-spine", action="store_true", help="always keep the top-1 chain in the tree")
+    p.add_argument("--validate", action="store_true", help="also run the real draft-verify loop and compare")
+    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as plain text")
+    p.add_argument("--train-accuracy", type=float, help="training accuracy, for the leak diagnostic")
+    p.add_argument("--cost-ratio", type=float, help="draft/verify cost ratio of the serving hardware")
+    p.add_argument("--reference-server", help="OpenAI-compatible server URL for references (SGLang/vLLM)")
+    p.add_argument("--reference-model", help="model name to send to the reference server")
+    p.add_argument("--cache-dir", default=None, help=f"reference/feature cache (default {default_cache_dir()})")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the disk cache")
+    p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16)")
+    p.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:1)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash_train.checkpoint import CheckpointError
+    from dflash_train.config import ConfigError
+    from dflash_train.target import TargetError
+
+    from ..acceptance import Evaluator
+    from ..references import ReferenceError, ServerReferences
+    from ..suite import SuiteError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    options = {"tree_budget": args.tree_budget, "tree_spine": args.tree_spine, "mode": args.mode,
+               "validate": args.validate, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
+               "max_blocks": args.max_blocks, "draft_verify_cost_ratio": args.cost_ratio}
+    if args.no_chat_template:
+        options["chat_template"] = False
+    train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
+    try:
+        evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or default_cache_dir()),
+                              progress=not args.no_progress and sys.stderr.isatty(), dtype=args.dtype,
+                              device=args.device)
+        if args.reference_server:
+            evaluator.reference_source = ServerReferences(args.reference_server, args.reference_model)
+        result = evaluator.evaluate(args.checkpoint, args.suite, baseline=args.baseline,
+                                    train_metrics=train_metrics, options=options)
+    except (CheckpointError, ConfigError, TargetError, SuiteError, ReferenceError, ValueError) as e:
+        print(f"dflash-eval run: error: {e}", file=sys.stderr)
+        return 2
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    print(format_table(result.to_dict()))
+    return 1 if result.errors() else 0
+
+
+def _f(x, nd=3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def format_table(r: dict) -> str:
+    """A readable summary: headline, per prompt, per position, diagnostics."""
+    s, tau = r["settings"], r["tau"]
+    ci = tau.get("ci95") or [None, None]
+    lines = [
+        f"checkpoint  {r['checkpoint']['path']}  (digest {str(r['checkpoint']['digest'])[:12]})",
+        f"target      {r['target']['path']}  ({r['target']['num_layers']} layers, {r['target']['dtype']}, "
+        f"fp {r['target']['fingerprint'][:12]})",
+        f"suite       {r['suite']['name']}-v{r['suite']['version']}  ({r['suite']['num_prompts']} prompts, "
+        f"fp {r['suite']['fingerprint'][:8]})  mode={s['mode']}  B={s['block_size']}  max_new={s['max_new_tokens']}",
+        "",
+        f"τ (macro)   {_f(tau['macro'])}   95% CI [{_f(ci[0])}, {_f(ci[1])}]   pooled {_f(tau['pooled'])} "
+        f"over {tau['num_steps']} verify steps",
+        f"tree τ      {_f(r['tree'].get('tau'))}   (budget {r['tree'].get('budget')})",
+        f"mean streak {_f(r['mean_streak_all_anchors'])}  (all anchors)     "
+        f"stride τ {_f(r.get('stride', {}).get('tau'))}",
+    ]
+    sp = r.get("speedup") or {}
+    if sp.get("estimated") is not None:
+        lines.append(f"speedup     ~{sp['estimated']:.2f}x  (draft/verify cost {sp['draft_verify_cost_ratio']:.3f}, "
+                     f"{sp.get('source')})")
+    b = r.get("baseline")
+    if b:
+        dci = b.get("delta_ci95") or [None, None]
+        lines.append(f"baseline    τ {_f(b['tau'])}   Δτ {_f(b['delta_tau'])}  95% CI [{_f(dci[0])}, {_f(dci[1])}]  "
+                     f"({b['checkpoint']})")
+    lines += ["", f"{'prompt':<28} {'τ':>6} {'tree':>6} {'base':>6} {'steps':>5} {'tokens':>6}"]
+    for p in r["prompts"]:
+        lines.append(f"{p['name'][:28]:<28} {_f(p['tau'], 2):>6} {_f(p.get('tree_tau'), 2):>6} "
+                     f"{_f(p.get('baseline_tau'), 2):>6} {len(p['accept_lengths']):>5} {p.get('num_tokens', 0):>6}")
+    hist = r["acceptance_histogram"]
+    total = max(sum(hist), 1)
+    lines += ["", "accept length histogram: " + " ".join(f"{i + 1}:{c}" for i, c in enumerate(hist) if c),
+              "P(accept length):        " + " ".join(f"{c / total:.2f}" for c in hist)]
+    pp = r["per_position"]
+    lines.append("slot conditional accept: " + " ".join(f"{x:.2f}" for x in pp["conditional_accept"]))
+    lines.append("slot top-1 accuracy:     " + " ".join(f"{x:.2f}" for x in pp["top1_accuracy"]))
+    val = r.get("validation")
+    if val:
+        lines.append(f"validation: {val['prompts_checked']} prompts, {val['steps_checked']} steps, "
+                     f"{'OK' if val['ok'] else str(len(val['mismatched_prompts'])) + ' MISMATCHED'}")
+    c = r["cache"]
+    lines.append(f"cache: references {c['references']}, features {c['features']}")
+    t = r["provenance"]["timings_s"]
+    lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
+    if r["diagnostics"]:
+        lines.append("")
+        for d in r["diagnostics"]:
+            lines.append(f"[{d['severity'].upper()}] {d['code']}: {d['message']}")
+    return "\n".join(lines)

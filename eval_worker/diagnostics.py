@@ -1,0 +1,103 @@
+"""Name known failure signatures in an evaluation, so a bad number explains itself.
+
+Each check reads facts the engine already has and returns zero or more `Diagnostic`s.
+The codes are stable (the report and W&B key on them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .result import Diagnostic
+
+# A drafter whose training accuracy is this high has learned *something*; an online τ
+# this close to 1 then means training saw what inference cannot (SF #455: 70% vs 1.02).
+LEAK_MIN_TRAIN_ACC = 0.3
+NEAR_ONE_TAU = 1.15
+
+
+@dataclass
+class Facts:
+    tau: float | None
+    block_size: int
+    eval_top1: list[float]  # per slot, over all anchors
+    train_metrics: dict[str, Any] | None = None
+    cache_notes: list[str] = field(default_factory=list)
+    drafter_dtype: str = ""
+    target_dtype: str = ""
+    layer_ids: list[int] = field(default_factory=list)
+    target_layers: int = 0
+    drafter_mask_id: int | None = None
+    tokenizer_mask_id: int | None = None
+    greedy_divergence: dict[str, int] = field(default_factory=dict)  # prompt -> first offset
+    empty_prompts: list[str] = field(default_factory=list)
+    validation: dict | None = None
+    baseline_layer_ids: list[int] | None = None
+    reference_source: str = "local"
+
+
+def train_accuracy(train_metrics: dict[str, Any] | None) -> float | None:
+    for key in ("accuracy", "acc", "train/accuracy", "train/acc", "top1_accuracy"):
+        v = (train_metrics or {}).get(key)
+        if isinstance(v, (int, float)) and 0.0 <= v <= 1.0:
+            return float(v)
+    return None
+
+
+def expected_tau_from_accuracy(acc: float, block_size: int) -> float:
+    """τ if every slot were right with probability acc, independently: 1 + Σ acc^k."""
+    return 1.0 + sum(acc ** k for k in range(1, block_size))
+
+
+def diagnose(f: Facts) -> list[Diagnostic]:
+    out: list[Diagnostic] = []
+    acc = train_accuracy(f.train_metrics)
+    eval_acc = sum(f.eval_top1) / len(f.eval_top1) if f.eval_top1 else None
+    if acc is not None and f.tau is not None and acc >= LEAK_MIN_TRAIN_ACC:
+        expect = expected_tau_from_accuracy(acc, f.block_size)
+        if f.tau - 1.0 < 0.25 * (expect - 1.0):
+            out.append(Diagnostic("CONTEXT_LEAK_SUSPECTED", "error",
+                                  f"training accuracy {acc:.2f} predicts τ≈{expect:.2f}, measured τ={f.tau:.2f}: "
+                                  "the training pass saw something inference cannot — an inclusive-anchor context "
+                                  "leak (kv <= anchor), labels shifted by one (slot k must predict anchor+k), or "
+                                  "features from a different layer path than the one evaluated"))
+        elif eval_acc is not None and acc - eval_acc > 0.25 and acc > 2 * eval_acc:
+            out.append(Diagnostic("TRAIN_EVAL_ACCURACY_GAP", "warning",
+                                  f"training accuracy {acc:.2f} vs {eval_acc:.2f} on this suite (all anchors, mean "
+                                  "over slots): overfitting, a train/eval prompt-format mismatch, or a leak"))
+    if f.tau is not None and f.tau < NEAR_ONE_TAU and not any(d.code == "CONTEXT_LEAK_SUSPECTED" for d in out):
+        out.append(Diagnostic("TAU_NEAR_ONE", "warning",
+                              f"τ={f.tau:.3f}: almost no draft token is accepted (untrained/random weights, a "
+                              "wrong target, or a wrong mask token)"))
+    for note in f.cache_notes:
+        out.append(Diagnostic("CACHE_REBUILT", "warning", note))
+    if f.drafter_dtype and f.target_dtype and f.drafter_dtype != f.target_dtype:
+        out.append(Diagnostic("DTYPE_MISMATCH", "info",
+                              f"drafter weights are {f.drafter_dtype}, target runs in {f.target_dtype}: drafts are "
+                              f"computed in {f.drafter_dtype}; serving numerics may differ slightly"))
+    if f.target_layers and f.layer_ids and max(f.layer_ids) == f.target_layers - 1:
+        out.append(Diagnostic("LAST_LAYER_AS_FEATURE", "warning",
+                              f"target_layer_ids {f.layer_ids} include the last layer ({f.target_layers - 1}), whose "
+                              "output is already final-normed and feeds the target's own head (DFlash uses up to L-3)"))
+    if f.baseline_layer_ids is not None and f.baseline_layer_ids != f.layer_ids:
+        out.append(Diagnostic("BASELINE_LAYER_MISMATCH", "info",
+                              f"baseline reads target layers {f.baseline_layer_ids}, checkpoint reads {f.layer_ids}"))
+    if f.tokenizer_mask_id is not None and f.drafter_mask_id is not None and f.tokenizer_mask_id != f.drafter_mask_id:
+        out.append(Diagnostic("MASK_TOKEN_MISMATCH", "warning",
+                              f"drafter mask_token_id {f.drafter_mask_id} but the tokenizer's <|MASK|> is "
+                              f"{f.tokenizer_mask_id}"))
+    if f.greedy_divergence:
+        worst = ", ".join(f"{k}@{v}" for k, v in list(f.greedy_divergence.items())[:5])
+        out.append(Diagnostic("REFERENCE_NOT_TARGET_GREEDY", "warning",
+                              f"{len(f.greedy_divergence)} reference(s) differ from the target's own argmax "
+                              f"(first offsets: {worst}; source {f.reference_source}): past that point the replay "
+                              "follows a path real greedy decoding would not take"))
+    if f.empty_prompts:
+        out.append(Diagnostic("EMPTY_REFERENCE", "info",
+                              f"no verify step for {f.empty_prompts[:5]} (the reference ends after one token)"))
+    if f.validation is not None and f.validation.get("mismatched_prompts"):
+        bad = f.validation["mismatched_prompts"]
+        out.append(Diagnostic("VALIDATION_MISMATCH", "error",
+                              f"replayed acceptance differs from the real draft-verify loop on {len(bad)} prompt(s), "
+                              f"first: {bad[0]}"))
+    return out

@@ -1,0 +1,139 @@
+"""Draft a block at every anchor of a sequence in a few batched drafter passes.
+
+Uses `DFlashDrafter.forward_blocks` (the multi-block mask layout training uses): one
+chunk of anchors per pass, context = the target features before each anchor. The LM head
+runs on chunks of rows and keeps only argmax and top-k log-probs, so peak memory is set
+by the chunk sizes, not by the number of anchors or the vocabulary.
+
+`draft_one_block` is the one-block-per-forward path (each block alone, context recomputed)
+that the seeds' harness used; the tests hold the two equal and the bench times both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.model import DFlashDrafter
+
+DEFAULT_QUERY_BUDGET = 2048  # block slots per drafter pass
+DEFAULT_HEAD_ROWS = 1024  # rows per LM-head chunk ([rows, vocab] is the largest temporary)
+
+
+@dataclass
+class AnchorDrafts:
+    """Per anchor: the drafter's argmax and top-k for slots 1..B-1 (column k-1 = slot k)."""
+
+    anchors: np.ndarray  # [A] absolute positions
+    argmax: np.ndarray  # [A, B-1] int64
+    topk_ids: np.ndarray | None = None  # [A, B-1, K] int64
+    topk_logp: np.ndarray | None = None  # [A, B-1, K] float32, descending
+
+    def select(self, rows: np.ndarray) -> "AnchorDrafts":
+        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+        return AnchorDrafts(self.anchors[rows], self.argmax[rows], pick(self.topk_ids), pick(self.topk_logp))
+
+
+class _CastEmbedding(nn.Module):
+    """The target's embedding, cast to the drafter's dtype (bf16 drafter on an fp32 target)."""
+
+    def __init__(self, embed: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.embed, self.dtype = embed, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).to(self.dtype)
+
+
+@torch.no_grad()
+def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chunk: int = DEFAULT_HEAD_ROWS):
+    """argmax (and top-k log-probs) of `head(hidden)` for `[rows, H]`, a chunk of rows at a time."""
+    rows = hidden.shape[0]
+    arg = torch.empty(rows, dtype=torch.long)
+    ids = torch.empty(rows, topk, dtype=torch.long) if topk else None
+    logp = torch.empty(rows, topk, dtype=torch.float32) if topk else None
+    wdtype = head.weight.dtype
+    for s in range(0, rows, rows_per_chunk):
+        logits = head(hidden[s:s + rows_per_chunk].to(wdtype))
+        arg[s:s + rows_per_chunk] = logits.argmax(-1).cpu()  # same op as the spec loop (ties included)
+        if topk:
+            lp = F.log_softmax(logits.float(), dim=-1)
+            v, i = lp.topk(min(topk, lp.shape[-1]), dim=-1)
+            logp[s:s + rows_per_chunk, : v.shape[1]] = v.cpu()
+            ids[s:s + rows_per_chunk, : v.shape[1]] = i.cpu()
+        del logits
+    return arg, ids, logp
+
+
+def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET) -> int:
+    return max(1, query_budget // block_size)
+
+
+@torch.no_grad()
+def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, input_ids: torch.Tensor,
+                  features: torch.Tensor, anchors: list[int] | np.ndarray, *, topk: int = 0,
+                  anchors_per_chunk: int | None = None, head_rows: int = DEFAULT_HEAD_ROWS,
+                  backend: str = "auto") -> AnchorDrafts:
+    """Draft the block at each anchor of one sequence.
+
+    input_ids `[S]` (prompt + reference), features `[S, n*H]` from `Target.forward`.
+    Anchor a's block is `[input_ids[a], MASK...]`; its context is features[:a].
+    """
+    cfg = drafter.config
+    B = cfg.block_size
+    anchors = np.asarray(anchors, dtype=np.int64)
+    if anchors.size and (anchors.min() < 0 or anchors.max() >= input_ids.shape[0]):
+        raise ValueError(f"anchors must lie in [0, {input_ids.shape[0]})")
+    dev = next(drafter.parameters()).device
+    emb = _CastEmbedding(embed, drafter.fc.weight.dtype)
+    per = anchors_per_chunk or anchors_per_pass(B)
+    out_arg, out_ids, out_logp = [], [], []
+    flex = backend == "flex" or (backend == "auto" and dev.type == "cuda")
+    for c in range(0, len(anchors), per):
+        chunk = torch.as_tensor(anchors[c:c + per], device=dev)
+        n = chunk.numel()
+        S = int(chunk.max()) + 1  # context beyond the last anchor is never visible
+        valid = torch.ones(n, dtype=torch.bool, device=dev)
+        if flex:  # a few fixed shapes, so the compiled flex kernel is not rebuilt per chunk
+            S, pad = -(-S // 256) * 256, per - n
+            chunk = torch.cat([chunk, chunk.new_zeros(pad)])
+            valid = torch.cat([valid, valid.new_zeros(pad)])
+        ids = _fit(input_ids.to(dev), S)[None]
+        feats = _fit(features.to(dev), S)[None]
+        hidden = drafter.forward_blocks(emb, ids, feats, chunk[None], valid[None], backend=backend)
+        slots = hidden.view(-1, B, hidden.shape[-1])[:n, 1:].reshape(-1, hidden.shape[-1])
+        arg, tids, tlogp = head_topk(head, slots, topk, head_rows)
+        out_arg.append(arg.view(n, B - 1))
+        if topk:
+            out_ids.append(tids.view(n, B - 1, -1))
+            out_logp.append(tlogp.view(n, B - 1, -1))
+        del hidden, slots
+    cat = lambda xs, shape: torch.cat(xs).numpy() if xs else np.zeros(shape)  # noqa: E731
+    return AnchorDrafts(anchors, cat(out_arg, (0, B - 1)).astype(np.int64),
+                        cat(out_ids, (0, B - 1, topk)).astype(np.int64) if topk else None,
+                        cat(out_logp, (0, B - 1, topk)).astype(np.float32) if topk else None)
+
+
+def _fit(x: torch.Tensor, length: int) -> torch.Tensor:
+    """First `length` rows of x, zero-padded if x is shorter (padding is never attended)."""
+    if x.shape[0] >= length:
+        return x[:length]
+    return torch.cat([x, x.new_zeros((length - x.shape[0], *x.shape[1:]))])
+
+
+@torch.no_grad()
+def draft_one_block(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, input_ids: torch.Tensor,
+                    features: torch.Tensor, anchor: int, topk: int = 0):
+    """One block, one drafter forward, full context recomputed: the seeds' way (and the spec loop's math)."""
+    cfg = drafter.config
+    B = cfg.block_size
+    dev = next(drafter.parameters()).device
+    block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+    block[0, 0] = input_ids[anchor]
+    pos = torch.arange(anchor, anchor + B, device=dev)[None]
+    ctx = features[:anchor].to(dev)[None]
+    hidden = drafter(embed(block).to(drafter.fc.weight.dtype), pos, ctx, torch.arange(anchor, device=dev)[None])
+    return head_topk(head, hidden[0, 1:], topk)

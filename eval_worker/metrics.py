@@ -1,0 +1,151 @@
+"""Acceptance metrics from per-anchor drafts along a greedy reference. Pure numpy, no torch.
+
+Coordinates: a reference is `ext = tokens + lookahead` (the target's greedy response and
+the greedy tokens that follow it). Response offset s is the token at absolute position
+`prompt_len + s`; offset 0 is the token the prefill produces. The block anchored at s
+predicts `ext[s + k]` in slot k = 1..B-1 (column k-1 of the draft arrays).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+def matches(drafts: np.ndarray, ext: Sequence[int], offsets: Sequence[int]) -> np.ndarray:
+    """`[A, B-1]` bool: slot k of the block at offsets[i] equals ext[offsets[i] + k].
+
+    Slots whose label lies past the end of ext count as misses (nothing to compare).
+    """
+    drafts = np.asarray(drafts)
+    ext = np.asarray(ext, dtype=np.int64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    A, D = drafts.shape
+    idx = offsets[:, None] + np.arange(1, D + 1)[None, :]
+    inside = idx < len(ext)
+    labels = np.where(inside, ext[np.minimum(idx, len(ext) - 1)], -1)
+    return inside & (drafts == labels)
+
+
+def leading_true(m: np.ndarray) -> np.ndarray:
+    """Per row, the number of leading True values (the greedy acceptance streak)."""
+    m = np.asarray(m, dtype=bool)
+    if m.shape[-1] == 0:
+        return np.zeros(m.shape[:-1], dtype=np.int64)
+    return np.cumprod(m, axis=-1).sum(axis=-1).astype(np.int64)
+
+
+@dataclass
+class Walk:
+    accept_lengths: list[int]  # per verify step, bonus included (1..B)
+    anchors: list[int]  # response offset each step drafted from
+    spans: list[tuple[int, int]]  # token spans [start, end) of the response each step committed
+
+    @property
+    def tau(self) -> float | None:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else None
+
+
+def online_walk(streak_at, num_tokens: int, max_steps: int | None = None) -> Walk:
+    """Replay greedy speculative decoding along a greedy reference of `num_tokens` tokens.
+
+    Mirrors `dflash_train.speculative.speculative_generate`: the prefill commits offset 0;
+    each step drafts from the last committed offset s, accepts the streak n, commits
+    n + 1 tokens (clipped at the reference end, which is either eos or max_new_tokens),
+    and the next step drafts from the new last token. `streak_at(s)` gives n at s.
+    """
+    accepts, anchors, spans = [], [], []
+    s = 0
+    while s < num_tokens - 1 and (max_steps is None or len(accepts) < max_steps):
+        n = int(streak_at(s))
+        end = min(s + n + 1, num_tokens - 1)  # eos / length truncation in the real loop
+        accepts.append(n + 1)
+        anchors.append(s)
+        spans.append((s + 1, end + 1))
+        s = end
+    return Walk(accepts, anchors, spans)
+
+
+def stride_blocks(streaks: np.ndarray, num_tokens: int, block_size: int, max_blocks: int | None = None) -> list[int]:
+    """Fixed-stride blocks (the seeds' harness): anchors 0, B, 2B, ...; accept = streak + 1."""
+    out = []
+    for s in range(0, max(num_tokens - 1, 0), block_size):
+        if max_blocks is not None and len(out) >= max_blocks:
+            break
+        out.append(int(streaks[s]) + 1)
+    return out
+
+
+def histogram(accept_lengths: Sequence[int], block_size: int) -> list[int]:
+    """Counts of accept lengths 1..B."""
+    counts = np.bincount(np.asarray(accept_lengths, dtype=np.int64), minlength=block_size + 1)
+    if len(counts) > block_size + 1:
+        raise ValueError(f"accept length {len(counts) - 1} exceeds the block size {block_size}")
+    return counts[1:].tolist()
+
+
+def conditional_accept(accept_lengths: Sequence[int], block_size: int) -> list[float | None]:
+    """Slot k (1..B-1): P(slot k accepted | slots < k accepted) over verify steps."""
+    streak = np.asarray(accept_lengths, dtype=np.int64) - 1
+    out: list[float | None] = []
+    for k in range(1, block_size):
+        reached = int((streak >= k - 1).sum())
+        out.append(float((streak >= k).sum() / reached) if reached else None)
+    return out
+
+
+def top1_accuracy(match_sum: np.ndarray, valid_sum: np.ndarray) -> list[float | None]:
+    """Per-slot accuracy from summed matches / summed comparable slots."""
+    return [float(m / v) if v else None for m, v in zip(match_sum.tolist(), valid_sum.tolist())]
+
+
+def bootstrap_ci(values: Sequence[float], *, n_resamples: int = 2000, level: float = 0.95,
+                 seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean (resampling the items, e.g. prompts)."""
+    v = np.asarray([x for x in values if x is not None], dtype=np.float64)
+    if len(v) == 0:
+        return None
+    if len(v) == 1:
+        return float(v[0]), float(v[0])
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), size=(n_resamples, len(v)))].mean(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+def paired_delta(a: Sequence[float | None], b: Sequence[float | None], **kw) -> dict:
+    """Mean of per-item differences a - b (items where both exist) with its bootstrap interval."""
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    if not pairs:
+        return {"delta": None, "ci95": None, "num_pairs": 0}
+    d = [x - y for x, y in pairs]
+    ci = bootstrap_ci(d, **kw)
+    return {"delta": float(np.mean(d)), "ci95": list(ci) if ci else None, "num_pairs": len(d)}
+
+
+def macro_pooled(per_prompt_accepts: Sequence[Sequence[int]]) -> tuple[float | None, float | None, int]:
+    """Macro mean of per-prompt τ (the DFlash benchmark's number) and pooled mean over steps."""
+    taus = [float(np.mean(a)) for a in per_prompt_accepts if len(a)]
+    steps = [x for a in per_prompt_accepts for x in a]
+    macro = float(np.mean(taus)) if taus else None
+    pooled = float(np.mean(steps)) if steps else None
+    return macro, pooled, len(steps)
+
+
+def estimated_speedup(tau: float | None, *, draft_s: float | None = None, verify_s: float | None = None,
+                      ar_s: float | None = None, cost_ratio: float | None = None) -> float | None:
+    """Tokens per unit time of speculative decoding relative to plain decoding.
+
+    Measured costs: one step costs draft + verify and yields τ tokens, plain decoding costs
+    `ar_s` per token. Given only `cost_ratio` = draft/verify: assume verifying a block
+    costs one decode step (memory-bound serving), i.e. τ / (1 + ratio).
+    """
+    if tau is None:
+        return None
+    if draft_s is not None and verify_s is not None and ar_s is not None and draft_s + verify_s > 0:
+        return float(tau * ar_s / (draft_s + verify_s))
+    if cost_ratio is not None:
+        return float(tau / (1.0 + cost_ratio))
+    return None

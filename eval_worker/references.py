@@ -1,0 +1,174 @@
+"""Reference completions: the target's greedy continuation of each prompt, as token ids.
+
+A reference is `tokens` (the response: greedy until eos, included, or max_new_tokens)
+plus `lookahead` (the greedy tokens after it, eos or not). The real draft-verify loop
+compares the last step's drafts with target tokens past the response end, so replaying
+it exactly needs B-1 tokens of lookahead.
+
+Sources: local greedy decoding with the target (default), or an OpenAI-compatible server
+(SGLang / vLLM) asked for token ids. A server that is down, or answers with text only,
+is an error that says so; text is never re-tokenized (that would not be the target's ids).
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from dflash_train.speculative import greedy_generate
+from dflash_train.target import Target
+
+DEFAULT_LOOKAHEAD = 31  # enough for block sizes up to 32
+
+
+class ReferenceError(RuntimeError):
+    """Reference completions could not be obtained; the message says why."""
+
+
+@dataclass
+class Reference:
+    name: str
+    prompt_ids: list[int]
+    tokens: list[int]
+    lookahead: list[int]
+    finish: str  # "eos" | "length"
+    source: str  # "local" | "server:<url>"
+
+    @property
+    def ext(self) -> list[int]:
+        return self.tokens + self.lookahead
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Reference":
+        return cls(name=str(d["name"]), prompt_ids=[int(i) for i in d["prompt_ids"]],
+                   tokens=[int(i) for i in d["tokens"]], lookahead=[int(i) for i in d["lookahead"]],
+                   finish=str(d["finish"]), source=str(d["source"]))
+
+
+def split_at_eos(ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], list[int], str]:
+    """(response, rest, finish): the response ends after the first eos or at max_new_tokens."""
+    end = min(len(ids), max_new_tokens)
+    finish = "length"
+    if eos_token_id is not None and eos_token_id in ids[:end]:
+        end = ids.index(eos_token_id) + 1
+        finish = "eos"
+    return ids[:end], ids[end:], finish
+
+
+class LocalReferences:
+    """Greedy decoding with the loaded target (no logits processors: plain argmax)."""
+
+    name = "local"
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": "local"}
+
+    def generate(self, name: str, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
+                 lookahead: int) -> Reference:
+        tokens = greedy_generate(self.target, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)
+        tokens, _, finish = split_at_eos(tokens, max_new_tokens, eos_token_id)
+        more = greedy_extend(self.target, prompt_ids + tokens, lookahead)
+        return Reference(name, list(prompt_ids), tokens, more, finish, "local")
+
+
+@torch.no_grad()
+def greedy_extend(target: Target, ids: list[int], n: int) -> list[int]:
+    """n more argmax tokens, ignoring eos (`generate` would stop or need its config changed)."""
+    if n <= 0:
+        return []
+    from transformers import DynamicCache
+
+    model, dev = target.model, target.device
+    cache = DynamicCache(config=model.config)
+    inp = torch.tensor([ids], device=dev)
+    out: list[int] = []
+    pos = 0
+    for _ in range(n):
+        logits = model(input_ids=inp, past_key_values=cache, use_cache=True,
+                       position_ids=torch.arange(pos, pos + inp.shape[1], device=dev)[None]).logits
+        pos += inp.shape[1]
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        inp = torch.tensor([[nxt]], device=dev)
+    return out
+
+
+class ServerReferences:
+    """`POST {url}/v1/completions` with the prompt as token ids, greedy, asking for ids back.
+
+    The request carries the flags both servers understand: vLLM `return_token_ids` /
+    `return_tokens_as_token_ids` (+ logprobs), SGLang `return_token_ids`; `ignore_eos`
+    lets one request also return the lookahead.
+    """
+
+    def __init__(self, url: str, model: str | None = None, timeout: float = 600.0, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.api_key = api_key
+        self.name = f"server:{self.url}"
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": "server", "url": self.url, "model": self.model}
+
+    def generate(self, name: str, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
+                 lookahead: int) -> Reference:
+        body = {"prompt": list(prompt_ids), "max_tokens": max_new_tokens + lookahead, "temperature": 0.0,
+                "top_p": 1.0, "n": 1, "stream": False, "ignore_eos": True, "skip_special_tokens": False,
+                "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
+        if self.model:
+            body["model"] = self.model
+        data = self._post("/v1/completions", body)
+        ids = token_ids_from_response(data, where=f"{self.url}/v1/completions ({name})")
+        tokens, rest, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
+        return Reference(name, list(prompt_ids), tokens, rest[:lookahead], finish, self.name)
+
+    def _post(self, path: str, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode(errors="replace")
+            raise ReferenceError(f"reference server {self.url} answered HTTP {e.code} to {path}: {detail}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ReferenceError(f"cannot reach reference server {self.url} ({reason}); is it running? "
+                                 "(or drop --reference-server to generate references locally)") from None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise ReferenceError(f"reference server {self.url} returned non-JSON from {path}: {raw[:200]!r}") from None
+
+
+def token_ids_from_response(data: Any, where: str) -> list[int]:
+    """Token ids from an OpenAI-style completion, in any of the shapes SGLang/vLLM use."""
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise ReferenceError(f"{where}: response has no choices: {str(data)[:200]}") from None
+    for key in ("token_ids", "output_token_ids", "output_ids"):
+        ids = choice.get(key)
+        if ids is None and isinstance(choice.get("meta_info"), dict):
+            ids = choice["meta_info"].get(key)
+        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            return list(ids)
+    toks = ((choice.get("logprobs") or {}).get("tokens")) if isinstance(choice.get("logprobs"), dict) else None
+    if isinstance(toks, list) and toks and all(isinstance(t, str) and t.startswith("token_id:") for t in toks):
+        return [int(t.split(":", 1)[1]) for t in toks]
+    raise ReferenceError(f"{where}: the server returned text without token ids; the engine needs the target's "
+                         "exact ids (vLLM: return_token_ids / return_tokens_as_token_ids; SGLang: return_token_ids). "
+                         "Re-tokenizing text is not the same sequence.")
