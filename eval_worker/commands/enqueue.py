@@ -1,0 +1,115 @@
+"""`dflash-eval enqueue CHECKPOINT_DIR...`: queue acceptance evals of published checkpoints."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ._common import add_redis_args, connect_from_args, fail, print_json
+
+HELP = "queue evaluations of published checkpoints (deduplicated; --force evaluates again)"
+
+
+def _option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--option wants KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoints", nargs="*", metavar="CHECKPOINT_DIR",
+                        help="published checkpoint directories (with COMPLETE.json)")
+    parser.add_argument("--suite", default="builtin:coding-v1", help="suite: builtin:NAME or a .jsonl file")
+    parser.add_argument("--target", default=os.environ.get("DFLASH_TARGET"),
+                        help="target model directory as the worker sees it (default $DFLASH_TARGET, "
+                             "else the worker's own --target)")
+    parser.add_argument("--baseline", default=None, help="a published checkpoint to compare against")
+    parser.add_argument("--force", action="store_true", help="evaluate again under a new attempt id")
+    parser.add_argument("--priority", choices=["high", "default", "low"], default="default")
+    parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
+                        help="refuse checkpoints outside these roots (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--tree-budget", type=int, default=None)
+    parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="extra evaluator option (JSON value), repeatable")
+    parser.add_argument("--wandb-project", default=None)
+    parser.add_argument("--wandb-entity", default=None)
+    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
+    parser.add_argument("--job-timeout", type=int, default=None, help="seconds one evaluation may take")
+    parser.add_argument("--retries", type=int, default=None, help="retries after a failure or a crashed worker")
+    parser.add_argument("--outbox", action="append", default=[], metavar="DIR",
+                        help="also deliver the jobs waiting in a hook outbox directory (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    add_redis_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from eval_worker.jobs import JobError, configured_roots, make_job
+    from eval_worker.queue import QueueConfig, enqueue
+
+    if not args.checkpoints and not args.outbox:
+        return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
+    options = dict(args.option)
+    if args.max_new_tokens is not None:
+        options["max_new_tokens"] = args.max_new_tokens
+    if args.tree_budget is not None:
+        options["tree_budget"] = args.tree_budget
+    wandb = None
+    if args.wandb_project or args.wandb_entity or args.wandb_mode:
+        wandb = {"project": args.wandb_project or "dflash-eval", "entity": args.wandb_entity,
+                 "mode": args.wandb_mode or "online"}
+    config = QueueConfig(base=args.queue)
+    if args.job_timeout:
+        config.job_timeout = args.job_timeout
+    if args.retries is not None:
+        config.retry_max = args.retries
+    roots = configured_roots(args.checkpoint_root)
+
+    outcomes, errors = [], []
+    jobs = []
+    for path in args.checkpoints:
+        try:
+            jobs.append(make_job(path, suite=args.suite, target=args.target, baseline=args.baseline, wandb=wandb,
+                                 requested_by="user", priority=args.priority, options=options or None, roots=roots))
+        except JobError as e:
+            errors.append({"checkpoint": path, "error": str(e)})
+    try:
+        conn, url = connect_from_args(args)
+    except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost
+        return fail(str(e))
+    for job in jobs:
+        try:
+            outcomes.append(enqueue(conn, job, force=args.force, config=config, roots=roots))
+        except JobError as e:
+            errors.append({"checkpoint": job["checkpoint"], "error": str(e)})
+    delivered = []
+    for directory in args.outbox:
+        delivered.append(_deliver_outbox(directory, conn, config))
+
+    if args.json:
+        print_json({"redis": url, "outcomes": [o.to_dict() for o in outcomes], "errors": errors,
+                    "outboxes": delivered})
+    else:
+        for o in outcomes:
+            print(f"{o.status:9s} {o.job_id}  {o.message}")
+        for d in delivered:
+            print(f"outbox {d['dir']}: delivered {len(d['delivered'])}, rejected {len(d['rejected'])}, "
+                  f"remaining {d['remaining']}" + (f" ({d['error']})" if d["error"] else ""))
+        for e in errors:
+            print(f"error     {e['checkpoint']}: {e['error']}")
+    return 2 if errors or any(d["remaining"] or d["rejected"] for d in delivered) else 0
+
+
+def _deliver_outbox(directory: str, conn, config) -> dict:
+    from eval_worker.queue import enqueue
+    from hooks.eval_on_checkpoint import _transport_error
+    from hooks.outbox import Outbox
+
+    report = Outbox(directory).deliver(lambda job: enqueue(conn, job, config=config),
+                                       is_invalid=lambda e: not _transport_error(e))
+    return {"dir": directory, "delivered": report.delivered, "rejected": report.rejected,
+            "remaining": report.remaining, "error": report.error}

@@ -1,0 +1,66 @@
+"""`dflash-eval requeue --run RUN [--steps 100,200 | --all] | --failed`: evaluate again."""
+from __future__ import annotations
+
+import argparse
+
+from ._common import add_redis_args, connect_from_args, fail, print_json
+
+HELP = "re-queue failed jobs (--failed) or evaluate steps of a run again (--run RUN --steps/--all)"
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        steps = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--steps wants comma-separated integers, got {text!r}") from None
+    if not steps:
+        raise argparse.ArgumentTypeError("--steps is empty")
+    return steps
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", default=None, help="training run id")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--steps", type=_steps, default=None, help="comma-separated steps, e.g. 100,200")
+    which.add_argument("--all", action="store_true", help="every step of the run the queue has seen")
+    parser.add_argument("--failed", action="store_true",
+                        help="put failed jobs back on their queues as they are (all, or of --run)")
+    parser.add_argument("--job", action="append", default=None, metavar="JOB_ID", help="with --failed: only these")
+    parser.add_argument("--json", action="store_true")
+    add_redis_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from eval_worker.jobs import JobError
+    from eval_worker.queue import EnqueueOutcome, QueueConfig, requeue_failed, requeue_run
+
+    if not args.failed and not args.run:
+        return fail("give --failed, or --run RUN with --steps or --all")
+    if args.run and not args.failed and not (args.steps or args.all):
+        return fail("with --run, say which steps: --steps 100,200 or --all")
+    try:
+        conn, _ = connect_from_args(args)
+    except Exception as e:  # noqa: BLE001
+        return fail(str(e))
+    lines = []
+    try:
+        if args.failed:
+            for job_id in requeue_failed(conn, args.queue, args.job, run=args.run):
+                lines.append({"job_id": job_id, "status": "requeued", "message": f"re-queued failed job {job_id}"})
+            if not lines:
+                lines.append({"job_id": None, "status": "none", "message": "no failed jobs to re-queue"})
+        else:
+            for r in requeue_run(conn, args.run, None if args.all else args.steps, config=QueueConfig(base=args.queue)):
+                if isinstance(r, EnqueueOutcome):
+                    lines.append(r.to_dict())
+                else:
+                    lines.append({"job_id": r[0], "status": "requeued" if r[1].startswith("re-queued") else "skipped",
+                                  "message": r[1]})
+    except JobError as e:
+        return fail(str(e))
+    if args.json:
+        print_json(lines)
+    else:
+        for ln in lines:
+            print(f"{ln['status']:9s} {ln['message']}")
+    return 0

@@ -1,0 +1,72 @@
+"""`dflash-eval worker [--queue …] [--burst]`: serve the eval queues with a warm target."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ._common import add_redis_args, connect_from_args, fail
+
+HELP = "run an eval worker: keeps the target loaded across jobs, records results in the ledger"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_redis_args(parser)
+    parser.add_argument("--priorities", default="high,default,low",
+                        help="which priority queues to serve, in order (default: %(default)s)")
+    parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    parser.add_argument("--target", default=os.environ.get("DFLASH_TARGET"),
+                        help="target model directory: loaded before the first job and kept "
+                             "(default $DFLASH_TARGET; jobs naming another target load it on demand)")
+    parser.add_argument("--no-preload", action="store_true", help="load the target on the first job instead")
+    parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
+                        help="only evaluate checkpoints under these roots (repeatable; default "
+                             "$DFLASH_CHECKPOINT_ROOTS; required)")
+    parser.add_argument("--results-dir", default=None, help="ledger directory (default $DFLASH_RESULTS_DIR, "
+                                                            "else $DFLASH_HOME/results)")
+    parser.add_argument("--cache-dir", default=None, help="reference/feature cache (default $DFLASH_CACHE_DIR)")
+    parser.add_argument("--device", default=None, help="torch device for the target (default: the engine's)")
+    parser.add_argument("--max-targets", type=int, default=1, help="targets kept loaded at once (LRU)")
+    parser.add_argument("--name", default=None, help="worker name (default dflash-<host>-<pid>)")
+    parser.add_argument("--maintenance-interval", type=int, default=60,
+                        help="seconds between registry cleanups that recover jobs of crashed workers")
+    parser.add_argument("--job-monitoring-interval", type=int, default=10, help="seconds between job heartbeats")
+    parser.add_argument("--heartbeat-grace", type=int, default=60,
+                        help="seconds a running job may miss heartbeats before it counts as abandoned")
+    parser.add_argument("--worker-ttl", type=int, default=420, help="seconds an idle worker stays registered")
+    parser.add_argument("--stop-timeout", type=float, default=None,
+                        help="on SIGTERM, give the current job this long, then put it back on the queue "
+                             "(default: let it finish); a second SIGTERM puts it back at once")
+    parser.add_argument("--no-scheduler", action="store_true",
+                        help="do not run RQ's scheduler here (retry back-off needs one somewhere)")
+    parser.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
+    parser.add_argument("--evaluator-factory", default=None, metavar="MODULE:CALLABLE",
+                        help="build evaluators with this instead of eval_worker.acceptance.Evaluator")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    from eval_worker.queue import queue_name
+    from eval_worker.worker import WorkerSettings, serve, worker_name
+
+    settings = WorkerSettings.from_env(results_dir=args.results_dir, roots=args.checkpoint_root,
+                                       cache_dir=args.cache_dir, default_target=args.target, device=args.device,
+                                       max_targets=args.max_targets, evaluator_factory=args.evaluator_factory)
+    if settings.roots is None:
+        return fail("no checkpoint roots configured: pass --checkpoint-root DIR (repeatable) or set "
+                    "DFLASH_CHECKPOINT_ROOTS; the worker only reads checkpoints under them")
+    try:
+        queues = [queue_name(args.queue, p.strip()) for p in args.priorities.split(",") if p.strip()]
+    except ValueError as e:
+        return fail(str(e))
+    try:
+        conn, url = connect_from_args(args)
+    except Exception as e:  # noqa: BLE001
+        return fail(str(e))
+    name = args.name or worker_name()
+    print(f"worker {name} serving {', '.join(queues)} on {url}; results in {settings.results_dir}; "
+          f"roots {os.pathsep.join(map(str, settings.roots))}", flush=True)
+    serve(conn, queues, settings, burst=args.burst, preload=not args.no_preload, name=name,
+          maintenance_interval=args.maintenance_interval, job_monitoring_interval=args.job_monitoring_interval,
+          heartbeat_grace=args.heartbeat_grace, worker_ttl=args.worker_ttl, stop_timeout=args.stop_timeout,
+          with_scheduler=not args.no_scheduler, max_jobs=args.max_jobs, logging_level=args.log_level)
+    return 0

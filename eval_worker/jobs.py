@@ -1,0 +1,371 @@
+"""Eval jobs: the versioned JSON payload, its validation, deterministic ids, path confinement.
+
+A job is plain JSON data (it travels through RQ's ``JSONSerializer``; nothing is ever
+pickled). Layout, per docs/design.md::
+
+    {"schema": "dflash-eval-job/1", "run_id": "...", "step": 100,
+     "checkpoint": "/abs/path/step-00000100", "checkpoint_digest": "<sha256>",
+     "target": "/abs/path/target", "suite": "builtin:coding-v1", "baseline": null,
+     "wandb": {"project": ..., "group": ..., "entity": null, "mode": "offline"},
+     "requested_by": "hook", "priority": "default", "attempt": 0,
+     "train_metrics": {...}, "options": {...}}
+
+The same :func:`validate_job` runs before a job is enqueued and again when a worker
+takes it; :func:`check_checkpoint` then checks the directory itself (inside the
+configured roots after resolving symlinks, completion marker present, digest equal).
+Every failure raises :class:`JobError` whose message is the reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEMA = "dflash-eval-job/1"
+CHECKPOINT_FORMAT = "dflash-checkpoint/1"
+MARKER_NAME = "COMPLETE.json"
+ROOTS_ENV = "DFLASH_CHECKPOINT_ROOTS"
+
+PRIORITIES = ("high", "default", "low")
+REQUESTERS = ("hook", "user", "requeue")
+REQUIRED = ("schema", "run_id", "step", "checkpoint", "checkpoint_digest", "suite")
+DEFAULTS: dict[str, Any] = {
+    "target": None, "baseline": None, "wandb": None, "requested_by": "user", "priority": "default",
+    "attempt": 0, "train_metrics": None, "options": None,
+}
+FIELDS = set(REQUIRED) | set(DEFAULTS)
+WANDB_FIELDS = {"project", "group", "entity", "mode", "name", "tags"}
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class JobError(ValueError):
+    """A job that cannot be enqueued or run; the message is the reason."""
+
+
+# --------------------------------------------------------------------------- schema
+
+def validate_job(payload: Any) -> dict[str, Any]:
+    """Check a job payload against the schema; return a normalised copy (defaults filled).
+
+    Checks shape only (no filesystem access): see :func:`check_checkpoint` for that.
+    """
+    if isinstance(payload, (str, bytes)):
+        try:
+            payload = json.loads(payload)
+        except json.JSONDecodeError as e:
+            raise JobError(f"job payload is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise JobError(f"job payload must be a JSON object, got {type(payload).__name__}")
+    schema = payload.get("schema")
+    if schema != SCHEMA:
+        if schema is None:
+            raise JobError(f"job payload has no 'schema' field (expected {SCHEMA!r})")
+        raise JobError(f"unknown job schema version {schema!r}; this worker understands {SCHEMA!r}")
+    missing = [k for k in REQUIRED if payload.get(k) in (None, "")]
+    if missing:
+        raise JobError(f"job payload is missing required field(s): {', '.join(missing)}")
+    unknown = sorted(set(payload) - FIELDS)
+    if unknown:
+        raise JobError(f"job payload has unknown field(s) {unknown} for schema {SCHEMA!r}")
+    job = {**DEFAULTS, **payload}
+    problems: list[str] = []
+
+    run_id = job["run_id"]
+    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or ".." in run_id:
+        problems.append(f"run_id {run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-' "
+                        "(no '..', no '/')")
+    step = job["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        problems.append(f"step must be a non-negative integer, got {step!r}")
+    for key in ("checkpoint", "baseline", "target"):
+        value = job[key]
+        if value is None and key != "checkpoint":
+            continue
+        if not isinstance(value, str) or not os.path.isabs(value):
+            problems.append(f"{key} must be an absolute path, got {value!r}")
+        elif "\x00" in value:
+            problems.append(f"{key} contains a NUL byte")
+    digest = job["checkpoint_digest"]
+    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+        problems.append(f"checkpoint_digest must be 64 lowercase hex characters (sha256), got {digest!r}")
+    if not isinstance(job["suite"], str) or not job["suite"].strip():
+        problems.append(f"suite must be a non-empty string, got {job['suite']!r}")
+    if job["requested_by"] not in REQUESTERS:
+        problems.append(f"requested_by must be one of {list(REQUESTERS)}, got {job['requested_by']!r}")
+    if job["priority"] not in PRIORITIES:
+        problems.append(f"priority must be one of {list(PRIORITIES)}, got {job['priority']!r}")
+    attempt = job["attempt"]
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+        problems.append(f"attempt must be a non-negative integer, got {attempt!r}")
+    wandb = job["wandb"]
+    if wandb is not None:
+        if not isinstance(wandb, dict):
+            problems.append(f"wandb must be an object or null, got {type(wandb).__name__}")
+        else:
+            extra = sorted(set(wandb) - WANDB_FIELDS)
+            if extra:
+                problems.append(f"wandb has unknown field(s) {extra} (known: {sorted(WANDB_FIELDS)})")
+            if wandb.get("mode") not in (None, "online", "offline", "disabled"):
+                problems.append(f"wandb.mode must be online, offline or disabled, got {wandb.get('mode')!r}")
+    metrics = job["train_metrics"]
+    if metrics is not None:
+        if not isinstance(metrics, dict):
+            problems.append("train_metrics must be an object of numbers or null")
+        else:
+            bad = [k for k, v in metrics.items()
+                   if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+            if bad:
+                problems.append(f"train_metrics values must be finite numbers (bad: {sorted(bad)})")
+    options = job["options"]
+    if options is not None and not isinstance(options, dict):
+        problems.append("options must be an object or null")
+    if problems:
+        raise JobError("invalid job: " + "; ".join(problems))
+    try:  # JSON data only: a payload that does not round-trip is refused here, not in RQ
+        json.dumps(job, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise JobError(f"job payload is not plain JSON data: {e}") from None
+    return job
+
+
+# --------------------------------------------------------------------------- ids
+
+def _safe_part(text: str) -> str:
+    """`text` with characters RQ refuses in job ids replaced; a short hash keeps it unique."""
+    safe = _JOB_ID_UNSAFE.sub("_", text)
+    if safe != text:
+        safe += "_" + hashlib.sha256(text.encode()).hexdigest()[:6]
+    return safe
+
+
+def base_job_id(run_id: str, step: int, digest: str, suite_fp: str) -> str:
+    """`eval-<run>-<step>-<digest[:12]>-<suitefp[:8]>`: one id per distinct evaluation."""
+    return f"eval-{_safe_part(run_id)}-{int(step)}-{digest[:12]}-{_safe_part(suite_fp[:8])}"
+
+
+def job_id_for(job: dict[str, Any], suite_fp: str) -> str:
+    """The RQ job id of `job`: the base id, plus `-r<attempt>` for forced re-evaluations."""
+    base = base_job_id(job["run_id"], job["step"], job["checkpoint_digest"], suite_fp)
+    return base if not job.get("attempt") else f"{base}-r{int(job['attempt'])}"
+
+
+def suite_fingerprint(suite: str, options: dict[str, Any] | None = None) -> str:
+    """Identity of what a job evaluates: the suite's fingerprint (eval_worker.suite), folded
+    with the job's options when it has any (other settings are a different evaluation)."""
+    from eval_worker.suite import load_suite  # the engine's module: names, files, fingerprints
+
+    try:
+        fp = load_suite(suite).fingerprint()
+    except (OSError, ValueError, KeyError) as e:
+        raise JobError(f"unknown or unreadable suite {suite!r}: {e}") from None
+    if options:
+        spec = json.dumps({"suite": fp, "options": options}, sort_keys=True)
+        fp = hashlib.sha256(spec.encode()).hexdigest()[:16]
+    return fp
+
+
+def strip_attempt(job_id: str) -> str:
+    """The base id of a job id (`...-r3` -> `...`)."""
+    return re.sub(r"-r\d+$", "", job_id)
+
+
+# --------------------------------------------------------------------------- roots
+
+def configured_roots(roots: Iterable[str | os.PathLike] | None = None) -> list[Path] | None:
+    """Checkpoint roots: `roots` if given, else `$DFLASH_CHECKPOINT_ROOTS` (os.pathsep-separated).
+
+    Returns None when neither names any root (confinement not configured).
+    """
+    if roots is None:
+        env = os.environ.get(ROOTS_ENV, "")
+        roots = [r for r in env.split(os.pathsep) if r.strip()]
+    out = [Path(os.path.realpath(os.path.expanduser(str(r)))) for r in roots]
+    return out or None
+
+
+def confine(path: str | os.PathLike, roots: list[Path]) -> Path:
+    """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError."""
+    real = Path(os.path.realpath(path))
+    for root in roots:
+        if real == root or root in real.parents:
+            return real
+    shown = os.pathsep.join(str(r) for r in roots)
+    if str(real) != os.path.abspath(path):
+        raise JobError(f"{path} resolves to {real}, outside the checkpoint roots ({shown}); "
+                       "a symlink may not lead out of the roots")
+    raise JobError(f"{path} is outside the checkpoint roots ({shown}); "
+                   f"add its root with --checkpoint-root or ${ROOTS_ENV}")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def read_marker(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's COMPLETE.json (via dflash_train.checkpoint.read_manifest when present)."""
+    directory = Path(checkpoint)
+    if not directory.is_dir():
+        raise JobError(f"checkpoint {directory} does not exist or is not a directory")
+    try:
+        from dflash_train.checkpoint import read_manifest  # the trainer's reader, once it lands
+    except ImportError:
+        read_manifest = None
+    if read_manifest is not None:
+        from dflash_train.checkpoint import CheckpointError
+
+        try:
+            return read_manifest(directory)
+        except CheckpointError as e:
+            raise JobError(f"checkpoint {directory} is not published: {e}") from None
+    marker = directory / MARKER_NAME
+    if not marker.is_file():
+        raise JobError(f"checkpoint {directory} has no {MARKER_NAME} completion marker "
+                       "(not published yet, or its save was interrupted)")
+    try:
+        manifest = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise JobError(f"checkpoint {directory}: {MARKER_NAME} is unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        raise JobError(f"checkpoint {directory}: {MARKER_NAME} is not a {CHECKPOINT_FORMAT} marker")
+    return manifest
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_files(checkpoint: Path, manifest: dict[str, Any], roots: list[Path] | None) -> None:
+    """Every file the marker lists exists (inside the roots) and has the recorded sha256."""
+    files = manifest.get("files") or {}
+    if not isinstance(files, dict) or "model.safetensors" not in files:
+        files = {"model.safetensors": manifest.get("digest"), **(files if isinstance(files, dict) else {})}
+    for name, expected in sorted(files.items()):
+        if os.sep in name or name.startswith(".."):
+            raise JobError(f"checkpoint {checkpoint}: marker lists a file outside the directory: {name!r}")
+        path = checkpoint / name
+        if roots is not None:
+            confine(path, roots)
+        if not path.is_file():
+            raise JobError(f"checkpoint {checkpoint}: {name} listed in {MARKER_NAME} is missing")
+        actual = _sha256_file(path)
+        if actual != expected:
+            raise JobError(f"checkpoint {checkpoint}: {name} digest mismatch "
+                           f"(marker {str(expected)[:12]}..., file {actual[:12]}...): modified or corrupt")
+
+
+def check_checkpoint(job: dict[str, Any], roots: list[Path] | None, *, verify_digest: bool = False) -> dict[str, Any]:
+    """Check the job's checkpoint on disk; return its marker.
+
+    - inside `roots` after resolving symlinks (skipped when `roots` is None);
+    - a directory with a valid COMPLETE.json whose digest, run and step match the job;
+    - with `verify_digest`, every listed file hashed again (the worker does this).
+    The same is done for `baseline` when the job names one.
+    """
+    manifest = _check_one(job["checkpoint"], roots, verify_digest, "checkpoint")
+    digest = manifest.get("digest")
+    if digest != job["checkpoint_digest"]:
+        raise JobError(f"checkpoint {job['checkpoint']}: digest in {MARKER_NAME} ({str(digest)[:12]}...) "
+                       f"differs from the job's ({job['checkpoint_digest'][:12]}...): "
+                       "the checkpoint was replaced after the job was made")
+    if "step" in manifest and int(manifest["step"]) != int(job["step"]):
+        raise JobError(f"checkpoint {job['checkpoint']} is step {manifest['step']}, the job says step {job['step']}")
+    if manifest.get("run_id") not in (None, job["run_id"]):
+        raise JobError(f"checkpoint {job['checkpoint']} belongs to run {manifest['run_id']!r}, "
+                       f"the job says {job['run_id']!r}")
+    if job.get("baseline"):
+        _check_one(job["baseline"], roots, verify_digest, "baseline")
+    return manifest
+
+
+def _check_one(path: str, roots: list[Path] | None, verify_digest: bool, what: str) -> dict[str, Any]:
+    if roots is not None:
+        confine(path, roots)
+    try:
+        manifest = read_marker(path)
+    except JobError as e:
+        raise JobError(f"{what}: {e}") from None
+    if verify_digest:
+        verify_files(Path(os.path.realpath(path)), manifest, roots)
+    return manifest
+
+
+# --------------------------------------------------------------------------- building jobs
+
+def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.PathLike | None = None,
+             baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
+             requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
+             manifest: dict[str, Any] | None = None, roots: list[Path] | None = None) -> dict[str, Any]:
+    """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
+    checkpoint = os.path.abspath(os.fspath(checkpoint))
+    if manifest is None:
+        if roots is not None:
+            confine(checkpoint, roots)
+        manifest = read_marker(checkpoint)
+    run_id, step, digest = manifest.get("run_id"), manifest.get("step"), manifest.get("digest")
+    if run_id is None or step is None or digest is None:
+        raise JobError(f"checkpoint {checkpoint}: {MARKER_NAME} lacks run_id/step/digest")
+    metrics = manifest.get("train_metrics") or None
+    if metrics:
+        metrics = {k: v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    payload = {
+        "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,
+        "checkpoint_digest": digest, "target": os.path.abspath(os.fspath(target)) if target else None,
+        "suite": suite, "baseline": os.path.abspath(os.fspath(baseline)) if baseline else None,
+        "wandb": wandb, "requested_by": requested_by, "priority": priority, "attempt": 0,
+        "train_metrics": metrics or None, "options": options or None,
+    }
+    return validate_job(payload)
+
+
+# --------------------------------------------------------------------------- retention pins
+
+def _pin_name(token: str) -> str:
+    return _JOB_ID_UNSAFE.sub("_", token)[:200] or "pin"
+
+
+def pin(checkpoint: str | os.PathLike, token: str) -> bool:
+    """Keep `checkpoint` from retention while job `token` may still read it (True if pinned).
+
+    Uses dflash_train.checkpoint.pin_checkpoint (files under `<dir>/.pins/`); never raises:
+    a checkpoint that cannot be pinned is still evaluated, it is only less protected.
+    """
+    try:
+        from dflash_train.checkpoint import pin_checkpoint
+    except ImportError:
+        pin_checkpoint = None
+    try:
+        if pin_checkpoint is not None:
+            pin_checkpoint(checkpoint, _pin_name(token))
+        else:
+            pins = Path(checkpoint) / ".pins"
+            pins.mkdir(exist_ok=True)
+            (pins / _pin_name(token)).write_text(json.dumps({"token": token}) + "\n")
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def unpin(checkpoint: str | os.PathLike, token: str) -> bool:
+    """Release the pin of job `token` (True if a pin was removed); never raises."""
+    try:
+        from dflash_train.checkpoint import unpin_checkpoint
+    except ImportError:
+        unpin_checkpoint = None
+    try:
+        if unpin_checkpoint is not None:
+            unpin_checkpoint(checkpoint, _pin_name(token))
+            return True
+        (Path(checkpoint) / ".pins" / _pin_name(token)).unlink()
+        return True
+    except (OSError, ValueError):
+        return False

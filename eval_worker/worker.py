@@ -1,0 +1,361 @@
+"""The eval worker: the RQ job function and a worker process that keeps the target loaded.
+
+Job processing order (run_eval_job):
+  validate payload -> checkpoint inside the roots, COMPLETE.json present, digests match ->
+  evaluate (a cached Evaluator) -> write the ledger record (durable, first) -> result sinks
+  (W&B; a sink failure is logged, never fails the job) -> return a small JSON summary.
+A failure raises an exception whose message is the reason (shown by `status` and `rq info`).
+
+Why jobs run in the worker process (EvalWorker, a SimpleWorker with a heartbeat thread)
+rather than in RQ's forked work-horse:
+- the target may be tens of GB on a GPU. CUDA cannot be used in a child forked after the
+  parent initialised it, so a model preloaded before fork is unusable on GPU, and loading
+  it inside each work-horse would reload it per job;
+- in-memory caches (tokenizer, reference/feature caches, compiled kernels) stay warm.
+RQ's SimpleWorker sends no heartbeats while a job runs, so another worker's maintenance
+would take a long job for abandoned; the heartbeat thread here renews the worker,
+job and execution keys every `job_monitoring_interval` seconds, and the heartbeat TTL is
+`interval + heartbeat_grace` (RQ hard-codes +60 s) so a crashed worker's job is
+recovered quickly. Timeouts still work (SIGALRM death penalty in the main thread). A
+crash of the process takes its job with it: StartedJobRegistry cleanup in a surviving
+worker's maintenance then retries it (Retry), and the ledger keeps it recorded once.
+SIGTERM: finish the current job, then exit (warm); with `stop_timeout`, or on a second
+SIGTERM/SIGINT, the current job is put back at the front of its queue and the worker exits.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from rq.job import JobStatus
+from rq.utils import now
+from rq.worker import SimpleWorker, WorkerStatus
+
+from . import jobs as jobs_mod
+from .jobs import JobError
+from .ledger import Ledger, default_results_dir
+
+log = logging.getLogger("eval_worker.worker")
+
+TARGET_ENV = "DFLASH_TARGET"
+CACHE_ENV = "DFLASH_CACHE_DIR"
+DEVICE_ENV = "DFLASH_DEVICE"
+
+
+class JobInterrupted(Exception):
+    """Raised inside a running job when it is stopped (cancel) or handed back (shutdown)."""
+
+
+@dataclass
+class WorkerSettings:
+    """What a worker process needs besides Redis."""
+
+    results_dir: Path
+    roots: list[Path] | None
+    cache_dir: Path | None = None
+    default_target: str | None = None
+    device: str | None = None
+    max_targets: int = 1
+    evaluator_factory: str | None = None  # "module:callable(target, cache_dir=..., device=...)"
+
+    @classmethod
+    def from_env(cls, **overrides) -> "WorkerSettings":
+        results = Path(overrides.pop("results_dir", None) or default_results_dir())
+        cache = os.environ.get(CACHE_ENV)
+        values = dict(
+            results_dir=results,
+            roots=jobs_mod.configured_roots(overrides.pop("roots", None)),
+            cache_dir=Path(cache) if cache else results.parent / "cache",
+            default_target=os.environ.get(TARGET_ENV) or None,
+            device=os.environ.get(DEVICE_ENV) or None,
+            evaluator_factory=os.environ.get("DFLASH_EVALUATOR_FACTORY") or None,
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+# --------------------------------------------------------------------------- per-process state
+
+_settings: WorkerSettings | None = None
+_evaluators: "OrderedDict[str, Any]" = OrderedDict()
+_loads: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def configure(settings: WorkerSettings) -> None:
+    global _settings
+    _settings = settings
+
+
+def settings() -> WorkerSettings:
+    global _settings
+    if _settings is None:  # a plain `rq worker` running our jobs: configuration from the environment
+        _settings = WorkerSettings.from_env()
+    return _settings
+
+
+def target_loads(target: str | None = None) -> int:
+    """How many times this process has loaded `target` (or any target)."""
+    if target is None:
+        return sum(_loads.values())
+    return _loads.get(os.path.realpath(target), 0)
+
+
+def _new_evaluator(target: str, s: WorkerSettings):
+    if s.evaluator_factory:
+        from importlib import import_module
+
+        module, _, name = s.evaluator_factory.partition(":")
+        factory = getattr(import_module(module), name)
+    else:
+        from .acceptance import Evaluator as factory
+    kwargs: dict[str, Any] = {"cache_dir": str(s.cache_dir) if s.cache_dir else None}
+    if s.device:
+        kwargs["device"] = s.device
+    return factory(target, **kwargs)
+
+
+def get_evaluator(target: str):
+    """The Evaluator for `target`, loaded once per process and kept (LRU of `max_targets`)."""
+    s = settings()
+    key = os.path.realpath(target)
+    with _lock:
+        ev = _evaluators.get(key)
+        if ev is not None:
+            _evaluators.move_to_end(key)
+            return ev
+        if not os.path.isdir(key):
+            raise JobError(f"target {target} is not a directory on this worker")
+        while len(_evaluators) >= max(1, s.max_targets):
+            old, _ = _evaluators.popitem(last=False)
+            log.info("unloading target %s to make room for %s", old, key)
+            gc.collect()
+            _empty_device_cache()
+        t0 = time.monotonic()
+        ev = _new_evaluator(key, s)
+        _evaluators[key] = ev
+        _loads[key] = _loads.get(key, 0) + 1
+        log.info("loaded target %s in %.1fs (load #%d in pid %d)", key, time.monotonic() - t0, _loads[key], os.getpid())
+        return ev
+
+
+def _empty_device_cache() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+# --------------------------------------------------------------------------- the job
+
+def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None:
+    """Tell the result sinks (W&B). Returns an error text instead of raising."""
+    try:
+        from . import sinks
+    except ImportError:
+        return None
+    publish = getattr(sinks, "publish_result", None)
+    if publish is None:
+        return None
+    try:
+        publish(record, job)
+        return None
+    except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
+        log.warning("result sink failed for %s (kept in the ledger; `dflash-eval publish` can retry): %s",
+                    record.get("job_id"), e, exc_info=True)
+        return f"{type(e).__name__}: {e}"
+
+
+def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
+    """RQ job function: evaluate one checkpoint and record the result once. JSON in, JSON out."""
+    from rq import get_current_job
+
+    t0 = time.monotonic()
+    job = jobs_mod.validate_job(payload)
+    s = settings()
+    if s.roots is None:
+        raise JobError("this worker has no checkpoint roots configured: start it with --checkpoint-root DIR "
+                       f"or set ${jobs_mod.ROOTS_ENV}; refusing to read checkpoints from arbitrary paths")
+    rq_job = get_current_job()
+    connection = rq_job.connection if rq_job is not None else None
+    job_id = rq_job.id if rq_job is not None else jobs_mod.job_id_for(job, "local")
+    ledger = Ledger(s.results_dir, connection=connection)
+
+    existing = ledger.find_job(job, job_id)
+    sink_error = None
+    if existing is not None:  # an earlier execution recorded it, then died: do not evaluate twice
+        path, record = existing
+        created = False
+        ledger.index(record, path)
+        log.info("job %s already recorded at %s; not evaluating again", job_id, path)
+    else:
+        jobs_mod.check_checkpoint(job, s.roots, verify_digest=True)
+        target = job["target"] or s.default_target
+        if not target:
+            raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
+        evaluator = get_evaluator(target)
+        result = evaluator.evaluate(job["checkpoint"], job["suite"], baseline=job["baseline"],
+                                    train_metrics=job["train_metrics"], options=job["options"])
+        result = result.to_dict() if hasattr(result, "to_dict") else result
+        worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
+                       "name": os.environ.get("RQ_WORKER_ID") or (rq_job.worker_name if rq_job else None)}
+        path, record, created = ledger.write(job=job, job_id=job_id, result=result, worker=worker_info)
+        if created:
+            sink_error = _publish_to_sinks(record, job)
+    jobs_mod.unpin(job["checkpoint"], job_id)
+    tau = ((record.get("result") or {}).get("tau") or {}).get("macro")
+    return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": job["attempt"],
+            "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
+            "worker_pid": os.getpid(), "target_loads": target_loads(), "seconds": round(time.monotonic() - t0, 3)}
+
+
+# --------------------------------------------------------------------------- the worker
+
+class EvalWorker(SimpleWorker):
+    """SimpleWorker + heartbeat thread + in-process stop/requeue (see the module docstring)."""
+
+    def __init__(self, *args, heartbeat_grace: int = 60, stop_timeout: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.heartbeat_grace = int(heartbeat_grace)
+        self.stop_timeout = stop_timeout
+        self._current = None            # the rq Job running in this process
+        self._requeue_job_id = None     # job to hand back to the queue instead of failing it
+        self._stop_timer: threading.Timer | None = None
+
+    # ---- heartbeats ------------------------------------------------------------------
+    def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:
+        if job.timeout and job.timeout > 0:
+            remaining = max(job.timeout - working_time, 1)
+            return int(min(remaining, self.job_monitoring_interval)) + self.heartbeat_grace
+        return int(self.job_monitoring_interval) + self.heartbeat_grace
+
+    def maintain_heartbeats(self, job, execution):
+        # like RQ's, with our grace instead of its fixed +60 s for the worker key
+        with self.connection.pipeline() as pipe:
+            self.heartbeat(int(self.job_monitoring_interval) + self.heartbeat_grace, pipeline=pipe)
+            working = (now() - job.started_at).total_seconds() if job.started_at else 0.0
+            ttl = self.get_heartbeat_ttl(job, working_time=working)
+            execution.heartbeat(job.started_job_registry, ttl, pipeline=pipe)
+            job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+            pipe.execute()
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # wake up for maintenance (abandoned-job recovery) even when idle
+        return max(1, min(self.worker_ttl - 15, int(self.maintenance_interval)))
+
+    def _beat(self, job, execution, stop: threading.Event) -> None:
+        while not stop.wait(self.job_monitoring_interval):
+            try:
+                self.maintain_heartbeats(job, execution)
+            except Exception as e:  # noqa: BLE001 - Redis hiccup: try again next interval
+                self.log.warning("Worker %s: heartbeat for %s failed: %s", self.name, job.id, e)
+
+    def execute_job(self, job, queue):
+        execution = self.prepare_execution(job)
+        stop = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(job, execution, stop), name="rq-heartbeat", daemon=True)
+        self._current = job
+        old = signal.signal(signal.SIGUSR1, self._interrupt_handler)
+        beat.start()
+        try:
+            self.perform_job(job, queue, execution)
+        finally:
+            self._current = None
+            stop.set()
+            beat.join()
+            signal.signal(signal.SIGUSR1, old)
+            if self._stop_timer is not None:
+                self._stop_timer.cancel()
+                self._stop_timer = None
+        self.set_state(WorkerStatus.IDLE)
+
+    # ---- stopping ----------------------------------------------------------------------
+    def _interrupt_handler(self, signum, frame):
+        if self._current is not None:
+            reason = ("handed back to the queue (worker shutting down)" if self._requeue_job_id == self._current.id
+                      else "stopped by user (dflash-eval cancel)")
+            raise JobInterrupted(f"job {self._current.id} {reason}")
+
+    def _interrupt_main(self) -> None:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    def kill_horse(self, sig=None):
+        """`stop-job` command (from the pubsub thread): interrupt the in-process job."""
+        if self._current is not None:
+            self.log.info("Worker %s: stopping job %s on request", self.name, self._current.id)
+            self._interrupt_main()
+
+    def request_stop(self, signum, frame):
+        super().request_stop(signum, frame)  # warm: finish the job (raises StopRequested when idle)
+        if self._current is not None and self.stop_timeout is not None:
+            self._stop_timer = threading.Timer(self.stop_timeout, self._hand_back_current)
+            self._stop_timer.daemon = True
+            self._stop_timer.start()
+            self.log.info("Worker %s: job %s has %.0fs to finish before it is handed back",
+                          self.name, self._current.id, self.stop_timeout)
+
+    def _hand_back_current(self) -> None:
+        job = self._current
+        if job is not None:
+            self._requeue_job_id = job.id
+            self._interrupt_main()
+
+    def request_force_stop(self, signum, frame):
+        if self._shutdown_requested_date and (now() - self._shutdown_requested_date) < timedelta(seconds=1):
+            return
+        if self._current is not None:
+            self._requeue_job_id = self._current.id
+            self._stop_requested = True
+            raise JobInterrupted(f"job {self._current.id} handed back to the queue (worker cold shutdown)")
+        raise SystemExit()
+
+    def handle_job_failure(self, job, queue, started_job_registry=None, exc_string="", execution=None):
+        if self._requeue_job_id is not None and self._requeue_job_id == job.id:
+            self._requeue_job_id = None
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=execution)
+                job.set_status(JobStatus.QUEUED, pipeline=pipe)
+                queue._enqueue_job(job, pipeline=pipe, at_front=True)
+                pipe.execute()
+            self.log.warning("Worker %s: job %s put back at the front of %s", self.name, job.id, queue.name)
+            return
+        super().handle_job_failure(job, queue, started_job_registry=started_job_registry,
+                                   exc_string=exc_string, execution=execution)
+
+
+def worker_name() -> str:
+    return f"dflash-{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burst: bool = False,
+          preload: bool = True, name: str | None = None, maintenance_interval: int = 60,
+          job_monitoring_interval: int = 10, heartbeat_grace: int = 60, worker_ttl: int = 420,
+          stop_timeout: float | None = None, with_scheduler: bool = True, max_jobs: int | None = None,
+          logging_level: str = "INFO") -> bool:
+    """Run a worker until stopped (or, with `burst`, until the queues are empty)."""
+    from rq.serializers import JSONSerializer
+
+    from .queue import get_queue
+
+    configure(settings_)
+    if preload and settings_.default_target:
+        get_evaluator(settings_.default_target)  # before serving: the first job finds it warm
+    worker = EvalWorker([get_queue(connection, n) for n in queue_names], connection=connection,
+                        serializer=JSONSerializer, name=name or worker_name(),
+                        maintenance_interval=maintenance_interval, job_monitoring_interval=job_monitoring_interval,
+                        worker_ttl=worker_ttl, heartbeat_grace=heartbeat_grace, stop_timeout=stop_timeout)
+    return worker.work(burst=burst, with_scheduler=with_scheduler, logging_level=logging_level, max_jobs=max_jobs)

@@ -1,0 +1,217 @@
+"""`EvalOnCheckpoint`: enqueue an acceptance eval for published checkpoints (dflash_train callback).
+
+Implements the trainer hook protocol (dflash_train/callbacks.py), rank 0 only:
+
+- `on_checkpoint_published(trainer, step, path, manifest)`: the marker is present. If this
+  checkpoint reaches a new multiple of `every_n_steps` (the first published checkpoint at or
+  after each multiple, so any publish interval works), the job is made from the manifest,
+  the checkpoint is pinned against retention, the job is written to the durable outbox next
+  to the checkpoints, and the delivery thread is woken. Nothing here talks to Redis: the
+  training thread spends a file write, never a network timeout.
+- the delivery thread enqueues (dedupe by deterministic id); while Redis is unreachable the
+  jobs wait in the outbox and go out on the next successful delivery, or at train end.
+- `on_train_end`: enqueue the final checkpoint if it was not (with `eval_final`), then
+  try to empty the outbox for `train_end_timeout` seconds; what is left stays on disk
+  (`dflash-eval enqueue --outbox DIR` sends it).
+- `protects(path)`: retention keeps a checkpoint whose job is still in the outbox (pins
+  cover it once it is queued; the worker removes the pin when the result is recorded).
+Any error in here is logged and swallowed: the hook never stops training.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from .outbox import Deliverer, Outbox, OUTBOX_DIRNAME
+
+log = logging.getLogger("hooks.eval")
+
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError)
+
+
+def is_rank0() -> bool:
+    """True on the main process (no torch.distributed, or rank 0; RANK env as fallback)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:
+        pass
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def _transport_error(e: BaseException) -> bool:
+    """Queue unreachable (try later) as opposed to a job the queue refuses (reject it)."""
+    try:
+        import redis
+
+        if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                          redis.exceptions.BusyLoadingError, redis.exceptions.ReadOnlyError)):
+            return True
+    except ImportError:
+        pass
+    try:
+        from eval_worker.redis_local import RedisLocalError
+
+        if isinstance(e, RedisLocalError):
+            return True
+    except ImportError:
+        pass
+    return isinstance(e, TRANSPORT_ERRORS)
+
+
+class EvalOnCheckpoint:
+    """Queue an eval for every `every_n_steps` of published checkpoints.
+
+    queue: the queue base name (`dflash-eval`; priorities add `-high`/`-low`).
+    redis_url: `None` -> $REDIS_URL -> the embedded local redis-server.
+    target / suite / baseline / options / wandb / priority: copied into each job.
+    """
+
+    def __init__(self, every_n_steps: int = 1, queue: str = "dflash-eval", *, suite: str = "builtin:coding-v1",
+                 target: str | os.PathLike | None = None, baseline: str | os.PathLike | None = None,
+                 options: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
+                 priority: str = "default", redis_url: str | None = None, eval_final: bool = True,
+                 train_end_timeout: float = 30.0, connect_timeout: float = 2.0, job_timeout: int | None = None,
+                 min_backoff: float = 1.0, max_backoff: float = 60.0):
+        if int(every_n_steps) < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = int(every_n_steps)
+        self.queue = queue
+        self.suite, self.target, self.baseline = suite, target, baseline
+        self.options, self.wandb, self.priority = options, wandb, priority
+        self.redis_url = redis_url
+        self.eval_final = eval_final
+        self.train_end_timeout = train_end_timeout
+        self.connect_timeout = connect_timeout
+        self.job_timeout = job_timeout
+        self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.outcomes: list[Any] = []          # EnqueueOutcome of every delivered job (for callers/tests)
+        self.errors: list[str] = []            # what went wrong (also logged)
+        self._last_bucket = -1                 # highest multiple of every_n_steps already evaluated
+        self._last_published: tuple[int, Path, dict] | None = None
+        self._enqueued_steps: set[int] = set()
+        self._deliverers: dict[Path, Deliverer] = {}
+        self._conn = None
+        self._conn_lock = threading.Lock()
+
+    # ---- the trainer protocol ----------------------------------------------------------
+    def on_checkpoint_published(self, trainer: Any, step: int, path: Path, manifest: dict) -> None:
+        if not is_rank0():
+            return
+        try:
+            self._last_published = (int(step), Path(path), manifest)
+            bucket = int(step) // self.every_n_steps
+            if bucket > self._last_bucket:
+                self._last_bucket = bucket
+                self.submit(path, manifest)
+        except Exception as e:  # noqa: BLE001 - never stop training
+            self._note(f"eval hook failed at step {step}: {type(e).__name__}: {e}")
+
+    def on_train_end(self, trainer: Any) -> None:
+        if not is_rank0():
+            return
+        try:
+            if self.eval_final and self._last_published is not None:
+                step, path, manifest = self._last_published
+                if step not in self._enqueued_steps:
+                    self.submit(path, manifest)
+            self.flush(self.train_end_timeout)
+        except Exception as e:  # noqa: BLE001
+            self._note(f"eval hook failed at train end: {type(e).__name__}: {e}")
+        finally:
+            self.close()
+
+    def protects(self, path: Path) -> bool:
+        box = Outbox(Path(path).parent / OUTBOX_DIRNAME)
+        return box.holds(path)
+
+    # ---- API -------------------------------------------------------------------------
+    def make_job(self, path: str | os.PathLike, manifest: dict | None = None) -> dict[str, Any]:
+        from eval_worker.jobs import make_job
+
+        return make_job(path, manifest=manifest, suite=self.suite, target=self.target, baseline=self.baseline,
+                        wandb=self.wandb, requested_by="hook", priority=self.priority, options=self.options)
+
+    def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> Path:
+        """Pin the checkpoint, write its job to the outbox, wake the delivery thread; returns the job file."""
+        from eval_worker import jobs as jobs_mod
+
+        path = Path(os.path.abspath(path))
+        job = self.make_job(path, manifest)
+        try:
+            jobs_mod.pin(path, jobs_mod.job_id_for(job, jobs_mod.suite_fingerprint(job["suite"], job["options"])))
+        except jobs_mod.JobError as e:  # unknown suite: still queued, the queue will say why
+            self._note(f"cannot pin {path}: {e}")
+        outbox = self._deliverer(path.parent / OUTBOX_DIRNAME)
+        file = outbox.outbox.put(job)
+        self._enqueued_steps.add(int(job["step"]))
+        outbox.kick()
+        return file
+
+    def flush(self, timeout: float) -> bool:
+        """Try to deliver every waiting job for up to `timeout` s; True if none is left."""
+        ok = True
+        for d in list(self._deliverers.values()):
+            report = d.flush(timeout)
+            if not report.complete:
+                ok = False
+                self._note(f"{report.remaining} eval job(s) not delivered ({report.error}); they stay in "
+                           f"{d.outbox.dir} and go out on the next delivery, or run "
+                           f"`dflash-eval enqueue --outbox {d.outbox.dir}`")
+        return ok
+
+    def close(self) -> None:
+        for d in self._deliverers.values():
+            d.stop()
+        self._deliverers.clear()
+        with self._conn_lock:
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                finally:
+                    self._conn = None
+
+    # ---- delivery ----------------------------------------------------------------------
+    def _deliverer(self, directory: Path) -> Deliverer:
+        d = self._deliverers.get(directory)
+        if d is None:
+            d = Deliverer(Outbox(directory), self._send, is_invalid=lambda e: not _transport_error(e),
+                          min_backoff=self.min_backoff, max_backoff=self.max_backoff).start()
+            self._deliverers[directory] = d
+        return d
+
+    def _connection(self):
+        with self._conn_lock:
+            if self._conn is None:
+                from eval_worker.redis_local import connect, resolve_redis_url
+
+                url = resolve_redis_url(self.redis_url)
+                self._conn = connect(url, socket_connect_timeout=self.connect_timeout,
+                                     socket_timeout=max(self.connect_timeout, 5.0))
+            return self._conn
+
+    def _send(self, job: dict[str, Any]):
+        from eval_worker.queue import QueueConfig, enqueue
+
+        config = QueueConfig(base=self.queue)
+        if self.job_timeout:
+            config.job_timeout = int(self.job_timeout)
+        try:
+            outcome = enqueue(self._connection(), job, config=config)
+        except Exception as e:
+            if _transport_error(e):
+                with self._conn_lock:  # reconnect next time
+                    self._conn = None
+            raise
+        self.outcomes.append(outcome)
+        log.info("eval job for step %s: %s", job.get("step"), outcome.message)
+        return outcome
+
+    def _note(self, message: str) -> None:
+        self.errors.append(message)
+        log.warning(message)

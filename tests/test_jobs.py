@@ -1,0 +1,149 @@
+"""Job schema, deterministic ids and checkpoint checks (no Redis)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from eval_worker import jobs
+from eval_worker.jobs import JobError
+from tests.sidecar_support import publish_random
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return root, publish_random(root, "run-a", 100)
+
+
+def _job(ckpt, **kw):
+    return jobs.make_job(ckpt, suite="builtin:coding-v1", **kw)
+
+
+def test_make_job_reads_the_marker(published):
+    root, ckpt = published
+    job = _job(ckpt)
+    manifest = json.loads((ckpt / "COMPLETE.json").read_text())
+    assert job["schema"] == jobs.SCHEMA
+    assert (job["run_id"], job["step"], job["checkpoint_digest"]) == ("run-a", 100, manifest["digest"])
+    assert job["checkpoint"] == str(ckpt) and os.path.isabs(job["checkpoint"])
+    assert job["train_metrics"]["loss"] == pytest.approx(1.1)
+    assert json.loads(json.dumps(job)) == job  # plain JSON data
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda j: j.update(schema="dflash-eval-job/2"), "unknown job schema version"),
+    (lambda j: j.pop("schema"), "no 'schema' field"),
+    (lambda j: j.pop("checkpoint_digest"), "missing required field(s): checkpoint_digest"),
+    (lambda j: j.update(step=-1), "step must be a non-negative integer"),
+    (lambda j: j.update(step="100"), "step must be a non-negative integer"),
+    (lambda j: j.update(run_id="../etc"), "run_id"),
+    (lambda j: j.update(checkpoint="relative/path"), "checkpoint must be an absolute path"),
+    (lambda j: j.update(checkpoint_digest="abc"), "checkpoint_digest must be 64"),
+    (lambda j: j.update(priority="urgent"), "priority must be one of"),
+    (lambda j: j.update(requested_by="cron"), "requested_by must be one of"),
+    (lambda j: j.update(chekpoint="/x"), "unknown field(s) ['chekpoint']"),
+    (lambda j: j.update(train_metrics={"loss": float("nan")}), "finite numbers"),
+    (lambda j: j.update(wandb={"mode": "sideways"}), "wandb.mode"),
+])
+def test_invalid_payloads_are_refused_with_the_reason(published, mutate, reason):
+    job = _job(published[1])
+    mutate(job)
+    with pytest.raises(JobError, match=None) as err:
+        jobs.validate_job(job)
+    assert reason in str(err.value)
+
+
+def test_non_object_and_bad_json_payloads():
+    with pytest.raises(JobError, match="must be a JSON object"):
+        jobs.validate_job([1, 2])
+    with pytest.raises(JobError, match="not valid JSON"):
+        jobs.validate_job("{nope")
+
+
+def test_job_id_is_deterministic_and_rq_safe(published):
+    job = _job(published[1])
+    a = jobs.job_id_for(job, "0123456789abcdef")
+    assert a == jobs.job_id_for(dict(job), "0123456789abcdef")
+    assert a == f"eval-run-a-100-{job['checkpoint_digest'][:12]}-01234567"
+    assert jobs.job_id_for({**job, "attempt": 3}, "0123456789abcdef") == a + "-r3"
+    assert jobs.strip_attempt(a + "-r3") == a
+    # characters RQ refuses are replaced, and distinct runs stay distinct
+    b = jobs.base_job_id("exp.1", 5, "f" * 64, "ab" * 8)
+    c = jobs.base_job_id("exp_1", 5, "f" * 64, "ab" * 8)
+    assert b != c and all(ch.isalnum() or ch in "_-" for ch in b)
+
+
+def test_suite_fingerprint_depends_on_suite_and_options():
+    a = jobs.suite_fingerprint("builtin:coding-v1")
+    assert a == jobs.suite_fingerprint("builtin:coding-v1")
+    assert jobs.suite_fingerprint("builtin:coding-v1", {"max_new_tokens": 16}) != a
+    with pytest.raises(JobError, match="unknown or unreadable suite"):
+        jobs.suite_fingerprint("builtin:nope")
+
+
+def test_checkpoint_outside_roots_is_refused(published, tmp_path):
+    root, ckpt = published
+    job = _job(ckpt)
+    assert jobs.check_checkpoint(job, [root])["digest"] == job["checkpoint_digest"]
+    with pytest.raises(JobError, match="outside the checkpoint roots"):
+        jobs.check_checkpoint(job, [tmp_path])
+
+
+def test_symlink_escape_is_refused(published, tmp_path):
+    _, ckpt = published
+    inside = tmp_path / "root"
+    inside.mkdir()
+    link = inside / "step-00000100"
+    link.symlink_to(ckpt, target_is_directory=True)
+    job = {**_job(ckpt), "checkpoint": str(link)}
+    with pytest.raises(JobError, match="resolves to .* outside the checkpoint roots"):
+        jobs.check_checkpoint(job, [inside])
+
+
+def test_file_symlink_escape_inside_a_checkpoint_is_refused(tmp_path):
+    root = tmp_path / "root"
+    ckpt = publish_random(root, "run-s", 7)
+    outside = tmp_path / "elsewhere.safetensors"
+    os.replace(ckpt / "model.safetensors", outside)
+    (ckpt / "model.safetensors").symlink_to(outside)
+    job = jobs.make_job(ckpt, suite="builtin:coding-v1")
+    jobs.check_checkpoint(job, [root])  # cheap enqueue-side check passes (marker only)
+    with pytest.raises(JobError, match="outside the checkpoint roots"):
+        jobs.check_checkpoint(job, [root], verify_digest=True)
+
+
+def test_missing_marker_and_digest_mismatch(tmp_path):
+    root = tmp_path / "root"
+    ckpt = publish_random(root, "run-m", 3)
+    job = jobs.make_job(ckpt, suite="builtin:coding-v1")
+    with pytest.raises(JobError, match="digest in COMPLETE.json .* differs"):
+        jobs.check_checkpoint({**job, "checkpoint_digest": "0" * 64}, [root])
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(JobError, match="digest mismatch"):
+        jobs.check_checkpoint(job, [root], verify_digest=True)
+    (ckpt / "COMPLETE.json").unlink()
+    with pytest.raises(JobError, match="COMPLETE.json"):
+        jobs.check_checkpoint(job, [root])
+    with pytest.raises(JobError, match="does not exist"):
+        jobs.check_checkpoint({**job, "checkpoint": str(root / "nope")}, None)
+
+
+def test_configured_roots_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(jobs.ROOTS_ENV, f"{tmp_path}/a{os.pathsep}{tmp_path}/b")
+    assert jobs.configured_roots() == [tmp_path / "a", tmp_path / "b"]
+    assert jobs.configured_roots([tmp_path]) == [tmp_path]
+    monkeypatch.delenv(jobs.ROOTS_ENV)
+    assert jobs.configured_roots() is None
+
+
+def test_pin_and_unpin(tmp_path):
+    ckpt = publish_random(tmp_path, "run-p", 1)
+    from dflash_train.checkpoint import is_pinned
+
+    assert jobs.pin(ckpt, "eval-run-p-1-abc") and is_pinned(ckpt)
+    assert jobs.unpin(ckpt, "eval-run-p-1-abc") and not is_pinned(ckpt)
+    assert jobs.pin(tmp_path / "missing", "x") is False  # never raises

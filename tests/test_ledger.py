@@ -1,0 +1,115 @@
+"""The results ledger: atomic, idempotent per attempt, latest pointer, Redis index."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+
+from eval_worker.ledger import Ledger, LedgerError, read_record, tau_of
+
+DIGEST = "ab" * 32
+
+
+def _job(step=100, attempt=0, run="run-a"):
+    return {"schema": "dflash-eval-job/1", "run_id": run, "step": step, "checkpoint": f"/ck/{run}/step-{step:08d}",
+            "checkpoint_digest": DIGEST, "suite": "builtin:coding-v1", "attempt": attempt}
+
+
+def _result(tau, fp="fp0123456789abcd"):
+    return {"schema": "dflash-eval-result/1", "suite": {"name": "coding", "version": "1", "fingerprint": fp},
+            "tau": {"macro": tau, "pooled": tau, "ci95": [tau - 0.1, tau + 0.1]}}
+
+
+def test_write_layout_and_read_back(tmp_path):
+    ledger = Ledger(tmp_path)
+    path, record, created = ledger.write(job=_job(), job_id="eval-a", result=_result(2.5))
+    assert created
+    assert path == tmp_path / "run-a" / "step-00000100" / "fp0123456789abcd" / "attempt-0.json"
+    assert read_record(path) == record and tau_of(record) == 2.5
+    assert record["job"]["checkpoint_digest"] == DIGEST and record["job_id"] == "eval-a"
+    latest = json.loads((path.parent / "latest.json").read_text())
+    assert latest["attempt"] == 0 and latest["path"] == "attempt-0.json"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]  # no temporary left
+
+
+def test_same_attempt_is_recorded_once(tmp_path):
+    ledger = Ledger(tmp_path)
+    p1, r1, c1 = ledger.write(job=_job(), job_id="eval-a", result=_result(2.5))
+    p2, r2, c2 = ledger.write(job=_job(), job_id="eval-a", result=_result(9.9))
+    assert (c1, c2) == (True, False)
+    assert p1 == p2 and r2 == r1 and tau_of(read_record(p1)) == 2.5  # the first record wins, untouched
+    assert ledger.find_job(_job(), "eval-a")[0] == p1
+    assert ledger.find_job(_job(), "eval-other") is None
+
+
+def _race(root, tau, queue):
+    path, record, created = Ledger(root).write(job=_job(), job_id="eval-a", result=_result(tau))
+    queue.put((created, tau_of(record)))
+
+
+def test_concurrent_writers_of_one_attempt_record_it_once(tmp_path):
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(tmp_path, 1.0 + i, q)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    outcomes = [q.get(timeout=5) for _ in procs]
+    assert sum(created for created, _ in outcomes) == 1
+    winner = next(t for created, t in outcomes if created)
+    assert {t for _, t in outcomes} == {winner}  # every writer got the one record back
+    assert len(list(tmp_path.rglob("attempt-*.json"))) == 1
+
+
+def test_attempts_latest_and_best(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.write(job=_job(100), job_id="j100", result=_result(2.0))
+    ledger.write(job=_job(200), job_id="j200", result=_result(3.0))
+    ledger.write(job=_job(300), job_id="j300", result=_result(2.5))
+    ledger.write(job=_job(200, attempt=1), job_id="j200-r1", result=_result(3.2))
+    entries = ledger.entries("run-a")
+    assert [(e.step, e.attempt) for e in entries] == [(100, 0), (200, 1), (300, 0)]
+    assert len(ledger.entries("run-a", all_attempts=True)) == 4
+    latest_200 = json.loads((ledger.record_dir("run-a", 200, "fp0123456789abcd") / "latest.json").read_text())
+    assert latest_200["attempt"] == 1
+    assert ledger.latest("run-a")["step"] == 300
+    best = ledger.best("run-a")
+    assert (best["step"], best["attempt"], tau_of(best)) == (200, 1, 3.2)
+    assert ledger.runs() == ["run-a"]
+
+
+def test_redis_index_and_reindex(tmp_path, redis_url):
+    from eval_worker.redis_local import connect
+
+    conn = connect(redis_url)
+    ledger = Ledger(tmp_path, connection=conn)
+    ledger.write(job=_job(100), job_id="eval-x", result=_result(2.0))
+    ledger.write(job=_job(100, attempt=2), job_id="eval-x-r2", result=_result(2.4))
+    ledger.write(job=_job(100, attempt=1), job_id="eval-x-r1", result=_result(2.2))  # older attempt, later write
+    s = ledger.lookup("run-a", 100, "fp0123456789abcd")
+    assert (s["attempt"], s["tau"]) == (2, 2.4)  # newest attempt wins, whatever the write order
+    assert ledger.lookup_job("eval-x")["attempt"] == 2
+    assert [x["step"] for x in ledger.indexed("run-a")] == [100]
+    conn.flushall()
+    assert ledger.lookup("run-a", 100, "fp0123456789abcd") is None
+    assert ledger.reindex() == 3
+    assert ledger.lookup("run-a", 100, "fp0123456789abcd")["attempt"] == 2
+
+
+def test_names_that_would_escape_the_results_dir_are_refused(tmp_path):
+    ledger = Ledger(tmp_path)
+    with pytest.raises(LedgerError, match="cannot name a ledger directory"):
+        ledger.write(job=_job(run="../x"), job_id="j", result=_result(1.0))
+    with pytest.raises(LedgerError, match="cannot name a ledger directory"):
+        ledger.write(job=_job(), job_id="j", result=_result(1.0, fp="../../x"))
+    with pytest.raises(LedgerError, match="no suite.fingerprint"):
+        ledger.write(job=_job(), job_id="j", result={"tau": {}})
+
+
+def test_unreadable_record_is_a_clear_error(tmp_path):
+    bad = tmp_path / "attempt-0.json"
+    bad.write_text("{not json")
+    with pytest.raises(LedgerError, match="unreadable"):
+        read_record(bad)
