@@ -344,8 +344,10 @@ def publish_in_child(run_id: str, target: WandbTarget, *, results_dir=None, redi
         proc.communicate()
         raise SinkError(f"W&B publication for {run_id!r} timed out after {timeout_s:.0f}s (killed)") from None
     if proc.returncode != 0:
-        tail = "\n".join(err.strip().splitlines()[-5:])
-        raise SinkError(f"W&B publication for {run_id!r} failed (exit {proc.returncode}): {tail}")
+        lines = err.strip().splitlines()
+        reason = next((ln[len("error: "):] for ln in reversed(lines) if ln.startswith("error: ")), None)
+        raise SinkError(f"W&B publication for {run_id!r} failed (exit {proc.returncode}): "
+                        + (reason or " | ".join(lines[-3:]) or "no output"))
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
 
@@ -358,7 +360,14 @@ def _main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = json.loads(args.target)
     target = target_from(cfg, mode=cfg.get("mode"), root=cfg.get("root"))
-    info = publish_run(args.run, target, results_dir=args.results, redis_url=os.environ.get("DFLASH_SINK_REDIS_URL"))
+    try:
+        info = publish_run(args.run, target, results_dir=args.results,
+                           redis_url=os.environ.get("DFLASH_SINK_REDIS_URL"))
+    except Exception as e:  # one line for the parent's log; the details stay in W&B's debug logs
+        from eval_worker.redis_local import redact_url
+
+        print("error: " + redact_url(f"{type(e).__name__}: {e}").replace("\n", " "), file=sys.stderr)
+        return 1
     print(json.dumps(info))
     return 0
 
