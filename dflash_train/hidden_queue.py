@@ -48,7 +48,7 @@ class QueueHealth:
     producer_wait_s: float = 0.0
     producer_total_s: float = 0.0
     slots_in_use: int = 0
-    slots_in_use_sum: int = 0  # sampled at each take
+    slots_in_use_sum: int = 0  # sampled at each release
     takes: int = 0
 
     @property
@@ -169,17 +169,14 @@ class HiddenStateQueue:
             with self._cv:
                 while not self._ready and not self._exhausted and self._error is None:
                     self._cv.wait()
-                if self._error is not None:
-                    raise RuntimeError(f"hidden-state producer failed: {self._error!r}") from self._error
-                if not self._ready:
+                if not self._ready:  # batches filled before a producer failure are still delivered
+                    if self._error is not None:
+                        raise RuntimeError(f"hidden-state producer failed: {self._error!r}") from self._error
                     raise StopIteration
                 slot = self._ready.popleft()
                 self._in_use.add(slot.index)
-                in_use = len(self._in_use) + len(self._ready)
             if self._cuda:
                 torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
-            self.health.slots_in_use = in_use
-            self.health.slots_in_use_sum += in_use
         self.health.takes += 1
         self.health.consumer_wait_s += time.perf_counter() - t
         self.health.consumer_total_s = time.perf_counter() - self._t0
@@ -193,8 +190,6 @@ class HiddenStateQueue:
         with torch.no_grad():
             self._fill_slot(slot, item, None)
         self._in_use.add(slot.index)
-        self.health.slots_in_use = 1
-        self.health.slots_in_use_sum += 1
         return slot
 
     def release(self, slot: Slot) -> None:
@@ -202,6 +197,9 @@ class HiddenStateQueue:
         with self._cv:
             if slot.index not in self._in_use:
                 raise RuntimeError(f"slot {slot.index} released but not taken")
+            in_use = len(self.slots) - len(self._free)  # filling + ready + held, sampled at release
+            self.health.slots_in_use = in_use
+            self.health.slots_in_use_sum += in_use
             self._in_use.discard(slot.index)
             if self._cuda:
                 slot.free_event.record(torch.cuda.current_stream(self.device))

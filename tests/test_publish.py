@@ -110,7 +110,7 @@ def test_a_reader_polling_during_saves_never_loads_a_partial_checkpoint(tmp_path
     assert len(list_checkpoints(run)) == 8
     assert seen["loaded"] == {f"step-{s:08d}" for s in range(1, 9)}
     assert seen["polls"] > 8
-    print("refused", seen["refused"], "polls", seen["polls"])
+    assert seen["refused"] > 0  # it did look while publications were in flight
 
 
 def test_async_publisher_snapshots_on_submit_and_calls_back_after_the_marker(tmp_path):
