@@ -1,0 +1,29 @@
+"""One rank of the 2-process DDP test (run by torchrun from tests/test_train_ddp.py)."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+torch.set_num_threads(1)
+
+from dflash_train import distributed as dist_util  # noqa: E402
+from dflash_train.trainer import Trainer  # noqa: E402
+from tests.train_helpers import small_config, target_and_examples  # noqa: E402
+
+
+def main(out: str) -> None:
+    info = dist_util.init_distributed("cpu")
+    target, examples = target_and_examples()
+    cfg = small_config(Path(out), **json.loads(sys.argv[2]))
+    trainer = Trainer(cfg, target=target, examples=list(examples), dist_info=info)
+    summary = trainer.train()
+    torch.save({k: v.clone() for k, v in trainer.drafter.state_dict().items()}, Path(out) / f"rank{info.rank}.pt")
+    (Path(out) / f"rank{info.rank}.json").write_text(json.dumps({"losses": summary.losses, "step": summary.step,
+                                                                 "checkpoints": summary.checkpoints}))
+    dist_util.shutdown(info)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
