@@ -1,0 +1,35 @@
+"""`dflash-eval report --run RUN`: the local HTML report of a run's evaluations."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "write a self-contained HTML report (and PNGs) of a training run's evaluations"
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--steps must be comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="training run id")
+    p.add_argument("--out", help="output directory (default: ./reports/<run>)")
+    p.add_argument("--results", help="results (ledger) directory; default: the worker's")
+    p.add_argument("--steps", type=_steps, help="checkpoints shown in detail, e.g. 100,400 (default: first, best, latest)")
+    p.add_argument("--suite", help="suite shown in detail (default: the one with the most evaluations)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from eval_worker.report import build_report
+    from eval_worker.run_results import ResultsError
+
+    try:
+        path = build_report(args.run, results_dir=args.results, out_dir=args.out, steps=args.steps, suite=args.suite)
+    except ResultsError as e:
+        print(f"dflash-eval report: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path.resolve()}")
+    return 0
