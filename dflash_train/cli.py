@@ -10,9 +10,8 @@ import dataclasses
 import json
 import logging
 import sys
-import typing
 
-from .train_config import TrainConfig, TrainConfigError, field_types, load_config
+from .train_config import TrainConfig, TrainConfigError, field_types, load_config, unwrap_optional
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,9 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     opts = p.add_argument_group("options (override the config file)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        base = args[0] if args else hint
+        base = unwrap_optional(hints[f.name])
         if base is bool:
             opts.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
         else:

@@ -5,7 +5,10 @@ Sources:
   `{"messages": [{"role", "content"}, ...]}` (last assistant turn = response) or
   `{"text": str}` (everything supervised except the first token);
 - `builtin:stdlib-code`: code prefixes cut from the Python standard library at function
-  definitions (the files the bundled tiny target trained on, its held-out files excluded).
+  definitions (the files the bundled tiny target trained on, its held-out files excluded);
+  `builtin:stdlib-instruct`: coding requests ("Write a Python function f(x) that ...") made
+  from the same files' docstrings, chat-templated like the built-in eval suite;
+  `builtin:stdlib-mix`: half of each.
 
 Prompts without a response get one from the target itself (greedy regeneration, cached
 on disk), the setup that matches inference best. Batches are a pure function of
@@ -26,6 +29,9 @@ from typing import Iterator
 import torch
 
 BUILTIN_STDLIB = "builtin:stdlib-code"
+BUILTIN_INSTRUCT = "builtin:stdlib-instruct"
+BUILTIN_MIX = "builtin:stdlib-mix"
+BUILTIN_SOURCES = (BUILTIN_STDLIB, BUILTIN_INSTRUCT, BUILTIN_MIX)
 
 
 class DataError(ValueError):
@@ -132,6 +138,53 @@ def stdlib_code_prompts(tokenizer, num_prompts: int, prompt_tokens: int = 64, sp
         ids = tokenizer(texts[fi][max(0, cut - 8 * prompt_tokens):cut], add_special_tokens=False)["input_ids"]
         ids = ids[1:][-prompt_tokens:]  # drop a possibly cut first token
         out.append(Example(ids, len(ids), name=f"{split}-{fi}-{cut}"))
+    return out
+
+
+_DOC_DEF = re.compile(r'^[ \t]*def ([a-z][a-z0-9_]*)\(([^)\n]{0,80})\)[^:\n]*:[ \t]*\n[ \t]+(?:"""|\'\'\')'
+                      r'([A-Z][^\n.]{10,120})\.', re.M)
+_ASKS = ("Write a Python function {name}({args}) that {doc}.", "Implement {name}({args}) in Python: it should {doc}.",
+         "Define a Python function {name}({args}). It should {doc}.", "In Python, write {name}({args}), which should {doc}.")
+
+
+def _verb_phrase(doc: str) -> str:
+    """'Return the sum.' -> 'return the sum' (docstrings are imperative)."""
+    return doc[0].lower() + doc[1:]
+
+
+def stdlib_instruct_prompts(tokenizer, num_prompts: int, split: str = "train", chat_template: str = "auto",
+                            stdlib_root: str | None = None) -> list[Example]:
+    """Coding requests like the built-in eval suite's, made from stdlib function docstrings.
+
+    "Write a Python function parse_header(line) that parse a Content-type like header." The
+    names and one-line docstrings come from the target's training (or held-out) files; the
+    eval suite's own prompts are never used. Chat-templated when the tokenizer has one.
+    """
+    from .assets.build_tiny_target import collect_corpus
+
+    train, heldout, _ = collect_corpus(stdlib_root)
+    texts = {"train": train, "heldout": heldout}.get(split)
+    if texts is None:
+        raise DataError(f"unknown split {split!r} (train, heldout)")
+    seen, cands = set(), []
+    for text in texts:
+        for m in _DOC_DEF.finditer(text):
+            name, args, doc = m.group(1), m.group(2), m.group(3)
+            args = ", ".join(a.split("=")[0].split(":")[0].strip() for a in args.split(",")
+                             if a.strip() and a.strip() not in ("self", "cls"))
+            if name.startswith("_") or name in seen:
+                continue
+            seen.add(name)
+            cands.append((name, args, doc))
+    if not cands:
+        raise DataError(f"no documented functions found in the {split} stdlib files")
+    step = max(len(cands) / max(num_prompts, 1), 1.0)
+    out = []
+    for i in range(min(num_prompts, len(cands))):
+        name, args, doc = cands[int(i * step)]
+        ask = _ASKS[i % len(_ASKS)].format(name=name, args=args, doc=_verb_phrase(doc))
+        prompt, _ = encode_record(tokenizer, {"prompt": ask}, chat_template)
+        out.append(Example(prompt, len(prompt), name=f"{split}-instruct-{name}"))
     return out
 
 
@@ -253,11 +306,15 @@ def build_examples(target, data: str, *, num_prompts: int = 512, prompt_tokens: 
     if tok is None:
         raise DataError("the target has no tokenizer: cannot tokenise training data")
     eos = tok.eos_token_id
-    if data == BUILTIN_STDLIB:
-        pairs = [(ex.ids, None) for ex in stdlib_code_prompts(tok, num_prompts, prompt_tokens, "train")]
-        names = [f"stdlib-{i}" for i in range(len(pairs))]
+    if data in BUILTIN_SOURCES:
+        n_code = {BUILTIN_STDLIB: num_prompts, BUILTIN_INSTRUCT: 0}.get(data, num_prompts // 2)
+        exs = stdlib_code_prompts(tok, n_code, prompt_tokens, "train") if n_code else []
+        if num_prompts - n_code:
+            exs += stdlib_instruct_prompts(tok, num_prompts - n_code, "train", chat_template)
+        pairs = [(ex.ids, None) for ex in exs]
+        names = [ex.name for ex in exs]
     elif data.startswith("builtin:"):
-        raise DataError(f"unknown builtin data source {data!r} (known: {BUILTIN_STDLIB})")
+        raise DataError(f"unknown builtin data source {data!r} (known: {', '.join(BUILTIN_SOURCES)})")
     else:
         recs = load_records(data)
         pairs, names = [], []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,11 +160,17 @@ def field_types(cls=TrainConfig) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def unwrap_optional(hint):
+    """`int | None` -> int; other hints unchanged."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint
+
+
 def _coerce(cls, name: str, value: Any) -> Any:
     """YAML/flags give strings and ints; turn them into the field's type."""
-    hint = field_types(cls)[name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if args else hint
+    base = unwrap_optional(field_types(cls)[name])
     if value is None:
         return None
     origin = typing.get_origin(base)

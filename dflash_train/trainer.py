@@ -350,6 +350,7 @@ class Trainer:
                 self.step += 1
                 self.data_position = meta.position + 1
                 tokens_local += meta.tokens
+                metrics["tokens"] = meta.tokens  # this rank's real target tokens in the step
                 summary.losses.append(metrics["loss"])
                 recent.append(metrics)
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
