@@ -1,0 +1,19 @@
+"""Optional W&B logging from the trainer: offline, keyed by train/step."""
+from dflash_train.trainer import Trainer
+
+from .train_helpers import small_config, target_and_examples
+from .wandb_reader import find_run_files, read_run
+
+
+def test_trainer_logs_train_metrics_offline(tmp_path, wandb_offline):
+    target, examples = target_and_examples()
+    cfg = small_config(tmp_path, max_steps=4, log_every=2, wandb=True, wandb_project="p", run_id="wb-run")
+    Trainer(cfg, target=target, examples=list(examples)).train()
+    files = find_run_files(wandb_offline)
+    assert len(files) == 1
+    run = read_run(files[0])
+    assert run.group == "wb-run" and run.job_type == "train"
+    loss = run.points("train/loss")
+    assert sorted(loss) == [2, 4] and all(v > 0 for v in loss.values())
+    assert set(run.points("train/acc")) == {2, 4} and set(run.points("train/tokens_per_s")) == {2, 4}
+    assert any(m["glob_name"] == "train/*" and m["step_metric"] == "train/step" for m in run.metrics)
