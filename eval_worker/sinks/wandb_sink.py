@@ -303,7 +303,17 @@ def publish_run(run_id: str, target: WandbTarget, *, results_dir=None, redis_url
                 info = {**current, "skipped": "up to date"}
             else:
                 info = rebuild_offline(run_id, results, target)
-        return {**info, **held, "unlocked_at": time.time()}
+        held["unlocked_at"] = time.time()
+        _append_log(target.root / f"{eid}.publications.jsonl", {
+            **held, "pid": os.getpid(), "mode": target.mode, "skipped": bool(info.get("skipped")),
+            "records": info.get("records", [])})
+        return {**info, **held}
+
+
+def _append_log(path: Path, entry: dict) -> None:
+    """One line per publication (an audit trail; written while the lock is held)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry) + "\n")
 
 
 def saved_identity(run_id: str, root: Path) -> dict:
