@@ -140,7 +140,8 @@ class Evaluator:
         validation = None
         if opts.validate:
             with _timer(timings, "validation"):
-                validation = self.validate(drafter, refs, main.scores, max_new, eos)
+                validation = self.validate(drafter, refs, [sc.online.accept_lengths for sc in main.scores],
+                                           max_new, eos)
         with _timer(timings, "speed"):
             speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
         timings["total"] = time.perf_counter() - t_start
@@ -148,13 +149,12 @@ class Evaluator:
                               train_metrics if train_metrics is not None else info.train_metrics, timings,
                               max_new, eos, lookahead)
 
-    def validate(self, drafter: DFlashDrafter, refs: list[Reference], scores: list[PromptScore], max_new: int,
+    def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
                  eos: int | None) -> dict:
         """Run the real draft-verify loop on every prompt and compare step by step with the replay."""
         mismatched, token_mismatch, steps = [], [], 0
-        for ref, sc in zip(refs, scores):
+        for ref, replay in zip(refs, replays):
             real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos)
-            replay = sc.online.accept_lengths
             steps += len(real.accept_lengths)
             if real.accept_lengths != replay:
                 first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay)) if a != b),

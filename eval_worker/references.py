@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dflash_train.speculative import greedy_generate
-from dflash_train.target import Target
+from dflash_train.target import Target, _cache_kwarg
 
 DEFAULT_LOOKAHEAD = 31  # enough for block sizes up to 32
 
@@ -92,10 +92,10 @@ def greedy_extend(target: Target, ids: list[int], n: int) -> list[int]:
     cache = DynamicCache(config=model.config)
     inp = torch.tensor([ids], device=dev)
     out: list[int] = []
-    pos = 0
+    pos, kw = 0, _cache_kwarg(model)
     for _ in range(n):
-        logits = model(input_ids=inp, past_key_values=cache, use_cache=True,
-                       position_ids=torch.arange(pos, pos + inp.shape[1], device=dev)[None]).logits
+        logits = model(input_ids=inp, use_cache=True, position_ids=torch.arange(pos, pos + inp.shape[1], device=dev)[None],
+                       **{kw: cache}).logits
         pos += inp.shape[1]
         nxt = int(logits[0, -1].argmax())
         out.append(nxt)

@@ -1,0 +1,47 @@
+"""Drafters with real, varied acceptance for the engine tests (no trainer needed).
+
+`fit_drafter` overfits a small drafter to a few greedy references with plain
+same-position CE through `forward_blocks` (the training layout), so its drafts depend on
+context and are right often but not always: accept lengths spread over 1..B, which is
+what an exact replay test needs (a random drafter only ever gives 1).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.model import DFlashDrafter
+from dflash_train.speculative import greedy_generate
+from dflash_train.target import Target
+
+
+def references(target: Target, prompts: list[list[int]], max_new: int, eos: int | None = None) -> list[list[int]]:
+    return [p + greedy_generate(target, p, max_new, eos_token_id=eos) for p in prompts]
+
+
+def fit_drafter(target: Target, drafter: DFlashDrafter, sequences: list[list[int]], prompt_lens: list[int],
+                steps: int = 60, lr: float = 3e-3, seed: int = 0) -> DFlashDrafter:
+    """A few Adam steps of same-position CE on every response anchor of `sequences`."""
+    torch.manual_seed(seed)
+    cfg = drafter.config
+    B, embed, head = cfg.block_size, target.parts.embed_tokens, target.parts.lm_head
+    data = []
+    for seq, P in zip(sequences, prompt_lens):
+        ids = torch.tensor([seq])
+        feats = target.forward(ids, cfg.target_layer_ids).features
+        anchors = torch.arange(P, len(seq) - 1)[None]
+        pos = anchors[0, :, None] + torch.arange(B)[None]  # [N, B] absolute label positions
+        labels = torch.where(pos < len(seq), ids[0, pos.clamp(max=len(seq) - 1)], -100)
+        labels[:, 0] = -100  # slot 0 is the anchor itself, not a prediction
+        data.append((ids, feats, anchors, labels))
+    drafter.train()
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        for ids, feats, anchors, labels in data:
+            hidden = drafter.forward_blocks(embed, ids, feats, anchors, backend="sdpa")
+            logits = head(hidden[0])
+            loss = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
