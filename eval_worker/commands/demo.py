@@ -1,0 +1,180 @@
+"""`dflash-eval demo`: the whole pipeline on this machine, end to end.
+
+Starts a private Redis and an eval worker process, trains a drafter on the bundled tiny
+target with the trainer's demo config and the `EvalOnCheckpoint` hook (an eval every N
+steps), waits for the evaluations, publishes the W&B eval run (offline by default),
+writes the HTML report, prints step -> τ (95% CI) and where everything is, and stops
+everything it started, also on errors and Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+HELP = "run the end-to-end demo: Redis + worker + training with evals + W&B (offline) + HTML report"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default="demo-output", help="where checkpoints, results, W&B files and the report go "
+                                                            "(default: ./demo-output)")
+    p.add_argument("--config", default="demo", help="trainer config: a YAML file or a bundled name (default: demo)")
+    p.add_argument("--max-steps", type=int, help="override the config's training steps")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any trainer config field, e.g. --set num_prompts=64 (repeatable)")
+    p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: the config's publish_every)")
+    p.add_argument("--suite", default="builtin:coding-v1", help="eval suite (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, help="eval generation length (default: the engine's)")
+    p.add_argument("--run-id", help="training run id (default: demo-<UTC time>)")
+    p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
+    p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default=None,
+                   help="W&B mode for the eval run (default: $WANDB_MODE, else offline)")
+    p.add_argument("--wandb-project", default=os.environ.get("WANDB_PROJECT", "dflash-eval"))
+    p.add_argument("--eval-timeout", type=float, default=900, help="seconds to wait for the evaluations after training")
+
+
+def _threads() -> tuple[int, int]:
+    """(trainer, worker) CPU threads: split the cores so training and evaluation run side by side."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    trainer = max(1, cores // 2)
+    return trainer, max(1, cores - trainer)
+
+
+def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float) -> dict[str, str]:
+    from eval_worker.queue import fetch_job
+
+    deadline, status = time.monotonic() + timeout_s, {}
+    while True:
+        for jid in job_ids:
+            if status.get(jid) not in ("finished", "failed", "stopped", "canceled"):
+                status[jid] = str(fetch_job(conn, jid).get_status(refresh=True).value)
+        if all(s in ("finished", "failed", "stopped", "canceled") for s in status.values()):
+            return status
+        stack.check_workers()
+        if time.monotonic() > deadline:
+            waiting = [j for j, s in status.items() if s not in ("finished", "failed")]
+            raise TimeoutError(f"{len(waiting)} evaluation(s) still not done after {timeout_s:.0f}s: {waiting}")
+        time.sleep(1.0)
+
+
+def _print_table(rows) -> None:
+    print("\n  step |   τ (macro) | 95% CI           | τ pooled | tree τ | est. speedup")
+    print("  -----+-------------+------------------+----------+--------+-------------")
+    for r in rows:
+        t = r.result["tau"]
+        ci = t.get("ci95") or [float("nan")] * 2
+        tree = (r.result.get("tree") or {}).get("tau")
+        sp = (r.result.get("speedup") or {}).get("estimated")
+        print(f"  {r.step:>4} | {t['macro']:>11.3f} | [{ci[0]:6.3f}, {ci[1]:6.3f}] | {t.get('pooled', float('nan')):>8.3f}"
+              f" | {tree if tree is None else f'{tree:6.3f}':>6} | {'' if sp is None else f'{sp:.2f}x':>11}")
+
+
+def main(args: argparse.Namespace) -> int:
+    def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    t0 = time.monotonic()
+    from eval_worker.demo_stack import DemoStack, tail
+
+    work = Path(args.workdir).resolve()
+    paths = {k: work / k for k in ("runs", "results", "wandb", "report", "cache", "logs")}
+    for p in paths.values():
+        p.mkdir(parents=True, exist_ok=True)
+    mode = args.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+    os.environ["WANDB_MODE"] = mode  # the trainer, the worker and the sink all read it
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ["DFLASH_WANDB_DIR"] = str(paths["wandb"])
+    stack = DemoStack(work, redis_url=args.redis_url)
+    try:
+        return _run(args, stack, paths, mode, t0)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the worker and Redis the demo started", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one clear line, then cleanup
+        print(f"dflash-eval demo: {type(e).__name__}: {e}", file=sys.stderr)
+        for w in stack.workers:
+            print(f"--- {w.log_path} (last lines) ---\n{tail(w.log_path)}", file=sys.stderr)
+        return 1
+    finally:
+        stack.close()
+
+
+def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
+    from datetime import datetime, timezone
+
+    from dflash_train.train_config import load_config
+    from dflash_train.trainer import resolve_target_path, train
+    from eval_worker.redis_local import connect, redact_url
+    from eval_worker.report import build_report
+    from eval_worker.run_results import load_run
+    from eval_worker.sinks.wandb_sink import publish_run, target_from
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+
+    run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
+    trainer_threads, worker_threads = _threads()
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = value.strip()
+    config = load_config(args.config, {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
+                                       "max_steps": args.max_steps, "num_threads": trainer_threads,
+                                       "data_cache_dir": str(paths["cache"] / "train-data")})
+    every = args.eval_every or config.publish_every
+    if every % config.publish_every:
+        config = config.replace(publish_every=every)  # an eval needs a checkpoint published at that step
+    target_dir = resolve_target_path(config.target).resolve()
+    if not (target_dir / "config.json").is_file():
+        raise FileNotFoundError(f"target {target_dir} not found (the bundled tiny target is built by "
+                                f"`python -m dflash_train.assets.build_tiny_target`)")
+
+    url = stack.start_redis()
+    print(f"[demo] redis {redact_url(url)}; workdir {paths['runs'].parent}", flush=True)
+    worker_env = {"OMP_NUM_THREADS": str(worker_threads), "MKL_NUM_THREADS": str(worker_threads),
+                  "DFLASH_WANDB_DIR": str(paths["wandb"]), "WANDB_MODE": mode, "TOKENIZERS_PARALLELISM": "false"}
+    stack.start_worker("demo-worker", target=target_dir, checkpoint_root=paths["runs"], results=paths["results"],
+                       cache=paths["cache"] / "eval", env=worker_env)
+    wandb_cfg = {"project": args.wandb_project, "group": run_id, "entity": os.environ.get("WANDB_ENTITY"), "mode": mode}
+    options = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else None
+    hook = EvalOnCheckpoint(every_n_steps=every, suite=args.suite, target=target_dir, wandb=wandb_cfg,
+                            redis_url=url, options=options, train_end_timeout=60)
+    print(f"[demo] training {run_id}: {config.max_steps} steps on {config.target}, eval every {every} steps "
+          f"(trainer {trainer_threads} thread(s), worker {worker_threads})", flush=True)
+    t_train = time.monotonic()
+    train(config, callbacks=[hook])
+    print(f"[demo] training done in {time.monotonic() - t_train:.0f}s; waiting for the evaluations", flush=True)
+    stack.check_workers()
+    job_ids = [o.job_id for o in hook.outcomes]
+    if hook.errors:
+        print("[demo] hook: " + "; ".join(hook.errors), file=sys.stderr)
+    if not job_ids:
+        raise RuntimeError("no evaluation was enqueued: " + ("; ".join(hook.errors) or "no checkpoint published"))
+    conn = connect(url)
+    try:
+        status = _wait_for_jobs(conn, job_ids, stack, args.eval_timeout)
+    finally:
+        conn.close()
+    stack.stop_workers()  # the worker's sink has published after each result; stop before the final pass
+
+    info = publish_run(run_id, target_from(wandb_cfg, mode=mode, root=paths["wandb"]), results_dir=paths["results"],
+                       redis_url=url)
+    report = build_report(run_id, results_dir=paths["results"], out_dir=paths["report"] / run_id)
+    rows = [r for r in load_run(run_id, paths["results"])]
+    _print_table(rows)
+    failed = [j for j, s in status.items() if s != "finished"]
+    print(f"\n  evaluations: {len(job_ids) - len(failed)} finished, {len(failed)} failed"
+          + (f" ({', '.join(failed)}; see `dflash-eval status`)" if failed else ""))
+    print(f"  report:      {report}")
+    if info.get("mode") == "offline":
+        print(f"  W&B offline: {info['run_dir']}")
+        print(f"  to upload:   {info['sync']}")
+    elif info.get("mode") == "online":
+        print(f"  W&B online:  project {args.wandb_project}, run {info['eval_run_id']}")
+    print(f"  ledger:      {paths['results'] / run_id}")
+    print(f"  total time:  {time.monotonic() - t0:.0f}s")
+    return 0 if not failed else 1

@@ -1,0 +1,107 @@
+"""`dflash-eval demo`, shortened: a couple of training steps, one evaluation, everything real.
+
+Checks the printed τ table against the ledger, the report and W&B files, and that no
+process the demo started (worker, its children, Redis) is left running — after a normal
+run and after Ctrl-C.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.wandb_reader import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT = ["--max-steps", "2", "--eval-every", "2", "--max-new-tokens", "24",
+         "--set", "num_prompts=8", "--set", "max_new_tokens=24", "--set", "batch_size=4", "--set", "prompt_tokens=24"]
+ROW = re.compile(r"^\s+(\d+) \|\s+([\d.]+) \| \[\s*([\d.]+),\s*([\d.]+)\]", re.M)
+
+
+def _env(tmp_path: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DFLASH_HOME": str(tmp_path / "home"), "WANDB_MODE": "offline"}
+    env.pop("REDIS_URL", None)
+    return env
+
+
+def leftovers(marker: str) -> list[str]:
+    """Processes whose command line, working directory or environment mention ``marker``."""
+    found = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+            continue
+        try:
+            cmd = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (pid_dir / "environ").read_bytes().decode(errors="replace")
+            cwd = os.readlink(pid_dir / "cwd")
+        except (OSError, PermissionError):
+            continue
+        if marker in cmd or marker in env or cwd.startswith(marker):
+            found.append(f"{pid_dir.name}: {cmd[:200]}")
+    return found
+
+
+def _wait_gone(marker: str, timeout: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := leftovers(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_demo_runs_end_to_end_and_leaves_nothing_running(tmp_path, tiny_target_path):
+    work = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "eval_worker.cli", "demo", "--workdir", str(work),
+                           "--run-id", "demo-test", *SHORT], capture_output=True, text=True, env=_env(tmp_path),
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = ROW.findall(proc.stdout)
+    assert [int(r[0]) for r in rows] == [2], proc.stdout
+    step, tau, lo, hi = int(rows[0][0]), *map(float, rows[0][1:])
+    assert 1.0 <= lo <= tau <= hi <= 16.0
+
+    # the table is the ledger's
+    (record_path,) = (work / "results" / "demo-test" / "step-00000002").glob("*/attempt-0.json")
+    result = json.loads(record_path.read_text())["result"]
+    assert result["tau"]["macro"] == pytest.approx(tau, abs=5e-4)
+
+    report = work / "report" / "demo-test" / "report.html"
+    assert report.is_file() and (report.parent / "tau_vs_step.png").stat().st_size > 5000
+    assert f"report:      {report}" in proc.stdout
+
+    pointer = json.loads((work / "wandb" / "demo-test-eval.json").read_text())
+    log = read_run(pointer["wandb_file"])
+    assert log.points("eval/tau") == {2: pytest.approx(result["tau"]["macro"])}
+    assert log.points("eval/prompts/nrows")[2] == len(result["prompts"])
+    assert f"W&B offline: {pointer['run_dir']}" in proc.stdout
+
+    assert _wait_gone(str(work)) == [], "processes left behind"
+
+
+def test_demo_ctrl_c_stops_everything_it_started(tmp_path, tiny_target_path):
+    work = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "eval_worker.cli", "demo", "--workdir", str(work),
+                             "--run-id", "demo-int", *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_env(tmp_path))
+    try:
+        lines = []
+        for line in proc.stdout:  # interrupt once the worker and Redis are up and training has begun
+            lines.append(line)
+            if line.startswith("[demo] training demo-int"):
+                break
+        assert any("[demo] redis" in ln for ln in lines), "".join(lines)
+        assert leftovers(str(work)), "the worker should be running at this point"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(lines) + out
+    assert "interrupted" in out
+    assert _wait_gone(str(work)) == [], "processes left behind after Ctrl-C"
