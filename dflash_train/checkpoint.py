@@ -3,6 +3,11 @@
 Loading never unpickles (safetensors only) and checks every tensor's name, shape and
 dtype against the config before building anything, so a truncated or mismatched file
 gives one clear error instead of a half-loaded model.
+
+Publication (design.md): `publish_checkpoint` / `AsyncPublisher` write
+`<root>/<run_id>/step-<step:08d>/` atomically with a `COMPLETE.json` manifest written last;
+`read_manifest`, `verify_checkpoint`, `list_checkpoints`, pins, retention and cleanup of
+half-written directories complete the contract with the hook and the worker.
 """
 from __future__ import annotations
 

@@ -189,7 +189,9 @@ class HiddenStateQueue:
         item = next(self._items)  # StopIteration ends the stream
         with torch.no_grad():
             self._fill_slot(slot, item, None)
-        self._in_use.add(slot.index)
+        with self._cv:
+            self._free.remove(slot)
+            self._in_use.add(slot.index)
         return slot
 
     def release(self, slot: Slot) -> None:

@@ -105,3 +105,4 @@ def test_depth_0_and_depth_2_give_identical_losses(tmp_path):
     assert runs[0].losses == runs[2].losses  # bit-identical on CPU
     assert runs[0].losses[0] != runs[0].losses[-1]
     assert runs[2].queue_health["depth"] == 2
+    assert runs[0].queue_health["mean_slots_in_use"] == 1.0 and runs[2].queue_health["mean_slots_in_use"] >= 1.0
