@@ -69,3 +69,22 @@ def test_cli_trains_and_publishes(tmp_path, tiny_target_path):
     assert load_drafter(path).config.block_size == 16
     assert (tmp_path / "ck" / "cli" / "train_state" / "state-00000003.pt").is_file()
     assert "done: step 3" in proc.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_cli(tmp_path, tiny_target_path):
+    """`torchrun --nproc-per-node 2 -m dflash_train`: gloo on CPU, rank 0 publishes, ranks agree."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "-m", "dflash_train", "--config", "demo", "--max-steps", "4",
+           "--num-prompts", "16", "--max-new-tokens", "32", "--batch-size", "4", "--num-anchors", "4",
+           "--publish-every", "2", "--checkpoint-root", str(tmp_path), "--run-id", "ddp", "--no-progress",
+           "--num-threads", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from dflash_train.checkpoint import list_checkpoints
+    assert [p.name for p in list_checkpoints(tmp_path / "ddp")] == ["step-00000002", "step-00000004"]
