@@ -171,8 +171,10 @@ def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None
     if publish is None:
         return None
     try:
-        publish(record, job)
-        return None
+        outcome = publish(record, job) or {}
+        bad = [f"{name}: {info.get('error')}" for name, info in outcome.items()
+               if isinstance(info, dict) and not info.get("ok", True)]
+        return "; ".join(bad) or None
     except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
         log.warning("result sink failed for %s (kept in the ledger; `dflash-eval publish` can retry): %s",
                     record.get("job_id"), e, exc_info=True)
@@ -180,16 +182,34 @@ def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None
 
 
 def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
-    """RQ job function: evaluate one checkpoint and record the result once. JSON in, JSON out."""
+    """RQ job function: evaluate one checkpoint and record the result once. JSON in, JSON out.
+
+    A JobError (bad payload, checkpoint outside the roots, no marker, digest mismatch, ...)
+    fails the job at once, without retries: trying again cannot fix it; once the cause is
+    fixed, `dflash-eval requeue --failed` runs it again.
+    """
     from rq import get_current_job
 
+    try:
+        return _run(payload, get_current_job())
+    except JobError:
+        rq_job = get_current_job()
+        if rq_job is not None:
+            rq_job.retries_left = 0  # the worker reads this (same object) when it handles the failure
+            try:
+                rq_job.connection.hset(rq_job.key, "retries_left", 0)
+            except Exception:  # noqa: BLE001 - the in-memory value already stops the retry
+                pass
+        raise
+
+
+def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
     t0 = time.monotonic()
     job = jobs_mod.validate_job(payload)
     s = settings()
     if s.roots is None:
         raise JobError("this worker has no checkpoint roots configured: start it with --checkpoint-root DIR "
                        f"or set ${jobs_mod.ROOTS_ENV}; refusing to read checkpoints from arbitrary paths")
-    rq_job = get_current_job()
     connection = rq_job.connection if rq_job is not None else None
     job_id = rq_job.id if rq_job is not None else jobs_mod.job_id_for(job, "local")
     ledger = Ledger(s.results_dir, connection=connection)
@@ -214,7 +234,7 @@ def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
                        "name": os.environ.get("RQ_WORKER_ID") or (rq_job.worker_name if rq_job else None)}
         path, record, created = ledger.write(job=job, job_id=job_id, result=result, worker=worker_info)
         if created:
-            sink_error = _publish_to_sinks(record, job)
+            sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
     jobs_mod.unpin(job["checkpoint"], job_id)
     tau = ((record.get("result") or {}).get("tau") or {}).get("macro")
     return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": job["attempt"],

@@ -89,7 +89,8 @@ class WorkerProcess:
         return self.proc.pid
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def wait_registered(self, connection, timeout: float = 120.0) -> None:
@@ -142,3 +143,37 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# --- a gate in front of the real Evaluator (fault injection for the worker tests) -------------
+
+class _GatedEvaluator:
+    """The real Evaluator, but each evaluate() first logs the call to $SIDECAR_CALLS and then
+    waits until the file $SIDECAR_GATE exists, so a test can act while a job is running."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def evaluate(self, checkpoint_dir, suite, **kw):
+        calls, gate = os.environ.get("SIDECAR_CALLS"), os.environ.get("SIDECAR_GATE")
+        if calls:
+            with open(calls, "a") as fh:
+                fh.write(json.dumps({"pid": os.getpid(), "checkpoint": str(checkpoint_dir),
+                                     "worker": os.environ.get("RQ_WORKER_ID"), "t": time.time()}) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        while gate and not os.path.exists(gate):
+            time.sleep(0.05)
+        return self.inner.evaluate(checkpoint_dir, suite, **kw)
+
+
+def gated_evaluator(target, **kwargs):
+    from eval_worker.acceptance import Evaluator
+
+    return _GatedEvaluator(Evaluator(target, **kwargs))
+
+
+def read_calls(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

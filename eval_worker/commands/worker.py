@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
     from eval_worker.queue import queue_name
     from eval_worker.worker import WorkerSettings, serve, worker_name
 
@@ -62,6 +64,8 @@ def main(args: argparse.Namespace) -> int:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001
         return fail(str(e))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     name = args.name or worker_name()
     print(f"worker {name} serving {', '.join(queues)} on {url}; results in {settings.results_dir}; "
           f"roots {os.pathsep.join(map(str, settings.roots))}", flush=True)

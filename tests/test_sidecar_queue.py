@@ -1,0 +1,164 @@
+"""The eval queue against a real redis-server: JSON payloads, dedupe, force, priorities, cancel, CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from eval_worker import jobs
+from eval_worker.cli import main as cli
+from eval_worker.jobs import JobError
+from eval_worker.ledger import Ledger
+from eval_worker.queue import QueueConfig, cancel, enqueue, fetch_job, get_queue, status
+from eval_worker.redis_local import connect
+from tests.sidecar_support import REPO_ROOT, publish_random
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("roots")
+    return root, [publish_random(root, "run-q", step, seed=step) for step in (100, 200)]
+
+
+@pytest.fixture
+def conn(redis_url):
+    c = connect(redis_url)
+    yield c
+    c.close()
+
+
+def _job(path, **kw):
+    return jobs.make_job(path, suite="builtin:coding-v1", **kw)
+
+
+def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
+    root, (c100, _) = ckpts
+    out = enqueue(conn, _job(c100), roots=[root])
+    raw = conn.hgetall(f"rq:job:{out.job_id}")
+    data = zlib.decompress(raw[b"data"])
+    assert not data.startswith(b"\x80")  # a pickle would start with the PROTO opcode
+    func, instance, args, kwargs = json.loads(data)
+    assert func == "eval_worker.worker.run_eval_job" and instance is None and kwargs == {}
+    assert args[0]["schema"] == jobs.SCHEMA and args[0]["checkpoint"] == str(c100)
+    assert json.loads(raw[b"meta"])["run_id"] == "run-q"
+    assert int(raw[b"timeout"]) == QueueConfig().job_timeout
+    assert int(raw[b"failure_ttl"]) == QueueConfig().failure_ttl and int(raw[b"result_ttl"]) == QueueConfig().result_ttl
+    job = fetch_job(conn, out.job_id)
+    assert job.retries_left == QueueConfig().retry_max and job.retry_intervals == QueueConfig().retry_intervals
+    assert (root / "run-q" / "step-00000100" / ".pins" / out.job_id).exists()  # kept from retention
+
+
+def test_same_evaluation_twice_is_a_noop_that_says_so(conn, ckpts):
+    root, (c100, _) = ckpts
+    first = enqueue(conn, _job(c100))
+    second = enqueue(conn, _job(c100))
+    assert (first.status, second.status) == ("enqueued", "duplicate")
+    assert second.job_id == first.job_id and "already queued" in second.message
+    assert get_queue(conn, "dflash-eval").count == 1
+
+
+def test_force_evaluates_again_under_a_new_attempt(conn, ckpts):
+    root, (c100, _) = ckpts
+    first = enqueue(conn, _job(c100))
+    forced = [enqueue(conn, _job(c100), force=True) for _ in range(2)]
+    assert [f.status for f in forced] == ["enqueued", "enqueued"]
+    assert [f.job_id for f in forced] == [first.job_id + "-r1", first.job_id + "-r2"]
+    assert [f.job["attempt"] for f in forced] == [1, 2]
+    assert get_queue(conn, "dflash-eval").count == 3
+
+
+def test_recorded_in_ledger_is_not_enqueued_again(conn, ckpts, tmp_path):
+    root, (c100, _) = ckpts
+    job = _job(c100)
+    fp = jobs.suite_fingerprint(job["suite"])
+    job_id = jobs.job_id_for(job, fp)
+    Ledger(tmp_path, connection=conn).write(job=job, job_id=job_id, result={
+        "suite": {"fingerprint": fp}, "tau": {"macro": 2.75}})
+    out = enqueue(conn, job)
+    assert out.status == "evaluated" and "τ=2.750" in out.message and "--force" in out.message
+    assert get_queue(conn, "dflash-eval").count == 0
+    assert enqueue(conn, job, force=True).status == "enqueued"
+
+
+def test_priorities_use_their_own_queues(conn, ckpts):
+    _, (c100, c200) = ckpts
+    enqueue(conn, _job(c100, priority="high"))
+    enqueue(conn, _job(c200, priority="low"))
+    assert status(conn)["queues"] == {"dflash-eval-high": 1, "dflash-eval": 0, "dflash-eval-low": 1}
+
+
+def test_invalid_jobs_never_reach_redis(conn, ckpts, tmp_path):
+    root, (c100, _) = ckpts
+    with pytest.raises(JobError, match="outside the checkpoint roots"):
+        enqueue(conn, _job(c100), roots=[tmp_path])
+    unpublished = root / "run-q" / "step-00000300"
+    unpublished.mkdir()
+    with pytest.raises(JobError, match="COMPLETE.json"):
+        enqueue(conn, {**_job(c100), "checkpoint": str(unpublished), "step": 300})
+    with pytest.raises(JobError, match="unknown job schema version"):
+        enqueue(conn, {**_job(c100), "schema": "dflash-eval-job/0"})
+    assert not conn.keys("rq:job:*")
+
+
+def test_cancel_a_queued_job(conn, ckpts):
+    root, (c100, _) = ckpts
+    out = enqueue(conn, _job(c100))
+    assert "canceled" in cancel(conn, out.job_id)
+    assert fetch_job(conn, out.job_id).get_status().value == "canceled"
+    assert get_queue(conn, "dflash-eval").count == 0
+    assert not (root / "run-q" / "step-00000100" / ".pins" / out.job_id).exists()
+    with pytest.raises(JobError, match="nothing to cancel"):
+        cancel(conn, out.job_id)
+    with pytest.raises(JobError, match="no job"):
+        cancel(conn, "eval-nope")
+
+
+def test_rq_info_shows_our_queues(conn, ckpts, redis_url):
+    _, (c100, c200) = ckpts
+    enqueue(conn, _job(c100))
+    enqueue(conn, _job(c200))
+    out = subprocess.run([sys.executable, "-m", "rq.cli", "info", "--url", redis_url],
+                         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("dflash-eval "))
+    assert " 2, 0 executing, 0 finished, 0 failed" in line, out.stdout
+
+
+def test_cli_enqueue_status_cancel(redis_url, ckpts, capsys):
+    root, (c100, c200) = ckpts
+    assert cli(["enqueue", str(c100), str(c200), "--redis-url", redis_url, "--checkpoint-root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert [ln.split()[0] for ln in out.splitlines()] == ["enqueued", "enqueued"]
+    assert cli(["enqueue", str(c100), "--redis-url", redis_url]) == 0
+    assert "already queued" in capsys.readouterr().out
+    assert cli(["enqueue", str(root / "run-q"), "--redis-url", redis_url]) == 2
+    assert "COMPLETE.json" in capsys.readouterr().out
+    assert cli(["status", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "dflash-eval=2" in out and "failed (0)" in out
+    job_id = jobs.job_id_for(_job(c100), jobs.suite_fingerprint("builtin:coding-v1"))
+    assert cli(["cancel", job_id, "--redis-url", redis_url]) == 0
+    assert "canceled" in capsys.readouterr().out
+    assert cli(["status", "--json", "--redis-url", redis_url]) == 0
+    assert json.loads(capsys.readouterr().out)["queues"]["dflash-eval"] == 1
+
+
+def test_cli_never_prints_the_password(redis_server, capsys):
+    url = f"redis://:hunter2-secret@127.0.0.1:{redis_server.port}/0"
+    code = cli(["status", "--redis-url", url])
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "hunter2-secret" not in text
+    if code != 0:  # this server has no password: AUTH is refused, with the URL redacted
+        assert "***" in text
+
+
+def test_requeue_run_needs_known_steps(redis_url, capsys):
+    assert cli(["requeue", "--run", "nope", "--all", "--redis-url", redis_url]) == 2
+    assert "no enqueued jobs" in capsys.readouterr().err
+    assert cli(["requeue", "--redis-url", redis_url]) == 2
+    assert cli(["requeue", "--failed", "--redis-url", redis_url]) == 0
+    assert "no failed jobs" in capsys.readouterr().out
