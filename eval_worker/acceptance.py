@@ -30,7 +30,7 @@ from .cache import CacheReport, DiskCache, MemoryLRU, digest
 from .checkpoint_source import CheckpointInfo, open_drafter
 from .diagnostics import Facts, diagnose
 from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
-from .references import DEFAULT_LOOKAHEAD, LocalReferences, Reference, ReferenceError
+from .references import LocalReferences, Reference, ReferenceError
 from .result import EvalResult, PromptResult
 from .scoring import PromptScore, Summary, score_prompt, summarize
 from .speed import measure_step_costs
@@ -129,7 +129,7 @@ class Evaluator:
         max_new = opts.max_new_tokens or suite.max_new_tokens
         eos = self._eos(opts)
         B_max = max(drafter.config.block_size, base[0].config.block_size if base else 0)
-        lookahead = max(DEFAULT_LOOKAHEAD, B_max - 1)
+        lookahead = B_max - 1  # what the last verify step of the real loop can look at
         with _timer(timings, "references"):
             refs = self._references(suite, prompts, max_new, eos, lookahead, report)
         main = self._run(drafter, refs, suite, opts, report, timings)
@@ -197,7 +197,7 @@ class Evaluator:
         for p in self._bar(prompts, "references"):
             slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity()})
             key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
-                   "max_new_tokens": max_new, "eos_token_id": eos, "lookahead": lookahead, "source": src.identity()}
+                   "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity()}
             look = self.disk.get_json("references", slot, key)
             ref = None
             if look.status == "hit":
@@ -205,6 +205,12 @@ class Evaluator:
                     ref = Reference.from_dict(look.value)
                 except (KeyError, TypeError, ValueError) as e:
                     look.status, look.note = "corrupt", f"bad reference record ({e})"
+                else:
+                    if ref.lookahead_requested < lookahead:  # a longer lookahead serves any shorter need
+                        look.status, look.note = "mismatch", f"lookahead {ref.lookahead_requested} -> {lookahead}"
+                        ref = None
+                    else:
+                        ref.lookahead = ref.lookahead[:lookahead]
             if ref is None:
                 ref = src.generate(p.name, p.ids, max_new, eos, lookahead)
                 if not ref.tokens:

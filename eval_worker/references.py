@@ -22,8 +22,6 @@ import torch
 from dflash_train.speculative import greedy_generate
 from dflash_train.target import Target, _cache_kwarg
 
-DEFAULT_LOOKAHEAD = 31  # enough for block sizes up to 32
-
 
 class ReferenceError(RuntimeError):
     """Reference completions could not be obtained; the message says why."""
@@ -37,6 +35,7 @@ class Reference:
     lookahead: list[int]
     finish: str  # "eos" | "length"
     source: str  # "local" | "server:<url>"
+    lookahead_requested: int = 0  # a server may return fewer; this many serve any block size up to it + 1
 
     @property
     def ext(self) -> list[int]:
@@ -49,7 +48,8 @@ class Reference:
     def from_dict(cls, d: dict[str, Any]) -> "Reference":
         return cls(name=str(d["name"]), prompt_ids=[int(i) for i in d["prompt_ids"]],
                    tokens=[int(i) for i in d["tokens"]], lookahead=[int(i) for i in d["lookahead"]],
-                   finish=str(d["finish"]), source=str(d["source"]))
+                   finish=str(d["finish"]), source=str(d["source"]),
+                   lookahead_requested=int(d.get("lookahead_requested", len(d["lookahead"]))))
 
 
 def split_at_eos(ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], list[int], str]:
@@ -78,7 +78,7 @@ class LocalReferences:
         tokens = greedy_generate(self.target, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)
         tokens, _, finish = split_at_eos(tokens, max_new_tokens, eos_token_id)
         more = greedy_extend(self.target, prompt_ids + tokens, lookahead)
-        return Reference(name, list(prompt_ids), tokens, more, finish, "local")
+        return Reference(name, list(prompt_ids), tokens, more, finish, "local", lookahead)
 
 
 @torch.no_grad()
@@ -131,7 +131,7 @@ class ServerReferences:
         data = self._post("/v1/completions", body)
         ids = token_ids_from_response(data, where=f"{self.url}/v1/completions ({name})")
         tokens, rest, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
-        return Reference(name, list(prompt_ids), tokens, rest[:lookahead], finish, self.name)
+        return Reference(name, list(prompt_ids), tokens, rest[:lookahead], finish, self.name, lookahead)
 
     def _post(self, path: str, body: dict) -> dict:
         headers = {"Content-Type": "application/json"}

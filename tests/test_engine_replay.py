@@ -65,8 +65,7 @@ def test_replay_equals_real_loop_with_eos_inside_the_reference(fitted, tmp_path)
     assert res.validation["ok"], res.validation["mismatched_prompts"]
     assert res.validation["reference_differs_from_loop"] == []
     assert any(p.finish == "eos" for p in res.prompts)
-    for p, pr in zip(prompts, res.prompts):
-        assert pr.accept_lengths == speculative_generate(target, drafter, p, 40, eos_token_id=eos).accept_lengths
+    assert res.validation["steps_checked"] == res.tau["num_steps"]  # every step compared
 
 
 def test_validation_catches_features_from_the_wrong_positions(fitted, tmp_path):

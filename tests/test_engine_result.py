@@ -1,0 +1,114 @@
+"""The result: JSON round trip, consistent numbers, baseline Δ, stride mode, diagnostics."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_train.checkpoint import save_drafter
+from eval_worker.acceptance import Evaluator
+from eval_worker.result import SCHEMA, EvalResult, ResultSchemaError
+from eval_worker.suite import Prompt, Suite
+
+from .engine_helpers import fit_drafter, references
+from .factories import drafter_for, qwen3_target
+
+TARGET = qwen3_target(seed=8)
+PROMPTS = [[5, 17, 33, 2, 61, 8], [40, 41, 9, 9, 12, 70], [3, 3, 71, 22, 8], [60, 1, 2, 3, 4, 5, 6], [11, 12]]
+SUITE = Suite("r", "1", [Prompt(f"p{i}", ids=tuple(p)) for i, p in enumerate(PROMPTS)], chat_template=False,
+              max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ck")
+    good = fit_drafter(TARGET, drafter_for(TARGET, block_size=6), references(TARGET, PROMPTS[:3], 32),
+                       [6, 6, 5], steps=30)
+    save_drafter(good, root / "good")
+    save_drafter(drafter_for(TARGET, block_size=6, seed=3), root / "random")
+    return root
+
+
+@pytest.fixture(scope="module")
+def result(ckpts):
+    return Evaluator(TARGET, None).evaluate(ckpts / "good", SUITE, baseline=ckpts / "random",
+                                            options={"tree_budget": 8, "tree_spine": True})
+
+
+def test_json_round_trip_and_schema(result):
+    text = result.to_json()
+    d = json.loads(text)
+    assert d["schema"] == SCHEMA and list(d)[0] == "schema"
+    for key in ("checkpoint", "target", "suite", "settings", "tau", "acceptance_histogram", "per_position",
+                "mean_streak_all_anchors", "tree", "speedup", "baseline", "prompts", "diagnostics", "cache",
+                "provenance"):
+        assert key in d
+    assert EvalResult.from_json(text).to_dict() == d
+    with pytest.raises(ResultSchemaError, match="understands"):
+        EvalResult.from_dict({**d, "schema": "dflash-eval-result/2"})
+    del d["tau"]
+    with pytest.raises(ResultSchemaError, match="missing \\['tau'\\]"):
+        EvalResult.from_dict(d)
+
+
+def test_numbers_agree_with_each_other(result):
+    d = result.to_dict()
+    B = d["settings"]["block_size"]
+    steps = [x for p in d["prompts"] for x in p["accept_lengths"]]
+    assert d["tau"]["num_steps"] == len(steps) == sum(d["acceptance_histogram"])
+    assert d["tau"]["pooled"] == pytest.approx(np.mean(steps))
+    assert d["tau"]["macro"] == pytest.approx(np.mean([p["tau"] for p in d["prompts"]]))
+    lo, hi = d["tau"]["ci95"]
+    assert lo <= d["tau"]["macro"] <= hi and lo < hi
+    assert len(d["per_position"]["conditional_accept"]) == len(d["per_position"]["top1_accuracy"]) == B - 1
+    assert d["tree"]["tau"] >= d["tau"]["macro"] and d["tree"]["blocks_below_top1"] == 0  # spine tree
+    assert 1.0 < d["tau"]["macro"] <= B
+    assert d["speedup"]["estimated"] > 0 and d["speedup"]["draft_verify_cost_ratio"] > 0
+    for p in d["prompts"]:  # one char span per verify step, in order, inside the text
+        spans = p["accepted_spans"]
+        assert len(spans) == len(p["accept_lengths"])
+        assert all(0 <= a <= b <= len(p["reference_text"]) for a, b in spans)
+        assert all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))
+    assert set(d["provenance"]["timings_s"]) >= {"load", "references", "features", "draft", "score", "total"}
+
+
+def test_baseline_paired_delta(result, ckpts):
+    b = result.baseline
+    taus = [p.tau for p in result.prompts]
+    btaus = [p.baseline_tau for p in result.prompts]
+    assert b["delta_tau"] == pytest.approx(np.mean(np.array(taus) - np.array(btaus)))
+    assert b["delta_tau"] == pytest.approx(result.tau["macro"] - b["tau"])
+    assert b["delta_ci95"][0] <= b["delta_tau"] <= b["delta_ci95"][1]
+    assert b["delta_tau"] > 0  # fitted beats random on the prompts it saw
+    same = Evaluator(TARGET, None).evaluate(ckpts / "good", SUITE, baseline=ckpts / "good",
+                                            options={"measure_speed": False})
+    assert same.baseline["delta_tau"] == 0 and same.baseline["delta_ci95"] == [0.0, 0.0]
+
+
+def test_stride_mode_like_the_seeds_harness(ckpts):
+    res = Evaluator(TARGET, None).evaluate(ckpts / "good", SUITE, options={
+        "mode": "stride", "max_blocks": 3, "num_prompts": 3, "measure_speed": False})
+    assert res.settings["mode"] == "stride" and len(res.prompts) == 3
+    assert all(len(p.accept_lengths) <= 3 for p in res.prompts)
+    assert res.tau["macro"] == pytest.approx(res.stride["tau"])
+    assert res.suite["num_prompts"] == 3 and res.suite["fingerprint"] != SUITE.fingerprint()
+
+
+def test_random_drafter_with_high_training_accuracy_is_a_suspected_leak(ckpts):
+    res = Evaluator(TARGET, None).evaluate(ckpts / "random", SUITE, train_metrics={"loss": 0.9, "accuracy": 0.75},
+                                           options={"measure_speed": False})
+    assert res.tau["macro"] < 1.1
+    leak = [d for d in res.errors() if d.code == "CONTEXT_LEAK_SUSPECTED"]
+    assert leak and "0.75" in leak[0].message
+    quiet = Evaluator(TARGET, None).evaluate(ckpts / "random", SUITE, train_metrics={"accuracy": 0.02},
+                                             options={"measure_speed": False})
+    assert "CONTEXT_LEAK_SUSPECTED" not in quiet.diagnostic_codes() and "TAU_NEAR_ONE" in quiet.diagnostic_codes()
+
+
+def test_dtype_and_last_layer_diagnostics(tmp_path):
+    d = drafter_for(TARGET, block_size=4, features=1)
+    d.config.target_layer_ids = [TARGET.num_layers - 1]
+    save_drafter(d, tmp_path / "d", dtype=torch.bfloat16)
+    res = Evaluator(TARGET, None).evaluate(tmp_path / "d", SUITE, options={"measure_speed": False, "num_prompts": 1})
+    codes = res.diagnostic_codes()
+    assert "DTYPE_MISMATCH" in codes and "LAST_LAYER_AS_FEATURE" in codes
