@@ -92,7 +92,7 @@ class EvalOnCheckpoint:
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.outcomes: list[Any] = []          # EnqueueOutcome of every delivered job (for callers/tests)
         self.errors: list[str] = []            # what went wrong (also logged)
-        self._last_bucket = -1                 # highest multiple of every_n_steps already evaluated
+        self._last_bucket = 0                  # highest multiple of every_n_steps already evaluated
         self._last_published: tuple[int, Path, dict] | None = None
         self._enqueued_steps: set[int] = set()
         self._deliverers: dict[Path, Deliverer] = {}

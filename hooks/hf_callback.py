@@ -80,7 +80,7 @@ class DFlashEvalCallback(TrainerCallback):
         self.hook = EvalOnCheckpoint(every_n_steps=1, **eval_kwargs)
         self.publisher = None
         self.errors: list[str] = []
-        self._last_bucket = -1
+        self._last_bucket = 0
 
     # ---- HF events -----------------------------------------------------------------
     def on_save(self, args, state, control, model=None, **kwargs):
