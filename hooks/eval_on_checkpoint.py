@@ -77,7 +77,7 @@ class EvalOnCheckpoint:
                  options: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
                  priority: str = "default", redis_url: str | None = None, eval_final: bool = True,
                  train_end_timeout: float = 30.0, connect_timeout: float = 2.0, job_timeout: int | None = None,
-                 min_backoff: float = 1.0, max_backoff: float = 60.0):
+                 min_backoff: float = 1.0, max_backoff: float = 60.0, reconcile_interval: float = 30.0):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = int(every_n_steps)
@@ -90,14 +90,18 @@ class EvalOnCheckpoint:
         self.connect_timeout = connect_timeout
         self.job_timeout = job_timeout
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.reconcile_interval = reconcile_interval
         self.outcomes: list[Any] = []          # EnqueueOutcome of every delivered job (for callers/tests)
         self.errors: list[str] = []            # what went wrong (also logged)
         self._last_bucket = 0                  # highest multiple of every_n_steps already evaluated
         self._last_published: tuple[int, Path, dict] | None = None
         self._enqueued_steps: set[int] = set()
         self._deliverers: dict[Path, Deliverer] = {}
+        self._pins: dict[str, str] = {}        # job id -> checkpoint, pinned until the job is done
         self._conn = None
         self._conn_lock = threading.Lock()
+        import eval_worker.jobs  # noqa: F401 - imported now, not on the first checkpoint step
+        import eval_worker.suite  # noqa: F401
 
     # ---- the trainer protocol ----------------------------------------------------------
     def on_checkpoint_published(self, trainer: Any, step: int, path: Path, manifest: dict) -> None:
@@ -121,6 +125,7 @@ class EvalOnCheckpoint:
                 if step not in self._enqueued_steps:
                     self.submit(path, manifest)
             self.flush(self.train_end_timeout)
+            self.release_pins()
         except Exception as e:  # noqa: BLE001
             self._note(f"eval hook failed at train end: {type(e).__name__}: {e}")
         finally:
@@ -165,6 +170,33 @@ class EvalOnCheckpoint:
                            f"`dflash-eval enqueue --outbox {d.outbox.dir}`")
         return ok
 
+    def release_pins(self) -> int:
+        """Unpin checkpoints whose jobs are done (finished, canceled, stopped, or recorded and expired).
+
+        The worker unpins after recording; this covers workers that see the checkpoints
+        read-only. Failed jobs keep their pin (they can be re-queued). Returns how many were released.
+        """
+        if not self._pins:
+            return 0
+        from rq.job import Job, JobStatus
+        from rq.serializers import JSONSerializer
+
+        from eval_worker import jobs as jobs_mod
+        from eval_worker.ledger import Ledger
+
+        conn = self._connection()
+        ids = list(self._pins)
+        done = {JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED}
+        released = 0
+        for job_id, job in zip(ids, Job.fetch_many(ids, connection=conn, serializer=JSONSerializer)):
+            gone = job is None and Ledger(connection=conn).lookup_job(jobs_mod.strip_attempt(job_id)) is not None
+            if gone or (job is not None and job.get_status(refresh=False) in done):
+                checkpoint = self._pins.pop(job_id, None)
+                if checkpoint is not None:
+                    jobs_mod.unpin(checkpoint, job_id)
+                    released += 1
+        return released
+
     def close(self) -> None:
         for d in self._deliverers.values():
             d.stop()
@@ -181,7 +213,8 @@ class EvalOnCheckpoint:
         d = self._deliverers.get(directory)
         if d is None:
             d = Deliverer(Outbox(directory), self._send, is_invalid=lambda e: not _transport_error(e),
-                          min_backoff=self.min_backoff, max_backoff=self.max_backoff).start()
+                          min_backoff=self.min_backoff, max_backoff=self.max_backoff,
+                          on_idle=self.release_pins, idle_interval=self.reconcile_interval).start()
             self._deliverers[directory] = d
         return d
 
@@ -209,6 +242,8 @@ class EvalOnCheckpoint:
                     self._conn = None
             raise
         self.outcomes.append(outcome)
+        if outcome.status in ("enqueued", "duplicate"):
+            self._pins[outcome.job_id] = job["checkpoint"]
         log.info("eval job for step %s: %s", job.get("step"), outcome.message)
         return outcome
 

@@ -160,10 +160,12 @@ class Deliverer:
 
     def __init__(self, outbox: Outbox, send: Callable[[dict[str, Any]], Any], *,
                  is_invalid: Callable[[BaseException], bool], min_backoff: float = 1.0, max_backoff: float = 60.0,
-                 on_report: Callable[[DeliveryReport], None] | None = None):
+                 on_report: Callable[[DeliveryReport], None] | None = None,
+                 on_idle: Callable[[], None] | None = None, idle_interval: float | None = None):
         self.outbox, self.send, self.is_invalid = outbox, send, is_invalid
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.on_report = on_report
+        self.on_idle, self.idle_interval = on_idle, idle_interval  # periodic housekeeping (pin release)
         self.last_report: DeliveryReport | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -184,12 +186,17 @@ class Deliverer:
     def _run(self) -> None:
         backoff = self.min_backoff
         while not self._stop.is_set():
-            self._wake.wait(timeout=None if not self.outbox.pending() else backoff)
+            self._wake.wait(timeout=self.idle_interval if not self.outbox.pending() else backoff)
             self._wake.clear()
             if self._stop.is_set():
                 break
             report = self._deliver_once()
             backoff = self.min_backoff if report.complete else min(backoff * 2, self.max_backoff)
+            if self.on_idle is not None and report.complete:
+                try:
+                    self.on_idle()
+                except Exception:  # noqa: BLE001 - housekeeping must not kill delivery
+                    log.debug("outbox housekeeping failed", exc_info=True)
 
     def _deliver_once(self) -> DeliveryReport:
         with self._idle:

@@ -5,6 +5,8 @@ import time
 
 import pytest
 
+from rq.job import JobStatus
+
 from dflash_train.checkpoint import apply_retention, is_pinned, read_manifest
 from eval_worker.jobs import JobError, make_job
 from eval_worker.queue import enqueue, get_queue, status
@@ -84,8 +86,14 @@ def test_cadence_final_checkpoint_and_pins(tmp_path, conn, redis_url):
     assert [o.status for o in hook.outcomes] == ["enqueued"] * 3 and not hook.errors
     assert all(is_pinned(ck[s]) for s in (200, 400, 500)) and not is_pinned(ck[100])
     assert not list((root / "run-h" / OUTBOX_DIRNAME).glob("*.json"))
-    job = get_queue(conn, "dflash-eval").jobs[0].args[0]
+    first = get_queue(conn, "dflash-eval").jobs[0]
+    job = first.args[0]
     assert job["requested_by"] == "hook" and job["train_metrics"]["loss"] == pytest.approx(1.2)
+    # a worker that sees the checkpoints read-only cannot unpin: the hook releases pins of finished jobs
+    first.set_status(JobStatus.FINISHED)
+    assert hook.release_pins() == 1
+    assert not is_pinned(ck[200]) and is_pinned(ck[400]) and is_pinned(ck[500])
+    hook.close()
 
 
 def test_uneven_cadence_takes_the_first_checkpoint_past_each_multiple(tmp_path, conn, redis_url):
