@@ -45,7 +45,8 @@ class DemoStack:
         self._logs.append(log)
         cmd = [sys.executable, "-m", "eval_worker.cli", "worker", "--redis-url", self.redis_url, "--name", name,
                "--target", str(target), "--checkpoint-root", str(checkpoint_root), "--results-dir", str(results),
-               "--cache-dir", str(cache), "--log-level", "INFO"]
+               "--cache-dir", str(cache), "--log-level", "INFO",
+               "--stop-timeout", "5"]  # on SIGTERM mid-job: hand the job back after 5 s, then exit
         # Own session: closing can signal the worker's whole process group (scheduler, W&B children).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                 start_new_session=True)
@@ -59,7 +60,7 @@ class DemoStack:
                 raise RuntimeError(f"eval worker exited with code {w.returncode}; last lines of "
                                    f"{w.log_path}:\n{tail(w.log_path)}")  # type: ignore[attr-defined]
 
-    def stop_workers(self, grace_s: float = 30.0) -> None:
+    def stop_workers(self, grace_s: float = 20.0) -> None:
         for w in self.workers:
             if w.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

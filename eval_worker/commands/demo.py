@@ -100,6 +100,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"--- {w.log_path} (last lines) ---\n{tail(w.log_path)}", file=sys.stderr)
         return 1
     finally:
+        # Cleanup is bounded (worker grace, then SIGKILL); a second Ctrl-C must not cut it short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.close()
 
 
