@@ -134,8 +134,11 @@ def test_cli_enqueue_status_cancel(redis_url, ckpts, capsys):
     assert [ln.split()[0] for ln in out.splitlines()] == ["enqueued", "enqueued"]
     assert cli(["enqueue", str(c100), "--redis-url", redis_url]) == 0
     assert "already queued" in capsys.readouterr().out
-    assert cli(["enqueue", str(root / "run-q"), "--redis-url", redis_url]) == 2
+    (root / "half-written").mkdir(exist_ok=True)
+    assert cli(["enqueue", str(root / "half-written"), "--redis-url", redis_url]) == 2
     assert "COMPLETE.json" in capsys.readouterr().out
+    assert cli(["enqueue", str(root / "run-q"), "--redis-url", redis_url]) == 0  # a run dir: all its checkpoints
+    assert [ln.split()[0] for ln in capsys.readouterr().out.splitlines()] == ["duplicate", "duplicate"]
     assert cli(["status", "--redis-url", redis_url]) == 0
     out = capsys.readouterr().out
     assert "dflash-eval=2" in out and "failed (0)" in out
@@ -162,3 +165,24 @@ def test_requeue_run_needs_known_steps(redis_url, capsys):
     assert cli(["requeue", "--redis-url", redis_url]) == 2
     assert cli(["requeue", "--failed", "--redis-url", redis_url]) == 0
     assert "no failed jobs" in capsys.readouterr().out
+
+
+def test_rq_dashboard_shows_our_queues_and_jobs(conn, ckpts, redis_url, monkeypatch):
+    pytest.importorskip("rq_dashboard")
+    from rq.serializers import JSONSerializer
+    from rq_dashboard import web
+    from rq_dashboard.app import create_app
+
+    _, (c100, _) = ckpts
+    out = enqueue(conn, _job(c100))
+    monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test
+    monkeypatch.setenv("RQ_DASHBOARD_REDIS_URL", redis_url)
+    monkeypatch.setenv("RQ_DASHBOARD_JSON_SERIALIZER", "true")  # `rq-dashboard --json`: our jobs are JSON
+    monkeypatch.setenv("RQ_DASHBOARD_URL_PREFIX", "")
+    client = create_app().test_client()
+    assert web.config.serializer is JSONSerializer
+    queues = client.get("/0/data/queues.json").get_json()["queues"]
+    assert {q["name"]: q["count"] for q in queues}["dflash-eval"] == 1
+    info = client.get(f"/0/data/job/{out.job_id}.json").get_json()
+    assert info["status"] == "queued" and "eval run-q step 100" in info["description"]
+    assert json.loads(info["metadata"])["run_id"] == "run-q"

@@ -95,6 +95,11 @@ def test_target_loaded_once_failures_visible_and_requeueable(ctx):
     assert rec["result"]["schema"] == "dflash-eval-result/1" and rec["job_id"] == outs[0].job_id
     assert not (ctx.ckpts[10] / ".pins" / outs[0].job_id).exists()  # released once recorded
 
+    # evaluate a finished step again by run/step: a new attempt, recorded next to the first
+    assert cli(["requeue", "--run", "run-w", "--steps", "20", "--redis-url", ctx.url]) == 0
+    assert ctx.finished(outs[1].job_id + "-r1").get_status().value == "finished"
+    assert [(e.step, e.attempt) for e in ctx.ledger.entries("run-w")] == [(10, 0), (20, 1), (30, 0)]
+
     # a checkpoint changed after enqueue: the job fails at once with the reason, the worker carries on
     weights = ctx.ckpts[40] / "model.safetensors"
     good = weights.read_bytes()
@@ -113,6 +118,7 @@ def test_target_loaded_once_failures_visible_and_requeueable(ctx):
     assert cli(["requeue", "--failed", "--redis-url", ctx.url]) == 0
     assert ctx.finished(bad.job_id).get_status().value == "finished"
     assert status(ctx.conn)["failed"] == [] and len(ctx.ledger.entries("run-w")) == 4
+    assert len(ctx.ledger.entries("run-w", all_attempts=True)) == 5
 
     # an attempt already in the ledger (its first execution died after recording) is not evaluated again
     forced = enqueue(ctx.conn, ctx.job(10), force=True)

@@ -22,7 +22,8 @@ def _option(text: str) -> tuple[str, object]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="*", metavar="CHECKPOINT_DIR",
-                        help="published checkpoint directories (with COMPLETE.json)")
+                        help="published checkpoint directories (with COMPLETE.json), or a run directory "
+                             "(all its published checkpoints)")
     parser.add_argument("--suite", default="builtin:coding-v1", help="suite: builtin:NAME or a .jsonl file")
     parser.add_argument("--target", default=os.environ.get("DFLASH_TARGET"),
                         help="target model directory as the worker sees it (default $DFLASH_TARGET, "
@@ -71,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
 
     outcomes, errors = [], []
     jobs = []
-    for path in args.checkpoints:
+    for path in _expand(args.checkpoints):
         try:
             jobs.append(make_job(path, suite=args.suite, target=args.target, baseline=args.baseline, wandb=wandb,
                                  requested_by="user", priority=args.priority, options=options or None, roots=roots))
@@ -102,6 +103,19 @@ def main(args: argparse.Namespace) -> int:
         for e in errors:
             print(f"error     {e['checkpoint']}: {e['error']}")
     return 2 if errors or any(d["remaining"] or d["rejected"] for d in delivered) else 0
+
+
+def _expand(paths: list[str]) -> list[str]:
+    """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
+    from pathlib import Path
+
+    from dflash_train.checkpoint import MARKER_NAME, list_checkpoints
+
+    out = []
+    for p in paths:
+        inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)
+        out.extend(str(c) for c in inner) if inner else out.append(p)
+    return out
 
 
 def _deliver_outbox(directory: str, conn, config) -> dict:
