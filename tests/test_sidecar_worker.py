@@ -138,6 +138,9 @@ def test_two_workers_each_job_runs_once_despite_long_jobs(ctx):
     outs = [enqueue(ctx.conn, ctx.job(s)) for s in (10, 20)]
     wait_for(lambda: len(read_calls(ctx.calls)) == 2, 60, "both jobs to start")
     assert {c["pid"] for c in read_calls(ctx.calls)} == {a.pid, b.pid}
+    running = status(ctx.conn)["running"]
+    assert sorted(r["job_id"] for r in running) == sorted(o.job_id for o in outs)
+    assert {r["worker"] for r in running} == {"w-a", "w-b"}
     time.sleep(6)  # > heartbeat interval (1 s) + grace (2 s): heartbeats keep both jobs theirs
     assert len(read_calls(ctx.calls)) == 2
     ctx.gate.touch()
