@@ -258,9 +258,9 @@ class Evaluator:
             P, n = len(ref.prompt_ids), len(ref.tokens)
             with _timer(timings, "draft"):
                 ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
-                drafts = draft_anchors(drafter, embed, head, ids, feats["features"], np.arange(P, P + n), topk=topk,
-                                       anchors_per_chunk=opts.anchors_per_chunk, head_rows=opts.head_rows,
-                                       backend=opts.backend)
+                drafts = draft_anchors(drafter, embed, head, ids, feats["features"], np.arange(P, P + n),
+                                       topk=topk, topk_slots=opts.tree_budget, anchors_per_chunk=opts.anchors_per_chunk,
+                                       head_rows=opts.head_rows, backend=opts.backend)
             with _timer(timings, "score"):
                 sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
                                   tree_spine=opts.tree_spine, max_blocks=opts.max_blocks)

@@ -14,23 +14,25 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.model import DFlashDrafter
 
 DEFAULT_QUERY_BUDGET = 2048  # block slots per drafter pass
 DEFAULT_HEAD_ROWS = 1024  # rows per LM-head chunk ([rows, vocab] is the largest temporary)
+# SDPA with a dense mask materialises [heads, queries, keys] scores: cap them (flex does not)
+DENSE_SCORE_BUDGET = 32 * 1024 * 1024
 
 
 @dataclass
 class AnchorDrafts:
-    """Per anchor: the drafter's argmax and top-k for slots 1..B-1 (column k-1 = slot k)."""
+    """Per anchor: the drafter's argmax for slots 1..B-1 (column k-1 = slot k), and top-k
+    log-probs for the first D slots (a tree of budget N is never deeper than N)."""
 
     anchors: np.ndarray  # [A] absolute positions
     argmax: np.ndarray  # [A, B-1] int64
-    topk_ids: np.ndarray | None = None  # [A, B-1, K] int64
-    topk_logp: np.ndarray | None = None  # [A, B-1, K] float32, descending
+    topk_ids: np.ndarray | None = None  # [A, D, K] int64
+    topk_logp: np.ndarray | None = None  # [A, D, K] float32, descending
 
     def select(self, rows: np.ndarray) -> "AnchorDrafts":
         pick = lambda a: None if a is None else a[rows]  # noqa: E731
@@ -58,40 +60,63 @@ def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chu
     wdtype = head.weight.dtype
     for s in range(0, rows, rows_per_chunk):
         logits = head(hidden[s:s + rows_per_chunk].to(wdtype))
-        arg[s:s + rows_per_chunk] = logits.argmax(-1).cpu()  # same op as the spec loop (ties included)
-        if topk:
-            lp = F.log_softmax(logits.float(), dim=-1)
-            v, i = lp.topk(min(topk, lp.shape[-1]), dim=-1)
-            logp[s:s + rows_per_chunk, : v.shape[1]] = v.cpu()
-            ids[s:s + rows_per_chunk, : v.shape[1]] = i.cpu()
+        if not topk:
+            arg[s:s + rows_per_chunk] = logits.argmax(-1).cpu()  # same op as the spec loop
+            continue
+        v, i = logits.topk(min(topk, logits.shape[-1]), dim=-1)
+        a = i[:, 0].clone()
+        if v.shape[1] > 1:  # an exact tie at the top: topk's pick may differ from argmax's first index
+            tied = v[:, 0] == v[:, 1]
+            if tied.any():
+                a[tied] = logits[tied].argmax(-1)
+        arg[s:s + rows_per_chunk] = a.cpu()
+        lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # log-probs of the top k only
+        logp[s:s + rows_per_chunk, : v.shape[1]] = (v.float() - lse).cpu()
+        ids[s:s + rows_per_chunk, : v.shape[1]] = i.cpu()
         del logits
     return arg, ids, logp
 
 
-def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET) -> int:
-    return max(1, query_budget // block_size)
+def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET, *, context_len: int = 0,
+                     heads: int = 1, dense: bool = False) -> int:
+    """Anchors per drafter pass.
+
+    flex skips masked tiles, so it takes the whole query budget. A dense mask pays for
+    every (block query, other block's key) pair it masks out: keep the blocks' share of
+    the keys near the context's (measured best on CPU), and cap the score matrix so peak
+    memory stays flat in the number of anchors and bounded in the context length.
+    """
+    n = max(1, query_budget // block_size)
+    if dense:
+        n = max(1, min(n, max(256, context_len) // block_size))
+        while n > 1 and heads * n * block_size * (context_len + n * block_size) > DENSE_SCORE_BUDGET:
+            n //= 2
+    return n
 
 
 @torch.no_grad()
 def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, input_ids: torch.Tensor,
                   features: torch.Tensor, anchors: list[int] | np.ndarray, *, topk: int = 0,
-                  anchors_per_chunk: int | None = None, head_rows: int = DEFAULT_HEAD_ROWS,
-                  backend: str = "auto") -> AnchorDrafts:
+                  topk_slots: int | None = None, anchors_per_chunk: int | None = None,
+                  head_rows: int = DEFAULT_HEAD_ROWS, backend: str = "auto") -> AnchorDrafts:
     """Draft the block at each anchor of one sequence.
 
     input_ids `[S]` (prompt + reference), features `[S, n*H]` from `Target.forward`.
     Anchor a's block is `[input_ids[a], MASK...]`; its context is features[:a].
+    Top-k (when topk > 0) is kept for the first `topk_slots` slots (default: all).
     """
     cfg = drafter.config
     B = cfg.block_size
+    D = B - 1 if topk_slots is None else max(0, min(topk_slots, B - 1))
     anchors = np.asarray(anchors, dtype=np.int64)
     if anchors.size and (anchors.min() < 0 or anchors.max() >= input_ids.shape[0]):
         raise ValueError(f"anchors must lie in [0, {input_ids.shape[0]})")
     dev = next(drafter.parameters()).device
     emb = _CastEmbedding(embed, drafter.fc.weight.dtype)
-    per = anchors_per_chunk or anchors_per_pass(B)
-    out_arg, out_ids, out_logp = [], [], []
     flex = backend == "flex" or (backend == "auto" and dev.type == "cuda")
+    per = anchors_per_chunk or anchors_per_pass(B, context_len=int(input_ids.shape[0]),
+                                                heads=cfg.num_attention_heads, dense=not flex)
+    out_arg, out_ids, out_logp = [], [], []
     for c in range(0, len(anchors), per):
         chunk = torch.as_tensor(anchors[c:c + per], device=dev)
         n = chunk.numel()
@@ -104,17 +129,22 @@ def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, inp
         ids = _fit(input_ids.to(dev), S)[None]
         feats = _fit(features.to(dev), S)[None]
         hidden = drafter.forward_blocks(emb, ids, feats, chunk[None], valid[None], backend=backend)
-        slots = hidden.view(-1, B, hidden.shape[-1])[:n, 1:].reshape(-1, hidden.shape[-1])
-        arg, tids, tlogp = head_topk(head, slots, topk, head_rows)
+        H = hidden.shape[-1]
+        slots = hidden.view(-1, B, H)[:n, 1:]
+        if topk and D:
+            arg_a, tids, tlogp = head_topk(head, slots[:, :D].reshape(-1, H), topk, head_rows)
+            arg_b, _, _ = head_topk(head, slots[:, D:].reshape(-1, H), 0, head_rows)
+            arg = torch.cat([arg_a.view(n, D), arg_b.view(n, B - 1 - D)], dim=1)
+            out_ids.append(tids.view(n, D, -1))
+            out_logp.append(tlogp.view(n, D, -1))
+        else:
+            arg, _, _ = head_topk(head, slots.reshape(-1, H), 0, head_rows)
         out_arg.append(arg.view(n, B - 1))
-        if topk:
-            out_ids.append(tids.view(n, B - 1, -1))
-            out_logp.append(tlogp.view(n, B - 1, -1))
         del hidden, slots
     cat = lambda xs, shape: torch.cat(xs).numpy() if xs else np.zeros(shape)  # noqa: E731
     return AnchorDrafts(anchors, cat(out_arg, (0, B - 1)).astype(np.int64),
-                        cat(out_ids, (0, B - 1, topk)).astype(np.int64) if topk else None,
-                        cat(out_logp, (0, B - 1, topk)).astype(np.float32) if topk else None)
+                        cat(out_ids, (0, D, topk)).astype(np.int64) if topk and D else None,
+                        cat(out_logp, (0, D, topk)).astype(np.float32) if topk and D else None)
 
 
 def _fit(x: torch.Tensor, length: int) -> torch.Tensor:

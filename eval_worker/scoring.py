@@ -55,7 +55,8 @@ def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDraft
 
         def tstreak(s: int) -> int:
             if s not in memo:
-                tree = build_tree(drafts.topk_logp[s], drafts.topk_ids[s], tree_budget, spine=tree_spine)
+                tree = build_tree(drafts.topk_logp[s], drafts.topk_ids[s], tree_budget, spine=tree_spine,
+                                  spine_ids=drafts.argmax[s])
                 labels = np.where(valid[s], ext_arr[np.minimum(idx[s], len(ext_arr) - 1)], -1)
                 memo[s] = tree_streak(tree, labels)
             return memo[s]

@@ -44,20 +44,25 @@ class DraftTree:
         return self.children[key]
 
 
-def build_tree(topk_logp: np.ndarray, topk_ids: np.ndarray, budget: int, *, spine: bool = False) -> DraftTree:
-    """Tree over `[D, K]` per-depth top-k (log-probs sorted descending, their token ids)."""
+def build_tree(topk_logp: np.ndarray, topk_ids: np.ndarray, budget: int, *, spine: bool = False,
+               spine_ids=None) -> DraftTree:
+    """Tree over `[D, K]` per-depth top-k (log-probs sorted descending, their token ids).
+
+    `spine_ids`: the top-1 token at every depth (may be deeper than D); default ids[:, 0].
+    """
     if budget < 0:
         raise ValueError("tree budget must be >= 0")
     logp = np.asarray(topk_logp, dtype=np.float64)
     ids = np.asarray(topk_ids)
     D, K = logp.shape
     tree = DraftTree()
-    node_of_rank0_chain = -1
+    chain = [int(t) for t in (ids[:, 0] if spine_ids is None else spine_ids)]
+    node = -1
     if spine:
-        for d in range(D):
-            node_of_rank0_chain = tree._add(node_of_rank0_chain, d + 1, int(ids[d, 0]))
+        for d, tok in enumerate(chain):
+            node = tree._add(node, d + 1, tok)
     if D == 0 or K == 0 or budget == 0:
-        tree.spine_depth = D if spine else 0
+        tree.spine_depth = len(chain) if spine else 0
         return tree
     # heap entries: (-score, tie, parent node, parent score, depth index, rank)
     heap = [(-logp[0, 0], 0, -1, 0.0, 0, 0)]
@@ -74,14 +79,14 @@ def build_tree(topk_logp: np.ndarray, topk_ids: np.ndarray, budget: int, *, spin
         if d + 1 < D:
             heapq.heappush(heap, (-(score + logp[d + 1, 0]), tie, node, score, d + 1, 0))
             tie += 1
-    tree.spine_depth = D if spine else _rank0_depth(tree, ids)
+    tree.spine_depth = _chain_depth(tree, chain)
     return tree
 
 
-def _rank0_depth(tree: DraftTree, ids: np.ndarray) -> int:
+def _chain_depth(tree: DraftTree, chain: list[int]) -> int:
     node, d = -1, 0
-    while d < ids.shape[0] and (node, int(ids[d, 0])) in tree.children:
-        node = tree.children[(node, int(ids[d, 0]))]
+    while d < len(chain) and (node, chain[d]) in tree.children:
+        node = tree.children[(node, chain[d])]
         d += 1
     return d
 

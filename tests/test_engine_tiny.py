@@ -1,0 +1,81 @@
+"""The engine on the bundled tiny target (a real Qwen3 LM with a real tokenizer and chat template)."""
+import json
+
+import pytest
+import torch
+
+from dflash_train.checkpoint import save_drafter
+from dflash_train.config import DrafterConfig
+from dflash_train.model import DFlashDrafter
+from dflash_train.speculative import speculative_generate
+from dflash_train.target import Target
+from eval_worker.acceptance import Evaluator
+from eval_worker.suite import load_suite
+
+from .engine_helpers import fit_drafter
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_path):
+    return Target.load(tiny_target_path)
+
+
+def new_drafter(target, block_size=16, seed=0):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=1,
+                                   num_features=3, block_size=block_size)
+    return DFlashDrafter(cfg).eval()
+
+
+def test_random_drafter_gives_tau_near_one(tiny, tmp_path):
+    save_drafter(new_drafter(tiny), tmp_path / "ck")
+    suite = load_suite("coding").head(3)
+    res = Evaluator(tiny, tmp_path / "cache").evaluate(tmp_path / "ck", suite, options={
+        "max_new_tokens": MAX_NEW, "validate": True, "measure_speed": False})
+    assert 1.0 <= res.tau["macro"] < 1.1
+    assert "TAU_NEAR_ONE" in res.diagnostic_codes()
+    assert res.validation["ok"] and res.validation["reference_differs_from_loop"] == []
+    assert [p.name for p in res.prompts] == ["fizzbuzz", "binary_search", "linked_list_reverse"]
+    assert all(p.reference_agrees_with_target for p in res.prompts)
+    assert res.prompts[0].reference_text and res.settings["chat_template"] is True
+
+
+def test_replay_equals_real_loop_on_the_tiny_target(tiny, tmp_path):
+    """Prompt by prompt, step by step, with a drafter good enough for long acceptances."""
+    suite = load_suite("coding").head(4)
+    prompts = suite.encode(tiny.tokenizer)
+    eos = tiny.tokenizer.eos_token_id
+    from dflash_train.speculative import greedy_generate
+
+    seqs = [p.ids + greedy_generate(tiny, p.ids, MAX_NEW, eos_token_id=eos) for p in prompts[:2]]
+    drafter = fit_drafter(tiny, new_drafter(tiny, block_size=8), seqs, [len(p.ids) for p in prompts[:2]], steps=25)
+    save_drafter(drafter, tmp_path / "ck")
+    res = Evaluator(tiny, tmp_path / "cache").evaluate(tmp_path / "ck", suite, options={
+        "max_new_tokens": MAX_NEW, "validate": True, "measure_speed": False})
+    seen = set()
+    for p, pr in zip(prompts, res.prompts):
+        real = speculative_generate(tiny, drafter, p.ids, MAX_NEW, eos_token_id=eos)
+        assert pr.accept_lengths == real.accept_lengths, pr.name
+        seen |= set(real.accept_lengths)
+    assert res.validation["ok"]
+    assert len(seen) >= 3 and res.tau["macro"] > 1.3
+
+
+def test_cli_run_end_to_end(tiny_target_path, tiny, tmp_path, capsys):
+    from eval_worker.cli import main
+
+    save_drafter(new_drafter(tiny), tmp_path / "ck")
+    out = tmp_path / "res.json"
+    argv = ["run", "--checkpoint", str(tmp_path / "ck"), "--target", str(tiny_target_path), "--suite", "coding",
+            "--num-prompts", "2", "--max-new-tokens", "24", "--json", str(out), "--cache-dir", str(tmp_path / "c"),
+            "--no-progress", "--baseline", str(tmp_path / "ck")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "τ (macro)" in text and "fizzbuzz" in text and "Δτ 0.000" in text
+    d = json.loads(out.read_text())
+    assert d["schema"] == "dflash-eval-result/1" and d["suite"]["num_prompts"] == 2
+    assert d["baseline"]["delta_tau"] == 0
+    assert main(argv) == 0  # second run: warm cache
+    assert json.loads(out.read_text())["cache"] == {"references": "hit", "features": "hit", "notes": []}
