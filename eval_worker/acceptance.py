@@ -23,10 +23,10 @@ import torch
 
 from dflash_train.model import DFlashDrafter
 from dflash_train.speculative import speculative_generate
-from dflash_train.target import Target, TargetError
+from dflash_train.target import Target
 
 from . import metrics
-from .cache import CacheReport, DiskCache, MemoryLRU, digest
+from .cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from .checkpoint_source import CheckpointInfo, open_drafter
 from .diagnostics import Facts, diagnose
 from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
@@ -140,8 +140,9 @@ class Evaluator:
         validation = None
         if opts.validate:
             with _timer(timings, "validation"):
-                validation = self.validate(drafter, refs, [sc.online.accept_lengths for sc in main.scores],
-                                           max_new, eos)
+                full = [metrics.online_walk(lambda s, st=sc.streaks: st[s], sc.num_tokens).accept_lengths
+                        for sc in main.scores]  # the whole walk, whatever max_blocks / mode show
+                validation = self.validate(drafter, refs, full, max_new, eos)
         with _timer(timings, "speed"):
             speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
         timings["total"] = time.perf_counter() - t_start
@@ -227,10 +228,10 @@ class Evaluator:
         key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
                "num_tokens": len(ids), "dtype": str(self.target.dtype).removeprefix("torch.")}
         mkey = digest({"slot": slot, "key": key})
-        cached = self.memory.get(mkey)
+        cached = self.memory.get(mkey)  # host RAM: device memory is the drafter's
         if cached is not None:
-            report.record("features", _hit(), ref.name)
-            return cached
+            report.record("features", Lookup(None, "hit"), ref.name)
+            return _on(cached, self.target.device)
         look = self.disk.get_tensors("features", slot, key)
         value = look.value
         if value is not None and (tuple(value.get("features", torch.empty(0)).shape[:1]) != (len(ids),)
@@ -238,13 +239,12 @@ class Evaluator:
             look.status, look.note, value = "corrupt", "tensor shapes do not match the key", None
         if value is None:
             out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids)
-            value = {"features": out.features[0].contiguous(),
+            value = {"features": out.features[0].contiguous().cpu(),
                      "greedy": self.target.greedy_tokens(out.last_hidden[0, len(ref.prompt_ids) - 1:]).cpu()}
             self.disk.put_tensors("features", slot, key, value)
-        value = {k: v.to(self.target.device) if k == "features" else v for k, v in value.items()}
         report.record("features", look, ref.name)
         self.memory.put(mkey, value)
-        return value
+        return _on(value, self.target.device)
 
     def _run(self, drafter: DFlashDrafter, refs: list[Reference], suite: Suite, opts: EvalOptions,
              report: CacheReport, timings: dict[str, float]) -> DrafterRun:
@@ -381,10 +381,8 @@ class Evaluator:
         return tqdm(items, desc=desc, leave=False)
 
 
-def _hit():
-    from .cache import Lookup
-
-    return Lookup(None, "hit")
+def _on(value: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if k == "features" else v for k, v in value.items()}
 
 
 def _first_divergence(greedy: list[int], ext: list[int]) -> int | None:
@@ -418,4 +416,4 @@ def _timer(timings: dict[str, float], name: str):
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
 
 
-__all__ = ["Evaluator", "EvalOptions", "EvalResult", "TargetError"]
+__all__ = ["Evaluator", "EvalOptions", "EvalResult"]

@@ -1,9 +1,7 @@
 """Bad input gives one clear error naming the problem (and nothing is evaluated)."""
 import json
-import os
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.checkpoint import CheckpointError, publish_checkpoint, save_drafter

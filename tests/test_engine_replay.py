@@ -26,10 +26,8 @@ def _suite(prompts, max_new):
                  chat_template=False, max_new_tokens=max_new)
 
 
-@pytest.fixture(scope="module", params=[0, 1])
-def fitted(request, tmp_path_factory):
+def _fitted(seed, tmp_path_factory):
     """A random target and a drafter fitted to part of its greedy output (varied acceptance)."""
-    seed = request.param
     target = qwen3_target(seed=seed)
     prompts = _prompts(5, seed)
     train = prompts[:3]  # two prompts the drafter never saw: lower, different acceptance
@@ -40,8 +38,18 @@ def fitted(request, tmp_path_factory):
     return target, drafter, ckpt, prompts
 
 
-def test_replay_equals_real_loop_per_step(fitted, tmp_path):
-    target, drafter, ckpt, prompts = fitted
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    return _fitted(0, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[0, 1])
+def fitted_each(request, fitted, tmp_path_factory):
+    return fitted if request.param == 0 else _fitted(request.param, tmp_path_factory)
+
+
+def test_replay_equals_real_loop_per_step(fitted_each, tmp_path):
+    target, drafter, ckpt, prompts = fitted_each
     ev = Evaluator(target, tmp_path / "cache")
     res = ev.evaluate(ckpt, _suite(prompts, 40), options={"tree_budget": 0, "measure_speed": False})
     lengths_seen = set()

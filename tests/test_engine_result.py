@@ -30,9 +30,13 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def result(ckpts):
-    return Evaluator(TARGET, None).evaluate(ckpts / "good", SUITE, baseline=ckpts / "random",
-                                            options={"tree_budget": 8, "tree_spine": True})
+def ev(tmp_path_factory):
+    return Evaluator(TARGET, tmp_path_factory.mktemp("cache"))  # references generated once for the module
+
+
+@pytest.fixture(scope="module")
+def result(ckpts, ev):
+    return ev.evaluate(ckpts / "good", SUITE, baseline=ckpts / "random", options={"tree_budget": 8, "tree_spine": True})
 
 
 def test_json_round_trip_and_schema(result):
@@ -72,7 +76,7 @@ def test_numbers_agree_with_each_other(result):
     assert set(d["provenance"]["timings_s"]) >= {"load", "references", "features", "draft", "score", "total"}
 
 
-def test_baseline_paired_delta(result, ckpts):
+def test_baseline_paired_delta(result, ckpts, ev):
     b = result.baseline
     taus = [p.tau for p in result.prompts]
     btaus = [p.baseline_tau for p in result.prompts]
@@ -80,13 +84,12 @@ def test_baseline_paired_delta(result, ckpts):
     assert b["delta_tau"] == pytest.approx(result.tau["macro"] - b["tau"])
     assert b["delta_ci95"][0] <= b["delta_tau"] <= b["delta_ci95"][1]
     assert b["delta_tau"] > 0  # fitted beats random on the prompts it saw
-    same = Evaluator(TARGET, None).evaluate(ckpts / "good", SUITE, baseline=ckpts / "good",
-                                            options={"measure_speed": False})
+    same = ev.evaluate(ckpts / "good", SUITE, baseline=ckpts / "good", options={"measure_speed": False})
     assert same.baseline["delta_tau"] == 0 and same.baseline["delta_ci95"] == [0.0, 0.0]
 
 
-def test_stride_mode_like_the_seeds_harness(ckpts):
-    res = Evaluator(TARGET, None).evaluate(ckpts / "good", SUITE, options={
+def test_stride_mode_like_the_seeds_harness(ckpts, ev):
+    res = ev.evaluate(ckpts / "good", SUITE, options={
         "mode": "stride", "max_blocks": 3, "num_prompts": 3, "measure_speed": False})
     assert res.settings["mode"] == "stride" and len(res.prompts) == 3
     assert all(len(p.accept_lengths) <= 3 for p in res.prompts)
@@ -94,21 +97,20 @@ def test_stride_mode_like_the_seeds_harness(ckpts):
     assert res.suite["num_prompts"] == 3 and res.suite["fingerprint"] != SUITE.fingerprint()
 
 
-def test_random_drafter_with_high_training_accuracy_is_a_suspected_leak(ckpts):
-    res = Evaluator(TARGET, None).evaluate(ckpts / "random", SUITE, train_metrics={"loss": 0.9, "accuracy": 0.75},
-                                           options={"measure_speed": False})
+def test_random_drafter_with_high_training_accuracy_is_a_suspected_leak(ckpts, ev):
+    res = ev.evaluate(ckpts / "random", SUITE, train_metrics={"loss": 0.9, "accuracy": 0.75},
+                      options={"measure_speed": False})
     assert res.tau["macro"] < 1.1
     leak = [d for d in res.errors() if d.code == "CONTEXT_LEAK_SUSPECTED"]
     assert leak and "0.75" in leak[0].message
-    quiet = Evaluator(TARGET, None).evaluate(ckpts / "random", SUITE, train_metrics={"accuracy": 0.02},
-                                             options={"measure_speed": False})
+    quiet = ev.evaluate(ckpts / "random", SUITE, train_metrics={"accuracy": 0.02}, options={"measure_speed": False})
     assert "CONTEXT_LEAK_SUSPECTED" not in quiet.diagnostic_codes() and "TAU_NEAR_ONE" in quiet.diagnostic_codes()
 
 
-def test_dtype_and_last_layer_diagnostics(tmp_path):
+def test_dtype_and_last_layer_diagnostics(tmp_path, ev):
     d = drafter_for(TARGET, block_size=4, features=1)
     d.config.target_layer_ids = [TARGET.num_layers - 1]
     save_drafter(d, tmp_path / "d", dtype=torch.bfloat16)
-    res = Evaluator(TARGET, None).evaluate(tmp_path / "d", SUITE, options={"measure_speed": False, "num_prompts": 1})
+    res = ev.evaluate(tmp_path / "d", SUITE, options={"measure_speed": False, "num_prompts": 1})
     codes = res.diagnostic_codes()
     assert "DTYPE_MISMATCH" in codes and "LAST_LAYER_AS_FEATURE" in codes
