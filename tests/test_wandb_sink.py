@@ -179,7 +179,7 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
     target = tmp_path / "target"
     target.mkdir()
     conn = connect(redis_url)
-    steps = list(range(100, 700, 100))
+    steps = list(range(100, 500, 100))
     for step in steps:
         ck, _ = fake_checkpoint(env["ckpt"], "run-w", step)
         job = make_job(ck, suite="builtin:coding-v1", target=target,
