@@ -5,7 +5,9 @@
 - cold: the job is enqueued, then a fresh `dflash-eval worker --burst` process starts with
   an empty cache directory (imports, target load, references built, evaluation);
 - warm: a worker that is already running, its target preloaded and its reference cache
-  built by an earlier job, takes a job for a checkpoint it has not seen.
+  built by an earlier job, takes a job for a checkpoint it has not seen;
+- warm, new suite: the same worker, but each job's suite is new to it (references and target
+  features built in the job), isolating what the resident target alone saves.
 
 Every job evaluates a different (random) drafter checkpoint on the same tiny target and
 suite. Prints the latencies, their medians and the cold / warm ratio. Needs a local
@@ -62,10 +64,10 @@ def main():
         suite = write_suite(tmp / "suite.jsonl", n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
         seeds = iter(range(1, 10_000))
 
-        def new_job():
+        def new_job(suite_path=None):
             ck = publish_random(root, "bench", next(seeds), target_config=cfg, mask_token_id=mask,
                                 seed=next(seeds), block_size=16)
-            return make_job(ck, suite=str(suite), target=str(target))
+            return make_job(ck, suite=str(suite_path or suite), target=str(target))
 
         cold = []
         for i in range(args.jobs):
@@ -92,15 +94,27 @@ def main():
                 warm.append(time.perf_counter() - t0)
                 assert state == "finished"
                 print(f"warm job {i + 1}: {warm[-1]:.2f} s", flush=True)
+            fresh = []
+            for i in range(args.jobs):
+                other = write_suite(tmp / f"suite{i}.jsonl", n_prompts=args.prompts,
+                                    max_new_tokens=args.max_new_tokens + 1 + i)  # a suite it has not seen
+                out = enqueue(conn, new_job(other))
+                t0 = time.perf_counter()
+                state = _wait(fetch_job(conn, out.job_id), args.timeout)
+                fresh.append(time.perf_counter() - t0)
+                assert state == "finished"
+                print(f"warm job, new suite {i + 1}: {fresh[-1]:.2f} s", flush=True)
         finally:
             worker.stop()
         conn.close()
-    mc, mw = statistics.median(cold), statistics.median(warm)
-    print(f"\nenqueue -> result, median of {args.jobs}: cold worker {mc:.2f} s, warm worker {mw:.3f} s; "
-          f"cold / warm = {mc / mw:.1f}x  (target {target.name}, {args.prompts} prompts x {args.max_new_tokens} tokens)")
+    mc, mw, mf = statistics.median(cold), statistics.median(warm), statistics.median(fresh)
+    print(f"\nenqueue -> result, median of {args.jobs} (target {target.name}, {args.prompts} prompts x "
+          f"{args.max_new_tokens} tokens): cold worker {mc:.2f} s, warm worker {mw:.3f} s, "
+          f"warm worker + new suite {mf:.2f} s; cold / warm = {mc / mw:.1f}x, cold / warm-new-suite = {mc / mf:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "cold_s": cold, "warm_s": warm,
-                                               "ratio": mc / mw}, indent=2))
+                                               "warm_new_suite_s": fresh, "ratio": mc / mw,
+                                               "ratio_new_suite": mc / mf}, indent=2))
 
 
 if __name__ == "__main__":
