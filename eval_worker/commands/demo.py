@@ -78,6 +78,12 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     t0 = time.monotonic()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    for name in ("dflash_train", "hooks.eval"):  # training progress and the hook's enqueue lines
+        logging.getLogger(name).setLevel(logging.INFO)
     from eval_worker.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
@@ -125,6 +131,8 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         if not sep or not key.strip():
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value.strip()
+    if not sys.stdout.isatty():
+        overrides.setdefault("progress", "false")  # a progress bar in a log file is one endless line
     config = load_config(args.config, {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
                                        "max_steps": args.max_steps, "num_threads": trainer_threads,
                                        "data_cache_dir": str(paths["cache"] / "train-data")})
