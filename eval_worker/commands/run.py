@@ -1,4 +1,8 @@
-"""`dflash-eval run`: evaluate one checkpoint against a target, no queue; prints a table."""
+"""`dflash-eval run`: evaluate one checkpoint against a target, no queue; prints a table.
+
+Exit status: 0 evaluated; 1 evaluated but the result carries an error diagnostic (e.g. a
+suspected context leak, a validation mismatch); 2 bad input (the message names it).
+"""
 from __future__ import annotations
 
 import argparse
