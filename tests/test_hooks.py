@@ -94,6 +94,10 @@ def test_cadence_final_checkpoint_and_pins(tmp_path, conn, redis_url):
     assert hook.release_pins() == 1
     assert not is_pinned(ck[200]) and is_pinned(ck[400]) and is_pinned(ck[500])
     hook.close()
+    # retention keeps the last one and every checkpoint whose evaluation is still queued
+    removed = apply_retention(root / "run-h", keep_last=1, protect=hook.protects)
+    assert sorted(p.name for p in removed) == ["step-00000100", "step-00000200"]
+    assert ck[400].exists() and ck[500].exists()
 
 
 def test_uneven_cadence_takes_the_first_checkpoint_past_each_multiple(tmp_path, conn, redis_url):
