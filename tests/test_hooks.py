@@ -96,7 +96,7 @@ def test_cadence_final_checkpoint_and_pins(tmp_path, conn, redis_url):
     hook.close()
     # retention keeps the last one and every checkpoint whose evaluation is still queued
     removed = apply_retention(root / "run-h", keep_last=1, protect=hook.protects)
-    assert sorted(p.name for p in removed) == ["step-00000100", "step-00000200"]
+    assert sorted(p.name for p in removed) == ["step-00000100", "step-00000200", "step-00000300"]
     assert ck[400].exists() and ck[500].exists()
 
 
