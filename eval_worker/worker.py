@@ -185,14 +185,16 @@ def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
     """RQ job function: evaluate one checkpoint and record the result once. JSON in, JSON out.
 
     A JobError (bad payload, checkpoint outside the roots, no marker, digest mismatch, ...)
-    fails the job at once, without retries: trying again cannot fix it; once the cause is
-    fixed, `dflash-eval requeue --failed` runs it again.
+    or another ValueError (the engine's checkpoint/config/suite/option errors: a drafter that
+    does not fit the target, an unknown option) fails the job at once, without retries: trying
+    again cannot fix it; once the cause is fixed, `dflash-eval requeue --failed` runs it again.
+    Other errors (I/O, out of memory, a crashed worker) are retried with back-off.
     """
     from rq import get_current_job
 
     try:
         return _run(payload, get_current_job())
-    except JobError:
+    except ValueError:
         rq_job = get_current_job()
         if rq_job is not None:
             rq_job.retries_left = 0  # the worker reads this (same object) when it handles the failure

@@ -68,3 +68,11 @@ def test_refuses_before_loading_anything(env, monkeypatch, tmp_path):
     with pytest.raises(JobError, match="unknown job schema version"):
         run_eval_job({**j1, "schema": "dflash-eval-job/9"})
     assert worker_mod.target_loads() == 0 and not (tmp_path / "r").exists()
+
+
+def test_a_drafter_for_another_target_fails_with_the_reason(env, tmp_path):
+    settings, _ = env
+    wrong = publish_random(settings.roots[0], "run-f", 9, seed=9)  # shaped for a 32-wide random target
+    with pytest.raises(ValueError, match="do not fit"):
+        run_eval_job(make_job(wrong, suite=str(tmp_path / "suite.jsonl")))
+    assert Ledger(settings.results_dir).entries("run-f") == []
