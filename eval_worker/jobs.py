@@ -317,6 +317,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     if metrics:
         metrics = {k: v for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    if not suite.startswith("builtin:") and (suite.endswith(".jsonl") or "/" in suite or os.path.exists(suite)):
+        suite = os.path.abspath(suite)  # a suite file: the worker runs elsewhere (another cwd, another box)
     payload = {
         "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,
         "checkpoint_digest": digest, "target": os.path.abspath(os.fspath(target)) if target else None,

@@ -32,6 +32,13 @@ def test_make_job_reads_the_marker(published):
     assert json.loads(json.dumps(job)) == job  # plain JSON data
 
 
+def test_suite_files_are_made_absolute(published, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.jsonl").write_text("")
+    assert jobs.make_job(published[1], suite="s.jsonl")["suite"] == str(tmp_path / "s.jsonl")
+    assert jobs.make_job(published[1], suite="builtin:coding-v1")["suite"] == "builtin:coding-v1"
+
+
 @pytest.mark.parametrize("mutate, reason", [
     (lambda j: j.update(schema="dflash-eval-job/2"), "unknown job schema version"),
     (lambda j: j.pop("schema"), "no 'schema' field"),
