@@ -6,7 +6,6 @@ creates the gate file.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
