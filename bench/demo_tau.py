@@ -75,17 +75,21 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides key=value")
     args = ap.parse_args()
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, dict(kv.split("=", 1) for kv in args.set))
     report = {"config": cfg.to_dict()}
     if args.train:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         trainer = Trainer(cfg)
+        setup_wall, setup_cpu = time.perf_counter() - t, time.process_time() - c
         summary = trainer.train()
-        report["train_wall_s"] = time.perf_counter() - t
-        report["train_tokens_per_s"] = summary.tokens_per_s
-        print(f"trained {summary.step} steps in {report['train_wall_s']:.0f}s "
-              f"(incl. data + regeneration), {summary.tokens_per_s:.0f} target tok/s")
+        report.update(train_wall_s=time.perf_counter() - t, setup_wall_s=setup_wall, setup_cpu_s=setup_cpu,
+                      loop_wall_s=summary.wall_s, loop_cpu_s=summary.cpu_s, train_tokens_per_s=summary.tokens_per_s)
+        print(f"trained {summary.step} steps in {report['train_wall_s']:.0f}s wall: setup (target, data, regeneration) "
+              f"{setup_wall:.0f}s wall / {setup_cpu:.0f}s CPU, loop {summary.wall_s:.0f}s wall / {summary.cpu_s:.0f}s CPU; "
+              f"{summary.tokens_per_s:.0f} target tok/s. CPU seconds ~ wall seconds on an idle core.")
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.checkpoint_root) / cfg.run_id
     target = Target.load(resolve_target_path(cfg.target))
     sets = prompt_sets(target.tokenizer, args.sets.split(","), args.per_set)

@@ -56,6 +56,7 @@ class TrainSummary:
     checkpoints: list[str] = field(default_factory=list)  # published by this run
     state_path: str | None = None
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # process CPU time over the loop (all threads): ~ the wall time on an idle core
     tokens_per_s: float = 0.0  # target tokens (real, all ranks) per second of training loop
     queue_health: dict = field(default_factory=dict)
 
@@ -340,7 +341,7 @@ class Trainer:
         if main and c.progress:
             from tqdm import tqdm
             bar = tqdm(total=c.max_steps, initial=self.step, desc=f"train {self.run_id}", dynamic_ncols=True)
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         tokens_local, t_log, tok_log = 0, t_start, 0
         try:
             while self.step < c.max_steps:
@@ -380,6 +381,7 @@ class Trainer:
             if publisher is not None:
                 publisher.close()  # waits for the last publication; raises if it failed
         wall = time.perf_counter() - t_start
+        summary.cpu_s = time.process_time() - cpu_start
         if main:
             self._drain_published(summary)
             self.callbacks.on_train_end(self)
