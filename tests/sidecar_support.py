@@ -127,11 +127,6 @@ class WorkerProcess:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill_group()
-        else:
-            try:  # the scheduler child may outlive a killed parent
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         self._log.close()
 
 
