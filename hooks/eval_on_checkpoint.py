@@ -124,8 +124,8 @@ class EvalOnCheckpoint:
                 step, path, manifest = self._last_published
                 if step not in self._enqueued_steps:
                     self.submit(path, manifest)
-            self.flush(self.train_end_timeout)
-            self.release_pins()
+            if self.flush(self.train_end_timeout):
+                self.release_pins()
         except Exception as e:  # noqa: BLE001
             self._note(f"eval hook failed at train end: {type(e).__name__}: {e}")
         finally:
