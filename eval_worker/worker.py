@@ -37,6 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import redis
 from rq.job import JobStatus
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
@@ -46,6 +47,8 @@ from .jobs import JobError
 from .ledger import Ledger, default_results_dir
 
 log = logging.getLogger("eval_worker.worker")
+
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)  # incl. LOADING, auth
 
 TARGET_ENV = "DFLASH_TARGET"
 CACHE_ENV = "DFLASH_CACHE_DIR"
@@ -287,23 +290,101 @@ class EvalWorker(SimpleWorker):
                 self.log.warning("Worker %s: heartbeat for %s failed: %s", self.name, job.id, e)
 
     def execute_job(self, job, queue):
-        execution = self.prepare_execution(job)
-        stop = threading.Event()
-        beat = threading.Thread(target=self._beat, args=(job, execution, stop), name="rq-heartbeat", daemon=True)
-        self._current = job
-        old = signal.signal(signal.SIGUSR1, self._interrupt_handler)
-        beat.start()
+        execution = None
         try:
-            self.perform_job(job, queue, execution)
-        finally:
-            self._current = None
-            stop.set()
-            beat.join()
-            signal.signal(signal.SIGUSR1, old)
-            if self._stop_timer is not None:
-                self._stop_timer.cancel()
-                self._stop_timer = None
-        self.set_state(WorkerStatus.IDLE)
+            execution = self.prepare_execution(job)
+            stop = threading.Event()
+            beat = threading.Thread(target=self._beat, args=(job, execution, stop), name="rq-heartbeat", daemon=True)
+            self._current = job
+            old = signal.signal(signal.SIGUSR1, self._interrupt_handler)
+            beat.start()
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                self._current = None
+                stop.set()
+                beat.join()
+                signal.signal(signal.SIGUSR1, old)
+                if self._stop_timer is not None:
+                    self._stop_timer.cancel()
+                    self._stop_timer = None
+            self.set_state(WorkerStatus.IDLE)
+        except REDIS_DOWN as e:
+            self._after_redis_outage(job, queue, execution, e)
+
+    # ---- Redis outages -------------------------------------------------------------------
+    # RQ's work loop quits on any Redis error outside its dequeue call. An eval worker keeps
+    # an expensive target loaded, so it rides the outage out instead: the bookkeeping calls
+    # below skip a beat, and a job caught by the outage is put back once Redis answers (its
+    # result, if already recorded, stays in the ledger and is not evaluated again).
+    def _wait_for_redis(self) -> bool:
+        delay, last_log = 0.5, 0.0
+        while not self._stop_requested:
+            try:
+                self.connection.ping()
+                return True
+            except REDIS_DOWN as e:
+                if time.monotonic() - last_log > 30:
+                    self.log.warning("Worker %s: Redis unreachable (%s); waiting for it", self.name, e)
+                    last_log = time.monotonic()
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)
+        return False
+
+    def _after_redis_outage(self, job, queue, execution, error) -> None:
+        self.log.warning("Worker %s: Redis unreachable while running job %s (%s)", self.name, job.id, error)
+        if not self._wait_for_redis():
+            return  # stopping: the job's heartbeat lapses and another worker's maintenance retries it
+        try:
+            job.refresh()
+            state = job.get_status(refresh=False)
+            ours = state == JobStatus.STARTED and job.worker_name in (None, self.name)
+            popped = state == JobStatus.QUEUED and self.connection.lpos(queue.key, job.id) is None
+            if ours or popped:
+                with self.connection.pipeline() as pipe:
+                    self.cleanup_execution(job, pipeline=pipe, execution=execution)
+                    job.set_status(JobStatus.QUEUED, pipeline=pipe)
+                    queue._enqueue_job(job, pipeline=pipe, at_front=True)
+                    pipe.execute()
+                self.log.warning("Worker %s: Redis is back; job %s put back at the front of %s",
+                                 self.name, job.id, queue.name)
+            else:
+                self.log.info("Worker %s: Redis is back; job %s is %s, left as it is", self.name, job.id,
+                              state.value if state else "gone")
+            self.set_state(WorkerStatus.IDLE)
+        except REDIS_DOWN as e:  # down again: the heartbeat-lapse recovery covers the job
+            self.log.warning("Worker %s: Redis lost again while handing back %s: %s", self.name, job.id, e)
+        except Exception as e:  # noqa: BLE001 - the job hash is gone (Redis lost its data): nothing to hand back
+            self.log.warning("Worker %s: could not hand back job %s after the outage: %s", self.name, job.id, e)
+
+    def heartbeat(self, timeout=None, pipeline=None):
+        if pipeline is not None:
+            return super().heartbeat(timeout, pipeline=pipeline)
+        try:
+            super().heartbeat(timeout)
+        except REDIS_DOWN as e:
+            self.log.warning("Worker %s: heartbeat skipped, Redis unreachable: %s", self.name, e)
+
+    def set_state(self, state, pipeline=None):
+        if pipeline is not None:
+            return super().set_state(state, pipeline=pipeline)
+        try:
+            super().set_state(state)
+        except REDIS_DOWN as e:
+            self._state = state
+            self.log.warning("Worker %s: state %s not saved, Redis unreachable: %s", self.name, state, e)
+
+    def check_for_suspension(self, burst: bool):
+        try:
+            super().check_for_suspension(burst)
+        except REDIS_DOWN as e:
+            self.log.warning("Worker %s: suspension check skipped, Redis unreachable: %s", self.name, e)
+
+    def run_maintenance_tasks(self):
+        try:
+            super().run_maintenance_tasks()
+        except REDIS_DOWN as e:
+            self.log.warning("Worker %s: maintenance skipped, Redis unreachable: %s", self.name, e)
 
     # ---- stopping ----------------------------------------------------------------------
     def _interrupt_handler(self, signum, frame):
