@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rq.job import JobStatus
+from rq.exceptions import DeserializationError
+from rq.job import Job, JobStatus
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
@@ -245,6 +246,53 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
     return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": job["attempt"],
             "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
             "worker_pid": os.getpid(), "target_loads": target_loads(), "seconds": round(time.monotonic() - t0, 3)}
+
+
+# --------------------------------------------------------------------------- the one job we run
+
+JOB_FUNC = "eval_worker.worker.run_eval_job"
+
+
+class EvalJob(Job):
+    """A job as the eval worker reads it: only `run_eval_job(<one JSON payload>)` ever runs.
+
+    RQ resolves and calls whatever function, success/failure/stopped callback (and webhook)
+    a job hash names, so anyone who can write to Redis could make a plain RQ worker run code.
+    This class refuses every job that is not exactly our function with one positional
+    argument, before importing or calling anything it names; callbacks and webhooks are
+    dropped on load. Job data that is not JSON is refused without being unpickled (the
+    worker's serializer is JSON).
+    """
+
+    def restore(self, raw_data):
+        super().restore(raw_data)
+        self._foreign = [n for n in (self._success_callback_name, self._failure_callback_name,
+                                     self._stopped_callback_name) if n]
+        if self.webhooks:
+            self._foreign.append(f"{len(self.webhooks)} webhook(s)")
+        self._success_callback_name = self._failure_callback_name = self._stopped_callback_name = None
+        self.webhooks = []
+
+    def _deserialize_data(self):
+        try:
+            super()._deserialize_data()
+        except DeserializationError as e:
+            raise DeserializationError(f"job {self.id}: data is not JSON (pickled or corrupt); refused, "
+                                       "never unpickled") from e.__cause__
+
+    @property
+    def func(self):
+        reason = None
+        if getattr(self, "_foreign", None):
+            reason = f"names callbacks/webhooks {self._foreign}"
+        elif self.func_name != JOB_FUNC or self.instance is not None:
+            reason = f"names the function {self.func_name!r}"
+        elif len(self.args or ()) != 1 or self.kwargs:
+            reason = "does not carry exactly one payload argument"
+        if reason:
+            self.retries_left = 0  # refused for good
+            raise JobError(f"refusing job {self.id}: it {reason}; this worker only runs {JOB_FUNC}(payload)")
+        return run_eval_job
 
 
 # --------------------------------------------------------------------------- the worker
@@ -458,7 +506,7 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
     if preload and settings_.default_target:
         get_evaluator(settings_.default_target)  # before serving: the first job finds it warm
     worker = EvalWorker([get_queue(connection, n) for n in queue_names], connection=connection,
-                        serializer=JSONSerializer, name=name or worker_name(),
+                        serializer=JSONSerializer, job_class=EvalJob, name=name or worker_name(),
                         maintenance_interval=maintenance_interval, job_monitoring_interval=job_monitoring_interval,
                         worker_ttl=worker_ttl, heartbeat_grace=heartbeat_grace, stop_timeout=stop_timeout)
     return worker.work(burst=burst, with_scheduler=with_scheduler, logging_level=logging_level, max_jobs=max_jobs)
