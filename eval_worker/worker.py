@@ -49,6 +49,7 @@ from .ledger import Ledger, default_results_dir
 
 log = logging.getLogger("eval_worker.worker")
 
+QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)  # incl. LOADING, auth
 
 TARGET_ENV = "DFLASH_TARGET"
@@ -359,6 +360,31 @@ class EvalWorker(SimpleWorker):
             self.set_state(WorkerStatus.IDLE)
         except REDIS_DOWN as e:
             self._after_redis_outage(job, queue, execution, e)
+
+    # ---- unreadable jobs -----------------------------------------------------------------
+    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        # RQ's work loop quits when a dequeued job hash cannot even be loaded (a bad status or
+        # date field): set such a job aside under dflash:quarantine:<id> and take the next one.
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except Exception as e:  # noqa: BLE001 - re-raised unless it is one dequeued job's fault
+                job_id = getattr(e, "job_id", None)
+                if job_id is None or isinstance(e, REDIS_DOWN):
+                    raise
+                self._quarantine(job_id, f"{type(e).__name__}: {e}")
+
+    def _quarantine(self, job_id: str, reason: str) -> None:
+        key, dest = self.job_class.key_for(job_id), QUARANTINE_PREFIX + job_id
+        try:
+            with self.connection.pipeline() as pipe:
+                pipe.hset(key, "dflash_quarantined", reason)
+                pipe.rename(key, dest)
+                pipe.execute()
+        except redis.exceptions.ResponseError:
+            pass  # the hash is gone already
+        self.log.error("Worker %s: job %s is unreadable (%s); set aside as %s, not run", self.name, job_id,
+                       reason, dest)
 
     # ---- Redis outages -------------------------------------------------------------------
     # RQ's work loop quits on any Redis error outside its dequeue call. An eval worker keeps
