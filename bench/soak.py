@@ -1,0 +1,1669 @@
+"""Reliability soak and fault matrix for the eval sidecar (docs/reliability.md).
+
+    python bench/soak.py                      # every scenario at full size, writes the table
+    python bench/soak.py --quick              # the sizes the default test suite uses
+    python bench/soak.py --only burst,kill    # some scenarios
+    python bench/soak.py --out docs/reliability.md --json soak.json
+
+Every scenario runs the real parts on loopback: a private `redis-server` (AOF,
+`appendfsync always`), `dflash-eval worker` processes (the real CLI entry point,
+the real RQ worker, the real Evaluator on a micro target), the trainer's real
+checkpoint publication and the real `EvalOnCheckpoint` hook. Each one injects one
+fault, waits (bounded) until the system settles, then audits what happened:
+
+    accepted    jobs the system said yes to (enqueue returned "enqueued", or the hook
+                put the job in its outbox)
+    recorded    accepted jobs with a result in the ledger
+    failed      accepted jobs without a result that fail visibly, with their reason
+                (RQ's failed registry, or the outbox's rejected/ folder)
+    lost        accepted - recorded - failed (must be 0)
+    duplicated  extra ledger records for one job attempt (must be 0)
+
+`tests/test_reliability_*.py` run the same scenarios at small sizes and assert on
+the rows; this script runs them at full size and writes the fault-matrix table into
+docs/reliability.md (between the `<!-- soak:begin -->` / `<!-- soak:end -->` markers).
+
+Worker processes are forked from a warm "zygote" (a process that has imported torch,
+transformers and the engine once), each child calling the same `dflash-eval worker`
+entry point a fresh `python -m eval_worker worker` would; that makes a restart cost a
+fraction of a second instead of ~15 s of imports, so kills can be frequent.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+VOCAB = 96
+MASK_ID = VOCAB - 1
+EOS_ID = VOCAB - 3
+HIDDEN = 128
+RUN = "soak"
+OPTIONS = {"measure_speed": False, "bootstrap": 100}  # cheap: no timing runs, a small bootstrap
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# =========================================================================== cheap real inputs
+
+def build_micro_target(directory: Path) -> Path:
+    """A real (random) Qwen3 LM with a real tokenizer, ~5 MB: loads in < 1 s, evaluates in ~0.1 s.
+
+    6 layers of width 128 (a 1-layer drafter with 2 feature layers fits; it weighs 0.7 MB, so
+    a worker leaking one per job shows in its RSS), vocabulary of 96 word-level tokens
+    `t0..t92` plus `<|endoftext|>`, `<unk>` and the DFlash `<|MASK|>`.
+    """
+    directory = Path(directory)
+    if (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file():
+        return directory
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tmp = directory.with_name(directory.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    vocab = {f"t{i}": i for i in range(VOCAB - 3)}
+    vocab.update({"<|endoftext|>": EOS_ID, "<unk>": VOCAB - 2, "<|MASK|>": MASK_ID})
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="<unk>",
+                                  pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|MASK|>"]})
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN // 4, max_position_embeddings=512)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if directory.exists():
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, directory)
+    return directory
+
+
+def drafter_config(target: Path, block_size: int = 4):
+    from transformers import AutoConfig
+
+    from dflash_train.config import DrafterConfig
+
+    cfg = AutoConfig.from_pretrained(target, local_files_only=True)
+    return DrafterConfig.for_target(cfg, mask_token_id=MASK_ID, num_hidden_layers=1, num_features=2,
+                                    block_size=block_size)
+
+
+def publish(root: Path, target: Path, step: int, *, run: str = RUN, seed: int | None = None, cfg=None) -> Path:
+    """Publish a random drafter for the micro target with the trainer's real `publish_checkpoint`."""
+    import torch
+
+    from dflash_train.checkpoint import publish_checkpoint
+    from dflash_train.model import DFlashDrafter
+
+    torch.manual_seed(step if seed is None else seed)
+    drafter = DFlashDrafter(cfg or drafter_config(target)).eval()
+    return publish_checkpoint(drafter, root, run, step, train_metrics={"loss": 1.0, "accuracy": 0.1})
+
+
+def write_suite(path: Path, n_prompts: int = 1, max_new_tokens: int = 4) -> Path:
+    lines = [{"suite": "soak", "version": "1", "chat_template": False, "max_new_tokens": max_new_tokens}]
+    lines += [{"name": f"p{i}", "ids": [1 + i, 2, 3, 4, 5]} for i in range(n_prompts)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+# =========================================================================== fault-injecting evaluator
+
+class _SoakEvaluator:
+    """The real Evaluator; each call is logged to $SOAK_CALLS and may first sleep a random
+    time up to $SOAK_EVAL_DELAY_S, so kills land at random points of a job."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rng = random.Random(os.getpid())
+
+    def evaluate(self, checkpoint_dir, suite, **kw):
+        calls = os.environ.get("SOAK_CALLS")
+        if calls:
+            line = json.dumps({"pid": os.getpid(), "checkpoint": str(checkpoint_dir), "t": time.time(),
+                               "marker": (Path(checkpoint_dir) / "COMPLETE.json").is_file()}) + "\n"
+            fd = os.open(calls, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        delay = float(os.environ.get("SOAK_EVAL_DELAY_S") or 0)
+        if delay:
+            time.sleep(self.rng.uniform(0, delay))
+        return self.inner.evaluate(checkpoint_dir, suite, **kw)
+
+
+def _hold_after_record() -> None:
+    """$SOAK_RECORD_DELAY_S: sleep a random time right after each ledger write (before RQ hears
+    of the result), so a kill can land between "recorded" and "finished"."""
+    delay = float(os.environ.get("SOAK_RECORD_DELAY_S") or 0)
+    if not delay:
+        return
+    from eval_worker import ledger as ledger_mod
+
+    if getattr(ledger_mod.Ledger.write, "_soak", False):
+        return
+    original = ledger_mod.Ledger.write
+    rng = random.Random(os.getpid() + 1)
+
+    def write(self, **kw):
+        out = original(self, **kw)
+        time.sleep(rng.uniform(0, delay))
+        return out
+
+    write._soak = True
+    ledger_mod.Ledger.write = write
+
+
+def soak_evaluator(target, **kwargs):
+    """`--evaluator-factory bench.soak:soak_evaluator`."""
+    from eval_worker.acceptance import Evaluator
+
+    _hold_after_record()
+    return _SoakEvaluator(Evaluator(target, **kwargs))
+
+
+# =========================================================================== processes
+
+_ZYGOTE = r"""
+import json, os, sys, threading, time, traceback, signal
+sys.path.insert(0, sys.argv[1])
+import torch, transformers, redis, rq                                   # the expensive imports, once
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+import eval_worker.acceptance, eval_worker.worker, eval_worker.cli, eval_worker.commands.worker
+import eval_worker.sinks, dflash_train.checkpoint, bench.soak
+children, lock = {}, threading.Lock()
+
+def reap():
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            time.sleep(0.05)
+            continue
+        with lock:
+            rc_path = children.pop(pid, None)
+        if rc_path:
+            code = os.waitstatus_to_exitcode(status)
+            with open(rc_path + ".tmp", "w") as fh:
+                fh.write(str(code))
+            os.replace(rc_path + ".tmp", rc_path)
+
+threading.Thread(target=reap, daemon=True).start()
+print(json.dumps({"ready": os.getpid()}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    with lock:
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                os.setsid()
+                fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(fd, 1); os.dup2(fd, 2)
+                null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0)
+                sys.stdout.reconfigure(line_buffering=True); sys.stderr.reconfigure(line_buffering=True)
+                os.environ.clear(); os.environ.update(cmd["env"])
+                os.chdir(cmd["cwd"])
+                if cmd.get("fsize"):
+                    import resource
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (cmd["fsize"], cmd["fsize"]))
+                import importlib
+                module, _, fn = cmd.get("call", "eval_worker.cli:main").partition(":")
+                rc = getattr(importlib.import_module(module), fn)(cmd["argv"])
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush(); sys.stderr.flush()
+                finally:
+                    os._exit(int(rc or 0))
+        children[pid] = cmd["log"] + ".rc"
+    print(json.dumps({"pid": pid}), flush=True)
+# stdin closed: the parent is gone; take the children with us
+with lock:
+    pids = list(children)
+for pid in pids:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+"""
+
+
+class Zygote:
+    """A warm Python process that forks worker processes on request (see the module docstring)."""
+
+    def __init__(self, start_timeout: float = 240.0):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(REPO)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=None, text=True, cwd=REPO, env=env,
+                                     start_new_session=True)
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._pending: list[dict] = []
+        ready = self._read_line(start_timeout)
+        if "ready" not in ready:
+            raise RuntimeError(f"zygote did not start: {ready}")
+
+    def _read_line(self, timeout: float) -> dict:
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not box or not box[0]:
+            self.close()
+            raise RuntimeError(f"zygote did not answer within {timeout}s (exit code {self.proc.poll()})")
+        return json.loads(box[0])
+
+    def spawn(self, argv: list[str], env: dict[str, str], log: Path, cwd: Path = REPO,
+              fsize: int | None = None, call: str = "eval_worker.cli:main") -> int:
+        with self._lock:
+            if self.proc.poll() is not None:
+                raise RuntimeError("zygote is gone")
+            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log), "cwd": str(cwd),
+                                              "fsize": fsize, "call": call}) + "\n")
+            self.proc.stdin.flush()
+            return int(self._read_line(60)["pid"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.proc.stdin.close()  # it kills its children and exits
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+
+
+_SHARED: dict[str, Zygote] = {}
+
+
+def shared_zygote() -> Zygote:
+    """One zygote per Python process (tests share it across modules); closed at exit."""
+    z = _SHARED.get("z")
+    if z is None or z.proc.poll() is not None:
+        import atexit
+
+        z = _SHARED["z"] = Zygote()
+        atexit.register(z.close)
+    return z
+
+
+class Worker:
+    """One `dflash-eval worker` process (forked by the zygote, its own session / process group)."""
+
+    def __init__(self, name: str, pid: int, log: Path):
+        self.name, self.pid, self.log_path = name, pid, log
+        self.rc_path = Path(str(log) + ".rc")
+
+    def alive(self) -> bool:
+        return not self.rc_path.exists()
+
+    @property
+    def returncode(self) -> int | None:
+        try:
+            return int(self.rc_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the worker and everything it started (its scheduler): as if the machine died."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait(30)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            if self.wait(timeout) is None:
+                self.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a scheduler child left behind
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def rss_kb(self) -> int | None:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+# =========================================================================== the system under test
+
+@dataclass
+class Counts:
+    accepted: int = 0
+    recorded: int = 0
+    failed: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    executions: int = 0          # evaluate() calls (re-runs after kills count)
+    failures: dict[str, str] = field(default_factory=dict)   # job id -> reason
+    lost_ids: list[str] = field(default_factory=list)
+    duplicated_ids: list[str] = field(default_factory=list)
+
+
+class Stack:
+    """A private Redis, a micro target, checkpoint root, ledger, cache and worker processes."""
+
+    def __init__(self, base: Path, *, zygote: Zygote | None = None, target: Path | None = None,
+                 password: str | None = None, redis_config: dict | None = None):
+        from eval_worker.redis_local import LocalRedis, connect
+
+        self.base = Path(base)
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.root = self.base / "ckpts"
+        self.results = self.base / "results"
+        self.cache = self.base / "cache"
+        self.calls = self.base / "calls.jsonl"
+        self.root.mkdir(exist_ok=True)
+        self.target = target or build_micro_target(self.base / "target")
+        self.cfg = drafter_config(self.target)
+        self.suite = write_suite(self.base / "suite.jsonl")
+        self.redis = LocalRedis(self.base / "redis", appendfsync="always", password=password,
+                                extra_config=redis_config)
+        self.redis.start()
+        self.url = self.redis.url
+        self.conn = connect(self.url)
+        self._own_zygote = zygote is None
+        self.zygote = zygote or Zygote()
+        self.workers: list[Worker] = []
+        self.accepted: list[str] = []
+        self._n = 0
+
+    # ---- workers ----------------------------------------------------------------------
+    def worker_env(self, extra: dict | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "WANDB_", "SOAK_"))}
+        env.pop("REDIS_URL", None)
+        env.update({"PYTHONPATH": str(REPO), "DFLASH_HOME": str(self.base / "home"), "DFLASH_SINKS": "none",
+                    "SOAK_CALLS": str(self.calls), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+        env.update(extra or {})
+        return env
+
+    def start_worker(self, name: str | None = None, *, args: Iterable[str] = (), env: dict | None = None,
+                     url: str | None = None, results: Path | None = None, register: bool = True,
+                     fsize: int | None = None, timeout: float = 60.0) -> Worker:
+        self._n += 1
+        name = name or f"w{self._n}"
+        argv = ["worker", "--redis-url", url or self.url, "--name", name, "--target", str(self.target),
+                "--checkpoint-root", str(self.root), "--results-dir", str(results or self.results),
+                "--cache-dir", str(self.cache), "--maintenance-interval", "1", "--job-monitoring-interval", "1",
+                "--heartbeat-grace", "2", "--worker-ttl", "30", "--log-level", "INFO",
+                "--evaluator-factory", "bench.soak:soak_evaluator", *args]
+        log = self.base / f"{name}.log"
+        w = Worker(name, self.zygote.spawn(argv, self.worker_env(env), log, fsize=fsize), log)
+        self.workers.append(w)
+        if register:
+            self.wait_registered(w, timeout)
+        return w
+
+    def spawn(self, name: str, call: str, argv: list[str], env: dict | None = None) -> Worker:
+        """Any entry point (`module:function(argv)`) as a process of its own (a trainer, `publish`)."""
+        log = self.base / f"{name}.log"
+        w = Worker(name, self.zygote.spawn(argv, self.worker_env(env), log, call=call), log)
+        self.workers.append(w)
+        return w
+
+    def wait_registered(self, w: Worker, timeout: float = 60.0) -> None:
+        from rq.worker import Worker as RQWorker
+
+        def up():
+            if not w.alive():
+                raise RuntimeError(f"worker {w.name} exited with {w.returncode}:\n{w.log()[-3000:]}")
+            return any(x.name == w.name for x in RQWorker.all(connection=self.conn))
+
+        wait_for(up, timeout, f"worker {w.name} to register")
+
+    def live_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w.alive()]
+
+    # ---- jobs -------------------------------------------------------------------------
+    def publish(self, step: int, run: str = RUN) -> Path:
+        return publish(self.root, self.target, step, run=run, cfg=self.cfg)
+
+    def job(self, checkpoint: Path, **kw) -> dict:
+        from eval_worker.jobs import make_job
+
+        kw.setdefault("options", dict(OPTIONS))
+        return make_job(checkpoint, suite=str(self.suite), target=str(self.target), **kw)
+
+    def enqueue(self, checkpoint: Path, *, config=None, force: bool = False, **kw) -> str:
+        from eval_worker.queue import enqueue
+
+        out = enqueue(self.conn, self.job(checkpoint, **kw), config=config, roots=[self.root], force=force)
+        if out.status != "enqueued":
+            raise AssertionError(f"not enqueued: {out.message}")
+        self.accepted.append(out.job_id)
+        return out.job_id
+
+    def statuses(self, ids: Iterable[str]) -> dict[str, str | None]:
+        from rq.job import Job
+        from rq.serializers import JSONSerializer
+
+        ids = list(ids)
+        out = {}
+        for i in range(0, len(ids), 200):
+            chunk = ids[i:i + 200]
+            for jid, job in zip(chunk, Job.fetch_many(chunk, connection=self.conn, serializer=JSONSerializer)):
+                out[jid] = job.get_status(refresh=False).value if job is not None else None
+        return out
+
+    def wait_settled(self, ids: Iterable[str], timeout: float, *, also: Callable[[], bool] | None = None) -> None:
+        """Until every job is finished or failed (and `also()`), or TimeoutError."""
+        ids = list(ids)
+
+        def settled():
+            st = self.statuses(ids)
+            return all(s in ("finished", "failed") for s in st.values()) and (also is None or also())
+
+        try:
+            wait_for(settled, timeout, f"{len(ids)} jobs to settle", interval=0.25)
+        except TimeoutError as e:
+            st = self.statuses(ids)
+            open_ = {k: v for k, v in st.items() if v not in ("finished", "failed")}
+            raise TimeoutError(f"{e}; unsettled: {dict(list(open_.items())[:10])}\n"
+                               + "\n".join(f"--- {w.name}\n{w.log()[-1500:]}" for w in self.workers[-3:])) from None
+
+    def ledger_by_job(self, results: Path | None = None) -> dict[str, list[Path]]:
+        """job id -> its record files (every attempt file of every step/suite)."""
+        out: dict[str, list[Path]] = {}
+        for path in sorted((results or self.results).glob("*/step-*/*/attempt-*.json")):
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, ValueError):
+                out.setdefault(f"<unreadable {path}>", []).append(path)
+                continue
+            out.setdefault(rec.get("job_id"), []).append(path)
+        return out
+
+    def calls_made(self) -> list[dict]:
+        if not self.calls.exists():
+            return []
+        return [json.loads(x) for x in self.calls.read_text().splitlines() if x.strip()]
+
+    def audit(self, ids: Iterable[str] | None = None, *, results: Path | None = None,
+              extra_failed: dict[str, str] | None = None) -> Counts:
+        from eval_worker.queue import failure_reason, fetch_job
+
+        ids = list(self.accepted if ids is None else ids)
+        records = self.ledger_by_job(results)
+        st = self.statuses(ids)
+        c = Counts(accepted=len(ids), executions=len(self.calls_made()))
+        for jid in ids:
+            n = len(records.get(jid, []))
+            if n:
+                c.recorded += 1
+                if n > 1:
+                    c.duplicated += n - 1
+                    c.duplicated_ids.append(jid)
+            elif st.get(jid) == "failed":
+                reason = failure_reason(fetch_job(self.conn, jid))
+                if reason and reason != "(no reason recorded)":
+                    c.failed += 1
+                    c.failures[jid] = reason
+                else:
+                    c.lost_ids.append(jid)
+            elif extra_failed and jid in extra_failed:
+                c.failed += 1
+                c.failures[jid] = extra_failed[jid]
+            else:
+                c.lost_ids.append(jid)
+        c.lost = len(c.lost_ids)
+        return c
+
+    def queue_state(self) -> dict[str, int]:
+        """Sizes of the queues and registries (consistency after a run)."""
+        from rq.registry import FailedJobRegistry, FinishedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
+        from rq.serializers import JSONSerializer
+
+        from eval_worker.queue import get_queue, queue_names
+
+        out = {"queued": 0, "started": 0, "scheduled": 0, "finished": 0, "failed": 0}
+        for name in queue_names():
+            kw = dict(connection=self.conn, serializer=JSONSerializer)
+            out["queued"] += get_queue(self.conn, name).count
+            out["started"] += len(StartedJobRegistry(name, **kw).get_job_ids(cleanup=False))
+            out["scheduled"] += len(ScheduledJobRegistry(name, **kw).get_job_ids())
+            out["finished"] += len(FinishedJobRegistry(name, **kw).get_job_ids())
+            out["failed"] += len(FailedJobRegistry(name, **kw).get_job_ids())
+        return out
+
+    def close(self) -> None:
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                w.stop(timeout=10)
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        with contextlib.suppress(Exception):
+            self.redis.stop()
+        if self._own_zygote:
+            self.zygote.close()
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# =========================================================================== scenarios
+
+@dataclass
+class Row:
+    """One line of the fault matrix."""
+
+    fault: str
+    expected: str
+    observed: str
+    accepted: int
+    recorded: int
+    failed: int
+    lost: int
+    duplicated: int
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, fault: str, expected: str, observed: str, c: Counts, t0: float, **details) -> "Row":
+        return cls(fault, expected, observed, c.accepted, c.recorded, c.failed, c.lost, c.duplicated,
+                   round(time.monotonic() - t0, 1), details)
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.duplicated == 0 and not self.details.get("problems")
+
+
+def retry_now(retries: int):
+    from eval_worker.queue import QueueConfig
+
+    return QueueConfig(retry_max=retries, retry_intervals=[])
+
+
+def _current_jobs(conn) -> dict[str, str | None]:
+    from rq.worker import Worker as RQWorker
+
+    return {w.name: w.get_current_job_id() for w in RQWorker.all(connection=conn)}
+
+
+def _problem_list(**checks: bool) -> list[str]:
+    return [name for name, ok in checks.items() if not ok]
+
+
+# --------------------------------------------------------------------------- worker killed mid-job
+
+def scenario_kill(base: Path, zygote: Zygote, target: Path, *, workers: int = 2, jobs: int = 16, kills: int = 4,
+                  seed: int = 0, timeout: float = 240) -> Row:
+    """SIGKILL a random worker at random moments (mid-evaluation, between the ledger write and
+    RQ's bookkeeping, or idle); a supervisor starts a replacement each time."""
+    t0, rng = time.monotonic(), random.Random(seed)
+    env = {"SOAK_EVAL_DELAY_S": "0.6", "SOAK_RECORD_DELAY_S": "0.4"}
+    with Stack(base, zygote=zygote, target=target) as s:
+        for _ in range(workers):
+            s.start_worker(env=env)
+        config = retry_now(kills + 1)  # even a job hit by every kill still has a retry left
+        ids = [s.enqueue(s.publish(i), config=config) for i in range(1, jobs + 1)]
+        killed: list[tuple[int, str | None]] = []
+        for _ in range(kills):
+            time.sleep(rng.uniform(0.3, 1.2))
+            running = _current_jobs(s.conn)
+            live = s.live_workers()
+            busy = [w for w in live if running.get(w.name)]
+            victim = rng.choice(busy or live)
+            job = running.get(victim.name)
+            victim.kill()
+            killed.append((victim.pid, job))
+            s.start_worker(env=env, register=False)
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        records = {jid: [json.loads(p.read_text()) for p in paths] for jid, paths in s.ledger_by_job().items()}
+        phases = {"mid-job": 0, "after the ledger write": 0, "idle": 0}
+        for pid, job in killed:
+            if job is None:
+                phases["idle"] += 1
+            elif any(r["worker"]["pid"] == pid for r in records.get(job, [])):
+                phases["after the ledger write"] += 1
+            else:
+                phases["mid-job"] += 1
+        state = s.queue_state()
+        calls = s.calls_made()
+        problems = _problem_list(all_recorded=c.recorded == c.accepted, queues_empty=state["queued"] == 0,
+                                 nothing_started=state["started"] == 0, no_failed=state["failed"] == 0)
+        observed = (f"{kills} kills ({phases['mid-job']} mid-job, {phases['after the ledger write']} after the "
+                    f"ledger write, {phases['idle']} idle); {c.executions} evaluations for {c.accepted} jobs; "
+                    f"every job finished, one record each")
+        return Row.of("Worker SIGKILLed at random points (repeatedly)",
+                      "every job ends with exactly one recorded result", observed, c, t0,
+                      kills=phases, executions=len(calls), queue_state=state, problems=problems,
+                      lost_ids=c.lost_ids, duplicated_ids=c.duplicated_ids)
+
+
+# --------------------------------------------------------------------------- Redis outages
+
+def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int = 12,
+                   outages: tuple[str, ...] = ("stop", "crash"), down_s: float = 3.0, interval: float = 0.3,
+                   timeout: float = 240) -> Row:
+    """The trainer publishes and enqueues (EvalOnCheckpoint + the real AsyncPublisher) while
+    Redis is taken away: `stop` = SHUTDOWN, `crash` = SIGKILL of redis-server; each time it
+    comes back on the same port from its AOF. Workers are never restarted."""
+    import torch
+
+    from dflash_train.checkpoint import AsyncPublisher
+    from dflash_train.model import DFlashDrafter
+    from eval_worker import jobs as jobs_mod
+    from hooks import EvalOnCheckpoint
+
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        ws = [s.start_worker(env={"SOAK_EVAL_DELAY_S": "0.4"}) for _ in range(2)]
+        pids = [w.pid for w in ws]
+        hook = EvalOnCheckpoint(every_n_steps=1, suite=str(s.suite), target=str(s.target), options=dict(OPTIONS),
+                                redis_url=s.url, min_backoff=0.2, max_backoff=1.0, connect_timeout=1.0,
+                                train_end_timeout=120.0, reconcile_interval=2.0)
+        accepted: list[str] = []
+
+        def on_published(step, path, manifest):
+            hook.on_checkpoint_published(None, step, path, manifest)
+            job = hook.make_job(path, manifest)
+            accepted.append(jobs_mod.job_id_for(job, jobs_mod.suite_fingerprint(job["suite"], job["options"])))
+
+        publisher = AsyncPublisher(s.root, RUN, on_published=on_published)
+        drafter = DFlashDrafter(s.cfg).eval()
+        at = {round((k + 1) * checkpoints / (len(outages) + 1)): kind for k, kind in enumerate(outages)}
+        downs: list[dict] = []
+
+        def outage(kind: str, step: int) -> None:
+            running = sum(1 for j in _current_jobs(s.conn).values() if j)
+            if kind == "crash":
+                os.kill(s.redis.pid, signal.SIGKILL)
+                wait_for(lambda: not s.redis.is_running(), 10, "redis-server to die")
+            else:
+                s.redis.stop()
+            d = {"kind": kind, "at_step": step, "jobs_running": running, "enqueued_while_down": 0}
+            downs.append(d)
+            time.sleep(down_s)
+            d["enqueued_while_down"] = len(accepted) - d.pop("_accepted_before", len(accepted))
+            s.redis.start()
+
+        thread = None
+        for step in range(1, checkpoints + 1):
+            with torch.no_grad():
+                drafter.fc.weight.add_(0.01)
+            publisher.submit(drafter, step)  # training goes on, Redis or not
+            if step in at:
+                if thread is not None:
+                    thread.join()
+                publisher.wait(60)
+                before = len(accepted)
+                thread = threading.Thread(target=outage, args=(at[step], step), daemon=True)
+                thread.start()
+                wait_for(lambda: downs and downs[-1]["at_step"] == step, 30, "Redis to go down")
+                downs[-1]["_accepted_before"] = before
+            time.sleep(interval)
+        if thread is not None:
+            thread.join()
+        publisher.close()
+        hook.on_train_end(None)  # delivers what the outbox still holds
+        outbox = sorted((s.root / RUN / ".eval-outbox").glob("*.json"))
+        rejected = sorted((s.root / RUN / ".eval-outbox" / "rejected").glob("*.json"))
+        s.wait_settled(accepted, timeout)
+        c = s.audit(accepted)
+        alive = [w.alive() for w in ws]
+        state = s.queue_state()
+        problems = _problem_list(all_recorded=c.recorded == c.accepted, outbox_drained=not outbox,
+                                 none_rejected=not rejected, workers_survived=all(alive),
+                                 no_hook_errors=not [e for e in hook.errors if "not delivered" in e],
+                                 queues_empty=state["queued"] == 0 and state["started"] == 0)
+        reconnects = sum(w.log().count("Redis is back") for w in ws)
+        observed = (f"{len(downs)} outages ({', '.join(d['kind'] for d in downs)}, {down_s:.0f} s each; "
+                    f"{sum(d['enqueued_while_down'] for d in downs)} jobs enqueued and "
+                    f"{sum(d['jobs_running'] for d in downs)} running meanwhile); outbox drained; "
+                    f"the same {len(ws)} worker processes reconnected ({reconnects} jobs handed back) and "
+                    f"finished every job")
+        return Row.of("Redis stopped / killed while the trainer enqueues and workers run; restarted from AOF",
+                      "no accepted job lost, the outbox drains, workers reconnect by themselves", observed, c, t0,
+                      outages=downs, worker_pids=pids, workers_alive=alive, handed_back=reconnects,
+                      hook_errors=hook.errors, queue_state=state, problems=problems, lost_ids=c.lost_ids)
+
+
+# --------------------------------------------------------------------------- W&B unreachable
+
+class Blackhole:
+    """A 127.0.0.1 port that accepts connections and never answers (a hung server)."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list = []
+        self._stop = threading.Event()
+        self.sock.settimeout(0.2)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+                self.conns.append(conn)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    def close(self):
+        self._stop.set()
+        self.thread.join(2)
+        for c in self.conns:
+            with contextlib.suppress(OSError):
+                c.close()
+        self.sock.close()
+
+
+def dead_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again: connections are refused
+
+
+def scenario_wandb(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, modes=("hung",),
+                   timeout: float = 300) -> Row:
+    """W&B online, pointed at a dead local address (`refused`: nothing listens; `hung`: accepts,
+    never answers). Jobs still finish and are recorded; `publish` fills the gap afterwards.
+    (tests/test_publish_command.py covers `refused` with a stand-in engine; this adds the hung
+    server and the real engine.)"""
+    sys.path.insert(0, str(REPO))
+    from tests.wandb_reader import read_run
+
+    t0 = time.monotonic()
+    wandb_dir = base / "wandb"
+    per_mode: dict[str, dict] = {}
+    with Stack(base, zygote=zygote, target=target) as s:
+        ids: list[str] = []
+        step = 0
+        for mode in modes:
+            hole = Blackhole() if mode == "hung" else None
+            port = hole.port if hole else dead_port()
+            env = {"DFLASH_SINKS": "wandb", "WANDB_MODE": "online", "WANDB_BASE_URL": f"http://127.0.0.1:{port}",
+                   "WANDB_API_KEY": "k" * 40, "DFLASH_WANDB_INIT_TIMEOUT_S": "3", "DFLASH_WANDB_TIMEOUT_S": "20",
+                   "DFLASH_WANDB_DIR": str(wandb_dir), "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true",
+                   "WANDB_CONFIG_DIR": str(base / "wandb-config"), "WANDB_CACHE_DIR": str(base / "wandb-cache"),
+                   "WANDB_DATA_DIR": str(base / "wandb-data")}
+            w = s.start_worker(f"w-{mode}", env=env)
+            mine = []
+            for _ in range(jobs):
+                step += 1
+                mine.append(s.enqueue(s.publish(step), wandb={"project": "soak", "group": RUN, "entity": None,
+                                                               "mode": "online"}))
+            t_mode = time.monotonic()
+            s.wait_settled(mine, timeout)
+            from eval_worker.queue import fetch_job
+
+            errors = [(fetch_job(s.conn, j).return_value() or {}).get("sink_error") or "" for j in mine]
+            per_mode[mode] = {"port": port, "jobs": len(mine), "seconds": round(time.monotonic() - t_mode, 1),
+                              "sink_errors": sum(1 for e in errors if e), "example_error": errors[0][:200],
+                              "worker_alive": w.alive()}
+            w.stop()
+            if hole:
+                hole.close()
+            ids += mine
+        c = s.audit(ids)
+        pub = s.spawn("publish", "eval_worker.cli:main",
+                      ["publish", "--run", RUN, "--mode", "offline", "--results", str(s.results)],
+                      env={"WANDB_MODE": "offline", "DFLASH_WANDB_DIR": str(wandb_dir), "WANDB_DIR": str(wandb_dir),
+                           "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(base / "wandb-config"),
+                           "WANDB_CACHE_DIR": str(base / "wandb-cache"), "WANDB_DATA_DIR": str(base / "wandb-data")})
+        rc = pub.wait(180)
+        points = []
+        if rc == 0:
+            pointer = json.loads((wandb_dir / f"{RUN}-eval.json").read_text())
+            points = sorted(read_run(pointer["wandb_file"]).points("eval/tau"))
+        problems = _problem_list(all_recorded=c.recorded == c.accepted, publish_ok=rc == 0,
+                                 every_point_published=points == list(range(1, step + 1)),
+                                 sink_errors_reported=all(m["sink_errors"] == m["jobs"] for m in per_mode.values()),
+                                 workers_alive=all(m["worker_alive"] for m in per_mode.values()))
+        observed = "; ".join(f"{m}: {d['jobs']} jobs finished in {d['seconds']:.0f} s, each with a sink error"
+                             for m, d in per_mode.items())
+        observed += f"; `publish --mode offline` rebuilt all {len(points)} points from the ledger"
+        return Row.of("W&B unreachable (online mode, dead 127.0.0.1 address: " + "/".join(modes) + ")",
+                      "results kept in the ledger, the worker carries on, `publish` fills the gap", observed, c, t0,
+                      modes=per_mode, published_points=points, publish_log=pub.log()[-800:] if rc else "",
+                      problems=problems)
+
+
+# --------------------------------------------------------------------------- disk full / read-only results
+
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True, timeout=30)
+
+
+def can_mount() -> str | None:
+    """None when this process may mount a tmpfs (root with CAP_SYS_ADMIN), else why not."""
+    if shutil.which("mount") is None:
+        return "no mount command"
+    if os.geteuid() != 0:
+        return "needs root to mount a small tmpfs"
+    d = Path(tempfile.mkdtemp(prefix="soak-mnt-"))
+    try:
+        _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d))
+        subprocess.run(["umount", str(d)], check=True, capture_output=True, timeout=30)
+        return None
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"mount not permitted here ({getattr(e, 'stderr', b'') or e})"
+    finally:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, timeout: float = 120) -> Row:
+    """The ledger on a small tmpfs that is (a) full, (b) read-only. Jobs fail at once with the
+    reason (ENOSPC / EROFS), leave no partial record, the worker carries on; once the disk is
+    fixed, `requeue --failed` records every one of them."""
+    from eval_worker.queue import requeue_failed
+
+    t0 = time.monotonic()
+    mnt = base / "results-fs"
+    mnt.mkdir(parents=True, exist_ok=True)
+    _mount("-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt))
+    try:
+        results = mnt / "results"
+        results.mkdir()
+        with Stack(base, zygote=zygote, target=target) as s:
+            w = s.start_worker(results=results)
+            phases: dict[str, dict] = {}
+            ids: list[str] = []
+            step = 0
+            for fault in ("full", "read-only"):
+                filler = mnt / "filler"
+                if fault == "full":
+                    with open(filler, "wb") as fh:
+                        with contextlib.suppress(OSError):
+                            while True:
+                                fh.write(b"\0" * 65536)
+                    with contextlib.suppress(OSError):  # small files may still fit: fill those too
+                        for i in range(10000):
+                            (mnt / f"f{i}").write_bytes(b"\0" * 512)
+                else:
+                    _mount("-o", "remount,ro", str(mnt))
+                mine = []
+                for _ in range(jobs):
+                    step += 1
+                    mine.append(s.enqueue(s.publish(step), config=retry_now(0)))
+                s.wait_settled(mine, timeout)
+                c = s.audit(mine, results=results)
+                leftovers = [str(p) for p in results.rglob("*") if p.is_file() and p.name.startswith(".tmp-")]
+                phases[fault] = {"failed": c.failed, "reasons": sorted(set(c.failures.values())),
+                                 "partial_files": leftovers, "worker_alive": w.alive()}
+                # fix the disk, then run them again
+                if fault == "full":
+                    filler.unlink()
+                    for p in mnt.glob("f*"):
+                        p.unlink()
+                else:
+                    _mount("-o", "remount,rw", str(mnt))
+                requeued = requeue_failed(s.conn, job_ids=mine)
+                s.wait_settled(mine, timeout, also=lambda m=mine: all(v == "finished" for v in s.statuses(m).values()))
+                phases[fault]["requeued"] = len(requeued)
+                ids += mine
+            s.accepted = ids
+            c = s.audit(ids, results=results)
+            problems = _problem_list(
+                failed_with_reason=all(p["failed"] == jobs for p in phases.values()),
+                reasons_name_the_disk=all(any(("No space left" in r or "Read-only file system" in r)
+                                              for r in p["reasons"]) for p in phases.values()),
+                no_partial_records=not any(p["partial_files"] for p in phases.values()),
+                worker_alive=all(p["worker_alive"] for p in phases.values()) and w.alive(),
+                all_recorded_after_fix=c.recorded == c.accepted)
+            observed = "; ".join(f"{k}: {v['failed']}/{jobs} failed at once ({'; '.join(r.split(': ', 1)[-1][:60] for r in v['reasons'])}), "
+                                 f"no partial file, worker alive" for k, v in phases.items())
+            observed += "; after the fix `requeue --failed` recorded them all"
+            return Row.of("Results directory full (ENOSPC) or read-only (EROFS)",
+                          "clear failure for that job only; nothing half-written; re-runnable", observed, c, t0,
+                          phases=phases, problems=problems)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+# --------------------------------------------------------------------------- broken checkpoints
+
+def _republish(directory: Path, mutate: Callable[[Path], None]) -> None:
+    """Change a published checkpoint's files, then rewrite COMPLETE.json to match them: a
+    checkpoint that was broken *before* publication (its digests are consistent)."""
+    from dflash_train.checkpoint import sha256_file
+
+    mutate(directory)
+    marker = directory / "COMPLETE.json"
+    manifest = json.loads(marker.read_text())
+    files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != marker.name}
+    manifest["files"] = files
+    manifest["digest"] = files.get("model.safetensors", manifest["digest"])
+    with contextlib.suppress(ValueError):
+        manifest["config"] = json.loads((directory / "config.json").read_text())
+    marker.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def _tensors(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def _save_tensors(directory: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _bad_header(d: Path) -> None:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{garbage" + data[16:])
+
+
+def _wrong_shape(d: Path) -> None:
+    import torch
+
+    t = _tensors(d)
+    t["fc.weight"] = torch.zeros(t["fc.weight"].shape[0], t["fc.weight"].shape[1] + 3)
+    _save_tensors(d, t)
+
+
+def _int_dtype(d: Path) -> None:
+    t = _tensors(d)
+    _save_tensors(d, {k: (v * 100).to(__import__("torch").int32) for k, v in t.items()})
+
+
+def _half_dtype(d: Path) -> None:
+    t = _tensors(d)
+    _save_tensors(d, {k: v.to(__import__("torch").float16) for k, v in t.items()})
+
+
+def _bad_config(d: Path) -> None:
+    (d / "config.json").write_text('{"block_size": "sixteen", ')
+
+
+def _config_mismatch(d: Path) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hidden_size"] = cfg.get("hidden_size", HIDDEN) * 2
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+CHECKPOINT_FAULTS: dict[str, tuple[str, str]] = {
+    # name: (what is done, a word the failure reason must contain)
+    "deleted": ("checkpoint deleted between enqueue and pickup", "does not exist"),
+    "truncated": ("model.safetensors truncated after publication", "digest mismatch"),
+    "bitflip": ("one byte of the weights flipped after publication", "digest mismatch"),
+    "marker": ("COMPLETE.json corrupted", "COMPLETE.json"),
+    "header": ("bad safetensors header (published that way)", "corrupt"),
+    "shape": ("wrong tensor shape (published that way)", "shape"),
+    "dtype-int": ("integer weights (published that way)", "non-float"),
+    "config": ("config.json not valid JSON (published that way)", "config"),
+    "config-mismatch": ("config.json does not match the weights (published that way)", "match"),
+}
+
+
+def _apply_fault(name: str, d: Path) -> None:
+    if name == "deleted":
+        shutil.rmtree(d)
+    elif name == "truncated":
+        w = d / "model.safetensors"
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    elif name == "bitflip":
+        w = d / "model.safetensors"
+        data = bytearray(w.read_bytes())
+        data[-7] ^= 0x40
+        w.write_bytes(bytes(data))
+    elif name == "marker":
+        (d / "COMPLETE.json").write_text('{"format": "dflash-checkpoint/1", "step": ')
+    else:
+        _republish(d, {"header": _bad_header, "shape": _wrong_shape, "dtype-int": _int_dtype,
+                       "config": _bad_config, "config-mismatch": _config_mismatch}[name])
+
+
+def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """Each broken checkpoint fails its own job at once (no retries) with a reason that names
+    the problem; a float16 checkpoint (another dtype, still valid) is evaluated; the worker
+    carries on and a good job afterwards finishes."""
+    from eval_worker.queue import QueueConfig, fetch_job
+
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        planned: dict[str, tuple[str, Path]] = {}
+        config = QueueConfig(retry_intervals=[1, 1])  # default retries: a broken checkpoint must not use them
+        for i, name in enumerate(CHECKPOINT_FAULTS, start=1):
+            ck = s.publish(100 + i)
+            planned[s.enqueue(ck, config=config)] = (name, ck)
+        half = s.publish(200)
+        _republish(half, _half_dtype)
+        good_half = s.enqueue(half, config=config)
+        for jid, (name, ck) in planned.items():  # after enqueue, before any worker picks them up
+            _apply_fault(name, ck)
+        good = s.enqueue(s.publish(300), config=config)
+        w = s.start_worker()
+        ids = list(planned) + [good_half, good]
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        outcome = {}
+        for jid, (name, ck) in planned.items():
+            job = fetch_job(s.conn, jid)
+            reason = c.failures.get(jid, "")
+            outcome[name] = {"status": job.get_status().value, "reason": reason[:300],
+                             "executions": len(job.results()), "retries_left": job.retries_left,
+                             "reason_ok": CHECKPOINT_FAULTS[name][1].lower() in reason.lower()}
+        st = s.statuses([good_half, good])
+        problems = _problem_list(
+            each_failed_once=all(o["status"] == "failed" and o["executions"] == 1 for o in outcome.values()),
+            reasons_name_the_problem=all(o["reason_ok"] for o in outcome.values()),
+            float16_evaluated=st[good_half] == "finished", good_job_after=st[good] == "finished",
+            worker_alive=w.alive())
+        observed = (f"{len(planned)} broken checkpoints: each job failed once, no retry, reason names the fault; "
+                    f"a float16 checkpoint and a good one afterwards finished; worker alive")
+        return Row.of("Checkpoint deleted / truncated / corrupted (bad header, wrong shape, wrong dtype, bad config)",
+                      "clear failure for that job only", observed, c, t0, outcome=outcome,
+                      problems=problems, bad=[f"{n}: {o}" for n, o in outcome.items()
+                                              if not (o["reason_ok"] and o["status"] == "failed")])
+
+
+# --------------------------------------------------------------------------- corrupted caches
+
+def scenario_cache(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """Reference and feature cache files corrupted (garbage, truncated, emptied) between two
+    worker processes: the second evaluation rebuilds them, names them in cache.notes and gets
+    the same τ."""
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        w = s.start_worker()
+        ck = s.publish(1)
+        first = s.enqueue(ck)
+        s.wait_settled([first], timeout)
+        w.stop()
+        files = sorted(p for p in s.cache.rglob("*") if p.is_file() and not p.name.startswith("."))
+        damage = ["garbage", "truncate", "empty"]
+        for i, p in enumerate(files):
+            kind = damage[i % len(damage)]
+            if kind == "garbage":
+                p.write_bytes(b"\x80\x04 not a cache file \xff" * 7)
+            elif kind == "truncate":
+                p.write_bytes(p.read_bytes()[: max(1, p.stat().st_size // 3)])
+            else:
+                p.write_bytes(b"")
+        s.start_worker()
+        again = s.enqueue(ck, force=True)
+        s.wait_settled([again], timeout)
+        c = s.audit([first, again])
+        recs = {jid: json.loads(paths[0].read_text()) for jid, paths in s.ledger_by_job().items()}
+        r1, r2 = recs.get(first, {}).get("result", {}), recs.get(again, {}).get("result", {})
+        cache2 = r2.get("cache", {})
+        problems = _problem_list(both_recorded=c.recorded == 2, files_damaged=bool(files),
+                                 rebuilt=cache2.get("references") != "hit" and cache2.get("features") != "hit",
+                                 notes_name_it=bool(cache2.get("notes")),
+                                 same_tau=r1.get("tau") == r2.get("tau"))
+        observed = (f"{len(files)} cache files damaged; the next job rebuilt them (references: "
+                    f"{cache2.get('references')}, features: {cache2.get('features')}; {len(cache2.get('notes') or [])} "
+                    f"notes), same τ as before")
+        return Row.of("Cache files corrupted (garbage, truncated, empty)",
+                      "rebuilt and noted in the result, never a wrong τ", observed, c, t0,
+                      cache=cache2, problems=problems)
+
+
+# --------------------------------------------------------------------------- trainer killed mid-write
+
+_TMP_RE = re.compile(r"^\.step-\d{8,}\.tmp-\d+$")
+_STEP_RE = re.compile(r"^step-\d{8,}$")
+
+
+def partial_checkpoints(run_dir: Path) -> list[str]:
+    """Half-written publications: temporary directories, and step directories without a marker."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.is_dir() and (
+        _TMP_RE.match(p.name) or (_STEP_RE.match(p.name) and not (p / "COMPLETE.json").exists())))
+
+
+def trainer_main(argv: list[str]) -> int:
+    """A stand-in trainer: exactly what dflash_train/trainer.py does around publication
+    (cleanup_incomplete at start, AsyncPublisher, EvalOnCheckpoint, retention with the hook's
+    protection), with no training in between, so that a kill lands inside a checkpoint write."""
+    import torch
+
+    from dflash_train.checkpoint import AsyncPublisher, apply_retention, cleanup_incomplete, list_checkpoints
+    from dflash_train.model import DFlashDrafter
+    from hooks import EvalOnCheckpoint
+
+    p = argparse.ArgumentParser()
+    for a in ("--root", "--target", "--suite", "--redis-url"):
+        p.add_argument(a, required=True)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--keep-last", type=int, default=3)
+    args = p.parse_args(argv)
+    run_dir = Path(args.root) / RUN
+    run_dir.mkdir(parents=True, exist_ok=True)
+    removed = cleanup_incomplete(run_dir)
+    print(json.dumps({"cleaned": [x.name for x in removed]}), flush=True)
+    done = [int(x.name.split("-")[1]) for x in list_checkpoints(run_dir)]
+    start = max(done, default=0) + 1
+    hook = EvalOnCheckpoint(every_n_steps=1, suite=args.suite, target=args.target, options=dict(OPTIONS),
+                            redis_url=args.redis_url, min_backoff=0.1, max_backoff=0.5, train_end_timeout=60)
+
+    def on_published(step, path, manifest):
+        hook.on_checkpoint_published(None, step, path, manifest)
+        apply_retention(run_dir, args.keep_last, protect=hook.protects)
+
+    publisher = AsyncPublisher(args.root, RUN, on_published=on_published)
+    drafter = DFlashDrafter(drafter_config(Path(args.target))).eval()
+    for step in range(start, start + args.steps):
+        with torch.no_grad():
+            drafter.fc.weight.add_(1e-3)
+        publisher.submit(drafter, step)
+    publisher.close()
+    hook.on_train_end(None)
+    print(json.dumps({"finished": start + args.steps - 1, "hook_errors": hook.errors}), flush=True)
+    return 0
+
+
+def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: int = 5, seed: int = 0,
+                          timeout: float = 180) -> Row:
+    """SIGKILL the trainer at random moments while it publishes checkpoints back to back (so
+    most kills land inside a write); restart it each time, as a scheduler would."""
+    from eval_worker.queue import remembered
+
+    t0, rng = time.monotonic(), random.Random(seed)
+    with Stack(base, zygote=zygote, target=target) as s:
+        s.start_worker()
+        run_dir = s.root / RUN
+        outbox = run_dir / ".eval-outbox"
+        argv = ["--root", str(s.root), "--target", str(s.target), "--suite", str(s.suite), "--redis-url", s.url]
+        outcomes = {"left a .tmp directory": 0, "left an unmarked step directory": 0, "between writes": 0}
+        leaked: list[str] = []
+        partial_total = 0
+        for k in range(kills + 1):
+            last = k == kills
+            tr = s.spawn(f"trainer{k}", "bench.soak:trainer_main", argv + ["--steps", "3" if last else "100000"])
+            if last:
+                if tr.wait(120) != 0:
+                    raise RuntimeError(f"final trainer run failed:\n{tr.log()[-2000:]}")
+                break
+            wait_for(lambda: '"cleaned"' in tr.log(), 60, "the trainer to start")
+            time.sleep(rng.uniform(0.2, 1.5))
+            tr.kill()
+            partial = partial_checkpoints(run_dir)
+            partial_total += len(partial)
+            if any(_TMP_RE.match(x) for x in partial):
+                outcomes["left a .tmp directory"] += 1
+            elif partial:
+                outcomes["left an unmarked step directory"] += 1
+            else:
+                outcomes["between writes"] += 1
+            named = {os.path.basename(e["job"]["checkpoint"]) for e in remembered(s.conn, RUN)}
+            for f in outbox.glob("*.json"):
+                with contextlib.suppress(OSError, ValueError):
+                    named.add(os.path.basename(json.loads(f.read_text())["checkpoint"]))
+            leaked += sorted(named & set(partial))
+        cleaned = []
+        for w in s.workers:
+            for line in w.log().splitlines():
+                if line.startswith('{"cleaned"'):
+                    cleaned += json.loads(line)["cleaned"]
+        entries = remembered(s.conn, RUN)
+        ids = [e["job_id"] for e in entries]
+        s.accepted = ids
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        calls = s.calls_made()
+        left = partial_checkpoints(run_dir)
+        problems = _problem_list(no_partial_enqueued=not leaked, all_evaluated_had_marker=all(x["marker"] for x in calls),
+                                 all_recorded=c.recorded == c.accepted, cleaned_up=not left,
+                                 outbox_empty=not list(outbox.glob("*.json")))
+        observed = (f"{kills} kills: {outcomes['left a .tmp directory']} left a .tmp dir, "
+                    f"{outcomes['left an unmarked step directory']} an unmarked step dir, "
+                    f"{outcomes['between writes']} none; no partial one was enqueued or evaluated "
+                    f"({len(calls)} evaluations, all with COMPLETE.json); the next run removed all {len(cleaned)}")
+        return Row.of("Trainer SIGKILLed during checkpoint writes (restarted each time)",
+                      "no half checkpoint enqueued or evaluated; the next run cleans it up", observed, c, t0,
+                      kill_outcomes=outcomes, partial_seen=partial_total, cleaned=cleaned, leaked=leaked,
+                      left_over=left, problems=problems)
+
+
+# --------------------------------------------------------------------------- load
+
+def scenario_burst(base: Path, zygote: Zygote, target: Path, *, jobs: int = 40, workers: int = 2,
+                   timeout: float = 600) -> Row:
+    """A burst of jobs queued at once, served by several workers: each runs once, queue state consistent."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+    from rq.worker import Worker as RQWorker
+
+    from eval_worker.ledger import Ledger
+
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        cks = [s.publish(i) for i in range(1, jobs + 1)]
+        ids = [s.enqueue(ck) for ck in cks]
+        t_start = time.monotonic()
+        ws = [s.start_worker(register=False) for _ in range(workers)]
+        s.wait_settled(ids, timeout)
+        seconds = time.monotonic() - t_start
+        c = s.audit(ids)
+        executions = []
+        for i in range(0, len(ids), 200):
+            executions += [len(j.results()) for j in Job.fetch_many(ids[i:i + 200], connection=s.conn,
+                                                                     serializer=JSONSerializer)]
+        per_worker = {w.name: w.successful_job_count for w in RQWorker.all(connection=s.conn)}
+        state = s.queue_state()
+        indexed = len(Ledger(connection=s.conn).indexed(RUN))
+        calls = s.calls_made()
+        problems = _problem_list(all_recorded=c.recorded == jobs, one_execution_each=executions == [1] * jobs,
+                                 one_evaluation_each=len(calls) == jobs == len({x["checkpoint"] for x in calls}),
+                                 registries=state == {"queued": 0, "started": 0, "scheduled": 0, "finished": jobs,
+                                                      "failed": 0},
+                                 worker_counts=sum(per_worker.values()) == jobs, ledger_index=indexed == jobs,
+                                 workers_alive=all(w.alive() for w in ws))
+        observed = (f"{jobs} jobs on {workers} workers in {seconds:.0f} s ({jobs / seconds:.1f} jobs/s; split "
+                    f"{sorted(per_worker.values())}); one execution and one record each; queue and registries "
+                    f"consistent (finished {state['finished']}, nothing queued/started/failed), ledger index {indexed}")
+        return Row.of(f"Load: burst of {jobs} queued jobs, {workers} workers",
+                      "each job exactly once, queue state consistent", observed, c, t0,
+                      seconds=round(seconds, 1), per_worker=per_worker, queue_state=state, problems=problems)
+
+
+def scenario_memory(base: Path, zygote: Zygote, target: Path, *, jobs: int = 100, warmup: int = 15,
+                    max_slope_kb: float = 100.0, timeout: float = 600) -> Row:
+    """One long-running worker, `jobs` different checkpoints: its RSS must stay flat after a
+    warm-up (a leaked drafter would add ~700 KB per job)."""
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        ids = [s.enqueue(s.publish(i)) for i in range(1, jobs + 1)]
+        w = s.start_worker()
+        samples: list[tuple[int, int]] = []  # (jobs done, RSS kB)
+        deadline = time.monotonic() + timeout
+        done = 0
+        while done < jobs and time.monotonic() < deadline:
+            n = len(s.calls_made())
+            rss = w.rss_kb()
+            if rss and (not samples or n > samples[-1][0]):
+                samples.append((n, rss))
+            done = sum(1 for v in s.statuses(ids).values() if v in ("finished", "failed")) if n >= jobs else n - 1
+            time.sleep(0.05)
+        s.wait_settled(ids, 60)
+        time.sleep(0.3)
+        samples.append((jobs, w.rss_kb() or samples[-1][1]))
+        c = s.audit(ids)
+        tail = [(n, r) for n, r in samples if n >= warmup]
+        slope = 0.0
+        if len(tail) >= 2:
+            mx = sum(n for n, _ in tail) / len(tail)
+            my = sum(r for _, r in tail) / len(tail)
+            den = sum((n - mx) ** 2 for n, _ in tail) or 1.0
+            slope = sum((n - mx) * (r - my) for n, r in tail) / den
+        from eval_worker.queue import fetch_job
+
+        loads = fetch_job(s.conn, ids[-1]).return_value()["target_loads"]
+        first, last = (tail[0][1], tail[-1][1]) if tail else (0, 0)
+        problems = _problem_list(all_recorded=c.recorded == jobs, flat=slope < max_slope_kb, loaded_once=loads == 1)
+        observed = (f"RSS {first / 1024:.0f} MB after {warmup} jobs -> {last / 1024:.0f} MB after {jobs} "
+                    f"(slope {slope:+.1f} kB/job; a leaked drafter is ~700 kB/job); target loaded once")
+        return Row.of(f"Long-running worker, {jobs} jobs (memory)", "memory flat: no leak of models or caches",
+                      observed, c, t0, rss_kb=samples[:: max(1, len(samples) // 50)], slope_kb_per_job=round(slope, 1),
+                      target_loads=loads, problems=problems)
+
+
+# --------------------------------------------------------------------------- hostile queue entries
+
+class _Pwn:
+    """Unpickling this runs a shell command that creates a file (proof of execution)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def plant(conn, job_id: str, fields: dict, queue: str = "dflash-eval") -> None:
+    """Write a job hash straight into Redis and queue it, as anyone who can reach Redis could."""
+    conn.hset(f"rq:job:{job_id}", mapping=fields)
+    conn.rpush(f"rq:queue:{queue}", job_id)
+
+
+def _data(func: str, args: list, kwargs: dict | None = None) -> bytes:
+    import zlib
+
+    return zlib.compress(json.dumps([func, None, args, kwargs or {}]).encode())
+
+
+def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """Entries written straight into Redis by someone who can reach it: other functions,
+    callbacks, pickled data, unreadable hashes, checkpoint paths that escape the roots, a target
+    whose weights are a pickle. None may run code or read outside the roots; the worker carries on."""
+    import pickle
+    import zlib
+
+    from rq import Callback
+
+    from eval_worker.queue import get_queue
+
+    t0 = time.monotonic()
+    proof = base / "proof"
+    proof.mkdir(parents=True, exist_ok=True)
+    with Stack(base, zygote=zygote, target=target) as s:
+        q = get_queue(s.conn, "dflash-eval")
+        good_ck = s.publish(1)
+        good_job = s.job(good_ck)
+        outside = base / "outside"
+        outside_ck = publish(outside, s.target, 7, cfg=s.cfg)
+        (s.root / "escape-link").symlink_to(outside_ck)
+        inner = s.publish(2)
+        (inner / "model.safetensors").unlink()
+        (inner / "model.safetensors").symlink_to(outside_ck / "model.safetensors")
+        evil_target = base / "evil-target"
+        evil_target.mkdir()
+        for f in s.target.glob("*.json"):
+            shutil.copy(f, evil_target / f.name)
+        import torch
+
+        torch.save({"model.embed_tokens.weight": _Pwn(proof / "target-bin")}, evil_target / "pytorch_model.bin")
+        attacks = {
+            "function os.system": lambda jid: q.enqueue_call("os.system", args=(f"touch {proof / jid}",), job_id=jid),
+            "function builtins.exec": lambda jid: q.enqueue_call(
+                "builtins.exec", args=(f"open({str(proof / jid)!r}, 'w')",), job_id=jid),
+            "failure callback": lambda jid: q.enqueue_call(
+                "eval_worker.worker.run_eval_job", args=({"schema": "nope"},), job_id=jid,
+                on_failure=Callback("os.system")),
+            "success callback": lambda jid: q.enqueue_call(
+                "eval_worker.worker.run_eval_job", args=(good_job,), job_id=jid, on_success=Callback("os.system")),
+            "extra kwargs": lambda jid: q.enqueue_call(
+                "eval_worker.worker.run_eval_job", args=(good_job,), kwargs={"x": 1}, job_id=jid),
+            "pickled data": lambda jid: plant(s.conn, jid, {
+                "data": zlib.compress(pickle.dumps(_Pwn(proof / jid))), "status": "queued", "origin": "dflash-eval",
+                "created_at": "2026-01-01T00:00:00.000000Z"}),
+            "pickled meta": lambda jid: plant(s.conn, jid, {
+                "data": _data("eval_worker.worker.run_eval_job", [{"schema": "nope"}]),
+                "meta": pickle.dumps(_Pwn(proof / jid)), "status": "queued", "origin": "dflash-eval"}),
+            "unreadable hash (status)": lambda jid: plant(s.conn, jid, {
+                "data": _data("eval_worker.worker.run_eval_job", [good_job]), "status": "bogus",
+                "origin": "dflash-eval"}),
+            "unreadable hash (date)": lambda jid: plant(s.conn, jid, {
+                "data": _data("eval_worker.worker.run_eval_job", [good_job]), "status": "queued",
+                "origin": "dflash-eval", "created_at": "yesterday"}),
+            "path with ..": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+                {**good_job, "checkpoint": str(s.root / ".." / "outside" / RUN / "step-00000007")},)),
+            "symlinked directory": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+                {**good_job, "checkpoint": str(s.root / "escape-link")},)),
+            "symlinked weights file": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+                {**good_job, "checkpoint": str(inner), "step": 2,
+                 "checkpoint_digest": json.loads((inner / "COMPLETE.json").read_text())["digest"]},)),
+            "baseline outside": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+                {**good_job, "baseline": str(outside_ck)},)),
+            "pickled target weights": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+                {**good_job, "target": str(evil_target)},)),
+        }
+        planted = {}
+        for i, (name, make) in enumerate(attacks.items()):
+            jid = f"attack-{i}"
+            make(jid)
+            planted[jid] = name
+        good = s.enqueue(good_ck)
+        w = s.start_worker()
+        s.wait_settled([good], timeout)
+        wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the planted entries to be taken")
+        from eval_worker.queue import failure_reason, fetch_job
+        from eval_worker.jobs import JobError
+
+        result = {}
+        for jid, name in planted.items():
+            if s.conn.exists(f"dflash:quarantine:{jid}"):
+                result[name] = {"outcome": "quarantined",
+                                "reason": (s.conn.hget(f"dflash:quarantine:{jid}", "dflash_quarantined") or b"").decode()}
+                continue
+            try:
+                job = fetch_job(s.conn, jid)
+                wait_for(lambda: job.get_status(refresh=True).value in ("failed", "finished"), 60, f"{jid} to end")
+                result[name] = {"outcome": job.get_status().value, "reason": failure_reason(job)}
+            except JobError as e:
+                result[name] = {"outcome": "gone", "reason": str(e)}
+        executed = sorted(p.name for p in proof.iterdir())
+        c = s.audit([good])
+        refused = sum(1 for r in result.values() if r["outcome"] in ("failed", "quarantined"))
+        escapes = [n for n in ("path with ..", "symlinked directory", "symlinked weights file", "baseline outside")]
+        problems = _problem_list(
+            nothing_executed=not executed, all_refused=refused == len(planted),
+            escapes_named=all("outside the checkpoint roots" in result[n]["reason"] for n in escapes),
+            good_job_finished=c.recorded == 1, worker_alive=w.alive())
+        observed = (f"{len(planted)} hostile entries: {refused} refused with a reason "
+                    f"({sum(1 for r in result.values() if r['outcome'] == 'quarantined')} unreadable ones set aside), "
+                    f"{len(executed)} ran code; path escapes named as outside the roots; the worker carried on "
+                    f"and finished the real job")
+        return Row.of("Hostile Redis entries: foreign functions, callbacks, pickle, bad hashes, path escapes",
+                      "refused with a reason, no code run, nothing read outside the roots", observed, c, t0,
+                      planted=result, executed=executed, problems=problems)
+
+
+def random_payload(rng: random.Random, valid: dict) -> Any:
+    """A mutated job payload (for the bench; the tests use hypothesis)."""
+    junk = [None, True, -1, 0, 2**63, 1.5, float("inf"), "", "x" * 5000, "../../etc/passwd", "/etc/passwd",
+            "\x00", [], {}, [1, "a"], {"a": {"b": []}}, "💥", "builtin:coding-v1", "eval_worker.worker.run_eval_job"]
+    kind = rng.randrange(6)
+    if kind == 0:
+        return rng.choice(junk)
+    p = dict(valid)
+    for _ in range(rng.randint(1, 4)):
+        key = rng.choice(list(p) + ["extra", "schema"])
+        action = rng.randrange(3)
+        if action == 0:
+            p.pop(key, None)
+        else:
+            p[key] = rng.choice(junk)
+    return p
+
+
+def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40, seed: int = 0,
+                        timeout: float = 180) -> Row:
+    """Mutated payloads planted in the queue (bypassing enqueue's validation): each fails with a
+    reason, none crashes the worker, real jobs around them finish."""
+    from eval_worker.queue import fetch_job, get_queue
+
+    t0, rng = time.monotonic(), random.Random(seed)
+    with Stack(base, zygote=zygote, target=target) as s:
+        q = get_queue(s.conn, "dflash-eval")
+        ck = s.publish(1)
+        valid = s.job(ck)
+        fuzzed = []
+        for i in range(n):
+            payload = random_payload(rng, valid)
+            with contextlib.suppress(TypeError, ValueError):  # not JSON at all: enqueue itself refuses
+                q.enqueue_call("eval_worker.worker.run_eval_job", args=(payload,), job_id=f"fuzz-{i}")
+                fuzzed.append(f"fuzz-{i}")
+        good = [s.enqueue(ck), s.enqueue(s.publish(2))]
+        w = s.start_worker()
+        s.wait_settled(fuzzed + good, timeout)
+        c = s.audit(good)
+        st = s.statuses(fuzzed)
+        finished = [j for j, v in st.items() if v == "finished"]
+        from eval_worker.queue import failure_reason
+
+        reasons = {j: failure_reason(fetch_job(s.conn, j)) for j, v in st.items() if v == "failed"}
+        problems = _problem_list(good_recorded=c.recorded == len(good), worker_alive=w.alive(),
+                                 every_fuzzed_failed_with_reason=all(r and r != "(no reason recorded)"
+                                                                     for r in reasons.values()),
+                                 fuzzed_settled=len(reasons) + len(finished) == len(fuzzed))
+        observed = (f"{len(fuzzed)} mutated payloads: {len(reasons)} failed with a reason, {len(finished)} "
+                    f"happened to be valid and ran; the worker never crashed; {len(good)} real jobs recorded")
+        return Row.of("Fuzzed job payloads planted in the queue", "rejected with a clear error, worker never crashes",
+                      observed, c, t0, reasons=sorted(set(r.split(":")[0] for r in reasons.values())),
+                      problems=problems)
+
+
+# =========================================================================== the table
+
+SCENARIOS: dict[str, Callable[..., Row]] = {
+    "kill": scenario_kill, "redis": scenario_redis, "wandb": scenario_wandb, "disk": scenario_disk,
+    "checkpoints": scenario_checkpoints, "cache": scenario_cache, "trainer": scenario_trainer_kill,
+    "security": scenario_security, "fuzz": scenario_fuzz_queue, "burst": scenario_burst, "memory": scenario_memory,
+}
+FULL = {"kill": dict(workers=3, jobs=120, kills=25), "redis": dict(checkpoints=40, down_s=5.0),
+        "wandb": dict(jobs=4, modes=("refused", "hung")), "trainer": dict(kills=30),
+        "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200)}
+QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
+         "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
+         "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100)}
+
+BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
+
+
+def render(rows: list[Row], header: str) -> str:
+    out = [header, "",
+           "| fault | expected | observed | accepted | recorded | failed (visible) | lost | duplicated | ok |",
+           "|---|---|---|---:|---:|---:|---:|---:|:-:|"]
+    for r in rows:
+        cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        ok = "yes" if r.ok else ("skipped" if r.details.get("skipped") else "**NO**")
+        out.append(f"| {cell(r.fault)} | {cell(r.expected)} | {cell(r.observed)} | {r.accepted} | {r.recorded} | "
+                   f"{r.failed} | {r.lost} | {r.duplicated} | {ok} |")
+    tot = [sum(getattr(r, k) for r in rows) for k in ("accepted", "recorded", "failed", "lost", "duplicated")]
+    out.append(f"| **total** | | | {tot[0]} | {tot[1]} | {tot[2]} | {tot[3]} | {tot[4]} | |")
+    bad = [r for r in rows if not r.ok and not r.details.get("skipped")]
+    for r in bad:
+        out.append("")
+        out.append(f"- **{r.fault}**: failed checks {r.details.get('problems')}")
+    return "\n".join(out) + "\n"
+
+
+def write_table(doc: Path, table: str) -> None:
+    text = doc.read_text() if doc.exists() else f"# Reliability\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text = text.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+def run_scenarios(names: list[str], sizes: dict, workdir: Path, *, log=print) -> list[Row]:
+    zygote = shared_zygote()
+    target = build_micro_target(workdir / "target")
+    rows = []
+    for name in names:
+        fn = SCENARIOS[name]
+        base = workdir / name
+        shutil.rmtree(base, ignore_errors=True)
+        t0 = time.monotonic()
+        log(f"[soak] {name} ...")
+        if name == "disk" and (why := can_mount()):
+            row = Row("Results directory full (ENOSPC) or read-only (EROFS)", "clear failure for that job only",
+                      f"skipped: {why}", 0, 0, 0, 0, 0, 0.0, {"skipped": why})
+        else:
+            try:
+                row = fn(base, zygote, target, **sizes.get(name, {}))
+            except Exception as e:  # noqa: BLE001 - one broken scenario still gets its row
+                import traceback
+
+                row = Row(name, "-", f"scenario crashed: {type(e).__name__}: {str(e)[:300]}", 0, 0, 0, 0, 0,
+                          round(time.monotonic() - t0, 1), {"problems": ["crashed"], "trace": traceback.format_exc()})
+        log(f"[soak] {name}: {'ok' if row.ok else 'FAILED ' + str(row.details.get('problems'))} "
+            f"({row.seconds:.0f} s) - {row.observed}")
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the small sizes the default test suite uses")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"),
+                   help="markdown file to write the table into (between the soak markers); '-' for stdout only")
+    p.add_argument("--json", default=None, help="also write every row (with details) as JSON here")
+    p.add_argument("--workdir", default=None, help="where the scenarios run (default: a temporary directory)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in (args.only or ",".join(SCENARIOS)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {unknown}; known: {list(SCENARIOS)}")
+    sizes = QUICK if args.quick else FULL
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dflash-soak-"))
+    t0 = time.monotonic()
+    try:
+        rows = run_scenarios(names, sizes, workdir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    import platform
+
+    header = (f"Generated by `python bench/soak.py{' --quick' if args.quick else ''}` on "
+              f"{time.strftime('%Y-%m-%d')} ({platform.machine()}, {os.cpu_count()} CPUs, "
+              f"{time.monotonic() - t0:.0f} s in all).")
+    table = render(rows, header)
+    print(table)
+    if args.out != "-":
+        write_table(Path(args.out), table)
+        print(f"table written to {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
+    return 0 if all(r.ok or r.details.get("skipped") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
