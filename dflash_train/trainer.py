@@ -415,15 +415,17 @@ class Trainer:
 
     def _log(self, metrics: dict, wandb_run) -> None:
         q = {k: v for k, v in metrics.items() if k.startswith("queue/")}
-        log.info("step %d loss %.4f acc %.3f streak %.2f lr %.2e tok/s %.0f consumer_wait %.2f producer_wait %.2f",
-                 self.step, metrics["loss"], metrics["accuracy"], metrics["streak"], metrics["lr"],
-                 metrics.get("tokens_per_s", 0.0), q.get("queue/consumer_wait_fraction", 0.0),
+        slots = " ".join(f"{a:.2f}" for a in metrics["per_slot_accuracy"][:4])
+        log.info("step %d loss %.4f acc %.3f (slots 1-4: %s) streak %.2f lr %.2e tok/s %.0f consumer_wait %.2f "
+                 "producer_wait %.2f", self.step, metrics["loss"], metrics["accuracy"], slots, metrics["streak"],
+                 metrics["lr"], metrics.get("tokens_per_s", 0.0), q.get("queue/consumer_wait_fraction", 0.0),
                  q.get("queue/producer_wait_fraction", 0.0))
         if wandb_run is not None:
             data = {"train/step": self.step, "train/loss": metrics["loss"], "train/acc": metrics["accuracy"],
                     "train/streak": metrics["streak"], "train/lr": metrics["lr"], "train/grad_norm": metrics["grad_norm"],
                     "train/tokens_per_s": metrics.get("tokens_per_s", 0.0)}
             data.update({f"train/{k}": v for k, v in q.items()})
+            data.update({f"train/slot_acc/{k}": a for k, a in enumerate(metrics["per_slot_accuracy"], 1)})
             wandb_run.log(data)
 
 
