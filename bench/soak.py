@@ -304,7 +304,7 @@ class Zygote:
                 self.proc.wait(timeout=15)
 
 
-_SHARED: dict[str, Zygote] = {}
+_SHARED: dict[str, Any] = {}
 
 
 def shared_zygote() -> Zygote:
@@ -316,6 +316,18 @@ def shared_zygote() -> Zygote:
         z = _SHARED["z"] = Zygote()
         atexit.register(z.close)
     return z
+
+
+def shared_target() -> Path:
+    """The micro target, built once per Python process in a temporary directory."""
+    t = _SHARED.get("target")
+    if t is None:
+        import atexit
+
+        d = Path(tempfile.mkdtemp(prefix="dflash-soak-target-"))
+        atexit.register(shutil.rmtree, d, True)
+        t = _SHARED["target"] = build_micro_target(d / "target")
+    return t
 
 
 class Worker:
@@ -442,13 +454,13 @@ class Stack:
 
     def start_worker(self, name: str | None = None, *, args: Iterable[str] = (), env: dict | None = None,
                      url: str | None = None, results: Path | None = None, register: bool = True,
-                     fsize: int | None = None, timeout: float = 60.0) -> Worker:
+                     fsize: int | None = None, timeout: float = 60.0, grace: int = 2) -> Worker:
         self._n += 1
         name = name or f"w{self._n}"
         argv = ["worker", "--redis-url", url or self.url, "--name", name, "--target", str(self.target),
                 "--checkpoint-root", str(self.root), "--results-dir", str(results or self.results),
                 "--cache-dir", str(self.cache), "--maintenance-interval", "1", "--job-monitoring-interval", "1",
-                "--heartbeat-grace", "2", "--worker-ttl", "30", "--log-level", "INFO",
+                "--heartbeat-grace", str(grace), "--worker-ttl", "30", "--log-level", "INFO",
                 "--evaluator-factory", "bench.soak:soak_evaluator", *args]
         log = self.base / f"{name}.log"
         w = Worker(name, self.zygote.spawn(argv, self.worker_env(env), log, fsize=fsize), log)
@@ -651,6 +663,25 @@ def _problem_list(**checks: bool) -> list[str]:
 
 # --------------------------------------------------------------------------- worker killed mid-job
 
+def _kill_after_record(s: Stack, seen: set, timeout: float = 10.0) -> tuple[int, str] | None:
+    """Wait for a worker to write a ledger record and SIGKILL it before RQ hears of the result
+    (the worker holds $SOAK_RECORD_DELAY_S there). Returns (pid, job id), or None."""
+    before = set(s.results.glob("*/step-*/*/attempt-*.json"))
+    deadline = time.monotonic() + timeout
+    by_pid = {w.pid: w for w in s.live_workers()}
+    while time.monotonic() < deadline:
+        for path in set(s.results.glob("*/step-*/*/attempt-*.json")) - before:
+            with contextlib.suppress(OSError, ValueError):
+                rec = json.loads(path.read_text())
+                w = by_pid.get(rec["worker"]["pid"])
+                if w is not None and w.alive() and _current_jobs(s.conn).get(w.name) == rec["job_id"]:
+                    w.kill()
+                    return w.pid, rec["job_id"]
+            before.add(path)
+        time.sleep(0.01)
+    return None
+
+
 def scenario_kill(base: Path, zygote: Zygote, target: Path, *, workers: int = 2, jobs: int = 16, kills: int = 4,
                   seed: int = 0, timeout: float = 240) -> Row:
     """SIGKILL a random worker at random moments (mid-evaluation, between the ledger write and
@@ -663,15 +694,18 @@ def scenario_kill(base: Path, zygote: Zygote, target: Path, *, workers: int = 2,
         config = retry_now(kills + 1)  # even a job hit by every kill still has a retry left
         ids = [s.enqueue(s.publish(i), config=config) for i in range(1, jobs + 1)]
         killed: list[tuple[int, str | None]] = []
-        for _ in range(kills):
+        for k in range(kills):
             time.sleep(rng.uniform(0.3, 1.2))
-            running = _current_jobs(s.conn)
-            live = s.live_workers()
-            busy = [w for w in live if running.get(w.name)]
-            victim = rng.choice(busy or live)
-            job = running.get(victim.name)
-            victim.kill()
-            killed.append((victim.pid, job))
+            hit = _kill_after_record(s, seen=set()) if k % 2 == 1 else None  # every other kill: aimed
+            if hit is None:
+                running = _current_jobs(s.conn)
+                live = s.live_workers()
+                busy = [w for w in live if running.get(w.name)]
+                victim = rng.choice(busy or live)
+                job = running.get(victim.name)
+                victim.kill()
+                hit = (victim.pid, job)
+            killed.append(hit)
             s.start_worker(env=env, register=False)
         s.wait_settled(ids, timeout)
         c = s.audit(ids)
@@ -714,7 +748,9 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
-        ws = [s.start_worker(env={"SOAK_EVAL_DELAY_S": "0.4"}) for _ in range(2)]
+        # heartbeat TTL (1 s + grace) longer than the outage, as in production (10 s + 60 s): a job
+        # caught by the outage is handed back by its own worker rather than taken for abandoned
+        ws = [s.start_worker(env={"SOAK_EVAL_DELAY_S": "0.4"}, grace=int(down_s) + 20) for _ in range(2)]
         pids = [w.pid for w in ws]
         hook = EvalOnCheckpoint(every_n_steps=1, suite=str(s.suite), target=str(s.target), options=dict(OPTIONS),
                                 redis_url=s.url, min_backoff=0.2, max_backoff=1.0, connect_timeout=1.0,
@@ -1067,6 +1103,9 @@ CHECKPOINT_FAULTS: dict[str, tuple[str, str]] = {
 }
 
 
+BROKEN_WHEN_PUBLISHED = ("header", "shape", "dtype-int", "config", "config-mismatch")
+
+
 def _apply_fault(name: str, d: Path) -> None:
     if name == "deleted":
         shutil.rmtree(d)
@@ -1097,12 +1136,15 @@ def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: f
         config = QueueConfig(retry_intervals=[1, 1])  # default retries: a broken checkpoint must not use them
         for i, name in enumerate(CHECKPOINT_FAULTS, start=1):
             ck = s.publish(100 + i)
+            if name in BROKEN_WHEN_PUBLISHED:  # the trainer published it broken: the job carries its digest
+                _apply_fault(name, ck)
             planned[s.enqueue(ck, config=config)] = (name, ck)
         half = s.publish(200)
         _republish(half, _half_dtype)
         good_half = s.enqueue(half, config=config)
         for jid, (name, ck) in planned.items():  # after enqueue, before any worker picks them up
-            _apply_fault(name, ck)
+            if name not in BROKEN_WHEN_PUBLISHED:
+                _apply_fault(name, ck)
         good = s.enqueue(s.publish(300), config=config)
         w = s.start_worker()
         ids = list(planned) + [good_half, good]
@@ -1231,6 +1273,7 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
     """SIGKILL the trainer at random moments while it publishes checkpoints back to back (so
     most kills land inside a write); restart it each time, as a scheduler would."""
     from eval_worker.queue import remembered
+    from hooks.outbox import Outbox
 
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1238,7 +1281,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
         run_dir = s.root / RUN
         outbox = run_dir / ".eval-outbox"
         argv = ["--root", str(s.root), "--target", str(s.target), "--suite", str(s.suite), "--redis-url", s.url]
-        outcomes = {"left a .tmp directory": 0, "left an unmarked step directory": 0, "between writes": 0}
+        outcomes = {"mid-write (.tmp dir left)": 0, "renamed, marker not yet written": 0,
+                    "mid-retention delete (marker already gone)": 0, "between writes": 0}
         leaked: list[str] = []
         partial_total = 0
         for k in range(kills + 1):
@@ -1250,20 +1294,36 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
                 break
             wait_for(lambda: '"cleaned"' in tr.log(), 60, "the trainer to start")
             time.sleep(rng.uniform(0.2, 1.5))
+            aim = (None, "tmp", "unmarked")[k % 3]  # a random moment, or aimed at a write in progress
+            deadline = time.monotonic() + 5
+            while aim and time.monotonic() < deadline:
+                names = [x.name for x in run_dir.iterdir()]
+                if aim == "tmp" and any(_TMP_RE.match(n) for n in names):
+                    break
+                if aim == "unmarked" and any(_STEP_RE.match(n) and not (run_dir / n / "COMPLETE.json").exists()
+                                             and not (run_dir / n / ".pins").exists() for n in names):
+                    break
+                time.sleep(0.0005)
             tr.kill()
-            partial = partial_checkpoints(run_dir)
+            partial = set(partial_checkpoints(run_dir))
             partial_total += len(partial)
+            jobs_by_dir: dict[str, str] = {}
+            for e in remembered(s.conn, RUN):
+                jobs_by_dir[os.path.basename(e["job"]["checkpoint"])] = e["job_id"]
+            for f in Outbox(outbox).pending():
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    jobs_by_dir.setdefault(os.path.basename(json.loads(f.read_text())["checkpoint"]), "outbox")
+            deleting = {d for d in partial if d in jobs_by_dir and s.statuses([jobs_by_dir[d]]).get(
+                jobs_by_dir[d]) == "finished"}  # retention removing an evaluated checkpoint
+            leaked += sorted((partial - deleting) & set(jobs_by_dir))
             if any(_TMP_RE.match(x) for x in partial):
-                outcomes["left a .tmp directory"] += 1
-            elif partial:
-                outcomes["left an unmarked step directory"] += 1
+                outcomes["mid-write (.tmp dir left)"] += 1
+            elif partial - deleting:
+                outcomes["renamed, marker not yet written"] += 1
+            elif deleting:
+                outcomes["mid-retention delete (marker already gone)"] += 1
             else:
                 outcomes["between writes"] += 1
-            named = {os.path.basename(e["job"]["checkpoint"]) for e in remembered(s.conn, RUN)}
-            for f in outbox.glob("*.json"):
-                with contextlib.suppress(OSError, ValueError):
-                    named.add(os.path.basename(json.loads(f.read_text())["checkpoint"]))
-            leaked += sorted(named & set(partial))
         cleaned = []
         for w in s.workers:
             for line in w.log().splitlines():
@@ -1278,11 +1338,10 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
         left = partial_checkpoints(run_dir)
         problems = _problem_list(no_partial_enqueued=not leaked, all_evaluated_had_marker=all(x["marker"] for x in calls),
                                  all_recorded=c.recorded == c.accepted, cleaned_up=not left,
-                                 outbox_empty=not list(outbox.glob("*.json")))
-        observed = (f"{kills} kills: {outcomes['left a .tmp directory']} left a .tmp dir, "
-                    f"{outcomes['left an unmarked step directory']} an unmarked step dir, "
-                    f"{outcomes['between writes']} none; no partial one was enqueued or evaluated "
-                    f"({len(calls)} evaluations, all with COMPLETE.json); the next run removed all {len(cleaned)}")
+                                 outbox_empty=not Outbox(outbox).pending())
+        observed = (f"{kills} kills: " + ", ".join(f"{v} {k}" for k, v in outcomes.items() if v)
+                    + f"; no partial checkpoint was enqueued or evaluated ({len(calls)} evaluations, all with "
+                    f"COMPLETE.json); the next run removed all {len(cleaned)} leftovers")
         return Row.of("Trainer SIGKILLed during checkpoint writes (restarted each time)",
                       "no half checkpoint enqueued or evaluated; the next run cleans it up", observed, c, t0,
                       kill_outcomes=outcomes, partial_seen=partial_total, cleaned=cleaned, leaked=leaked,
@@ -1530,15 +1589,14 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
         q = get_queue(s.conn, "dflash-eval")
-        ck = s.publish(1)
-        valid = s.job(ck)
+        valid = s.job(s.publish(1))  # the real jobs below evaluate other checkpoints
         fuzzed = []
         for i in range(n):
             payload = random_payload(rng, valid)
             with contextlib.suppress(TypeError, ValueError):  # not JSON at all: enqueue itself refuses
                 q.enqueue_call("eval_worker.worker.run_eval_job", args=(payload,), job_id=f"fuzz-{i}")
                 fuzzed.append(f"fuzz-{i}")
-        good = [s.enqueue(ck), s.enqueue(s.publish(2))]
+        good = [s.enqueue(s.publish(2)), s.enqueue(s.publish(3))]
         w = s.start_worker()
         s.wait_settled(fuzzed + good, timeout)
         c = s.audit(good)
