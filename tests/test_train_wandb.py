@@ -1,4 +1,6 @@
 """Optional W&B logging from the trainer: offline, keyed by train/step."""
+import time
+
 from dflash_train.trainer import Trainer
 
 from .train_helpers import small_config, target_and_examples
@@ -9,9 +11,14 @@ def test_trainer_logs_train_metrics_offline(tmp_path, wandb_offline):
     target, examples = target_and_examples()
     cfg = small_config(tmp_path, max_steps=4, log_every=2, wandb=True, wandb_project="p", run_id="wb-run")
     Trainer(cfg, target=target, examples=list(examples)).train()
-    files = find_run_files(wandb_offline)
+    deadline = time.time() + 30
+    while True:  # the W&B service may still be flushing the log after finish()
+        files = find_run_files(wandb_offline)
+        run = read_run(files[0]) if len(files) == 1 else None
+        if (run is not None and run.group and run.exit_code is not None) or time.time() > deadline:
+            break
+        time.sleep(0.5)
     assert len(files) == 1
-    run = read_run(files[0])
     assert run.group == "wb-run" and run.job_type == "train"
     loss = run.points("train/loss")
     assert sorted(loss) == [2, 4] and all(v > 0 for v in loss.values())
