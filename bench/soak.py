@@ -132,6 +132,9 @@ def write_suite(path: Path, n_prompts: int = 1, max_new_tokens: int = 4) -> Path
 
 # =========================================================================== fault-injecting evaluator
 
+_LEAKED: list = []
+
+
 class _SoakEvaluator:
     """The real Evaluator; each call is logged to $SOAK_CALLS and may first sleep a random
     time up to $SOAK_EVAL_DELAY_S, so kills land at random points of a job."""
@@ -153,6 +156,9 @@ class _SoakEvaluator:
         delay = float(os.environ.get("SOAK_EVAL_DELAY_S") or 0)
         if delay:
             time.sleep(self.rng.uniform(0, delay))
+        leak = int(os.environ.get("SOAK_LEAK_KB") or 0)  # a deliberate leak: proves the memory check bites
+        if leak:
+            _LEAKED.append(bytearray(os.urandom(1024)) * leak)
         return self.inner.evaluate(checkpoint_dir, suite, **kw)
 
 
@@ -1391,22 +1397,22 @@ def scenario_burst(base: Path, zygote: Zygote, target: Path, *, jobs: int = 40, 
 
 
 def scenario_memory(base: Path, zygote: Zygote, target: Path, *, jobs: int = 100, warmup: int = 15,
-                    max_slope_kb: float = 100.0, timeout: float = 600) -> Row:
+                    max_slope_kb: float = 100.0, timeout: float = 600, leak_kb: int = 0) -> Row:
     """One long-running worker, `jobs` different checkpoints: its RSS must stay flat after a
     warm-up (a leaked drafter would add ~700 KB per job)."""
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
         ids = [s.enqueue(s.publish(i)) for i in range(1, jobs + 1)]
-        w = s.start_worker()
+        w = s.start_worker(env={"SOAK_LEAK_KB": str(leak_kb)} if leak_kb else None)
         samples: list[tuple[int, int]] = []  # (jobs done, RSS kB)
         deadline = time.monotonic() + timeout
-        done = 0
-        while done < jobs and time.monotonic() < deadline:
-            n = len(s.calls_made())
+        while time.monotonic() < deadline:
+            n = len(s.calls_made())  # evaluations started so far
             rss = w.rss_kb()
             if rss and (not samples or n > samples[-1][0]):
                 samples.append((n, rss))
-            done = sum(1 for v in s.statuses(ids).values() if v in ("finished", "failed")) if n >= jobs else n - 1
+            if n >= jobs:
+                break
             time.sleep(0.05)
         s.wait_settled(ids, 60)
         time.sleep(0.3)

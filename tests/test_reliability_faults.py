@@ -84,6 +84,7 @@ def test_results_dir_full_or_read_only(tmp_path, zygote, target):
         assert phase["failed"] == 2 and phase["partial_files"] == [] and phase["requeued"] == 2, (fault, phase)
 
 
+@pytest.mark.slow  # ~30 s (a W&B child per job); the refused-connection case runs by default
 def test_wandb_server_that_hangs(tmp_path, zygote, target):
     """The refused-connection case is tests/test_publish_command.py; this is a server that accepts
     and never answers, with the real engine: the publication times out, the job does not."""
