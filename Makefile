@@ -36,8 +36,9 @@ test: install
 demo: install
 	$(VENV)/bin/dflash-eval demo $(DEMO_ARGS)
 
+BENCHES ?= eval_speed train_throughput hook_overhead job_latency
 bench: install
-	$(PY) bench/run.py $(BENCH_ARGS)
+	@set -e; for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py $(BENCH_ARGS); done
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
