@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,12 @@ class DrafterConfig:
             problems.append(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             problems.append(f"target_layer_ids has duplicates: {self.target_layer_ids}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            problems.append(f"rms_norm_eps must be a positive number (got {self.rms_norm_eps})")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            problems.append(f"rope_theta must be a positive number (got {self.rope_theta})")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            problems.append(f"rope_scaling must be an object or null (got {self.rope_scaling!r})")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary (size {self.vocab_size})")
         if problems:
@@ -129,6 +136,8 @@ class DrafterConfig:
         if not isinstance(d, dict):
             raise ConfigError("config.json must hold a JSON object")
         dcfg = d.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            raise ConfigError("config.json: dflash_config must be an object")
         required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
         missing = [k for k in required if k not in d]
         if "num_target_layers" not in d:
@@ -169,7 +178,7 @@ class DrafterConfig:
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
                 extra={k: v for k, v in d.items() if k not in known},
             )
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError, AttributeError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"config.json has a field of the wrong type: {e}") from e
@@ -186,8 +195,10 @@ class DrafterConfig:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path} not found: not a drafter directory") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{path} cannot be read: {e}") from None
         return cls.from_dict(data)
 
     def qwen3_config(self):
