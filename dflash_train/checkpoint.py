@@ -94,8 +94,16 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     tensors = read_drafter_tensors(directory)
-    with torch.device("meta"):
-        expected = {k: v for k, v in DFlashDrafter(cfg).state_dict().items() if "rotary_emb" not in k}
+    layers = {int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}
+    if len(layers) != cfg.num_hidden_layers:  # checked first: building a huge claimed depth would take forever
+        raise CheckpointError(f"{directory}: config.json says {cfg.num_hidden_layers} layers, "
+                              f"the weights hold {len(layers)}")
+    try:
+        with torch.device("meta"):
+            expected = {k: v for k, v in DFlashDrafter(cfg).state_dict().items() if "rotary_emb" not in k}
+    except Exception as e:  # noqa: BLE001 - whatever the config gets wrong, one clear error
+        raise CheckpointError(f"{directory}: config.json does not describe a buildable drafter "
+                              f"({type(e).__name__}: {e})") from None
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = [f"{k}: file {tuple(tensors[k].shape)} vs config {tuple(v.shape)}"
