@@ -59,7 +59,7 @@ def validate_job(payload: Any) -> dict[str, Any]:
     if isinstance(payload, (str, bytes)):
         try:
             payload = json.loads(payload)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise JobError(f"job payload is not valid JSON: {e}") from None
     if not isinstance(payload, dict):
         raise JobError(f"job payload must be a JSON object, got {type(payload).__name__}")
@@ -314,6 +314,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     if run_id is None or step is None or digest is None:
         raise JobError(f"checkpoint {checkpoint}: {MARKER_NAME} lacks run_id/step/digest")
     metrics = manifest.get("train_metrics") or None
+    if not isinstance(metrics, dict):
+        metrics = None
     if metrics:
         metrics = {k: v for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
