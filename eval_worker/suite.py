@@ -196,7 +196,11 @@ def load_suite(spec: str | Path) -> Suite:
     if not text.startswith("builtin:") and (path.suffix == ".jsonl" or path.exists() or "/" in text):
         if not path.is_file():
             raise SuiteError(f"suite file {path} not found")
-        return parse_suite(path.read_text().splitlines(), str(path), default_name=path.stem)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise SuiteError(f"suite file {path} is not UTF-8 text ({e})") from None
+        return parse_suite(text.splitlines(), str(path), default_name=path.stem)
     name = text.removeprefix("builtin:")
     version = None
     base, _, v = name.rpartition("-v")
