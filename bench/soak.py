@@ -36,7 +36,6 @@ import json
 import os
 import random
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -234,9 +233,6 @@ for line in sys.stdin:
                 sys.stdout.reconfigure(line_buffering=True); sys.stderr.reconfigure(line_buffering=True)
                 os.environ.clear(); os.environ.update(cmd["env"])
                 os.chdir(cmd["cwd"])
-                if cmd.get("fsize"):
-                    import resource
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (cmd["fsize"], cmd["fsize"]))
                 import importlib
                 module, _, fn = cmd.get("call", "eval_worker.cli:main").partition(":")
                 rc = getattr(importlib.import_module(module), fn)(cmd["argv"])
@@ -289,12 +285,12 @@ class Zygote:
         return json.loads(box[0])
 
     def spawn(self, argv: list[str], env: dict[str, str], log: Path, cwd: Path = REPO,
-              fsize: int | None = None, call: str = "eval_worker.cli:main") -> int:
+              call: str = "eval_worker.cli:main") -> int:
         with self._lock:
             if self.proc.poll() is not None:
                 raise RuntimeError("zygote is gone")
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log), "cwd": str(cwd),
-                                              "fsize": fsize, "call": call}) + "\n")
+                                              "call": call}) + "\n")
             self.proc.stdin.flush()
             return int(self._read_line(60)["pid"])
 
@@ -424,7 +420,7 @@ class Stack:
     """A private Redis, a micro target, checkpoint root, ledger, cache and worker processes."""
 
     def __init__(self, base: Path, *, zygote: Zygote | None = None, target: Path | None = None,
-                 password: str | None = None, redis_config: dict | None = None):
+                 password: str | None = None, redis_config: dict | None = None, appendfsync: str = "always"):
         from eval_worker.redis_local import LocalRedis, connect
 
         self.base = Path(base)
@@ -437,7 +433,7 @@ class Stack:
         self.target = target or build_micro_target(self.base / "target")
         self.cfg = drafter_config(self.target)
         self.suite = write_suite(self.base / "suite.jsonl")
-        self.redis = LocalRedis(self.base / "redis", appendfsync="always", password=password,
+        self.redis = LocalRedis(self.base / "redis", appendfsync=appendfsync, password=password,
                                 extra_config=redis_config)
         self.redis.start()
         self.url = self.redis.url
@@ -460,7 +456,7 @@ class Stack:
 
     def start_worker(self, name: str | None = None, *, args: Iterable[str] = (), env: dict | None = None,
                      url: str | None = None, results: Path | None = None, register: bool = True,
-                     fsize: int | None = None, timeout: float = 60.0, grace: int = 2) -> Worker:
+                     timeout: float = 60.0, grace: int = 2) -> Worker:
         self._n += 1
         name = name or f"w{self._n}"
         argv = ["worker", "--redis-url", url or self.url, "--name", name, "--target", str(self.target),
@@ -469,7 +465,7 @@ class Stack:
                 "--heartbeat-grace", str(grace), "--worker-ttl", "30", "--log-level", "INFO",
                 "--evaluator-factory", "bench.soak:soak_evaluator", *args]
         log = self.base / f"{name}.log"
-        w = Worker(name, self.zygote.spawn(argv, self.worker_env(env), log, fsize=fsize), log)
+        w = Worker(name, self.zygote.spawn(argv, self.worker_env(env), log), log)
         self.workers.append(w)
         if register:
             self.wait_registered(w, timeout)
@@ -669,7 +665,7 @@ def _problem_list(**checks: bool) -> list[str]:
 
 # --------------------------------------------------------------------------- worker killed mid-job
 
-def _kill_after_record(s: Stack, seen: set, timeout: float = 10.0) -> tuple[int, str] | None:
+def _kill_after_record(s: Stack, timeout: float = 10.0) -> tuple[int, str] | None:
     """Wait for a worker to write a ledger record and SIGKILL it before RQ hears of the result
     (the worker holds $SOAK_RECORD_DELAY_S there). Returns (pid, job id), or None."""
     before = set(s.results.glob("*/step-*/*/attempt-*.json"))
@@ -702,7 +698,7 @@ def scenario_kill(base: Path, zygote: Zygote, target: Path, *, workers: int = 2,
         killed: list[tuple[int, str | None]] = []
         for k in range(kills):
             time.sleep(rng.uniform(0.3, 1.2))
-            hit = _kill_after_record(s, seen=set()) if k % 2 == 1 else None  # every other kill: aimed
+            hit = _kill_after_record(s) if k % 2 == 1 else None  # every other kill: aimed
             if hit is None:
                 running = _current_jobs(s.conn)
                 live = s.live_workers()
@@ -741,10 +737,11 @@ def scenario_kill(base: Path, zygote: Zygote, target: Path, *, workers: int = 2,
 
 def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int = 12,
                    outages: tuple[str, ...] = ("stop", "crash"), down_s: float = 3.0, interval: float = 0.3,
-                   timeout: float = 240) -> Row:
+                   appendfsync: str = "always", timeout: float = 240) -> Row:
     """The trainer publishes and enqueues (EvalOnCheckpoint + the real AsyncPublisher) while
     Redis is taken away: `stop` = SHUTDOWN, `crash` = SIGKILL of redis-server; each time it
-    comes back on the same port from its AOF. Workers are never restarted."""
+    comes back on the same port from its AOF. Workers are never restarted. `appendfsync`:
+    `always` (the test fixture) or `everysec` (the embedded server's default)."""
     import torch
 
     from dflash_train.checkpoint import AsyncPublisher
@@ -753,7 +750,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
     from hooks import EvalOnCheckpoint
 
     t0 = time.monotonic()
-    with Stack(base, zygote=zygote, target=target) as s:
+    with Stack(base, zygote=zygote, target=target, appendfsync=appendfsync) as s:
         # heartbeat TTL (1 s + grace) longer than the outage, as in production (10 s + 60 s): a job
         # caught by the outage is handed back by its own worker rather than taken for abandoned
         ws = [s.start_worker(env={"SOAK_EVAL_DELAY_S": "0.4"}, grace=int(down_s) + 20) for _ in range(2)]
@@ -821,7 +818,8 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
                     f"{sum(d['jobs_running'] for d in downs)} running meanwhile); outbox drained; "
                     f"the same {len(ws)} worker processes reconnected ({reconnects} jobs handed back) and "
                     f"finished every job")
-        return Row.of("Redis stopped / killed while the trainer enqueues and workers run; restarted from AOF",
+        return Row.of("Redis stopped / killed while the trainer enqueues and workers run; restarted from "
+                      f"AOF (appendfsync {appendfsync})",
                       "no accepted job lost, the outbox drains, workers reconnect by themselves", observed, c, t0,
                       outages=downs, worker_pids=pids, workers_alive=alive, handed_back=reconnects,
                       hook_errors=hook.errors, queue_state=state, problems=problems, lost_ids=c.lost_ids)
@@ -1629,7 +1627,8 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "checkpoints": scenario_checkpoints, "cache": scenario_cache, "trainer": scenario_trainer_kill,
     "security": scenario_security, "fuzz": scenario_fuzz_queue, "burst": scenario_burst, "memory": scenario_memory,
 }
-FULL = {"kill": dict(workers=3, jobs=120, kills=25), "redis": dict(checkpoints=40, down_s=5.0),
+FULL = {"kill": dict(workers=3, jobs=120, kills=25),
+        "redis": dict(checkpoints=40, down_s=5.0, outages=("stop", "crash", "crash"), appendfsync="everysec"),
         "wandb": dict(jobs=4, modes=("refused", "hung")), "trainer": dict(kills=30),
         "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),

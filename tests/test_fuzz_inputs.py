@@ -6,14 +6,13 @@ and raw job-hash fields are planted in a real queue: the worker never crashes.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import string
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import soak
