@@ -782,6 +782,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
             time.sleep(down_s)
             d["enqueued_while_down"] = len(accepted) - d.pop("_accepted_before", len(accepted))
             s.redis.start()
+            d["_up_at"] = time.monotonic()
 
         thread = None
         for step in range(1, checkpoints + 1):
@@ -789,8 +790,9 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
                 drafter.fc.weight.add_(0.01)
             publisher.submit(drafter, step)  # training goes on, Redis or not
             if step in at:
-                if thread is not None:
+                if thread is not None:  # the previous outage is over, and Redis has been back a while
                     thread.join()
+                    time.sleep(max(0.0, downs[-1].pop("_up_at") + max(2.0, down_s / 2) - time.monotonic()))
                 publisher.wait(60)
                 before = len(accepted)
                 thread = threading.Thread(target=outage, args=(at[step], step), daemon=True)
@@ -800,6 +802,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
             time.sleep(interval)
         if thread is not None:
             thread.join()
+            downs[-1].pop("_up_at", None)
         publisher.close()
         hook.on_train_end(None)  # delivers what the outbox still holds
         outbox = sorted((s.root / RUN / ".eval-outbox").glob("*.json"))
@@ -1020,7 +1023,10 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
                 no_partial_records=not any(p["partial_files"] for p in phases.values()),
                 worker_alive=all(p["worker_alive"] for p in phases.values()) and w.alive(),
                 all_recorded_after_fix=c.recorded == c.accepted)
-            observed = "; ".join(f"{k}: {v['failed']}/{jobs} failed at once ({'; '.join(r.split(': ', 1)[-1][:60] for r in v['reasons'])}), "
+            def why(reasons):  # "OSError: [Errno 30] Read-only file system: '/path'" -> "[Errno 30] Read-only file system"
+                return "; ".join(sorted({re.sub(r": '[^']*'$", "", r.split(": ", 1)[-1]) for r in reasons}))
+
+            observed = "; ".join(f"{k}: {v['failed']}/{jobs} failed at once ({why(v['reasons'])}), "
                                  f"no partial file, worker alive" for k, v in phases.items())
             observed += "; after the fix `requeue --failed` recorded them all"
             return Row.of("Results directory full (ENOSPC) or read-only (EROFS)",
