@@ -402,7 +402,7 @@ class EvalWorker(SimpleWorker):
                     self.log.warning("Worker %s: Redis unreachable (%s); waiting for it", self.name, e)
                     last_log = time.monotonic()
             time.sleep(delay)
-            delay = min(delay * 2, 5.0)  # a ping every 5 s at most: back soon after Redis is
+            delay = min(delay * 2, 5.0)  # ping every 5 s at most: back soon after Redis returns
         return False
 
     def _after_redis_outage(self, job, queue, execution, error) -> None:
