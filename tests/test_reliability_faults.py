@@ -55,7 +55,6 @@ def test_trainer_killed_during_checkpoint_writes(tmp_path, zygote, target):
     assert row.details["leaked"] == [] and row.details["left_over"] == []
     outcomes = row.details["kill_outcomes"]
     assert outcomes["mid-write (.tmp dir left)"] >= 1  # at least one kill caught a write in progress
-    assert sorted(row.details["cleaned"]) == sorted(set(row.details["cleaned"]))
     assert len(row.details["cleaned"]) == row.details["partial_seen"]  # the next run removed each one
 
 
