@@ -1,0 +1,512 @@
+"""Deterministic builder for the tiny bundled target model.
+
+Usage::
+
+    python -m dflash_train.assets.build_tiny_target [--out DIR] [--steps N]
+                                                     [--minutes M] [--seed S]
+
+What it does (all seeded; given the same Python stdlib, CPU type and thread
+count, the same ``--steps`` gives bit-identical weights):
+
+1. Collects a corpus from the Python standard library sources of the running
+   interpreter (``sysconfig.get_paths()["stdlib"]``): ``*.py`` files walked in
+   sorted order, test directories skipped, files > 200 KB skipped, capped at
+   ``MAX_CORPUS_CHARS`` characters. ~2% of the files (chosen by a hash of their
+   relative path) are held out for a held-out loss.
+2. Trains a byte-level BPE tokenizer (Qwen2-style pre-tokenizer regex, vocab 4096 incl. special tokens
+   ``<|endoftext|>`` (eos/pad), ``<|MASK|>`` (DFlash mask), ``<|im_start|>``,
+   ``<|im_end|>``) and wraps it in ``transformers.PreTrainedTokenizerFast`` with
+   a Qwen-style chat template.
+3. Trains a small ``Qwen3ForCausalLM`` from scratch (AdamW, linear warmup +
+   cosine decay, 256-token windows, bf16 autocast on CPU with fp32 master
+   weights) for a fixed number of steps.
+4. Saves model (bfloat16 safetensors), tokenizer, greedy generation config and
+   ``build_info.json`` (held-out loss of the *saved* weights upcast to fp32,
+   build time, parameter count, on-disk size).
+
+``--minutes M`` is an alternative to ``--steps``: the step count is calibrated
+from the speed of the first few steps so that training takes about M minutes.
+The chosen count is recorded in ``build_info.json`` so the build can be
+reproduced exactly with ``--steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "tiny_target"
+
+# ---- corpus -----------------------------------------------------------------
+MAX_CORPUS_CHARS = 12_000_000  # cap on total characters (train + held-out)
+MAX_FILE_BYTES = 200_000
+HELDOUT_MODULUS = 50  # sha1(relpath) % 50 == 0  ->  ~2% of files held out
+SKIP_DIR_NAMES = {
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "site-packages",
+    "dist-packages",
+}
+# data tables rather than code (codec charmaps, entity dicts): skipped so greedy
+# output is code, not "0x00b -> LATIN CAPITAL LETTER" tables
+SKIP_TOP_DIRS = {"encodings", "pydoc_data"}
+SKIP_FILES = {"html/entities.py"}
+
+# ---- tokenizer ----------------------------------------------------------------
+VOCAB_SIZE = 4096
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|MASK|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS_TOKEN, MASK_TOKEN, IM_START, IM_END]  # ids 0..3
+# Qwen2-style pre-tokenization: newlines are split from the indentation that
+# follows them (``"):\n" | "   " | " return"``), digits are single tokens.
+# GPT-2's ByteLevel regex would merge ``"\n    "`` into one token, so a prompt
+# ending in ``"\n"`` (e.g. ``"def f(n):\n"``) would end in a token that in
+# training is only ever followed by unindented code.
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# ---- model / training ---------------------------------------------------------
+MODEL_KW = dict(
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=704,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    use_cache=True,
+    initializer_range=0.02,
+)
+SEQ_LEN = 256
+DEFAULT_STEPS = 800
+DEFAULT_BATCH = 8
+DEFAULT_LR = 5e-3
+DEFAULT_WARMUP = 50
+MIN_LR_FRAC = 0.1
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+NUM_THREADS = 2
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------
+# corpus
+# ------------------------------------------------------------------------------
+def collect_corpus(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_CHARS):
+    """Return (train_texts, heldout_texts, stats). Deterministic for a given stdlib."""
+    root = Path(stdlib_root or sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        top = Path(dirpath) == root
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIP_DIR_NAMES and not (top and d in SKIP_TOP_DIRS)
+        )
+        for fn in sorted(filenames):
+            if fn.endswith(".py"):
+                files.append(Path(dirpath) / fn)
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+
+    train, heldout = [], []
+    n_chars = 0
+    skipped_big = skipped_decode = 0
+    for p in files:
+        rel = p.relative_to(root).as_posix()
+        if rel in SKIP_FILES:
+            continue
+        if p.stat().st_size > MAX_FILE_BYTES:
+            skipped_big += 1
+            continue
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            skipped_decode += 1
+            continue
+        if not text.strip():
+            continue
+        if n_chars + len(text) > max_chars:
+            break
+        n_chars += len(text)
+        h = int(hashlib.sha1(rel.encode()).hexdigest(), 16)
+        (heldout if h % HELDOUT_MODULUS == 0 else train).append((rel, text))
+    stats = dict(
+        stdlib_root=str(root),
+        n_train_files=len(train),
+        n_heldout_files=len(heldout),
+        n_chars=n_chars,
+        n_train_chars=sum(len(t) for _, t in train),
+        n_heldout_chars=sum(len(t) for _, t in heldout),
+        skipped_big=skipped_big,
+        skipped_undecodable=skipped_decode,
+        heldout_files=[r for r, _ in heldout],
+    )
+    return [t for _, t in train], [t for _, t in heldout], stats
+
+
+# ------------------------------------------------------------------------------
+# tokenizer
+# ------------------------------------------------------------------------------
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        mask_token=MASK_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=MODEL_KW["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+        padding_side="right",
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def _make_tokenizer_config_portable(path: Path) -> None:
+    """transformers 5 writes ``tokenizer_class: TokenizersBackend`` and only
+    ``extra_special_tokens``; also spell it the transformers-4 way
+    (``PreTrainedTokenizerFast``, ``additional_special_tokens``, inline
+    ``chat_template``) so older stacks (e.g. an inference server) load the same
+    tokenizer. transformers 5 maps ``PreTrainedTokenizerFast`` to
+    ``TokenizersBackend``."""
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["additional_special_tokens"] = [IM_START, IM_END]
+    cfg["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def encode_stream(tokenizer, texts: list[str], eos_id: int):
+    """Encode documents and join them into one stream, eos after each document."""
+    import torch
+
+    encs = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    ids: list[int] = []
+    for e in encs:
+        ids.extend(e.ids)
+        ids.append(eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ------------------------------------------------------------------------------
+# model
+# ------------------------------------------------------------------------------
+def make_config(vocab_len: int, special_ids: dict):
+    from transformers import Qwen3Config
+
+    vocab = ((vocab_len + 63) // 64) * 64
+    return Qwen3Config(
+        vocab_size=vocab,
+        bos_token_id=special_ids["eos"],
+        eos_token_id=special_ids["eos"],
+        pad_token_id=special_ids["pad"],
+        **MODEL_KW,
+    )
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    prog = (step - warmup) / max(1, total - warmup)
+    prog = min(1.0, prog)
+    return peak * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def heldout_loss(model, stream, seq_len: int = SEQ_LEN, batch: int = 32) -> float:
+    """Token-weighted mean CE over the held-out stream, non-overlapping windows."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    windows = [stream[i : i + seq_len] for i in range(0, len(stream) - 1, seq_len)]
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for b in range(0, len(windows), batch):
+            chunk = windows[b : b + batch]
+            full = [w for w in chunk if len(w) == seq_len]  # the ragged last window runs alone
+            ragged = [w for w in chunk if len(w) != seq_len]
+            groups = ([torch.stack(full)] if full else []) + [w[None] for w in ragged]
+            for x in groups:
+                if x.shape[1] < 2:
+                    continue
+                logits = model(input_ids=x).logits.float()
+                ce = F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]),
+                    x[:, 1:].reshape(-1),
+                    reduction="sum",
+                )
+                tot += ce.item()
+                n += x[:, 1:].numel()
+    return tot / max(1, n)
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------
+def build(
+    out: Path,
+    steps: int = DEFAULT_STEPS,
+    minutes: float | None = None,
+    seed: int = 0,
+    batch: int = DEFAULT_BATCH,
+    lr: float = DEFAULT_LR,
+    warmup: int = DEFAULT_WARMUP,
+    max_chars: int = MAX_CORPUS_CHARS,
+    bf16_autocast: bool = True,
+) -> dict:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3ForCausalLM
+
+    t0 = time.time()
+    torch.set_num_threads(NUM_THREADS)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_everything(seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # 1. corpus
+    train_texts, heldout_texts, cstats = collect_corpus(max_chars=max_chars)
+    log(
+        f"[corpus] {cstats['n_train_files']} train files ({cstats['n_train_chars']:,} chars), "
+        f"{cstats['n_heldout_files']} held-out files ({cstats['n_heldout_chars']:,} chars)"
+    )
+
+    # 2. tokenizer
+    t_tok = time.time()
+    tokenizer = train_tokenizer(train_texts)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    special_ids = {
+        "eos": eos_id,
+        "pad": tokenizer.pad_token_id,
+        "mask": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+        "im_start": tokenizer.convert_tokens_to_ids(IM_START),
+        "im_end": tokenizer.convert_tokens_to_ids(IM_END),
+    }
+    train_stream = encode_stream(tokenizer, train_texts, eos_id)
+    heldout_stream = encode_stream(tokenizer, heldout_texts, eos_id)
+    log(
+        f"[tokenizer] vocab {len(tokenizer)} specials {special_ids} | train tokens "
+        f"{len(train_stream):,} ({cstats['n_train_chars'] / len(train_stream):.2f} chars/tok), "
+        f"held-out tokens {len(heldout_stream):,} | {time.time() - t_tok:.1f}s"
+    )
+
+    # 3. model
+    seed_everything(seed)
+    config = make_config(len(tokenizer), special_ids)
+    model = Qwen3ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[model] Qwen3ForCausalLM {n_params:,} params, vocab {config.vocab_size}")
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": WEIGHT_DECAY},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    n_tok = len(train_stream)
+    offs_range = torch.arange(SEQ_LEN)
+
+    total = steps
+    calib_steps = 3
+    t_train = time.time()
+    model.train()
+    step = 0
+    running = None
+    while step < total:
+        cur_lr = lr_at(step, total, lr, warmup)
+        for g in opt.param_groups:
+            g["lr"] = cur_lr
+        starts = torch.randint(0, n_tok - SEQ_LEN, (batch,), generator=gen)
+        x = train_stream[starts[:, None] + offs_range[None, :]]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        lv = loss.item()
+        running = lv if running is None else 0.95 * running + 0.05 * lv
+        elapsed = time.time() - t_train
+        if minutes is not None and step == calib_steps:
+            per = elapsed / step
+            total = max(warmup + 1, int(minutes * 60 / per))
+            log(f"[train] calibrated: {per:.2f}s/step -> {total} steps for {minutes} min")
+        if step % 10 == 0 or step == total or step == 1:
+            per = elapsed / step
+            log(
+                f"[train] step {step}/{total} loss {lv:.3f} (ema {running:.3f}) lr {cur_lr:.2e} "
+                f"{per:.2f}s/step elapsed {elapsed:.0f}s eta {per * (total - step):.0f}s"
+            )
+    train_time = time.time() - t_train
+    fp32_heldout = heldout_loss(model, heldout_stream)
+    log(f"[eval] held-out loss (fp32 weights) {fp32_heldout:.4f}")
+
+    # 4. save
+    for p in out.glob("*"):
+        if p.is_file() and p.name.endswith((".safetensors", ".json", ".jinja", ".txt")):
+            p.unlink()
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        bos_token_id=special_ids["eos"],
+        eos_token_id=special_ids["eos"],
+        pad_token_id=special_ids["pad"],
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _make_tokenizer_config_portable(out / "tokenizer_config.json")
+
+    # held-out loss of what ships: bf16 weights reloaded and upcast to fp32
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    loss_saved = heldout_loss(reloaded, heldout_stream)
+    log(f"[eval] held-out loss (saved bf16 -> fp32) {loss_saved:.4f} (ln V = {math.log(config.vocab_size):.3f})")
+
+    info = dict(
+        builder="dflash_train.assets.build_tiny_target",
+        seed=seed,
+        steps=total,
+        batch_size=batch,
+        seq_len=SEQ_LEN,
+        tokens_seen=total * batch * SEQ_LEN,
+        peak_lr=lr,
+        warmup_steps=warmup,
+        min_lr_frac=MIN_LR_FRAC,
+        weight_decay=WEIGHT_DECAY,
+        bf16_autocast=bf16_autocast,
+        num_threads=NUM_THREADS,
+        heldout_loss=loss_saved,
+        heldout_loss_fp32_before_save=fp32_heldout,
+        heldout_tokens=int(len(heldout_stream)),
+        train_tokens=int(len(train_stream)),
+        ln_vocab=math.log(config.vocab_size),
+        final_train_loss_ema=running,
+        n_params=n_params,
+        vocab_size=config.vocab_size,
+        tokenizer_size=len(tokenizer),
+        special_token_ids=special_ids,
+        model=dict(MODEL_KW),
+        train_time_s=round(train_time, 1),
+        sec_per_step=round(train_time / max(1, total), 3),
+        build_time_s=None,
+        size_on_disk_bytes=None,
+        corpus={k: v for k, v in cstats.items() if k != "heldout_files"},
+        heldout_files=cstats["heldout_files"],
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        machine=platform.machine(),
+    )
+    info["build_time_s"] = round(time.time() - t0, 1)
+    (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    info["size_on_disk_bytes"] = dir_size(out)
+    (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(
+        f"[done] {out} | build {info['build_time_s']}s | {info['size_on_disk_bytes'] / 1e6:.2f} MB | "
+        f"{n_params:,} params | held-out loss {loss_saved:.4f}"
+    )
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps (deterministic)")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="instead of --steps: calibrate the step count to ~M minutes of training (recorded in build_info.json)",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=DEFAULT_BATCH)
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR)
+    ap.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
+    ap.add_argument("--max-chars", type=int, default=MAX_CORPUS_CHARS)
+    ap.add_argument("--no-bf16-autocast", action="store_true")
+    args = ap.parse_args(argv)
+    build(
+        args.out,
+        steps=args.steps,
+        minutes=args.minutes,
+        seed=args.seed,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=args.warmup,
+        max_chars=args.max_chars,
+        bf16_autocast=not args.no_bf16_autocast,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
