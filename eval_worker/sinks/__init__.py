@@ -34,15 +34,14 @@ def enabled_sinks() -> list[str]:
 
 
 def _results_dir(record: dict) -> Path | None:
-    """The ledger root the record was written to: the worker's, when we run inside one."""
-    import sys
+    """The ledger root the record was written to, from its own path when the worker gives it.
 
-    worker = sys.modules.get("eval_worker.worker")  # never import the worker just for this
-    if worker is not None:
-        try:
-            return Path(worker.settings().results_dir)
-        except Exception:  # not configured: fall back to the default ledger location
-            return None
+    Layout: <results>/<run>/step-<n>/<suite>/attempt-<k>.json. Without a path, None: the
+    default ledger location. (Not the worker module's settings: they outlive one worker.)
+    """
+    path = record.get("path")
+    if path:
+        return Path(path).resolve().parents[3]
     return None
 
 
