@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import queue as queue_mod
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -375,11 +376,19 @@ class Trainer:
                     self._drain_published(summary)
                 summary.metrics = metrics
         finally:
+            failing = sys.exc_info()[0] is not None
             q.close()
             if bar is not None:
                 bar.close()
             if publisher is not None:
-                publisher.close()  # waits for the last publication; raises if it failed
+                try:
+                    publisher.close()  # waits for the last publication; raises if it failed
+                except Exception:
+                    if not failing:
+                        raise
+                    log.exception("checkpoint publication also failed while training was failing")
+            if failing and wandb_run is not None:
+                wandb_run.finish(exit_code=1)
         wall = time.perf_counter() - t_start
         summary.cpu_s = time.process_time() - cpu_start
         if main:
