@@ -73,10 +73,14 @@ def _print_table(rows) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up
+    interrupted = []
+
+    def _interrupt(signum, frame):  # Ctrl-C and SIGTERM: unwind and clean up
+        interrupted.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
     import logging
 
@@ -101,6 +105,9 @@ def main(args: argparse.Namespace) -> int:
         print("\ninterrupted: stopping the worker and Redis the demo started", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one clear line, then cleanup
+        if interrupted:  # library code turned our KeyboardInterrupt into another error
+            print("\ninterrupted: stopping the worker and Redis the demo started", file=sys.stderr)
+            return 130
         print(f"dflash-eval demo: {type(e).__name__}: {e}", file=sys.stderr)
         for w in stack.workers:
             print(f"--- {w.log_path} (last lines) ---\n{tail(w.log_path)}", file=sys.stderr)
