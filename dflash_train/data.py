@@ -193,8 +193,9 @@ def regenerate(target, prompts: list[list[int]], max_new_tokens: int, *, cache_d
                batch_size: int = 32, eos_token_id: int | None = None, progress=None) -> list[list[int]]:
     """The target's greedy responses to `prompts` (cached on disk by target + prompts).
 
-    Prompts of equal length are batched without padding (exactly the per-prompt result
-    up to batched-matmul numerics); others are left-padded with an attention mask.
+    Prompts are sorted by length and batched; shorter ones in a batch are left-padded with
+    an attention mask (the same greedy tokens as one prompt at a time, up to batched-matmul
+    numerics; the trainer's labels come from its own forward pass anyway).
     """
     key = hashlib.sha256(json.dumps([target.fingerprint(), max_new_tokens, eos_token_id, prompts]).encode()).hexdigest()
     cache = Path(cache_dir) / f"regen-{key[:20]}.json" if cache_dir else None
