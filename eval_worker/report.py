@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import markupsafe
+
 from eval_worker import report_figures as figs
 from eval_worker.run_results import ResultsError, RunResult, load_run
 
@@ -70,6 +72,11 @@ def select_steps(rows: list[RunResult], wanted: list[int] | None) -> list[RunRes
     best = max(rows, key=lambda r: (r.result["tau"]["macro"], -r.step))
     picked = {rows[0].step, best.step, rows[-1].step}
     return [by_step[s] for s in sorted(picked)]
+
+
+def _verbatim(text: str):
+    """Escape ``text`` and keep carriage returns: HTML parsers turn a raw CR into LF."""
+    return markupsafe.Markup(str(markupsafe.escape(text)).replace("\r", "&#13;"))
 
 
 def _data_uri(png: bytes) -> str:
@@ -134,6 +141,7 @@ def build_report(run_id: str, *, results_dir=None, out_dir=None, steps: list[int
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("eval_worker", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)
+    env.filters["verbatim"] = _verbatim
     first = main[0].result
     html = env.get_template(TEMPLATE).render(
         run_id=run_id, suite=main_suite, suites=sorted(by_suite), images=images,

@@ -19,7 +19,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from bench import soak
@@ -197,7 +197,7 @@ def test_password_and_tls_urls_work_and_the_password_is_never_printed(tmp_path, 
 # --------------------------------------------------------------------------- the report escapes text
 
 XSS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>', "</pre><script>x()</script>", "{{ 7*7 }}",
-       "{% raw %}", "<!--", "]]>", "javascript:alert(1)", "&lt;b&gt;", "<svg/onload=alert(1)>", "'\"`<>&"]
+       "{% raw %}", "<!--", "]]>", "javascript:alert(1)", "&lt;b&gt;", "<svg/onload=alert(1)>", "'\"`<>&", "\r", "a\r\nb"]
 HOSTILE = st.one_of(st.sampled_from(XSS), st.text(alphabet=st.sampled_from(list("<>&\"'/=` ;:(){}!-ab\n")),
                                                   min_size=1, max_size=40),
                     st.text(min_size=1, max_size=40))
@@ -227,6 +227,7 @@ def _report(tmp: Path, texts: list[str], name: str) -> str:
 
 @settings(max_examples=3, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(HOSTILE, min_size=4, max_size=4))
+@example(texts=["<script>alert(1)</script>"] * 3 + ["\r"])  # a lone CR once came back as LF
 def test_report_escapes_hostile_prompt_and_completion_text(tmp_path_factory, texts):
     tmp = tmp_path_factory.mktemp("report")
     hostile = _report(tmp, texts, "hostile")
