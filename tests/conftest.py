@@ -16,6 +16,21 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _hypothesis_profiles() -> None:
+    """``HYPOTHESIS_PROFILE=ci`` (set by ``.ci/run``) draws the same examples every run,
+    so a CI result can be reproduced here; plain ``make test`` keeps exploring."""
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    settings.register_profile("ci", derandomize=True, print_blob=True)
+    settings.register_profile("dev")
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+_hypothesis_profiles()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     try:
         import torch
