@@ -102,10 +102,11 @@ MODEL_KW = dict(
     initializer_range=0.02,
 )
 SEQ_LEN = 256
-DEFAULT_STEPS = 800
-DEFAULT_BATCH = 8
-DEFAULT_LR = 5e-3
-DEFAULT_WARMUP = 50
+# The bundled build (tiny_target/build_info.json) used exactly these defaults.
+DEFAULT_STEPS = 450
+DEFAULT_BATCH = 16
+DEFAULT_LR = 4e-3
+DEFAULT_WARMUP = 30
 MIN_LR_FRAC = 0.1
 WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
