@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, DrafterConfig
+from .fsutil import atomic_write_json, fsync_path, pid_alive
 from .model import DFlashDrafter
 
 WEIGHTS_NAME = "model.safetensors"
@@ -149,24 +150,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-
-
 def publish_checkpoint(drafter, checkpoint_root: str | Path, run_id: str, step: int, *,
                        state: dict[str, torch.Tensor] | None = None, train_metrics: dict | None = None,
                        dtype: torch.dtype | None = None) -> Path:
@@ -188,20 +171,20 @@ def publish_checkpoint(drafter, checkpoint_root: str | Path, run_id: str, step: 
     save_drafter(drafter, tmp, dtype=dtype, state=state)
     files = {}
     for p in sorted(tmp.iterdir()):
-        _fsync_path(p)
+        fsync_path(p)
         files[p.name] = sha256_file(p)
-    _fsync_path(tmp)
+    fsync_path(tmp)
     if final.exists():  # renamed but never marked: a crashed earlier attempt
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_path(run_dir)
+    fsync_path(run_dir)
     manifest = {
         "format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": files[WEIGHTS_NAME],
         "files": files, "config": json.loads((final / "config.json").read_text()),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "train_metrics": dict(train_metrics or {}),
     }
-    _write_json_atomic(final / MARKER_NAME, manifest)
+    atomic_write_json(final / MARKER_NAME, manifest)
     return final
 
 
@@ -320,16 +303,6 @@ def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list[P
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_incomplete(run_dir: str | Path) -> list[Path]:
     """Remove half-written publications of earlier runs (call before training starts).
 
@@ -342,7 +315,7 @@ def cleanup_incomplete(run_dir: str | Path) -> list[Path]:
     removed = []
     for p in run_dir.iterdir():
         m = _TMP_DIR.match(p.name)
-        stale_tmp = m is not None and (int(m.group(2)) == os.getpid() or not _pid_alive(int(m.group(2))))
+        stale_tmp = m is not None and (int(m.group(2)) == os.getpid() or not pid_alive(int(m.group(2))))
         unmarked = checkpoint_step(p) is not None and p.is_dir() and not (p / MARKER_NAME).exists()
         if stale_tmp or unmarked:
             shutil.rmtree(p, ignore_errors=True)

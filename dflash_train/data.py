@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
+
+from .fsutil import atomic_write_text
 
 BUILTIN_STDLIB = "builtin:stdlib-code"
 BUILTIN_INSTRUCT = "builtin:stdlib-instruct"
@@ -230,9 +231,7 @@ def regenerate(target, prompts: list[list[int]], max_new_tokens: int, *, cache_d
             progress(min(s + batch_size, len(order)), len(order))
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "responses": out}))
-        os.replace(tmp, cache)
+        atomic_write_text(cache, json.dumps({"key": key, "responses": out}), durable=False)  # a cache: no fsync
     return out  # type: ignore[return-value]
 
 

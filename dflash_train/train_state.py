@@ -7,13 +7,14 @@ arbitrary objects), so everything stored is tensors, numbers, strings, lists and
 """
 from __future__ import annotations
 
-import os
 import random
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .fsutil import atomic_writer
 
 STATE_FORMAT = "dflash-train-state/1"
 _STATE_FILE = re.compile(r"^state-(\d{8,})\.pt$")
@@ -59,20 +60,11 @@ def save_training_state(state_dir: str | Path, step: int, *, model_state: dict, 
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_path(state_dir, step)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     payload = {"format": STATE_FORMAT, "step": int(step), "data_position": int(data_position),
                "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
                "scheduler": scheduler_state, "rng": rng_state(), "config": config, "extra": extra or {}}
-    with open(tmp, "wb") as f:
+    with atomic_writer(path) as f:  # streamed: a whole serialized state is never held in memory
         torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(state_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
     if keep > 0:
         for old in list_training_states(state_dir)[:-keep]:
             old.unlink(missing_ok=True)

@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflash_train.fsutil import fsync_dir
+
 RECORD_SCHEMA = "dflash-eval-record/1"
 RESULTS_ENV = "DFLASH_RESULTS_DIR"
 INDEX_PREFIX = "dflash:ledger:"
@@ -104,15 +106,6 @@ def read_record(path: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _write_tmp(directory: Path, data: bytes) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
     try:
@@ -174,7 +167,7 @@ class Ledger:
             created = False
         finally:
             os.unlink(tmp)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if not created:
             record = read_record(path)
         self._update_latest(path.parent)

@@ -48,6 +48,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from dflash_train.fsutil import atomic_write_json, pid_alive
+
 __all__ = [
     "LocalRedis",
     "RedisAuthError",
@@ -270,14 +272,8 @@ def _port_free(host: str, port: int) -> bool:
 
 def _pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
-    if pid <= 0:
+    if not pid_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         state = stat.rsplit(")", 1)[1].split()[0]
@@ -469,9 +465,7 @@ class LocalRedis:
             "password_set": bool(self.password),
             "started_at": time.time(),
         }
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2) + "\n")
-        os.replace(tmp, self.state_path)
+        atomic_write_json(self.state_path, state, sort_keys=False, durable=False)
 
     def _client(self, port: int, timeout: float = 1.0) -> redis.Redis:
         return redis.Redis(

@@ -11,12 +11,12 @@ Jinja's autoescape; nothing from a result is ever inserted as markup.
 from __future__ import annotations
 
 import base64
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import markupsafe
 
+from dflash_train.fsutil import atomic_write_text
 from eval_worker import report_figures as figs
 from eval_worker.run_results import ResultsError, RunResult, load_run
 
@@ -150,7 +150,5 @@ def build_report(run_id: str, *, results_dir=None, out_dir=None, steps: list[int
         details=details, target=first.get("target") or {}, settings=first.get("settings") or {},
         generated_from=str(rows[0].path.parents[2]))
     path = out / "report.html"
-    tmp = out / f".report.html.tmp-{os.getpid()}"
-    tmp.write_text(html, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, html, durable=False)
     return path

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_train.fsutil import fsync_dir
+
 log = logging.getLogger("hooks.outbox")
 
 OUTBOX_DIRNAME = ".eval-outbox"
@@ -39,15 +41,6 @@ def job_key(job: dict[str, Any]) -> str:
                        "target": job.get("target")}, sort_keys=True)
     return (f"step-{int(job['step']):08d}-{str(job['checkpoint_digest'])[:12]}-"
             f"{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @dataclass
@@ -89,7 +82,7 @@ class Outbox:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return path
 
     def pending(self) -> list[Path]:
@@ -144,7 +137,7 @@ class Outbox:
                     return report
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 report.delivered.append(path.stem)
         return report
 
@@ -152,7 +145,7 @@ class Outbox:
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
         (self.rejected_dir / f"{path.stem}.reason.txt").write_text(reason + "\n")
         os.replace(path, self.rejected_dir / path.name)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
 
 class Deliverer:

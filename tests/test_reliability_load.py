@@ -8,16 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench import soak
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    return soak.shared_zygote()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return soak.shared_target()
+from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
 def _check(row: soak.Row) -> soak.Row:

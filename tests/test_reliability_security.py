@@ -23,16 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from bench import soak
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    return soak.shared_zygote()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return soak.shared_target()
+from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
 def test_hostile_queue_entries_run_no_code_and_read_nothing_outside_the_roots(tmp_path, zygote, target):

@@ -41,6 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_train.fsutil import atomic_write_text
 from eval_worker.run_results import RunResult, load_run
 from eval_worker.sinks.wandb_lock import writer_lock
 from eval_worker.sinks.wandb_payload import STEP_KEY, log_dict, prefix_for
@@ -219,9 +220,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1), durable=False)
 
 
 def rebuild_offline(run_id: str, results: list[RunResult], target: WandbTarget) -> dict:
