@@ -29,6 +29,7 @@ SCHEMA = "dflash-eval-job/1"
 CHECKPOINT_FORMAT = "dflash-checkpoint/1"
 MARKER_NAME = "COMPLETE.json"
 ROOTS_ENV = "DFLASH_CHECKPOINT_ROOTS"
+TARGET_ROOTS_ENV = "DFLASH_TARGET_ROOTS"
 
 PRIORITIES = ("high", "default", "low")
 REQUESTERS = ("hook", "user", "requeue")
@@ -178,19 +179,20 @@ def strip_attempt(job_id: str) -> str:
 
 # --------------------------------------------------------------------------- roots
 
-def configured_roots(roots: Iterable[str | os.PathLike] | None = None) -> list[Path] | None:
-    """Checkpoint roots: `roots` if given, else `$DFLASH_CHECKPOINT_ROOTS` (os.pathsep-separated).
+def configured_roots(roots: Iterable[str | os.PathLike] | None = None, env_var: str = ROOTS_ENV) -> list[Path] | None:
+    """Roots: `roots` if given, else `$env_var` (os.pathsep-separated; checkpoint roots by default).
 
     Returns None when neither names any root (confinement not configured).
     """
     if roots is None:
-        env = os.environ.get(ROOTS_ENV, "")
+        env = os.environ.get(env_var, "")
         roots = [r for r in env.split(os.pathsep) if r.strip()]
     out = [Path(os.path.realpath(os.path.expanduser(str(r)))) for r in roots]
     return out or None
 
 
-def confine(path: str | os.PathLike, roots: list[Path]) -> Path:
+def confine(path: str | os.PathLike, roots: list[Path], what: str = "checkpoint",
+            how: str = f"--checkpoint-root or ${ROOTS_ENV}") -> Path:
     """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError."""
     real = Path(os.path.realpath(path))
     for root in roots:
@@ -198,10 +200,28 @@ def confine(path: str | os.PathLike, roots: list[Path]) -> Path:
             return real
     shown = os.pathsep.join(str(r) for r in roots)
     if str(real) != os.path.abspath(path):
-        raise JobError(f"{path} resolves to {real}, outside the checkpoint roots ({shown}); "
+        raise JobError(f"{path} resolves to {real}, outside the {what} roots ({shown}); "
                        "a symlink may not lead out of the roots")
-    raise JobError(f"{path} is outside the checkpoint roots ({shown}); "
-                   f"add its root with --checkpoint-root or ${ROOTS_ENV}")
+    raise JobError(f"{path} is outside the {what} roots ({shown}); add its root with {how}")
+
+
+def check_target(target: str, default_target: str | None, target_roots: list[Path] | None,
+                 checkpoint_roots: list[Path]) -> str:
+    """A job may name the worker's own target, or one inside the target roots.
+
+    Loading a target reads gigabytes and runs its tokenizer/config code paths, so a job may
+    not point the worker at any directory it likes. Without target roots configured, the
+    checkpoint roots stand in for them.
+    """
+    if default_target and os.path.realpath(target) == os.path.realpath(default_target):
+        return target
+    if target_roots is not None:
+        confine(target, target_roots, "target", f"--target-root or ${TARGET_ROOTS_ENV}")
+    else:
+        confine(target, checkpoint_roots, "checkpoint",
+                f"--target-root or ${TARGET_ROOTS_ENV} (targets other than the worker's own --target must lie "
+                "in a target root, or in a checkpoint root when no target root is set)")
+    return target
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -68,6 +68,7 @@ class WorkerSettings:
     results_dir: Path
     roots: list[Path] | None
     cache_dir: Path | None = None
+    target_roots: list[Path] | None = None  # where a job's own `target` may lie (see jobs.check_target)
     default_target: str | None = None
     device: str | None = None
     max_targets: int = 1
@@ -80,6 +81,7 @@ class WorkerSettings:
         values = dict(
             results_dir=results,
             roots=jobs_mod.configured_roots(overrides.pop("roots", None)),
+            target_roots=jobs_mod.configured_roots(overrides.pop("target_roots", None), jobs_mod.TARGET_ROOTS_ENV),
             cache_dir=Path(cache) if cache else results.parent / "cache",
             default_target=os.environ.get(TARGET_ENV) or None,
             device=os.environ.get(DEVICE_ENV) or None,
@@ -233,6 +235,8 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
         target = job["target"] or s.default_target
         if not target:
             raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
+        if job["target"]:
+            jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
         evaluator = get_evaluator(target)
         result = evaluator.evaluate(job["checkpoint"], job["suite"], baseline=job["baseline"],
                                     train_metrics=job["train_metrics"], options=job["options"])

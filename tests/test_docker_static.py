@@ -106,6 +106,17 @@ def test_trainer_writes_checkpoints(compose):
     assert _env_text(trainer)["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
 
 
+def test_targets_have_one_path_on_both_sides_and_workers_confine_them(compose):
+    def models_mount(service):
+        return [v for v in compose["services"][service]["volumes"] if v.rsplit(":", 2)[1:2] == ["/models"]]
+
+    for service in ("worker", "worker-cuda", "trainer"):
+        (mount,) = models_mount(service)
+        assert mount.endswith(":/models:ro") and mount.startswith("${MODELS_DIR"), (service, mount)
+    assert models_mount("worker")[0] == models_mount("trainer")[0]  # a job's target path means the same
+    assert _env_text(compose["services"]["worker"])["DFLASH_TARGET_ROOTS"] == "/models"
+
+
 def test_dashboard(compose):
     dash = compose["services"]["rq-dashboard"]
     assert any(str(p).split(":")[-1] == "9181" for p in dash["ports"])
@@ -121,7 +132,7 @@ def test_named_volumes_declared(compose):
     for svc in compose["services"].values():
         for vol in svc.get("volumes", []):
             source = str(vol).split(":")[0]
-            if not source.startswith((".", "/", "~")):
+            if not source.startswith((".", "/", "~", "$")):  # "$": a bind path from the environment
                 used.add(source)
     assert {"redis-data", "checkpoints"} <= declared
     assert used <= declared, used - declared

@@ -76,3 +76,26 @@ def test_a_drafter_for_another_target_fails_with_the_reason(env, tmp_path):
     with pytest.raises(ValueError, match="do not fit"):
         run_eval_job(make_job(wrong, suite=str(tmp_path / "suite.jsonl")))
     assert Ledger(settings.results_dir).entries("run-f") == []
+
+
+def test_a_job_may_only_name_targets_inside_the_target_roots(env, monkeypatch, tmp_path):
+    settings, (j1, _) = env
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere" / "target"  # a real, loadable target, but outside every root
+    shutil.copytree(settings.default_target, elsewhere)
+    with pytest.raises(JobError, match="outside the checkpoint roots.*--target-root"):
+        run_eval_job({**j1, "target": str(elsewhere)})
+    link = settings.roots[0] / "escape"  # a symlink inside a root that leads out of it
+    link.symlink_to(elsewhere)
+    with pytest.raises(JobError, match="a symlink may not lead out"):
+        run_eval_job({**j1, "target": str(link)})
+    assert worker_mod.target_loads() == 0  # refused before anything was loaded
+    assert Ledger(settings.results_dir).entries("run-f") == []
+
+    # the worker's own target by its own path is always fine; a target root admits the copy
+    assert run_eval_job({**j1, "target": settings.default_target})["recorded_now"]
+    monkeypatch.setattr(worker_mod, "_settings",
+                        WorkerSettings(**{**settings.__dict__, "target_roots": [tmp_path / "elsewhere"]}))
+    r = run_eval_job({**j1, "target": str(elsewhere), "attempt": 1})
+    assert r["tau"] is not None and worker_mod.target_loads(str(elsewhere)) == 1

@@ -16,7 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     parser.add_argument("--target", default=os.environ.get("DFLASH_TARGET"),
                         help="target model directory: loaded before the first job and kept "
-                             "(default $DFLASH_TARGET; jobs naming another target load it on demand)")
+                             "(default $DFLASH_TARGET; jobs naming another target load it on demand, "
+                             "if it lies in a --target-root)")
+    parser.add_argument("--target-root", action="append", default=None, metavar="DIR",
+                        help="jobs may name targets under these roots besides --target (repeatable; default "
+                             "$DFLASH_TARGET_ROOTS, else the checkpoint roots)")
     parser.add_argument("--no-preload", action="store_true", help="load the target on the first job instead")
     parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
                         help="only evaluate checkpoints under these roots (repeatable; default "
@@ -51,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.worker import WorkerSettings, serve, worker_name
 
     settings = WorkerSettings.from_env(results_dir=args.results_dir, roots=args.checkpoint_root,
+                                       target_roots=args.target_root,
                                        cache_dir=args.cache_dir, default_target=args.target, device=args.device,
                                        max_targets=args.max_targets, evaluator_factory=args.evaluator_factory)
     if settings.roots is None:
