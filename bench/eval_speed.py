@@ -11,7 +11,7 @@
      cached), then one drafter forward on that block alone, LM head on the block;
    - the drafter-only loop: the same but reading the engine's cached target features, so
      only the drafter's context projection is redone per block. It isolates what batching
-     the anchors buys; its ratio is bounded by arithmetic (see docs/sidecar.md).
+     the anchors buys; its ratio is bounded by arithmetic (see bench/README.md).
    Also the time to τ: the engine vs the real draft-and-verify loop (KV-cached target),
    which only drafts the online walk's blocks.
 2. Peak extra memory of drafting N anchors (fixed ~2k-token context, anchors at its end):
