@@ -100,7 +100,11 @@ class EvalOnCheckpoint:
         self._pins: dict[str, str] = {}        # job id -> checkpoint, pinned until the job is done
         self._conn = None
         self._conn_lock = threading.Lock()
-        import eval_worker.jobs  # noqa: F401 - imported now, not on the first checkpoint step
+        # imported now, not on the first checkpoint step: an import in the delivery thread
+        # holds the GIL for a few hundred ms of module code while the training thread waits
+        import eval_worker.jobs  # noqa: F401
+        import eval_worker.queue  # noqa: F401 - rq, redis
+        import eval_worker.redis_local  # noqa: F401
         import eval_worker.suite  # noqa: F401
 
     # ---- the trainer protocol ----------------------------------------------------------
