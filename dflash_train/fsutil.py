@@ -46,18 +46,21 @@ def _temp_name(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike, *, durable: bool = True) -> Iterator[BinaryIO]:
+def atomic_writer(path: str | os.PathLike, *, durable: bool = True, mode: int | None = None) -> Iterator[BinaryIO]:
     """Write `path` through a binary file that replaces it only once the block succeeds.
 
     Readers see the old content or the new one, never a mix. With `durable`, the data is
     fsynced before the rename and the directory after it. If the block (or anything
     after it) fails, the temporary file is removed and `path` is left as it was.
-    The file gets the usual permissions (0o666 less the umask), like `open(path, "w")`.
+    The file gets the usual permissions (0o666 less the umask), like `open(path, "w")`,
+    or exactly `mode` when given (set before any byte is written).
     """
     path = Path(path)
     tmp = _temp_name(path)
     try:
         with open(tmp, "xb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             yield f
             if durable:
                 f.flush()
@@ -71,9 +74,10 @@ def atomic_writer(path: str | os.PathLike, *, durable: bool = True) -> Iterator[
         fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True,
+                       mode: int | None = None) -> None:
     """Atomically replace `path` with `data` (see `atomic_writer`)."""
-    with atomic_writer(path, durable=durable) as f:
+    with atomic_writer(path, durable=durable, mode=mode) as f:
         f.write(data)
 
 

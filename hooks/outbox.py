@@ -17,14 +17,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_train.fsutil import fsync_dir
+from dflash_train.fsutil import atomic_write_bytes, fsync_dir
 
 log = logging.getLogger("hooks.outbox")
 
@@ -71,18 +70,7 @@ class Outbox:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{job_key(job)}.json"
         data = json.dumps(job, sort_keys=True, allow_nan=False).encode()
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.dir)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        fsync_dir(self.dir)
+        atomic_write_bytes(path, data, mode=0o600)  # jobs may carry W&B settings: owner only
         return path
 
     def pending(self) -> list[Path]:

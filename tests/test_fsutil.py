@@ -30,6 +30,24 @@ def test_new_file_gets_umask_permissions_like_open(tmp_path):
     assert (tmp_path / "a").stat().st_mode == (tmp_path / "b").stat().st_mode
 
 
+def test_explicit_mode_is_exact_whatever_the_umask(tmp_path):
+    old = os.umask(0)  # the widest umask: mode must still win
+    try:
+        fsutil.atomic_write_bytes(tmp_path / "secret", b"x", mode=0o600)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "secret").stat().st_mode & 0o777 == 0o600
+
+
+def test_outbox_job_files_are_owner_only(tmp_path):
+    from hooks.outbox import Outbox
+
+    job = {"run_id": "r", "step": 3, "checkpoint_digest": "a" * 64, "suite": "s"}
+    path = Outbox(tmp_path / "box").put(job)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in (tmp_path / "box").iterdir()] == [path.name]  # no temporary left
+
+
 def test_failed_replace_keeps_old_content_and_removes_temporary(tmp_path, monkeypatch):
     path = tmp_path / "f.json"
     path.write_text("old")
