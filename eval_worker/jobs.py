@@ -206,7 +206,7 @@ def confine(path: str | os.PathLike, roots: list[Path], what: str = "checkpoint"
 
 
 def check_target(target: str, default_target: str | None, target_roots: list[Path] | None,
-                 checkpoint_roots: list[Path]) -> str:
+                 checkpoint_roots: list[Path]) -> None:
     """A job may name the worker's own target, or one inside the target roots.
 
     Loading a target reads gigabytes and runs its tokenizer/config code paths, so a job may
@@ -214,14 +214,13 @@ def check_target(target: str, default_target: str | None, target_roots: list[Pat
     checkpoint roots stand in for them.
     """
     if default_target and os.path.realpath(target) == os.path.realpath(default_target):
-        return target
+        return
     if target_roots is not None:
         confine(target, target_roots, "target", f"--target-root or ${TARGET_ROOTS_ENV}")
     else:
         confine(target, checkpoint_roots, "checkpoint",
                 f"--target-root or ${TARGET_ROOTS_ENV} (targets other than the worker's own --target must lie "
                 "in a target root, or in a checkpoint root when no target root is set)")
-    return target
 
 
 # --------------------------------------------------------------------------- checkpoints

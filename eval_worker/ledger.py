@@ -137,6 +137,11 @@ class Ledger:
     def record_path(self, run_id: str, step: int, suite_fp: str, attempt: int) -> Path:
         return self.record_dir(run_id, step, suite_fp) / f"attempt-{int(attempt)}.json"
 
+    @staticmethod
+    def root_of(record_path: str | os.PathLike) -> Path:
+        """The results root a record file lies under (the inverse of `record_path`)."""
+        return Path(record_path).resolve().parents[3]
+
     # ---- writing -------------------------------------------------------------------
     def write(self, *, job: dict[str, Any], job_id: str, result: dict[str, Any],
               worker: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:

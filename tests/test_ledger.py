@@ -26,6 +26,7 @@ def test_write_layout_and_read_back(tmp_path):
     path, record, created = ledger.write(job=_job(), job_id="eval-a", result=_result(2.5))
     assert created
     assert path == tmp_path / "run-a" / "step-00000100" / "fp0123456789abcd" / "attempt-0.json"
+    assert Ledger.root_of(path) == tmp_path.resolve()  # the sinks find the ledger from a record's path
     assert read_record(path) == record and tau_of(record) == 2.5
     assert record["job"]["checkpoint_digest"] == DIGEST and record["job_id"] == "eval-a"
     latest = json.loads((path.parent / "latest.json").read_text())

@@ -36,13 +36,13 @@ def enabled_sinks() -> list[str]:
 def _results_dir(record: dict) -> Path | None:
     """The ledger root the record was written to, from its own path when the worker gives it.
 
-    Layout: <results>/<run>/step-<n>/<suite>/attempt-<k>.json. Without a path, None: the
-    default ledger location. (Not the worker module's settings: they outlive one worker.)
+    Without a path, None: the default ledger location. (Not the worker module's settings:
+    they outlive one worker.)
     """
+    from eval_worker.ledger import Ledger
+
     path = record.get("path")
-    if path:
-        return Path(path).resolve().parents[3]
-    return None
+    return Ledger.root_of(path) if path else None
 
 
 def _redis_url() -> str | None:
