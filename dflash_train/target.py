@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from .config import DrafterConfig
+from .fingerprint import FileDigests, FingerprintError, directory_state, tensor_digest
 
 
 class TargetError(ValueError):
@@ -81,6 +81,7 @@ class Target:
         self.source = source
         self.parts = locate_parts(model)
         self._fingerprint: str | None = None
+        self._files_digest: str | None = None  # set by `load`: the digest of the directory it read
 
     # --- loading ----------------------------------------------------------------
     @classmethod
@@ -102,14 +103,20 @@ class Target:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         archs = getattr(config, "architectures", None) or []
         loader = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in archs) else AutoModelForCausalLM
+        before = directory_state(path)
         try:
+            files = FileDigests().directory_digest(path)  # identity of exactly what is read below
             model = loader.from_pretrained(path, **kwargs)
-        except (OSError, ValueError) as e:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, FingerprintError) as e:
             raise TargetError(f"cannot load target from {path}: {e}") from e
+        if directory_state(path) != before:
+            raise TargetError(f"the files of {path} changed while the target was loading; load it again")
         if device is not None and device_map is None:
             model = model.to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, source=str(path))
+        target = cls(model, tokenizer, source=str(path))
+        target._files_digest = files
+        return target
 
     # --- shape --------------------------------------------------------------------
     @property
@@ -215,17 +222,22 @@ class Target:
 
     # --- identity -------------------------------------------------------------------
     def fingerprint(self) -> str:
-        """Digest of the config and the weights (sampled for large tensors); cached."""
+        """Identity of everything that shapes this target's outputs (`dflash_train.fingerprint`).
+
+        Loaded from a directory: every byte of its files (weights, config, tokenizer, chat
+        template, generation config), digested when `load` read them, plus the dtypes it
+        runs in. In memory only: every byte of every tensor plus the config. Cached.
+        """
         if self._fingerprint is None:
-            h = hashlib.sha256()
-            cfg = self.model.config.to_dict()
-            for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
-                cfg.pop(k, None)
-            h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-            for name, t in sorted(self.model.state_dict().items()):
-                h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-                h.update(_tensor_sample_bytes(t))
-            self._fingerprint = h.hexdigest()[:32]
+            dtypes = sorted({str(p.dtype) for p in self.model.parameters()})
+            if self._files_digest is not None:
+                ident = f"files:{self._files_digest}:{','.join(dtypes)}"
+            else:
+                cfg = self.model.config.to_dict()
+                for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+                    cfg.pop(k, None)
+                ident = "tensors:" + tensor_digest(sorted(self.model.state_dict().items()), cfg)
+            self._fingerprint = hashlib.sha256(ident.encode()).hexdigest()[:32]
         return self._fingerprint
 
 
@@ -239,12 +251,3 @@ def crop_cache(cache, keep: int) -> None:
     extra = cache.get_seq_length() - keep
     if extra > 0:
         cache.crop(-extra)
-
-
-def _tensor_sample_bytes(t: torch.Tensor, full_below: int = 1 << 20, samples: int = 65536) -> bytes:
-    """Every element of small tensors; a fixed strided sample of large ones (fast on 27B)."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() > full_below:
-        idx = torch.linspace(0, flat.numel() - 1, samples, device=flat.device).long()
-        flat = flat[idx]
-    return flat.float().cpu().numpy().tobytes()

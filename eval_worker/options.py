@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # How the work is done, not what is measured: not part of an evaluation's identity.
 PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend"})
@@ -66,6 +66,7 @@ class EvalOptions(BaseModel):
     tree_budget: int = _int(0, 4096, 8)
     tree_spine: bool = False
     mode: Literal["online", "stride"] = "online"
+    counting: str = Field("response", max_length=32)       # eval_worker.metrics.COUNTING_RULES
     num_prompts: int | None = _int(1, 1 << 20)
     max_blocks: int | None = _int(1, 1 << 24)
     validate_loop: bool = Field(False, alias="validate")  # `validate` is a BaseModel method name
@@ -78,6 +79,21 @@ class EvalOptions(BaseModel):
     anchors_per_chunk: int | None = _int(1, 1 << 24)
     head_rows: int | None = _int(1, 1 << 24)               # default: eval_worker.drafting's
     backend: Literal["auto", "flex", "sdpa"] = "auto"
+
+    @field_validator("counting")
+    @classmethod
+    def _known_counting(cls, value: str) -> str:
+        from .metrics import COUNTING_RULES  # the walk's own list (numpy: imported when needed)
+
+        if value not in COUNTING_RULES:
+            raise ValueError(f"must be one of {list(COUNTING_RULES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _counting_is_for_the_online_walk(self) -> "EvalOptions":
+        if self.counting != "response" and self.mode == "stride":
+            raise ValueError("counting applies to the online walk; stride mode drafts fixed blocks")
+        return self
 
     @property
     def validate(self) -> bool:  # type: ignore[override] - the option's name, as jobs spell it

@@ -56,6 +56,24 @@ def test_changed_target_weights_rebuild_and_say_so(setup):
     assert comparable(again) == comparable(res)
 
 
+def test_fingerprint_one_element_edit_in_saved_target_rebuilds_references_and_features(setup):
+    """A target loaded from a directory: an edit of one LM-head element is a new target."""
+    from dflash_train.target import Target
+
+    target, tmp = setup
+    d = tmp / "target"
+    target.model.save_pretrained(d)
+    first = Evaluator(Target.load(d), tmp / "cache").evaluate(tmp / "ck", suite(), options=OPTS)
+    warm = Evaluator(Target.load(d), tmp / "cache").evaluate(tmp / "ck", suite(), options=OPTS)
+    assert first.cache["features"] == "built" and warm.cache == {"references": "hit", "features": "hit", "notes": []}
+    with torch.no_grad():
+        target.parts.lm_head.weight[41, 5] += 1e-4
+    target.model.save_pretrained(d)
+    res = Evaluator(Target.load(d), tmp / "cache").evaluate(tmp / "ck", suite(), options=OPTS)
+    assert res.cache["references"] == "rebuilt" and res.cache["features"] == "rebuilt"
+    assert res.target["fingerprint"] != first.target["fingerprint"]
+
+
 def test_changed_layer_ids_never_reuse_features(setup):
     target, tmp = setup
     Evaluator(target, tmp / "cache").evaluate(tmp / "ck", suite(), options=OPTS)
