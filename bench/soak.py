@@ -2166,10 +2166,12 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
 FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "redis": dict(checkpoints=40, down_s=5.0, outages=("stop", "crash", "crash"), appendfsync="everysec"),
         "wandb": dict(jobs=4, modes=("refused", "hung")), "trainer": dict(kills=30),
-        "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200)}
+        "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200),
+        "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
          "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
-         "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100)}
+         "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100),
+         "refusing": dict(per_phase=1, hold_s=2.0), "spool": dict(jobs=2), "orphan": dict(jobs=4, kills=2)}
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 
