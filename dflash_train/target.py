@@ -206,7 +206,8 @@ class Target:
             if i == self.num_layers - 1:  # HF's last hidden_states entry is after the final norm
                 f = last
             feats.append(f)
-        return TargetOutput(torch.cat(feats, dim=-1), last, past_key_values)
+        features = torch.cat(feats, dim=-1) if feats else last[..., :0]
+        return TargetOutput(features, last, past_key_values)
 
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         return self.parts.lm_head(last_hidden)
