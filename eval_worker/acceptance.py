@@ -334,12 +334,15 @@ class Evaluator:
         if not opts.measure_speed:
             return out
         ctx = int(np.median([len(r.prompt_ids) + len(r.tokens) for r in refs]))
-        ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx})
+        committed = max(1, round(tau or 1))  # hybrid targets re-run the accepted tokens after a rejection
+        ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx,
+                       "committed": committed})
         if ckey not in self._costs:
-            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8))
+            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8),
+                                                   committed=committed)
         costs = self._costs[ckey]
         if costs is None:
-            out["source"] = "not measurable on this target (recurrent layers)"
+            out["source"] = "not measurable on this target (sliding-window target layers)"
             return out
         out.update(draft_verify_cost_ratio=costs["draft_s"] / costs["verify_s"],
                    verify_decode_cost_ratio=costs["verify_s"] / costs["decode_s"],

@@ -34,10 +34,11 @@ def qwen3_5_vlm_target(layers: int = 4, hidden: int = 32, seed: int = 0) -> Targ
     return Target(Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).float())
 
 
-def drafter_for(target: Target, *, layers: int = 2, features: int = 3, block_size: int = 8, seed: int = 1) -> DFlashDrafter:
+def drafter_for(target: Target, *, layers: int = 2, features: int = 3, block_size: int = 8, seed: int = 1,
+                **fields) -> DFlashDrafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig.for_target(target.model.config, mask_token_id=MASK_ID, num_hidden_layers=layers,
-                                   num_features=features, block_size=block_size)
+                                   num_features=features, block_size=block_size, **fields)
     return DFlashDrafter(cfg).eval()
 
 
@@ -102,7 +103,7 @@ def byte_level_tokenizer(specials: tuple[tuple[int, str], ...]):
     return fast
 
 
-def qwen3_real_shape(layers: int = 8, hidden: int = 64, seed: int = 0) -> Target:
+def qwen3_real_shape(layers: int = 8, hidden: int = 128, seed: int = 0) -> Target:
     """Qwen3 at vocab 151,936 (untied head, 19.4M-element embedding and LM head), small hidden."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -116,7 +117,7 @@ def qwen3_real_shape(layers: int = 8, hidden: int = 64, seed: int = 0) -> Target
     return Target(model, byte_level_tokenizer(tuple(QWEN3_SPECIALS.items())))
 
 
-def qwen3_5_real_shape(layers: int = 8, hidden: int = 64, seed: int = 0) -> Target:
+def qwen3_5_real_shape(layers: int = 8, hidden: int = 128, seed: int = 0) -> Target:
     """A wrapped Qwen3.5 conditional-generation model at vocab 248,320: linear-attention
     (gated delta net) and full-attention layers (3:1), partial-rotary interleaved mrope."""
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration

@@ -1,8 +1,5 @@
 """References: local greedy (+ lookahead past eos), and an OpenAI-compatible server asked for ids."""
-import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
@@ -12,45 +9,11 @@ from eval_worker.acceptance import Evaluator
 from eval_worker.references import LocalReferences, ReferenceError, ServerReferences, split_at_eos
 from eval_worker.suite import Prompt, Suite
 
+from .engine_helpers import CannedServer
 from .factories import drafter_for, qwen3_target
 
 TARGET = qwen3_target(seed=6)
 PROMPT = [4, 8, 15, 16, 23, 42]
-
-
-class CannedServer:
-    """A real HTTP server on 127.0.0.1 answering /v1/completions with a canned body."""
-
-    def __init__(self, respond):
-        self.requests = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append((self.path, body))
-                status, payload = respond(body)
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def greedy_ids(body):

@@ -74,6 +74,10 @@ def main(args: argparse.Namespace) -> int:
         options["reference_mismatch"] = "measure"
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
     try:
+        from ..checkpoint_source import check_drafter_config
+
+        for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
+            check_drafter_config(drafter_dir)  # before the target: its load can take minutes
         evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or default_cache_dir()),
                               progress=not args.no_progress and sys.stderr.isatty(), dtype=args.dtype,
                               device=args.device)
