@@ -19,23 +19,31 @@ class ConfigError(ValueError):
     """A drafter config that cannot describe a usable drafter."""
 
 
+# What `from_dict` reports when a config names no target_layer_ids (the result shows it).
+LAYER_IDS_FALLBACK = ("fallback: z-lab dflash build_target_layer_ids(num_target_layers, num_hidden_layers), "
+                      "round(1 + i*(L-4)/(n-1)) with Python's round (half to even); one feature: L//2")
+
+
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """Target layers whose outputs feed the drafter, by the published DFlash formula.
 
     One feature takes the middle layer; otherwise features are spread evenly from
     layer 1 to layer L-3 (the last layers are left to the target's own head).
     36 layers, 5 features -> [1, 9, 17, 25, 33]; 64 layers -> [1, 16, 31, 46, 61].
+    The expression is z-lab's `build_target_layer_ids` as written there (float division,
+    Python's `round`, which rounds halves to even: 94 layers x 5 -> [1, 24, 46, 68, 91]),
+    so a published drafter without explicit ids reads the layers it was trained on.
     """
     if num_target_layers < 1 or num_features < 1:
         raise ConfigError("num_target_layers and num_features must be >= 1")
     if num_features == 1:
         return [num_target_layers // 2]
-    span = num_target_layers - 4
-    if span < num_features - 1:
+    start, end = 1, num_target_layers - 3
+    ids = [int(round(start + (i * (end - start)) / (num_features - 1))) for i in range(num_features)]
+    if len(set(ids)) != len(ids) or not all(0 <= i < num_target_layers for i in ids):
         raise ConfigError(f"a {num_target_layers}-layer target is too shallow for {num_features} distinct features "
-                          f"(at most {max(span + 1, 1)}); give target_layer_ids explicitly")
-    # round-half-up on exact arithmetic, so results do not depend on float rounding
-    return [int((2 * (1 + i * span / (num_features - 1)) + 1) // 2) for i in range(num_features)]
+                          f"(the published formula gives {ids}); give target_layer_ids explicitly")
+    return ids
 
 
 # --- fields of a published config.json ------------------------------------------------------
@@ -96,6 +104,8 @@ class DrafterConfig:
     sliding_window: int | None = None
     causal: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # published metadata, kept on round trip
+    # where target_layer_ids came from: "config", or LAYER_IDS_FALLBACK (not written: to_dict makes them explicit)
+    layer_ids_origin: str = field(default="config", compare=False)
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -103,7 +113,9 @@ class DrafterConfig:
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.target_layer_ids is None and self.num_target_layers is not None:
+            # older z-lab configs tie the feature count to the draft depth
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+            self.layer_ids_origin = LAYER_IDS_FALLBACK
         # None means all full attention; stored explicitly so equal drafters compare equal
         self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
         self.validate()
@@ -124,6 +136,7 @@ class DrafterConfig:
             self.num_target_layers = int(num_target_layers)
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+            self.layer_ids_origin = LAYER_IDS_FALLBACK
         self.validate()
 
     def validate(self) -> None:

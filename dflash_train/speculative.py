@@ -13,6 +13,13 @@ One round, with `start` the position of the last committed token (the anchor):
      features for positions start..start+n become context, and its cache is rewound to
      start+n+1 (`VerifyCache`: attention layers cropped; the recurrent states of hybrid
      targets such as Qwen3.5/3.6 restored and advanced over the accepted tokens).
+
+When to stop (`counting`, docs/design.md "Counting rules"): "response" runs steps until
+max_new_tokens tokens (or eos) are committed; "published" repeats z-lab's
+`dflash_generate`, which loops while fewer than max_new_tokens + 1 tokens are committed
+and looks for eos only after a step, so it can run one step whose tokens are all cut
+off (when the steps so far sum to max_new_tokens - 1) and one step after an eos first
+token. Both commit the same tokens; only the counted steps differ.
 """
 from __future__ import annotations
 
@@ -43,11 +50,21 @@ def greedy_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, 
     return out[0, len(prompt_ids):].tolist()
 
 
+def _more_steps(result: SpecResult, max_new_tokens: int, eos_token_id: int | None, counting: str) -> bool:
+    if counting == "published":  # `while start < prompt + N`; the stop-token check follows each step
+        stopped = bool(result.accept_lengths) and eos_token_id in result.tokens
+        return len(result.tokens) - 1 < max_new_tokens and not stopped
+    return len(result.tokens) < max_new_tokens and result.tokens[-1] != eos_token_id
+
+
 @torch.no_grad()
 def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
-                         eos_token_id: int | None = None, use_cache: bool | None = None) -> SpecResult:
+                         eos_token_id: int | None = None, use_cache: bool | None = None,
+                         counting: str = "response") -> SpecResult:
     """`use_cache=False` re-runs the target over the whole sequence at every verify step
     (the slow path the tests hold the cached one equal to)."""
+    if counting not in ("response", "published"):
+        raise ValueError(f"counting must be 'response' or 'published', got {counting!r}")
     cfg = drafter.config
     B, layer_ids = cfg.block_size, cfg.target_layer_ids
     dev = target.device
@@ -66,7 +83,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
     # drafter weights may be bf16 while the target runs fp32 (or vice versa)
     ddtype = drafter.fc.weight.dtype
 
-    while len(result.tokens) < max_new_tokens and seq[-1] != eos_token_id:
+    while _more_steps(result, max_new_tokens, eos_token_id, counting):
         start = len(seq) - 1
         block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
         block[0, 0] = seq[start]
@@ -96,4 +113,6 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
         result.tokens.extend(new)
         result.accept_lengths.append(n + 1)
     result.tokens = result.tokens[:max_new_tokens]
+    if eos_token_id in result.tokens:  # "published" can draft past an eos first token
+        result.tokens = result.tokens[: result.tokens.index(eos_token_id) + 1]
     return result

@@ -248,13 +248,6 @@ def _cache_kwarg(module: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def crop_cache(cache, keep: int) -> None:
-    """Drop cached positions >= keep (entries computed from rejected drafts)."""
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
-
-
 class VerifyCache:
     """The target's cache in a draft-verify loop: extended by each verify pass, then rewound
     to the tokens that were committed.

@@ -45,6 +45,7 @@ class EvalOptions:
     tree_budget: int = 8
     tree_spine: bool = False
     mode: str = "online"  # online | stride
+    counting: str = "response"  # response | published: when the online walk stops (docs/design.md)
     num_prompts: int | None = None
     max_blocks: int | None = None
     validate: bool = False
@@ -73,6 +74,10 @@ class EvalOptions:
             raise ValueError(f"mode must be 'online' or 'stride', got {opts.mode!r}")
         if opts.reference_mismatch not in ("fail", "measure"):
             raise ValueError(f"reference_mismatch must be 'fail' or 'measure', got {opts.reference_mismatch!r}")
+        if opts.counting not in metrics.COUNTING_RULES:
+            raise ValueError(f"counting must be one of {list(metrics.COUNTING_RULES)}, got {opts.counting!r}")
+        if opts.counting != "response" and opts.mode == "stride":
+            raise ValueError("counting applies to the online walk; stride mode drafts fixed blocks")
         for name in ("max_new_tokens", "num_prompts", "max_blocks", "anchors_per_chunk"):
             v = getattr(opts, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -156,9 +161,8 @@ class Evaluator:
         validation = None
         if opts.validate:
             with _timer(timings, "validation"):
-                full = [metrics.online_walk(lambda s, st=sc.streaks: st[s], sc.num_tokens).accept_lengths
-                        for sc in main.scores]  # the whole walk, whatever max_blocks / mode show
-                validation = self.validate(drafter, refs, full, max_new, eos)
+                full = [sc.full_walk().accept_lengths for sc in main.scores]
+                validation = self.validate(drafter, refs, full, max_new, eos, counting=opts.counting)
         with _timer(timings, "speed"):
             speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
         timings["total"] = time.perf_counter() - t_start
@@ -167,11 +171,12 @@ class Evaluator:
                               max_new, eos, lookahead)
 
     def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
-                 eos: int | None) -> dict:
+                 eos: int | None, counting: str = "response") -> dict:
         """Run the real draft-verify loop on every prompt and compare step by step with the replay."""
         mismatched, token_mismatch, steps = [], [], 0
         for ref, replay in zip(refs, replays):
-            real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos)
+            real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos,
+                                        counting=counting)
             steps += len(real.accept_lengths)
             if real.accept_lengths != replay:
                 first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay)) if a != b),
@@ -305,7 +310,8 @@ class Evaluator:
                                        head_rows=opts.head_rows, backend=opts.backend)
             with _timer(timings, "score"):
                 sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
-                                  tree_spine=opts.tree_spine, max_blocks=opts.max_blocks)
+                                  tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
+                                  ends_with_stop=ref.finish == "eos")
                 sc.greedy = feats["greedy"].numpy()
             scores.append(sc)
         with _timer(timings, "score"):
@@ -316,8 +322,8 @@ class Evaluator:
     def _baseline_run(self, base: tuple[DFlashDrafter, CheckpointInfo], refs, suite, opts, report) -> DrafterRun:
         drafter, info = base
         key = digest({"digest": info.digest, "refs": [digest(r.to_dict()) for r in refs],
-                      "opts": {k: getattr(opts, k) for k in ("mode", "tree_budget", "tree_spine", "max_blocks",
-                                                             "bootstrap", "seed")},
+                      "opts": {k: getattr(opts, k) for k in ("mode", "counting", "tree_budget", "tree_spine",
+                                                             "max_blocks", "bootstrap", "seed")},
                       "target": self.target.fingerprint()})
         if key not in self._baselines:  # a baseline is re-scored only when something it depends on changes
             if len(self._baselines) > 8:
@@ -392,13 +398,15 @@ class Evaluator:
                       tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
                       empty_prompts=empty, validation=validation,
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
-                      reference_source=getattr(self.reference_source, "name", "local"))
+                      reference_source=getattr(self.reference_source, "name", "local"),
+                      layer_ids_origin=drafter.config.layer_ids_origin)
         return EvalResult(
             checkpoint=info.to_dict(),
             target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
                     "num_layers": self.target.num_layers, "dtype": str(self.target.dtype).removeprefix("torch.")},
             suite=suite.to_dict(),
             settings={"block_size": main.block_size, "max_new_tokens": max_new, "mode": opts.mode,
+                      "counting": opts.counting, "layer_ids_origin": drafter.config.layer_ids_origin,
                       "tree_budget": opts.tree_budget, "tree_spine": opts.tree_spine, "max_blocks": opts.max_blocks,
                       "chat_template": suite.chat_template if opts.chat_template is None else opts.chat_template,
                       "eos_token_id": eos, "lookahead": lookahead, "layer_ids": main.layer_ids,

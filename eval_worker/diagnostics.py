@@ -34,6 +34,7 @@ class Facts:
     validation: dict | None = None
     baseline_layer_ids: list[int] | None = None
     reference_source: str = "local"
+    layer_ids_origin: str = "config"
 
 
 def train_accuracy(train_metrics: dict[str, Any] | None) -> float | None:
@@ -79,6 +80,10 @@ def diagnose(f: Facts) -> list[Diagnostic]:
         out.append(Diagnostic("LAST_LAYER_AS_FEATURE", "warning",
                               f"target_layer_ids {f.layer_ids} include the last layer ({f.target_layers - 1}), whose "
                               "output is already final-normed and feeds the target's own head (DFlash uses up to L-3)"))
+    if f.layer_ids_origin != "config":
+        out.append(Diagnostic("LAYER_IDS_FROM_FALLBACK", "info",
+                              f"config.json names no target_layer_ids: layers {f.layer_ids} come from the "
+                              f"{f.layer_ids_origin}"))
     if f.baseline_layer_ids is not None and f.baseline_layer_ids != f.layer_ids:
         out.append(Diagnostic("BASELINE_LAYER_MISMATCH", "info",
                               f"baseline reads target layers {f.baseline_layer_ids}, checkpoint reads {f.layer_ids}"))

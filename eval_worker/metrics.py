@@ -47,23 +47,40 @@ class Walk:
         return float(np.mean(self.accept_lengths)) if self.accept_lengths else None
 
 
-def online_walk(streak_at, num_tokens: int, max_steps: int | None = None) -> Walk:
+COUNTING_RULES = ("response", "published")
+
+
+def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, counting: str = "response",
+                ends_with_stop: bool = False) -> Walk:
     """Replay greedy speculative decoding along a greedy reference of `num_tokens` tokens.
 
     Mirrors `dflash_train.speculative.speculative_generate`: the prefill commits offset 0;
     each step drafts from the last committed offset s, accepts the streak n, commits
     n + 1 tokens (clipped at the reference end, which is either eos or max_new_tokens),
     and the next step drafts from the new last token. `streak_at(s)` gives n at s.
+
+    `counting` says when the walk stops (docs/design.md, "Counting rules"):
+    - "response": once the response is committed. A reference of one token (eos first)
+      has no step.
+    - "published": z-lab's `dflash_generate`, which loops while `start < prompt + N`
+      (N = max_new_tokens = num_tokens when the reference ended by length) and checks for
+      a stop token only after a step: one step more whenever the steps sum to exactly
+      N - 1 (its tokens lie past the end and are discarded, its length counts), and one
+      step when the first token is already eos. `ends_with_stop`: the reference ended at eos.
     """
+    if counting not in COUNTING_RULES:
+        raise ValueError(f"counting must be one of {COUNTING_RULES}, got {counting!r}")
+    last = num_tokens if counting == "published" and not ends_with_stop else num_tokens - 1
     accepts, anchors, spans = [], [], []
     s = 0
-    while s < num_tokens - 1 and (max_steps is None or len(accepts) < max_steps):
+    while (s < last or (counting == "published" and not accepts and num_tokens > 0)) and (
+            max_steps is None or len(accepts) < max_steps):
         n = int(streak_at(s))
         end = min(s + n + 1, num_tokens - 1)  # eos / length truncation in the real loop
         accepts.append(n + 1)
         anchors.append(s)
         spans.append((s + 1, end + 1))
-        s = end
+        s = s + n + 1
     return Walk(accepts, anchors, spans)
 
 

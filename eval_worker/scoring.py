@@ -24,6 +24,11 @@ class PromptScore:
     tree_stride: list[int] = field(default_factory=list)
     tree_below_chain: int = 0  # visited blocks where the tree walk fell short of the top-1 streak
     greedy: np.ndarray | None = None  # the target's own argmax at offsets 0..num_tokens (divergence check)
+    walk: dict = field(default_factory=dict)  # online_walk's counting rule for this prompt
+
+    def full_walk(self) -> metrics.Walk:
+        """The whole online walk, whatever max_blocks / mode show (what the real loop does)."""
+        return metrics.online_walk(lambda s: self.streaks[s], self.num_tokens, **self.walk)
 
     def accepts(self, mode: str) -> list[int]:
         return self.online.accept_lengths if mode == "online" else self.stride
@@ -35,8 +40,12 @@ class PromptScore:
 
 
 def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDrafts, block_size: int, *,
-                 tree_budget: int = 0, tree_spine: bool = False, max_blocks: int | None = None) -> PromptScore:
-    """`drafts` rows are the anchors at offsets 0..num_tokens-1, in order."""
+                 tree_budget: int = 0, tree_spine: bool = False, max_blocks: int | None = None,
+                 counting: str = "response", ends_with_stop: bool = False) -> PromptScore:
+    """`drafts` rows are the anchors at offsets 0..num_tokens-1, in order.
+
+    `counting` / `ends_with_stop`: when the online walks stop (`metrics.online_walk`).
+    """
     B = block_size
     if drafts.argmax.shape != (num_tokens, B - 1):
         raise ValueError(f"{name}: expected drafts for {num_tokens} anchors x {B - 1} slots, "
@@ -46,9 +55,10 @@ def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDraft
     streaks = metrics.leading_true(m)
     idx = offsets[:, None] + np.arange(1, B)[None, :]
     valid = idx < len(ext)
-    online = metrics.online_walk(lambda s: streaks[s], num_tokens, max_blocks)
+    walk = dict(counting=counting, ends_with_stop=ends_with_stop)
+    online = metrics.online_walk(lambda s: streaks[s], num_tokens, max_blocks, **walk)
     stride = metrics.stride_blocks(streaks, num_tokens, B, max_blocks)
-    score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), online, stride)
+    score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), online, stride, walk=walk)
     if tree_budget > 0 and drafts.topk_ids is not None:
         ext_arr = np.asarray(ext, dtype=np.int64)
         memo: dict[int, int] = {}
@@ -61,7 +71,7 @@ def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDraft
                 memo[s] = tree_streak(tree, labels)
             return memo[s]
 
-        score.tree_online = metrics.online_walk(tstreak, num_tokens, max_blocks)
+        score.tree_online = metrics.online_walk(tstreak, num_tokens, max_blocks, **walk)
         score.tree_stride = [tstreak(s) + 1 for s in range(0, max(num_tokens - 1, 0), B)][: len(stride)]
         score.tree_below_chain = sum(memo[s] < streaks[s] for s in memo)
     return score

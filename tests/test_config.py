@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from dflash_train.config import ConfigError, DrafterConfig, default_target_layer_ids
+from dflash_train.config import LAYER_IDS_FALLBACK, ConfigError, DrafterConfig, default_target_layer_ids
 
 
 def test_published_layer_ids():
@@ -50,7 +50,50 @@ def test_published_config_round_trip(tmp_path):
 
 def test_missing_layer_ids_fall_back_to_formula():
     d = dict(ZLAB_QWEN3_8B, dflash_config={"mask_token_id": 151669})
-    assert DrafterConfig.from_dict(d).target_layer_ids == [1, 9, 17, 25, 33]
+    cfg = DrafterConfig.from_dict(d)
+    assert cfg.target_layer_ids == [1, 9, 17, 25, 33]
+    assert cfg.layer_ids_origin == LAYER_IDS_FALLBACK and "half to even" in cfg.layer_ids_origin
+    assert DrafterConfig.from_dict(ZLAB_QWEN3_8B).layer_ids_origin == "config"
+
+
+def _published_layer_ids(L: int, n: int) -> list[int]:
+    """z-lab `build_target_layer_ids` (round(1 + i*(L-4)/(n-1)), Python round = half to even),
+    written again in integer arithmetic: no float, no `round`, so it is a second opinion."""
+    if n == 1:
+        return [L // 2]
+    d = n - 1
+    out = []
+    for i in range(n):
+        q, r = divmod(d + i * (L - 4), d)  # 1 + i*(L-4)/d == q + r/d, 0 <= r < d
+        if 2 * r > d or (2 * r == d and q % 2 == 1):
+            q += 1
+        out.append(q)
+    return out
+
+
+def test_layer_formula_matches_published_on_every_pair():
+    """All (target layers 1..128, features 1..8): the published value where it is usable,
+    a clear error where the published formula would give duplicate or out-of-range layers."""
+    differs_from_half_up = 0
+    for L in range(1, 129):
+        for n in range(1, 9):
+            want = _published_layer_ids(L, n)
+            if len(set(want)) == n and all(0 <= i < L for i in want):
+                assert default_target_layer_ids(L, n) == want, (L, n)
+                half_up = [1 + (2 * i * (L - 4) + n - 1) // (2 * (n - 1)) for i in range(n)] if n > 1 else want
+                differs_from_half_up += want != half_up
+            else:
+                with pytest.raises(ConfigError, match="too shallow"):
+                    default_target_layer_ids(L, n)
+    assert differs_from_half_up == 131  # the pairs where rounding halves up would read another layer
+
+
+@pytest.mark.parametrize("L, n, ids", [(94, 5, [1, 24, 46, 68, 91]), (10, 5, [1, 2, 4, 6, 7]),
+                                       (3, 2, [1, 0]), (36, 5, [1, 9, 17, 25, 33])])
+def test_layer_formula_half_to_even_examples(L, n, ids):
+    assert default_target_layer_ids(L, n) == ids
+    d = dict(ZLAB_QWEN3_8B, num_target_layers=L, num_hidden_layers=n, dflash_config={"mask_token_id": 5})
+    assert DrafterConfig.from_dict(d).target_layer_ids == ids
 
 
 def test_block_size_inside_dflash_config_and_target_depth_from_the_target():

@@ -119,3 +119,29 @@ def test_replay_on_wrapped_linear_attention_target(tmp_path):
         full = speculative_generate(target, drafter, p, 24, use_cache=False)
         assert inc.accept_lengths == full.accept_lengths and inc.tokens == full.tokens
     assert res.speedup["estimated"] is not None  # measured with the rollback the loop does
+
+
+def test_counting_published_replay_equals_the_published_loop(fitted, tmp_path):
+    """counting="published": the replay equals `speculative_generate(counting="published")` step by
+    step, including the two places the rules differ (steps summing to N - 1, an eos first token)."""
+    target, drafter, ckpt, prompts = fitted
+    eos = speculative_generate(target, drafter, prompts[1], 1).tokens[0]  # prompt 1 answers eos at once
+    first = speculative_generate(target, drafter, prompts[0], 40, eos_token_id=eos)
+    assert eos not in first.tokens and len(first.accept_lengths) >= 3
+    N = 1 + sum(first.accept_lengths[:2])  # prompt 0: two steps commit exactly N tokens
+    suite = _suite(prompts, N)
+    ev = Evaluator(target, tmp_path / "cache")
+    opts = {"eos_token_id": eos, "tree_budget": 4, "measure_speed": False, "validate": True}
+    ours = ev.evaluate(ckpt, suite, options=opts)
+    pub = ev.evaluate(ckpt, suite, options={**opts, "counting": "published"})
+    assert pub.validation["ok"], pub.validation["mismatched_prompts"]
+    assert ours.validation["ok"], ours.validation["mismatched_prompts"]
+    assert pub.validation["steps_checked"] == pub.tau["num_steps"]
+    assert (ours.settings["counting"], pub.settings["counting"]) == ("response", "published")
+    assert ours.prompts[0].accept_lengths == first.accept_lengths[:2]
+    assert pub.prompts[0].accept_lengths[:2] == first.accept_lengths[:2] and len(pub.prompts[0].accept_lengths) == 3
+    assert ours.prompts[1].accept_lengths == [] and len(pub.prompts[1].accept_lengths) == 1
+    assert "EMPTY_REFERENCE" in ours.diagnostic_codes() and "EMPTY_REFERENCE" not in pub.diagnostic_codes()
+    assert ours.prompts[1].tree_tau is None and pub.prompts[1].tree_tau is not None  # tree walk: same rule
+    with pytest.raises(ValueError, match="counting"):
+        ev.evaluate(ckpt, suite, options={"counting": "mine"})

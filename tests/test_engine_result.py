@@ -114,3 +114,21 @@ def test_dtype_and_last_layer_diagnostics(tmp_path, ev):
     res = ev.evaluate(tmp_path / "d", SUITE, options={"measure_speed": False, "num_prompts": 1})
     codes = res.diagnostic_codes()
     assert "DTYPE_MISMATCH" in codes and "LAST_LAYER_AS_FEATURE" in codes
+
+
+def test_layer_formula_fallback_is_named_in_the_result(tmp_path, ev):
+    """A config.json without target_layer_ids: the result says the layers came from the published formula."""
+    d = drafter_for(TARGET, block_size=4, layers=2, features=2)
+    save_drafter(d, tmp_path / "d")
+    cfg_path = tmp_path / "d" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["dflash_config"]["target_layer_ids"]
+    cfg_path.write_text(json.dumps(cfg))
+    opts = {"measure_speed": False, "num_prompts": 1, "tree_budget": 0}
+    res = ev.evaluate(tmp_path / "d", SUITE, options=opts)
+    assert res.settings["layer_ids"] == [1, 3] and "build_target_layer_ids" in res.settings["layer_ids_origin"]
+    note = [x for x in res.diagnostics if x.code == "LAYER_IDS_FROM_FALLBACK"]
+    assert note and "half to even" in note[0].message and note[0].severity == "info"
+    save_drafter(d, tmp_path / "explicit")
+    plain = ev.evaluate(tmp_path / "explicit", SUITE, options=opts)
+    assert plain.settings["layer_ids_origin"] == "config" and "LAYER_IDS_FROM_FALLBACK" not in plain.diagnostic_codes()

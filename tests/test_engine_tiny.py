@@ -95,3 +95,8 @@ def test_cli_run_end_to_end(tiny_target_path, tiny, tmp_path, capsys):
     assert d["baseline"]["delta_tau"] == 0
     assert main(argv) == 0  # second run: warm cache
     assert json.loads(out.read_text())["cache"] == {"references": "hit", "features": "hit", "notes": []}
+    capsys.readouterr()
+    assert main(argv + ["--counting", "published"]) == 0  # the counting rule: recorded, caches still serve
+    d = json.loads(out.read_text())
+    assert d["settings"]["counting"] == "published" and "counting=published" in capsys.readouterr().out
+    assert d["cache"]["references"] == "hit"

@@ -55,6 +55,65 @@ def test_walk_reproduces_the_loop_control_flow(case):
     assert ends[-1:] == ([len(tokens)] if len(tokens) > 1 else [])
 
 
+def dflash_generate_like(ext, drafts, max_new, eos):
+    """z-lab `dflash_generate`'s control flow on plain lists: an output buffer, `while start <
+    max_length`, the stop-token check after each step, then cut to min(start+1, max_length)
+    and to the first stop token. posterior[i] = ext[start+i+1] holds along the accepted prefix."""
+    B = len(drafts[0]) + 1
+    out = [None] * (max_new + B + 1)
+    out[0], start, accepts = ext[0], 0, []
+    while start < max_new:
+        block = [out[start]] + list(drafts[start])
+        posterior = [ext[i] if i < len(ext) else None for i in range(start + 1, start + B + 1)]
+        a = 0
+        while a < B - 1 and block[a + 1] == posterior[a]:
+            a += 1
+        out[start:start + a + 1] = block[:a + 1]
+        out[start + a + 1] = posterior[a]
+        start += a + 1
+        accepts.append(a + 1)
+        if eos is not None and eos in out[:start + 1]:
+            break
+    gen = out[:min(start + 1, max_new)]
+    if eos is not None and eos in gen:
+        gen = gen[:gen.index(eos) + 1]
+    return accepts, gen
+
+
+@settings(max_examples=300, deadline=None)
+@given(reference_case(), st.booleans())
+def test_counting_published_walk_reproduces_dflash_generate(case, eos_first):
+    B, max_new, eos, tokens, ext, drafts = case
+    if eos_first and eos is not None:  # the first generated token is the stop token
+        tokens, ext, drafts = [eos], [eos] + ext[1:B], drafts[:1]
+    expected, committed = dflash_generate_like(ext, drafts, max_new, eos)
+    assert committed == tokens  # same tokens as the response rule; only the steps counted differ
+    arr = np.array(drafts).reshape(len(tokens), B - 1)
+    sc = score_prompt("x", ext, len(tokens), AnchorDrafts(np.arange(len(tokens)), arr), B, counting="published",
+                      ends_with_stop=eos is not None and tokens[-1] == eos)
+    assert sc.online.accept_lengths == expected
+    ours = score_prompt("x", ext, len(tokens), AnchorDrafts(np.arange(len(tokens)), arr), B).online.accept_lengths
+    # the published loop adds at most one step: past an eos first token, or when the steps sum to N - 1
+    extra = expected[len(ours):]
+    assert expected[:len(ours)] == ours and len(extra) <= 1
+    ends_by_length = len(tokens) == max_new and tokens[-1] != eos
+    assert bool(extra) == (tokens == [eos] or (ends_by_length and sum(ours) == max_new - 1))
+    assert all(b - a >= 0 for a, b in sc.online.spans) and sc.online.spans[len(ours):] in ([], [(len(tokens),) * 2])
+
+
+def test_counting_rules_on_a_worked_example():
+    """N = 6: steps 2 + 3 commit 1 + 5 = 6 tokens; the published loop drafts once more."""
+    streaks = {0: 1, 2: 2, 5: 3}
+    walk = lambda counting, **kw: metrics.online_walk(streaks.get, 6, counting=counting, **kw).accept_lengths  # noqa: E731
+    assert walk("response") == [2, 3]
+    assert walk("published") == [2, 3, 4]
+    assert walk("published", ends_with_stop=True) == [2, 3]  # the 6th token was eos: stop checked first
+    assert metrics.online_walk(lambda s: 0, 1).accept_lengths == []  # eos first: no step to count ...
+    assert metrics.online_walk(lambda s: 0, 1, counting="published", ends_with_stop=True).accept_lengths == [1]
+    with pytest.raises(ValueError, match="counting"):
+        metrics.online_walk(lambda s: 0, 4, counting="mine")
+
+
 def test_leading_true_and_matches():
     m = metrics.matches(np.array([[5, 6, 9], [8, 9, 9]]), [4, 5, 6, 7, 8], [0, 3])
     assert m.tolist() == [[True, True, False], [True, False, False]]  # past the end counts as a miss

@@ -85,3 +85,31 @@ def test_eos_stops_generation():
     eos = ref[10]
     res = speculative_generate(target, drafter, [1, 2, 3], 30, eos_token_id=eos)
     assert res.tokens == ref[: ref.index(eos) + 1]
+
+
+def test_counting_published_drafts_once_more_when_steps_sum_to_n_minus_1():
+    """Every draft right, B = 8, N = 33: 1 + 4 * 8 tokens fill N exactly; z-lab's loop
+    (`while start < prompt + N`) still runs a fifth step whose tokens are all cut off."""
+    target = qwen3_target()
+    drafter = drafter_for(target, block_size=8)
+    with torch.no_grad():
+        target.parts.final_norm.weight.zero_()
+        drafter.norm.weight.zero_()
+    ours = speculative_generate(target, drafter, [1, 2, 3], 33)
+    published = speculative_generate(target, drafter, [1, 2, 3], 33, counting="published")
+    assert ours.accept_lengths == [8, 8, 8, 8]
+    assert published.accept_lengths == [8, 8, 8, 8, 8] and published.tokens == ours.tokens == [0] * 33
+    # one token fewer to go (N = 34): both loops need the fifth step and agree
+    assert speculative_generate(target, drafter, [1, 2, 3], 34, counting="published").accept_lengths == [8] * 5
+    with pytest.raises(ValueError, match="counting"):
+        speculative_generate(target, drafter, [1, 2, 3], 33, counting="exact")
+
+
+def test_counting_published_drafts_once_after_an_eos_first_token():
+    target = qwen3_target()
+    drafter = drafter_for(target)
+    eos = greedy_generate(target, [1, 2, 3], 1)[0]  # the prefill's token is the stop token
+    ours = speculative_generate(target, drafter, [1, 2, 3], 30, eos_token_id=eos)
+    published = speculative_generate(target, drafter, [1, 2, 3], 30, eos_token_id=eos, counting="published")
+    assert ours.tokens == published.tokens == [eos]
+    assert ours.accept_lengths == [] and len(published.accept_lengths) == 1

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="refuse checkpoints outside these roots (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--tree-budget", type=int, default=None)
+    parser.add_argument("--counting", choices=["response", "published"], default=None,
+                        help="step-counting rule of the online walk (default: the engine's, response)")
     parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="extra evaluator option (JSON value), repeatable")
     parser.add_argument("--wandb-project", default=None)
@@ -59,6 +61,8 @@ def main(args: argparse.Namespace) -> int:
         options["max_new_tokens"] = args.max_new_tokens
     if args.tree_budget is not None:
         options["tree_budget"] = args.tree_budget
+    if args.counting is not None:
+        options["counting"] = args.counting
     wandb = None
     if args.wandb_project or args.wandb_entity or args.wandb_mode:
         wandb = {"project": args.wandb_project or "dflash-eval", "entity": args.wandb_entity,

@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-blocks", type=int, help="at most N blocks (verify steps) per prompt")
     p.add_argument("--mode", choices=["online", "stride"], default="online",
                    help="online: replay real greedy decoding (default); stride: fixed blocks every B tokens")
+    p.add_argument("--counting", choices=["response", "published"], default="response",
+                   help="when the online walk stops: response (default: once the response is committed) or "
+                        "published (z-lab dflash_generate's loop: one more step at N-1, one after an eos first "
+                        "token); see docs/design.md")
     p.add_argument("--tree-budget", type=int, default=8, help="DDTree node budget (0: off)")
     p.add_argument("--tree-spine", action="store_true", help="always keep the top-1 chain in the tree")
     p.add_argument("--validate", action="store_true", help="also run the real draft-verify loop and compare")
@@ -66,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     options = {"tree_budget": args.tree_budget, "tree_spine": args.tree_spine, "mode": args.mode,
+               "counting": args.counting,
                "validate": args.validate, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
                "max_blocks": args.max_blocks, "draft_verify_cost_ratio": args.cost_ratio}
     if args.no_chat_template:
@@ -109,7 +114,7 @@ def format_table(r: dict) -> str:
         f"target      {r['target']['path']}  ({r['target']['num_layers']} layers, {r['target']['dtype']}, "
         f"fp {r['target']['fingerprint'][:12]})",
         f"suite       {r['suite']['name']}-v{r['suite']['version']}  ({r['suite']['num_prompts']} prompts, "
-        f"fp {r['suite']['fingerprint'][:8]})  mode={s['mode']}  B={s['block_size']}  max_new={s['max_new_tokens']}",
+        f"fp {r['suite']['fingerprint'][:8]})  mode={s['mode']}  counting={s.get('counting', 'response')}  B={s['block_size']}  max_new={s['max_new_tokens']}",
         "",
         f"τ (macro)   {_f(tau['macro'])}   95% CI [{_f(ci[0])}, {_f(ci[1])}]   pooled {_f(tau['pooled'])} "
         f"over {tau['num_steps']} verify steps",
