@@ -92,7 +92,8 @@ def test_layer_formula_matches_published_on_every_pair():
                                        (3, 2, [1, 0]), (36, 5, [1, 9, 17, 25, 33])])
 def test_layer_formula_half_to_even_examples(L, n, ids):
     assert default_target_layer_ids(L, n) == ids
-    d = dict(ZLAB_QWEN3_8B, num_target_layers=L, num_hidden_layers=n, dflash_config={"mask_token_id": 5})
+    d = dict(ZLAB_QWEN3_8B, num_target_layers=L, num_hidden_layers=n, layer_types=["full_attention"] * n,
+             dflash_config={"mask_token_id": 5})
     assert DrafterConfig.from_dict(d).target_layer_ids == ids
 
 
