@@ -79,6 +79,9 @@ class EvalOptions(BaseModel):
     anchors_per_chunk: int | None = _int(1, 1 << 24)
     head_rows: int | None = _int(1, 1 << 24)               # default: eval_worker.drafting's
     backend: Literal["auto", "flex", "sdpa"] = "auto"
+    # a server reference that is not the target's own greedy output: "fail" the job (nothing is
+    # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
+    reference_mismatch: Literal["fail", "measure"] = "fail"
 
     @field_validator("counting")
     @classmethod
