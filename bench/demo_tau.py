@@ -26,7 +26,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from dflash_train.checkpoint import list_checkpoints, load_drafter, read_manifest  # noqa: E402
+from dflash_train.checkpoint import load_drafter  # noqa: E402
+from dflash_train.publication import list_checkpoints, read_manifest  # noqa: E402
 from dflash_train.data import encode_record, stdlib_code_prompts, stdlib_instruct_prompts  # noqa: E402
 from dflash_train.model import DFlashDrafter  # noqa: E402
 from dflash_train.speculative import speculative_generate  # noqa: E402

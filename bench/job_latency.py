@@ -60,7 +60,8 @@ def main():
         tmp = Path(tmp_s)
         conn = connect(redis.url)
         root = tmp / "ckpts"
-        suite = write_suite(tmp / "suite.jsonl", n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+        root.mkdir()
+        suite = write_suite(root / "suite.jsonl", n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
         seeds = iter(range(1, 10_000))
 
         def new_job(suite_path=None):
@@ -95,7 +96,7 @@ def main():
                 print(f"warm job {i + 1}: {warm[-1]:.2f} s", flush=True)
             fresh = []
             for i in range(args.jobs):
-                other = write_suite(tmp / f"suite{i}.jsonl", n_prompts=args.prompts,
+                other = write_suite(root / f"suite{i}.jsonl", n_prompts=args.prompts,
                                     max_new_tokens=args.max_new_tokens + 1 + i)  # a suite it has not seen
                 out = enqueue(conn, new_job(other))
                 t0 = time.perf_counter()

@@ -1050,7 +1050,7 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
 def _republish(directory: Path, mutate: Callable[[Path], None]) -> None:
     """Change a published checkpoint's files, then rewrite COMPLETE.json to match them: a
     checkpoint that was broken *before* publication (its digests are consistent)."""
-    from dflash_train.checkpoint import sha256_file
+    from dflash_train.publication import sha256_file
 
     mutate(directory)
     marker = directory / "COMPLETE.json"
@@ -1252,7 +1252,8 @@ def trainer_main(argv: list[str]) -> int:
     protection), with no training in between, so that a kill lands inside a checkpoint write."""
     import torch
 
-    from dflash_train.checkpoint import AsyncPublisher, apply_retention, cleanup_incomplete, list_checkpoints
+    from dflash_train.checkpoint import AsyncPublisher
+    from dflash_train.publication import apply_retention, cleanup_incomplete, list_checkpoints
     from dflash_train.model import DFlashDrafter
     from hooks import EvalOnCheckpoint
 
@@ -1944,7 +1945,7 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
     `dflash-eval status` stays short."""
     import io
 
-    from dflash_train.checkpoint import is_pinned
+    from dflash_train.publication import is_pinned
     from eval_worker.cli import main as cli
     from eval_worker.jobs import JobError
     from eval_worker.queue import enqueue, failure_reason, fetch_job
@@ -2001,7 +2002,7 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
     """Every file the system writes, made under umask 000 (the trainer, the hook, the worker and
     the embedded Redis all under it): modes as documented, not as the umask says."""
     from eval_worker.jobs import JobError, make_job
-    from eval_worker.queue import QueueConfig, refused_for_the_job, requeue_failed
+    from eval_worker.queue import QueueConfig, requeue_failed
     from hooks.outbox import Outbox
 
     t0 = time.monotonic()
@@ -2015,7 +2016,7 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
 
             def refuse(job):
                 raise JobError("set aside for the mode check")
-            box.deliver(refuse, is_invalid=refused_for_the_job)  # a job set aside: rejected/ and its reason
+            box.deliver(refuse)  # a job set aside: rejected/ and its reason
             blocker = _failing_write_results(s.results, "modes-spool")
             ids = [s.enqueue(ck), s.enqueue(publish(s.root, s.target, 2, run="modes-spool", cfg=s.cfg),
                                             config=QueueConfig(retry_max=0))]

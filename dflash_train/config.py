@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import DFlashError
 
-class ConfigError(ValueError):
+
+class ConfigError(DFlashError, ValueError):
     """A drafter config that cannot describe a usable drafter."""
 
 

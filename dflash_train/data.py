@@ -27,6 +27,7 @@ from typing import Iterator
 
 import torch
 
+from .errors import DFlashError
 from .fsutil import atomic_write_text
 
 BUILTIN_STDLIB = "builtin:stdlib-code"
@@ -35,7 +36,7 @@ BUILTIN_MIX = "builtin:stdlib-mix"
 BUILTIN_SOURCES = (BUILTIN_STDLIB, BUILTIN_INSTRUCT, BUILTIN_MIX)
 
 
-class DataError(ValueError):
+class DataError(DFlashError, ValueError):
     """Unusable training data; the message names the file and line."""
 
 

@@ -26,6 +26,7 @@ from typing import Iterable
 import torch
 import xxhash
 
+from .errors import DFlashError
 from .fsutil import atomic_write_json
 
 ALGO = "xxh3_128"
@@ -38,8 +39,10 @@ _IGNORED_PREFIXES = ("readme", "license", "notice")
 _IGNORED_SUFFIXES = (".md",)
 
 
-class FingerprintError(RuntimeError):
+class FingerprintError(DFlashError, RuntimeError):
     """A target whose identity cannot be established (files changing, tensors without data)."""
+
+    retryable = True  # a file that was being written when the worker read it
 
 
 def digest_home() -> Path:

@@ -209,9 +209,18 @@ class DFlashDrafter(nn.Module):
         return self(embed_tokens(block_ids), layout.block_positions(), context_features, ctx_pos, masks)
 
 
+def mask_blocks(first: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """`[..., B]` ids: one block `[first, MASK x (B-1)]` per anchor token in `first` (any shape).
+
+    The one place a draft block is built: training, the engine, the reference loop and the
+    speed estimate all draft from it.
+    """
+    ids = torch.full((*first.shape, block_size), mask_token_id, dtype=first.dtype, device=first.device)
+    ids[..., 0] = first
+    return ids
+
+
 def block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
     """`[batch, N*B]` ids: each block is `[token at anchor, MASK x (B-1)]`."""
     first = torch.gather(input_ids, 1, anchors.clamp(0, input_ids.shape[1] - 1))
-    ids = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
-    ids[..., 0] = first
-    return ids.reshape(anchors.shape[0], -1)
+    return mask_blocks(first, block_size, mask_token_id).reshape(anchors.shape[0], -1)

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import DFlashDrafter, DraftCache
+from .model import DFlashDrafter, DraftCache, mask_blocks
 from .target import Target, VerifyCache
+from .tau import check_counting, tau
 
 
 @dataclass
@@ -37,8 +38,8 @@ class SpecResult:
     accept_lengths: list[int] = field(default_factory=list)  # per verify step, bonus included
 
     @property
-    def tau(self) -> float:
-        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+    def tau(self) -> float | None:
+        return tau(self.accept_lengths)
 
 
 @torch.no_grad()
@@ -63,8 +64,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
                          counting: str = "response") -> SpecResult:
     """`use_cache=False` re-runs the target over the whole sequence at every verify step
     (the slow path the tests hold the cached one equal to)."""
-    if counting not in ("response", "published"):
-        raise ValueError(f"counting must be 'response' or 'published', got {counting!r}")
+    check_counting(counting)
     cfg = drafter.config
     B, layer_ids = cfg.block_size, cfg.target_layer_ids
     dev = target.device
@@ -85,8 +85,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
 
     while _more_steps(result, max_new_tokens, eos_token_id, counting):
         start = len(seq) - 1
-        block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block[0, 0] = seq[start]
+        block = mask_blocks(torch.tensor([seq[start]], device=dev), B, cfg.mask_token_id)
         positions = torch.arange(start, start + B, device=dev)[None]
         ctx_pos = torch.arange(dcache.length, start, device=dev)[None]
         hidden = drafter(embed(block).to(ddtype), positions, ctx_feats, ctx_pos, mask=None, cache=dcache)

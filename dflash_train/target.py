@@ -19,10 +19,11 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from .config import DrafterConfig
+from .errors import DFlashError
 from .fingerprint import FileDigests, FingerprintError, directory_state, tensor_digest
 
 
-class TargetError(ValueError):
+class TargetError(DFlashError, ValueError):
     """A target that cannot be used (not found, unknown layout, drafter mismatch)."""
 
 

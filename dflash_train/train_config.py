@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import DFlashError
+from .publication import RUN_ID_RULE, valid_run_id
+
 BUNDLED_TARGET = "builtin:tiny-target"
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(DFlashError, ValueError):
     pass
 
 
@@ -102,6 +105,9 @@ class TrainConfig:
             problems.append("autocast must be auto, bf16 or off")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
             problems.append("warmup_ratio must be in [0, 1) and min_lr_ratio in [0, 1]")
+        if self.run_id is not None and not valid_run_id(self.run_id):
+            # checked here, not at the first publication: every eval job of the run would be refused
+            problems.append(f"run_id {self.run_id!r} must be {RUN_ID_RULE}")
         if problems:
             raise TrainConfigError("invalid train config: " + "; ".join(problems))
 

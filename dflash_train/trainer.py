@@ -29,8 +29,8 @@ from torch import nn
 from . import distributed as dist_util
 from .anchors import block_labels, sample_anchors
 from .callbacks import CallbackList
-from .checkpoint import (MARKER_NAME, AsyncPublisher, apply_retention, cleanup_incomplete, list_checkpoints,
-                         load_drafter, step_dir_name)
+from .checkpoint import AsyncPublisher, load_drafter
+from .publication import MARKER_NAME, apply_retention, cleanup_incomplete, list_checkpoints, step_dir_name
 from .config import ConfigError, DrafterConfig
 from .data import Batch, BatchPlan, Example, build_examples
 from .hidden_queue import HiddenStateQueue, Slot

@@ -24,6 +24,7 @@ import torch
 from dflash_train.model import DFlashDrafter
 from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
+from dflash_train.tau import tau
 
 from . import metrics
 from .cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
@@ -31,7 +32,7 @@ from .checkpoint_source import CheckpointInfo, open_drafter
 from .diagnostics import Facts, diagnose
 from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
 from .options import EvalOptions
-from .references import LocalReferences, Reference, ReferenceError
+from .references import LocalReferences, Reference, ReferenceSourceError
 from .result import EvalResult, PromptResult
 from .scoring import PromptScore, Summary, score_prompt, summarize
 from .speed import measure_step_costs
@@ -76,14 +77,16 @@ class Evaluator:
     # --- public -----------------------------------------------------------------------
     def evaluate(self, checkpoint_dir: str | Path, suite: Suite | str = "builtin:coding-v1",
                  baseline: str | Path | None = None, train_metrics: dict | None = None,
-                 options: dict | EvalOptions | None = None) -> EvalResult:
+                 options: dict | EvalOptions | None = None, verified: dict | None = None) -> EvalResult:
+        """Evaluate one drafter directory. `verified`: manifests of published checkpoints the
+        caller has just verified, keyed by real path (the worker's; they are not hashed again)."""
         opts = options if isinstance(options, EvalOptions) else EvalOptions.from_dict(options)
         timings: dict[str, float] = {}
         report = CacheReport()
         t_start = time.perf_counter()
         with _timer(timings, "load"):
-            drafter, info = open_drafter(checkpoint_dir, self.target)
-            base = open_drafter(baseline, self.target) if baseline is not None else None
+            drafter, info = open_drafter(checkpoint_dir, self.target, verified=verified)
+            base = open_drafter(baseline, self.target, verified=verified) if baseline is not None else None
             suite = load_suite(suite) if isinstance(suite, (str, Path)) else suite
             suite = suite.head(opts.num_prompts)
             prompts = self._encode(suite, opts, [drafter] + ([base[0]] if base else []))
@@ -99,7 +102,7 @@ class Evaluator:
         written: list[tuple[str, str]] = []
         try:
             main = self._run(drafter, refs, suite, opts, report, timings, check=check, written=written)
-        except ReferenceError:
+        except ReferenceSourceError:
             for kind, slot in written:  # a failed job leaves nothing behind
                 self.disk.remove(kind, slot)
             raise
@@ -189,7 +192,7 @@ class Evaluator:
             if ref is None:
                 ref = src.generate(p.name, p.ids, max_new, eos, lookahead)
                 if not ref.tokens:
-                    raise ReferenceError(f"reference for {p.name!r} is empty")
+                    raise ReferenceSourceError(f"reference for {p.name!r} is empty")
                 pending.append((slot, key, ref))
             report.record("references", look, p.name)
             refs.append(ref)
@@ -199,7 +202,7 @@ class Evaluator:
                   check: bool = False, written: list | None = None) -> dict:
         """Target features over prompt + response (and the target's argmax there), cached.
 
-        With `check`, a reference that differs from that argmax raises ReferenceError
+        With `check`, a reference that differs from that argmax raises ReferenceSourceError
         before anything is cached for it."""
         ids = ref.prompt_ids + ref.tokens
         slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids})
@@ -236,7 +239,7 @@ class Evaluator:
         first = _first_divergence(greedy.tolist(), ref.ext)
         if first is None:
             return
-        raise ReferenceError(
+        raise ReferenceSourceError(
             f"the reference for prompt {ref.name!r} from {ref.source} is not the target's greedy output: at response "
             f"token {first} it has id {ref.ext[first]}, the target's argmax is {int(greedy[first])}; nothing was "
             "measured or cached. Usual causes: the server re-tokenizes text, serves another checkpoint or dtype, or "
@@ -316,7 +319,7 @@ class Evaluator:
         decode = self._decoder()
         base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
         prompts, divergence, empty = [], {}, []
-        for ref, sc, tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus):
+        for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus):
             walk_spans = sc.online.spans if opts.mode == "online" else [
                 (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride)]
             text, spans = _char_spans(decode, ref.tokens, walk_spans)
@@ -327,9 +330,9 @@ class Evaluator:
                 empty.append(ref.name)
             tree_acc = sc.tree_accepts(opts.mode)
             prompts.append(PromptResult(
-                name=ref.name, tau=tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
+                name=ref.name, tau=prompt_tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
                 reference_text=text, accepted_spans=spans, num_tokens=len(ref.tokens), finish=ref.finish,
-                tree_tau=float(np.mean(tree_acc)) if tree_acc else None,
+                tree_tau=tau(tree_acc),
                 mean_streak=float(sc.streaks.mean()) if sc.num_tokens else None,
                 reference_agrees_with_target=first is None))
         baseline = None

@@ -1,8 +1,9 @@
 """Open the drafter to evaluate: a published checkpoint (with COMPLETE.json) or a plain drafter directory.
 
-Published checkpoints are digest-verified against their manifest; a plain directory
-(config.json + model.safetensors, e.g. a z-lab release) gets the sha256 of its weights.
-A half-written publication is refused, never evaluated.
+Published checkpoints are digest-verified against their manifest (unless the caller has
+just verified them: the worker hashes a job's files once); a plain directory (config.json +
+model.safetensors, e.g. a z-lab release) gets the sha256 of its weights. A half-written
+publication is refused, never evaluated.
 """
 from __future__ import annotations
 
@@ -13,16 +14,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.checkpoint import (
-    INDEX_NAME,
-    MARKER_NAME,
-    WEIGHTS_NAME,
-    CheckpointError,
-    checkpoint_step,
-    load_drafter,
-    sha256_file,
-    verify_checkpoint,
-)
+from dflash_train.checkpoint import load_drafter
+from dflash_train.publication import (INDEX_NAME, MARKER_NAME, WEIGHTS_NAME, CheckpointError, checkpoint_step,
+                                      sha256_file, verify_checkpoint)
 from dflash_train.config import ConfigError, DrafterConfig
 from dflash_train.model import DFlashDrafter
 from dflash_train.target import Target
@@ -41,8 +35,12 @@ class CheckpointInfo:
         return {"path": self.path, "digest": self.digest, "run_id": self.run_id, "step": self.step}
 
 
-def identify(path: str | Path) -> CheckpointInfo:
-    """Digest and provenance of a drafter directory, refusing partial publications."""
+def identify(path: str | Path, verified: dict | None = None) -> CheckpointInfo:
+    """Digest and provenance of a drafter directory, refusing partial publications.
+
+    `verified`: manifests the caller has just verified (`publication.verify_checkpoint`),
+    keyed by real path; such a checkpoint is not hashed again.
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist")
@@ -52,7 +50,7 @@ def identify(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{p} is a temporary publish directory (still being written or abandoned)")
     p = p.resolve()
     if (p / MARKER_NAME).exists():
-        m = verify_checkpoint(p)
+        m = (verified or {}).get(str(p)) or verify_checkpoint(p)
         return CheckpointInfo(str(p), m["digest"], m.get("run_id"), m.get("step"), True, dict(m.get("train_metrics") or {}))
     if checkpoint_step(p) is not None:
         raise CheckpointError(f"{p} is a step directory without {MARKER_NAME}: a partial or abandoned publication")
@@ -74,9 +72,10 @@ def identify(path: str | Path) -> CheckpointInfo:
     raise CheckpointError(f"{p} is not a drafter directory: missing {', '.join(missing) or WEIGHTS_NAME}")
 
 
-def open_drafter(path: str | Path, target: Target, dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, CheckpointInfo]:
+def open_drafter(path: str | Path, target: Target, dtype: torch.dtype | None = None,
+                 verified: dict | None = None) -> tuple[DFlashDrafter, CheckpointInfo]:
     """Identify, load (names/shapes checked) and fit-check a drafter against the target."""
-    info = identify(path)
+    info = identify(path, verified)
     drafter = load_drafter(info.path, device=target.device, dtype=dtype).eval()
     drafter.config.bind_target(target.num_layers)  # a published config may leave depth and layer ids to the target
     target.check_drafter(drafter.config)

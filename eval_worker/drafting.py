@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_train.model import DFlashDrafter
+from dflash_train.model import DFlashDrafter, mask_blocks
 
 DEFAULT_QUERY_BUDGET = 2048  # block slots per drafter pass
 DEFAULT_HEAD_ROWS = 1024  # rows per LM-head chunk ([rows, vocab] is the largest temporary)
@@ -161,8 +161,7 @@ def draft_one_block(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, i
     cfg = drafter.config
     B = cfg.block_size
     dev = next(drafter.parameters()).device
-    block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
-    block[0, 0] = input_ids[anchor]
+    block = mask_blocks(input_ids[anchor:anchor + 1].to(dev), B, cfg.mask_token_id)
     pos = torch.arange(anchor, anchor + B, device=dev)[None]
     ctx = features[:anchor].to(dev)[None]
     hidden = drafter(embed(block).to(drafter.fc.weight.dtype), pos, ctx, torch.arange(anchor, device=dev)[None])

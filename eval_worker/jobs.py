@@ -28,30 +28,25 @@ from typing import Annotated, Any, Iterable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from dflash_train.errors import DFlashError
+from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, read_manifest,
+                                      valid_run_id, verify_checkpoint, within)
+
 from .options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
+from .suite import load_suite
 
 SCHEMA = "dflash-eval-job/1"
-CHECKPOINT_FORMAT = "dflash-checkpoint/1"
-MARKER_NAME = "COMPLETE.json"
 ROOTS_ENV = "DFLASH_CHECKPOINT_ROOTS"
 TARGET_ROOTS_ENV = "DFLASH_TARGET_ROOTS"
 SUITE_ROOTS_ENV = "DFLASH_SUITE_ROOTS"
 
 PRIORITIES = ("high", "default", "low")
 REQUESTERS = ("hook", "user", "requeue")
-REQUIRED = ("schema", "run_id", "step", "checkpoint", "checkpoint_digest", "suite")
-DEFAULTS: dict[str, Any] = {
-    "target": None, "baseline": None, "wandb": None, "requested_by": "user", "priority": "default",
-    "attempt": 0, "train_metrics": None, "options": None,
-}
-FIELDS = set(REQUIRED) | set(DEFAULTS)
-WANDB_FIELDS = {"project", "group", "entity", "mode", "name", "tags"}
 
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-_BUILTIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class JobError(ValueError):
+class JobError(DFlashError, ValueError):
     """A job that cannot be enqueued or run; the message is the reason."""
 
 
@@ -80,6 +75,12 @@ def _abs_path(value: str) -> str:
 _AbsPath = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH), AfterValidator(_abs_path)]
 
 
+def _run_id(value: str) -> str:
+    if not valid_run_id(value):
+        raise ValueError(RUN_ID_RULE)
+    return value
+
+
 class WandbSettings(BaseModel):
     """The job's `wandb` object (the worker's WANDB_MODE wins over `mode`)."""
 
@@ -99,7 +100,7 @@ class JobPayload(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     schema_: Literal["dflash-eval-job/1"] = Field(alias="schema")
-    run_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+    run_id: Annotated[str, StringConstraints(pattern=rf"^{RUN_ID_PATTERN}$"), AfterValidator(_run_id)]
     step: int = Field(ge=0, le=(1 << 53))
     checkpoint: _AbsPath
     checkpoint_digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
@@ -107,16 +108,22 @@ class JobPayload(BaseModel):
     suite: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH, pattern=r"\S")]
     baseline: _AbsPath | None = None
     wandb: WandbSettings | None = None
-    requested_by: Literal["hook", "user", "requeue"] = "user"
-    priority: Literal["high", "default", "low"] = "default"
+    requested_by: Literal[REQUESTERS] = "user"  # type: ignore[valid-type]
+    priority: Literal[PRIORITIES] = "default"  # type: ignore[valid-type]
     attempt: int = Field(0, ge=0, le=1_000_000)
     train_metrics: dict[_Name, _FiniteNumber] | None = Field(None, max_length=MAX_METRICS)
     options: dict[str, Any] | None = None  # checked by EvalOptions (eval_worker.options), the engine's schema
 
 
+# Read off the schema: the fields a job may carry, those it must, the defaults of the others.
+FIELDS = {f.alias or name for name, f in JobPayload.model_fields.items()}
+REQUIRED = tuple(f.alias or name for name, f in JobPayload.model_fields.items() if f.is_required())
+DEFAULTS: dict[str, Any] = {name: f.default for name, f in JobPayload.model_fields.items() if not f.is_required()}
+WANDB_FIELDS = set(WandbSettings.model_fields)
+
 # How each top-level field is described when it is wrong (the offending value is shortened).
 _FIELD_RULES = {
-    "run_id": "run_id must be 1-128 characters of letters, digits, '.', '_' or '-' (no '..', no '/')",
+    "run_id": f"run_id must be {RUN_ID_RULE}",
     "step": "step must be a non-negative integer",
     "checkpoint": f"checkpoint must be an absolute path of at most {MAX_PATH} characters without NUL bytes",
     "target": f"target must be null or an absolute path of at most {MAX_PATH} characters without NUL bytes",
@@ -181,8 +188,6 @@ def validate_job(payload: Any) -> dict[str, Any]:
         JobPayload.model_validate(job)
     except ValidationError as e:
         problems += _problems(e, job)
-    if isinstance(job["run_id"], str) and ".." in job["run_id"] and not any(p.startswith("run_id") for p in problems):
-        problems.append(f"{_FIELD_RULES['run_id']}, got {shorten(job['run_id'])}")
     if isinstance(job["options"], dict):
         try:
             EvalOptions.from_dict(job["options"])
@@ -224,8 +229,6 @@ def suite_fingerprint(suite: str, options: dict[str, Any] | None = None, target:
     """Identity of what a job evaluates (its job id's last part): the suite's fingerprint
     (eval_worker.suite), folded with the options that change a result (EvalOptions.identity:
     non-default, not performance-only) and the job's `target` when it has either."""
-    from eval_worker.suite import load_suite  # the engine's module: names, files, fingerprints
-
     try:
         fp = load_suite(suite).fingerprint()
     except (OSError, ValueError, KeyError) as e:
@@ -267,10 +270,10 @@ def configured_roots(roots: Iterable[str | os.PathLike] | None = None, env_var: 
 def confine(path: str | os.PathLike, roots: list[Path], what: str = "checkpoint",
             how: str = f"--checkpoint-root or ${ROOTS_ENV}") -> Path:
     """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError."""
+    real = within(path, roots)
+    if real is not None:
+        return real
     real = Path(os.path.realpath(path))
-    for root in roots:
-        if real == root or root in real.parents:
-            return real
     shown = os.pathsep.join(str(r) for r in roots)
     if str(real) != os.path.abspath(path):
         raise JobError(f"{path} resolves to {real}, outside the {what} roots ({shown}); "
@@ -308,8 +311,8 @@ def check_suite(suite: str, suite_roots: list[Path] | None, checkpoint_roots: li
     """
     if isinstance(suite, str) and suite.startswith("builtin:"):
         return suite
-    if isinstance(suite, str) and _BUILTIN_NAME.match(suite) and not suite.endswith(".jsonl"):
-        return "builtin:" + suite  # never looked up relative to the worker's working directory
+    if isinstance(suite, str) and suite and "/" not in suite and "\x00" not in suite and not suite.endswith(".jsonl"):
+        return "builtin:" + suite  # a bare name: never looked up relative to the worker's working directory
     roots = suite_roots if suite_roots is not None else checkpoint_roots
     refused = JobError(f"suite {shorten(suite)} is not available on this worker: name a built-in suite "
                        "(builtin:NAME) or a suite file under the worker's suite roots "
@@ -317,104 +320,58 @@ def check_suite(suite: str, suite_roots: list[Path] | None, checkpoint_roots: li
     if (not roots or not isinstance(suite, str) or len(suite) > MAX_PATH or "\x00" in suite
             or not os.path.isabs(suite)):
         raise refused
-    real = Path(os.path.realpath(suite))
-    if not any(real == root or root in real.parents for root in roots) or not real.is_file():
+    real = within(suite, roots)
+    if real is None or not real.is_file():
         raise refused
     return str(real)
 
 
 # --------------------------------------------------------------------------- checkpoints
 
-def read_marker(checkpoint: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's COMPLETE.json (via dflash_train.checkpoint.read_manifest when present)."""
-    directory = Path(checkpoint)
-    if not directory.is_dir():
-        raise JobError(f"checkpoint {directory} does not exist or is not a directory")
-    try:
-        from dflash_train.checkpoint import read_manifest  # the trainer's reader, once it lands
-    except ImportError:
-        read_manifest = None
-    if read_manifest is not None:
-        from dflash_train.checkpoint import CheckpointError
-
-        try:
-            return read_manifest(directory)
-        except CheckpointError as e:
-            raise JobError(f"checkpoint {directory} is not published: {e}") from None
-    marker = directory / MARKER_NAME
-    if not marker.is_file():
-        raise JobError(f"checkpoint {directory} has no {MARKER_NAME} completion marker "
-                       "(not published yet, or its save was interrupted)")
-    try:
-        manifest = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise JobError(f"checkpoint {directory}: {MARKER_NAME} is unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        raise JobError(f"checkpoint {directory}: {MARKER_NAME} is not a {CHECKPOINT_FORMAT} marker")
-    return manifest
-
-
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify_files(checkpoint: Path, manifest: dict[str, Any], roots: list[Path] | None) -> None:
-    """Every file the marker lists exists (inside the roots) and has the recorded sha256."""
-    files = manifest.get("files") or {}
-    if not isinstance(files, dict) or "model.safetensors" not in files:
-        files = {"model.safetensors": manifest.get("digest"), **(files if isinstance(files, dict) else {})}
-    for name, expected in sorted(files.items()):
-        if os.sep in name or name.startswith(".."):
-            raise JobError(f"checkpoint {checkpoint}: marker lists a file outside the directory: {name!r}")
-        path = checkpoint / name
-        if roots is not None:
-            confine(path, roots)
-        if not path.is_file():
-            raise JobError(f"checkpoint {checkpoint}: {name} listed in {MARKER_NAME} is missing")
-        actual = _sha256_file(path)
-        if actual != expected:
-            raise JobError(f"checkpoint {checkpoint}: {name} digest mismatch "
-                           f"(marker {str(expected)[:12]}..., file {actual[:12]}...): modified or corrupt")
-
-
-def check_checkpoint(job: dict[str, Any], roots: list[Path] | None, *, verify_digest: bool = False) -> dict[str, Any]:
-    """Check the job's checkpoint on disk; return its marker.
+def check_checkpoint(job: dict[str, Any], roots: list[Path] | None, *,
+                     verify_digest: bool = False) -> dict[str, dict[str, Any]]:
+    """Check the job's checkpoint on disk; return the manifests read, keyed by real path.
 
     - inside `roots` after resolving symlinks (skipped when `roots` is None);
     - a directory with a valid COMPLETE.json whose digest, run and step match the job;
-    - with `verify_digest`, every listed file hashed again (the worker does this).
+    - with `verify_digest`, every listed file hashed again, each inside the roots (the
+      worker does this, once per job: the engine is handed the verified manifests).
     The same is done for `baseline` when the job names one.
     """
-    manifest = _check_one(job["checkpoint"], roots, verify_digest, "checkpoint")
+    path, manifest = _check_one(job["checkpoint"], roots, verify_digest, "checkpoint")
     digest = manifest.get("digest")
     if digest != job["checkpoint_digest"]:
         raise JobError(f"checkpoint {job['checkpoint']}: digest in {MARKER_NAME} ({str(digest)[:12]}...) "
                        f"differs from the job's ({job['checkpoint_digest'][:12]}...): "
                        "the checkpoint was replaced after the job was made")
-    if "step" in manifest and int(manifest["step"]) != int(job["step"]):
+    if int(manifest["step"]) != int(job["step"]):
         raise JobError(f"checkpoint {job['checkpoint']} is step {manifest['step']}, the job says step {job['step']}")
-    if manifest.get("run_id") not in (None, job["run_id"]):
+    if manifest["run_id"] != job["run_id"]:
         raise JobError(f"checkpoint {job['checkpoint']} belongs to run {manifest['run_id']!r}, "
                        f"the job says {job['run_id']!r}")
+    manifests = {path: manifest}
     if job.get("baseline"):
-        _check_one(job["baseline"], roots, verify_digest, "baseline")
-    return manifest
+        base_path, base = _check_one(job["baseline"], roots, verify_digest, "baseline")
+        manifests[base_path] = base
+    return manifests
 
 
-def _check_one(path: str, roots: list[Path] | None, verify_digest: bool, what: str) -> dict[str, Any]:
+def _check_one(path: str, roots: list[Path] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
     if roots is not None:
         confine(path, roots)
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        raise JobError(f"{what}: checkpoint {path} does not exist or is not a directory")
     try:
-        manifest = read_marker(path)
-    except JobError as e:
-        raise JobError(f"{what}: {e}") from None
+        manifest = read_manifest(real)
+    except CheckpointError as e:
+        raise JobError(f"{what}: checkpoint {path} is not published: {e}") from None
     if verify_digest:
-        verify_files(Path(os.path.realpath(path)), manifest, roots)
-    return manifest
+        try:
+            verify_checkpoint(real, roots)
+        except CheckpointError as e:
+            raise JobError(f"{what}: {e}") from None
+    return real, manifest
 
 
 # --------------------------------------------------------------------------- building jobs
@@ -426,12 +383,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
     checkpoint = os.path.abspath(os.fspath(checkpoint))
     if manifest is None:
-        if roots is not None:
-            confine(checkpoint, roots)
-        manifest = read_marker(checkpoint)
-    run_id, step, digest = manifest.get("run_id"), manifest.get("step"), manifest.get("digest")
-    if run_id is None or step is None or digest is None:
-        raise JobError(f"checkpoint {checkpoint}: {MARKER_NAME} lacks run_id/step/digest")
+        _, manifest = _check_one(checkpoint, roots, False, "checkpoint")
+    run_id, step, digest = manifest["run_id"], manifest["step"], manifest["digest"]
     metrics = manifest.get("train_metrics") or None
     if not isinstance(metrics, dict):
         metrics = None
@@ -448,47 +401,3 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
         "train_metrics": metrics or None, "options": options or None,
     }
     return validate_job(payload)
-
-
-# --------------------------------------------------------------------------- retention pins
-
-def _pin_name(token: str) -> str:
-    return _JOB_ID_UNSAFE.sub("_", token)[:200] or "pin"
-
-
-def pin(checkpoint: str | os.PathLike, token: str) -> bool:
-    """Keep `checkpoint` from retention while job `token` may still read it (True if pinned).
-
-    Uses dflash_train.checkpoint.pin_checkpoint (files under `<dir>/.pins/`); never raises:
-    a checkpoint that cannot be pinned is still evaluated, it is only less protected.
-    """
-    try:
-        from dflash_train.checkpoint import pin_checkpoint
-    except ImportError:
-        pin_checkpoint = None
-    try:
-        if pin_checkpoint is not None:
-            pin_checkpoint(checkpoint, _pin_name(token))
-        else:
-            pins = Path(checkpoint) / ".pins"
-            pins.mkdir(exist_ok=True)
-            (pins / _pin_name(token)).write_text(json.dumps({"token": token}) + "\n")
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def unpin(checkpoint: str | os.PathLike, token: str) -> bool:
-    """Release the pin of job `token` (True if a pin was removed); never raises."""
-    try:
-        from dflash_train.checkpoint import unpin_checkpoint
-    except ImportError:
-        unpin_checkpoint = None
-    try:
-        if unpin_checkpoint is not None:
-            unpin_checkpoint(checkpoint, _pin_name(token))
-            return True
-        (Path(checkpoint) / ".pins" / _pin_name(token)).unlink()
-        return True
-    except (OSError, ValueError):
-        return False

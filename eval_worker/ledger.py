@@ -42,23 +42,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflash_train.errors import DFlashError
 from dflash_train.fsutil import fsync_dir
+from dflash_train.publication import checkpoint_step, step_dir_name, valid_run_id
 
+from .jobs import strip_attempt
 from .options import OptionsError, options_identity
 
 RECORD_SCHEMA = "dflash-eval-record/1"
 RESULTS_ENV = "DFLASH_RESULTS_DIR"
-INDEX_PREFIX = "dflash:ledger:"
-RUNS_KEY = "dflash:ledger-runs"
-DONE_KEY = "dflash:ledger-jobs"   # base job id -> summary of its newest recorded attempt
+# Redis keys of this module: the index is a cache of the files (`Ledger.reindex` rebuilds it)
+INDEX_PREFIX = "dflash:ledger:"    # hash per run: "<step>:<record key>" -> summary of its newest attempt
+RUNS_KEY = "dflash:ledger-runs"    # set of the runs with records
+DONE_KEY = "dflash:ledger-jobs"    # hash: base job id -> summary of its newest recorded attempt
 _ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.json$")
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FILE_MODE, DIR_MODE = 0o644, 0o755  # shared results: readable by the report/publish user, written by the worker
 
 
-class LedgerError(RuntimeError):
+class LedgerError(DFlashError, RuntimeError):
     """A ledger record that cannot be written or read; the message says why."""
+
+    retryable = True  # kept as it was: a results directory can be fixed under a waiting retry
 
 
 def default_results_dir() -> Path:
@@ -78,7 +82,7 @@ def _utcnow() -> str:
 
 
 def _check_name(kind: str, value: str) -> str:
-    if not isinstance(value, str) or not _SAFE_RE.match(value) or ".." in value:
+    if not valid_run_id(value):  # the run-id rule; record keys (16 hex) follow it too
         raise LedgerError(f"{kind} {value!r} cannot name a ledger directory")
     return value
 
@@ -86,10 +90,6 @@ def _check_name(kind: str, value: str) -> str:
 def _key_of(record: dict[str, Any], path: Path | str) -> str:
     """A record's key (records written before keys existed: their directory's name)."""
     return record.get("key") or Path(path).parent.name
-
-
-def _base_id(job_id: str) -> str:
-    return re.sub(r"-r\d+$", "", job_id)
 
 
 def tau_of(record: dict[str, Any]) -> float | None:
@@ -204,7 +204,7 @@ class Ledger:
 
     # ---- paths ---------------------------------------------------------------------
     def step_dir(self, run_id: str, step: int) -> Path:
-        return self.root / _check_name("run_id", run_id) / f"step-{int(step):08d}"
+        return self.root / _check_name("run_id", run_id) / step_dir_name(step)
 
     def record_dir(self, run_id: str, step: int, key: str) -> Path:
         return self.step_dir(run_id, step) / _check_name("record key", key)
@@ -314,7 +314,7 @@ class Ledger:
         with self.connection.pipeline() as pipe:
             pipe.hset(key, field, json.dumps(summary, sort_keys=True))
             if record.get("job_id"):
-                pipe.hset(DONE_KEY, _base_id(record["job_id"]), json.dumps(summary, sort_keys=True))
+                pipe.hset(DONE_KEY, strip_attempt(record["job_id"]), json.dumps(summary, sort_keys=True))
             pipe.sadd(RUNS_KEY, record["run_id"])
             pipe.execute()
 
@@ -368,7 +368,7 @@ class Ledger:
     def runs(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _SAFE_RE.match(p.name))
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and valid_run_id(p.name))
 
     def entries(self, run_id: str | None = None, *, key: str | None = None,
                 all_attempts: bool = False) -> list[LedgerEntry]:
@@ -379,8 +379,8 @@ class Ledger:
             if not run_dir.is_dir():
                 continue
             for step_dir in run_dir.iterdir():
-                m = _STEP_RE.match(step_dir.name)
-                if not m or not step_dir.is_dir():
+                step = checkpoint_step(step_dir)
+                if step is None or not step_dir.is_dir():
                     continue
                 for suite_dir in step_dir.iterdir():
                     if not suite_dir.is_dir() or (key and suite_dir.name != key):
@@ -388,7 +388,7 @@ class Ledger:
                     attempts = sorted(int(a.group(1)) for p in suite_dir.iterdir()
                                       if (a := _ATTEMPT_RE.match(p.name)))
                     for n in (attempts if all_attempts else attempts[-1:]):
-                        out.append(LedgerEntry(run, int(m.group(1)), suite_dir.name, n,
+                        out.append(LedgerEntry(run, step, suite_dir.name, n,
                                                suite_dir / f"attempt-{n}.json"))
         return sorted(out, key=lambda e: (e.run_id, e.step, e.key, e.attempt))
 

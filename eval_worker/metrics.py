@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dflash_train.tau import check_counting, tau
+
 
 def matches(drafts: np.ndarray, ext: Sequence[int], offsets: Sequence[int]) -> np.ndarray:
     """`[A, B-1]` bool: slot k of the block at offsets[i] equals ext[offsets[i] + k].
@@ -44,10 +46,7 @@ class Walk:
 
     @property
     def tau(self) -> float | None:
-        return float(np.mean(self.accept_lengths)) if self.accept_lengths else None
-
-
-COUNTING_RULES = ("response", "published")
+        return tau(self.accept_lengths)
 
 
 def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, counting: str = "response",
@@ -68,8 +67,7 @@ def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, cou
       N - 1 (its tokens lie past the end and are discarded, its length counts), and one
       step when the first token is already eos. `ends_with_stop`: the reference ended at eos.
     """
-    if counting not in COUNTING_RULES:
-        raise ValueError(f"counting must be one of {COUNTING_RULES}, got {counting!r}")
+    check_counting(counting)
     last = num_tokens if counting == "published" and not ends_with_stop else num_tokens - 1
     accepts, anchors, spans = [], [], []
     s = 0
@@ -144,11 +142,10 @@ def paired_delta(a: Sequence[float | None], b: Sequence[float | None], **kw) -> 
 
 def macro_pooled(per_prompt_accepts: Sequence[Sequence[int]]) -> tuple[float | None, float | None, int]:
     """Macro mean of per-prompt τ (the DFlash benchmark's number) and pooled mean over steps."""
-    taus = [float(np.mean(a)) for a in per_prompt_accepts if len(a)]
+    taus = [tau(a) for a in per_prompt_accepts if len(a)]
     steps = [x for a in per_prompt_accepts for x in a]
-    macro = float(np.mean(taus)) if taus else None
-    pooled = float(np.mean(steps)) if steps else None
-    return macro, pooled, len(steps)
+    macro = float(np.mean(taus)) if taus else None  # a mean of τs, not a τ
+    return macro, tau(steps), len(steps)
 
 
 def estimated_speedup(tau: float | None, *, draft_s: float | None = None, verify_s: float | None = None,

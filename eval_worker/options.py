@@ -16,12 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash_train.errors import DFlashError
+from dflash_train.tau import COUNTING_RULES
+
 # How the work is done, not what is measured: not part of an evaluation's identity.
 PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend"})
 MAX_SHOWN = 80  # characters of an offending value quoted in an error
 
 
-class OptionsError(ValueError):
+class OptionsError(DFlashError, ValueError):
     """Options that cannot be used; the message lists every problem (values shortened)."""
 
 
@@ -66,7 +69,7 @@ class EvalOptions(BaseModel):
     tree_budget: int = _int(0, 4096, 8)
     tree_spine: bool = False
     mode: Literal["online", "stride"] = "online"
-    counting: str = Field("response", max_length=32)       # eval_worker.metrics.COUNTING_RULES
+    counting: str = Field("response", max_length=32)       # dflash_train.tau.COUNTING_RULES
     num_prompts: int | None = _int(1, 1 << 20)
     max_blocks: int | None = _int(1, 1 << 24)
     validate_loop: bool = Field(False, alias="validate")  # `validate` is a BaseModel method name
@@ -86,8 +89,6 @@ class EvalOptions(BaseModel):
     @field_validator("counting")
     @classmethod
     def _known_counting(cls, value: str) -> str:
-        from .metrics import COUNTING_RULES  # the walk's own list (numpy: imported when needed)
-
         if value not in COUNTING_RULES:
             raise ValueError(f"must be one of {list(COUNTING_RULES)}")
         return value

@@ -26,14 +26,16 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegis
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+
 from . import jobs as jobs_mod
 from .jobs import JobError
 from .ledger import Ledger
 
-JOB_FUNC = "eval_worker.worker.run_eval_job"
+JOB_FUNC = "eval_worker.worker.run_eval_job"  # the only function an eval job may name (worker.EvalJob)
 DEFAULT_BASE = "dflash-eval"
+# Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
-RUNS_KEY = "dflash:runs"
 ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
            JobStatus.CREATED, JobStatus.READY_TO_ENQUEUE}
@@ -103,14 +105,6 @@ def _cut(reason: str) -> str:
     return f"{reason[:MAX_REASON]}... ({len(reason)} characters; `rq info` or the job's result has all of it)"
 
 
-def refused_for_the_job(error: BaseException) -> bool:
-    """Whether `enqueue` refused a job because of the job itself (schema, options, suite,
-    checkpoint: a JobError), so retrying it unchanged cannot help. Anything else — Redis
-    unreachable, out of memory at maxmemory, MISCONF, BUSY, LOADING, a cluster redirection,
-    a wrong password — is a condition of the server: the job is kept and sent again later."""
-    return isinstance(error, JobError)
-
-
 @dataclass
 class EnqueueOutcome:
     """What `enqueue` did: status is `enqueued`, `duplicate` (job exists) or `evaluated` (in ledger)."""
@@ -154,7 +148,7 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     if not force:
         done = Ledger(connection=connection).lookup_job(base_id)
         if done:
-            jobs_mod.unpin(job["checkpoint"], job_id)
+            unpin_checkpoint(job["checkpoint"], job_id)
             return EnqueueOutcome(
                 "evaluated", done.get("job_id") or job_id, qname,
                 f"already evaluated: run {job['run_id']} step {job['step']} τ={_fmt(done.get('tau'))} "
@@ -173,9 +167,9 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     except DuplicateJobError:
         outcome, state = _duplicate(connection, job_id, qname, job)
         if state in (JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED):
-            jobs_mod.unpin(job["checkpoint"], job_id)  # nothing will read it for this job any more
+            unpin_checkpoint(job["checkpoint"], job_id)  # nothing will read it for this job any more
         return outcome
-    jobs_mod.pin(job["checkpoint"], job_id)  # retention keeps it until the worker has recorded the result
+    pin_checkpoint(job["checkpoint"], job_id)  # retention keeps it until the worker has recorded the result
     others = other_checkpoints_at_step(connection, job)
     _remember(connection, job, job_id, suite_fp)
     note = ""
@@ -224,7 +218,6 @@ def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> No
     entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": job}, sort_keys=True)
     with connection.pipeline() as pipe:
         pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{job['checkpoint_digest'][:12]}:{suite_fp}", entry)
-        pipe.sadd(RUNS_KEY, job["run_id"])
         pipe.execute()
 
 
@@ -366,5 +359,5 @@ def cancel(connection, job_id: str) -> str:
     else:
         raise JobError(f"{job_id} is {state.value if state else 'gone'}; nothing to cancel")
     if checkpoint:
-        jobs_mod.unpin(checkpoint, job_id)
+        unpin_checkpoint(checkpoint, job_id)
     return msg

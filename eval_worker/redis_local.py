@@ -52,6 +52,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_json, pid_alive
 
 __all__ = [
@@ -98,8 +99,10 @@ _INSTALL_HINT = (
 # --------------------------------------------------------------------------- errors
 
 
-class RedisLocalError(RuntimeError):
+class RedisLocalError(DFlashError, RuntimeError):
     """Base class for local-Redis and connection errors raised by this module."""
+
+    retryable = True  # a condition of the server, not of a job
 
 
 class RedisBinaryNotFound(RedisLocalError):

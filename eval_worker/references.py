@@ -19,12 +19,15 @@ from typing import Any
 
 import torch
 
+from dflash_train.errors import DFlashError
 from dflash_train.speculative import greedy_generate
 from dflash_train.target import Target
 
 
-class ReferenceError(RuntimeError):
+class ReferenceSourceError(DFlashError, RuntimeError):
     """Reference completions could not be obtained; the message says why."""
+
+    retryable = True  # a reference server that is down or overloaded answers later
 
 
 @dataclass
@@ -146,15 +149,15 @@ class ServerReferences:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode(errors="replace")
-            raise ReferenceError(f"reference server {self.url} answered HTTP {e.code} to {path}: {detail}") from None
+            raise ReferenceSourceError(f"reference server {self.url} answered HTTP {e.code} to {path}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise ReferenceError(f"cannot reach reference server {self.url} ({reason}); is it running? "
+            raise ReferenceSourceError(f"cannot reach reference server {self.url} ({reason}); is it running? "
                                  "(or drop --reference-server to generate references locally)") from None
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
-            raise ReferenceError(f"reference server {self.url} returned non-JSON from {path}: {raw[:200]!r}") from None
+            raise ReferenceSourceError(f"reference server {self.url} returned non-JSON from {path}: {raw[:200]!r}") from None
 
 
 def token_ids_from_response(data: Any, where: str) -> list[int]:
@@ -162,7 +165,7 @@ def token_ids_from_response(data: Any, where: str) -> list[int]:
     try:
         choice = data["choices"][0]
     except (KeyError, IndexError, TypeError):
-        raise ReferenceError(f"{where}: response has no choices: {str(data)[:200]}") from None
+        raise ReferenceSourceError(f"{where}: response has no choices: {str(data)[:200]}") from None
     for key in ("token_ids", "output_token_ids", "output_ids"):
         ids = choice.get(key)
         if ids is None and isinstance(choice.get("meta_info"), dict):
@@ -172,6 +175,6 @@ def token_ids_from_response(data: Any, where: str) -> list[int]:
     toks = ((choice.get("logprobs") or {}).get("tokens")) if isinstance(choice.get("logprobs"), dict) else None
     if isinstance(toks, list) and toks and all(isinstance(t, str) and t.startswith("token_id:") for t in toks):
         return [int(t.split(":", 1)[1]) for t in toks]
-    raise ReferenceError(f"{where}: the server returned text without token ids; the engine needs the target's "
+    raise ReferenceSourceError(f"{where}: the server returned text without token ids; the engine needs the target's "
                          "exact ids (vLLM: return_token_ids / return_tokens_as_token_ids; SGLang: return_token_ids). "
                          "Re-tokenizing text is not the same sequence.")

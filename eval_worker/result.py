@@ -11,11 +11,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_train.errors import DFlashError
+
 SCHEMA = "dflash-eval-result/1"
 SEVERITIES = ("info", "warning", "error")
 
 
-class ResultSchemaError(ValueError):
+class ResultSchemaError(DFlashError, ValueError):
     """A dict that is not a readable dflash-eval-result/1."""
 
 

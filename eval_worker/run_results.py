@@ -11,10 +11,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_train.errors import DFlashError
+
 RESULT_SCHEMA = "dflash-eval-result/1"
 
 
-class ResultsError(ValueError):
+class ResultsError(DFlashError, ValueError):
     """Results that cannot be read; the message says which file and why."""
 
 

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_train.tau import tau
+
 from . import metrics
 from .drafting import AnchorDrafts
 from .tree import build_tree, tree_streak
@@ -95,7 +97,7 @@ def summarize(scores: list[PromptScore], block_size: int, mode: str, *, tree_bud
               max_blocks: int | None, n_resamples: int = 2000, seed: int = 0) -> Summary:
     B = block_size
     accepts = [s.accepts(mode) for s in scores]
-    per_prompt = [float(np.mean(a)) if a else None for a in accepts]
+    per_prompt = [tau(a) for a in accepts]
     macro, pooled, steps = metrics.macro_pooled(accepts)
     ci = metrics.bootstrap_ci(per_prompt, n_resamples=n_resamples, seed=seed)
     flat = [x for a in accepts for x in a]

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from dflash_train.model import DFlashDrafter, DraftCache
+from dflash_train.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.target import Target, VerifyCache
 
 
@@ -67,8 +67,7 @@ def measure_step_costs(target: Target, drafter: DFlashDrafter, context_len: int 
     old = context_len - new_context
     drafter(embed(ids[:, :B]).to(ddtype), torch.arange(old, old + B, device=dev)[None], feats[:, :old],
             torch.arange(old, device=dev)[None], cache=dcache)
-    block = ids[:, -B:].clone()
-    block[0, 1:] = cfg.mask_token_id
+    block = mask_blocks(ids[:, -B], B, cfg.mask_token_id)
     positions = torch.arange(context_len, context_len + B, device=dev)[None]
     new_pos = torch.arange(old, context_len, device=dev)[None]
 

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_train.errors import DFlashError
+
 BUILTIN_DIR = Path(__file__).resolve().parent / "suites"
 DEFAULT_SUITE = "builtin:coding-v1"
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-class SuiteError(ValueError):
+class SuiteError(DFlashError, ValueError):
     """A suite that cannot be used (missing, empty, malformed); the message says where."""
 
 

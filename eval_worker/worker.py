@@ -51,12 +51,16 @@ from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
+from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
+from dflash_train.publication import unpin_checkpoint
 
 from . import jobs as jobs_mod
+from . import sinks
 from .jobs import JobError
-from .ledger import Ledger, default_results_dir
+from .ledger import Ledger, default_results_dir, tau_of
 from .options import options_identity
+from .queue import JOB_FUNC, get_queue
 from .redis_local import server_unavailable
 
 log = logging.getLogger("eval_worker.worker")
@@ -74,8 +78,10 @@ class JobInterrupted(Exception):
     """Raised inside a running job when it is stopped (cancel) or handed back (shutdown)."""
 
 
-class LedgerWriteFailed(OSError):
-    """The evaluation finished but its ledger record could not be written (retryable: an OSError)."""
+class LedgerWriteFailed(DFlashError, OSError):
+    """The evaluation finished but its ledger record could not be written."""
+
+    retryable = True  # the retry only writes the spooled result
 
 
 @dataclass
@@ -194,39 +200,33 @@ def _empty_device_cache() -> None:
 # --------------------------------------------------------------------------- the job
 
 def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None:
-    """Tell the result sinks (W&B). Returns an error text instead of raising."""
+    """Tell the result sinks (W&B). Returns their errors as text instead of raising."""
     try:
-        from . import sinks
-    except ImportError:
-        return None
-    publish = getattr(sinks, "publish_result", None)
-    if publish is None:
-        return None
-    try:
-        outcome = publish(record, job) or {}
-        bad = [f"{name}: {info.get('error')}" for name, info in outcome.items()
-               if isinstance(info, dict) and not info.get("ok", True)]
-        return "; ".join(bad) or None
+        outcome = sinks.publish_result(record, job)
     except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
         log.warning("result sink failed for %s (kept in the ledger; `dflash-eval publish` can retry): %s",
                     record.get("job_id"), e, exc_info=True)
         return f"{type(e).__name__}: {e}"
+    bad = [f"{name}: {info.get('error')}" for name, info in outcome.items() if not info["ok"]]
+    return "; ".join(bad) or None
 
 
 def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
     """RQ job function: evaluate one checkpoint and record the result once. JSON in, JSON out.
 
-    A JobError (bad payload, checkpoint outside the roots, no marker, digest mismatch, ...)
-    or another ValueError (the engine's checkpoint/config/suite/option errors: a drafter that
-    does not fit the target, an unknown option) fails the job at once, without retries: trying
-    again cannot fix it; once the cause is fixed, `dflash-eval requeue --failed` runs it again.
-    Other errors (I/O, out of memory, a crashed worker) are retried with back-off.
+    An error that is not `retryable` (dflash_train.errors: a bad payload, a checkpoint outside
+    the roots, no marker, a digest mismatch, a drafter that does not fit the target, an unknown
+    option, ...) fails the job at once, without retries: trying again cannot fix it; once the
+    cause is fixed, `dflash-eval requeue --failed` runs it again. Other errors (I/O, out of
+    memory, a crashed worker) are retried with back-off.
     """
     from rq import get_current_job
 
     try:
         return _run(payload, get_current_job())
-    except ValueError:
+    except Exception as e:
+        if retryable(e):
+            raise
         rq_job = get_current_job()
         if rq_job is not None:
             rq_job.retries_left = 0  # the worker reads this (same object) when it handles the failure
@@ -272,8 +272,8 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
             _note(rq_job, spooled_result=None)
         if created:
             sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
-    jobs_mod.unpin(job["checkpoint"], job_id)
-    tau = ((record.get("result") or {}).get("tau") or {}).get("macro")
+    unpin_checkpoint(job["checkpoint"], job_id)
+    tau = tau_of(record)
     return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": record.get("attempt"),
             "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
             "from_spool": existing is None and spooled is not None,
@@ -289,7 +289,7 @@ def _local_job_id(job: dict[str, Any]) -> str:
 
 def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check the job's files (checkpoint, target, suite: inside their roots), run the engine; (result, worker info)."""
-    jobs_mod.check_checkpoint(job, s.roots, verify_digest=True)
+    verified = jobs_mod.check_checkpoint(job, s.roots, verify_digest=True)  # the one hashing pass of the job
     target = job["target"] or s.default_target
     if not target:
         raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
@@ -298,8 +298,7 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
     evaluator = get_evaluator(target)
     result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
-                                train_metrics=job["train_metrics"], options=job["options"])
-    result = result.to_dict() if hasattr(result, "to_dict") else result
+                                train_metrics=job["train_metrics"], options=job["options"], verified=verified).to_dict()
     worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
                    "name": os.environ.get("RQ_WORKER_ID") or (rq_job.worker_name if rq_job else None)}
     return result, worker_info
@@ -367,8 +366,6 @@ def _note(rq_job, **meta) -> None:
 
 
 # --------------------------------------------------------------------------- the one job we run
-
-JOB_FUNC = "eval_worker.worker.run_eval_job"
 
 
 class EvalJob(Job):
@@ -726,8 +723,6 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
           logging_level: str = "INFO") -> bool:
     """Run a worker until stopped (or, with `burst`, until the queues are empty)."""
     from rq.serializers import JSONSerializer
-
-    from .queue import get_queue
 
     configure(settings_)
     if preload and settings_.default_target:

@@ -26,44 +26,28 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from dflash_train.errors import retryable
+from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+from eval_worker import jobs as jobs_mod
+from eval_worker.ledger import Ledger
+from eval_worker.queue import QueueConfig, enqueue
+from eval_worker.redis_local import connect, resolve_redis_url
+
 from .outbox import Deliverer, Outbox, OUTBOX_DIRNAME
 
 log = logging.getLogger("hooks.eval")
 
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError)
-
 
 def is_rank0() -> bool:
     """True on the main process (no torch.distributed, or rank 0; RANK env as fallback)."""
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist  # the trainer's process has torch loaded already
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0
-    except ImportError:
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return os.environ.get("RANK", "0") in ("", "0")
-
-
-def _transport_error(e: BaseException) -> bool:
-    """Queue unreachable: drop the connection and make a new one on the next try. (Whether a
-    job is set aside is eval_worker.queue.refused_for_the_job's call, not this one's.)"""
-    try:
-        import redis
-
-        if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                          redis.exceptions.BusyLoadingError, redis.exceptions.ReadOnlyError)):
-            return True
-    except ImportError:
-        pass
-    try:
-        from eval_worker.redis_local import RedisLocalError
-
-        if isinstance(e, RedisLocalError):
-            return True
-    except ImportError:
-        pass
-    return isinstance(e, TRANSPORT_ERRORS)
 
 
 class EvalOnCheckpoint:
@@ -102,12 +86,6 @@ class EvalOnCheckpoint:
         self._pins: dict[str, str] = {}        # job id -> checkpoint, pinned until the job is done
         self._conn = None
         self._conn_lock = threading.Lock()
-        # imported now, not on the first checkpoint step: an import in the delivery thread
-        # holds the GIL for a few hundred ms of module code while the training thread waits
-        import eval_worker.jobs  # noqa: F401
-        import eval_worker.queue  # noqa: F401 - rq, redis
-        import eval_worker.redis_local  # noqa: F401
-        import eval_worker.suite  # noqa: F401
 
     # ---- the trainer protocol ----------------------------------------------------------
     def on_checkpoint_published(self, trainer: Any, step: int, path: Path, manifest: dict) -> None:
@@ -143,19 +121,15 @@ class EvalOnCheckpoint:
 
     # ---- API -------------------------------------------------------------------------
     def make_job(self, path: str | os.PathLike, manifest: dict | None = None) -> dict[str, Any]:
-        from eval_worker.jobs import make_job
-
-        return make_job(path, manifest=manifest, suite=self.suite, target=self.target, baseline=self.baseline,
+        return jobs_mod.make_job(path, manifest=manifest, suite=self.suite, target=self.target, baseline=self.baseline,
                         wandb=self.wandb, requested_by="hook", priority=self.priority, options=self.options)
 
     def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> Path:
         """Pin the checkpoint, write its job to the outbox, wake the delivery thread; returns the job file."""
-        from eval_worker import jobs as jobs_mod
-
         path = Path(os.path.abspath(path))
         job = self.make_job(path, manifest)
         try:
-            jobs_mod.pin(path, jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
+            pin_checkpoint(path, jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
         except jobs_mod.JobError as e:  # unknown suite: still queued, the queue will say why
             self._note(f"cannot pin {path}: {e}")
         outbox = self._deliverer(path.parent / OUTBOX_DIRNAME)
@@ -184,12 +158,6 @@ class EvalOnCheckpoint:
         """
         if not self._pins:
             return 0
-        from rq.job import Job, JobStatus
-        from rq.serializers import JSONSerializer
-
-        from eval_worker import jobs as jobs_mod
-        from eval_worker.ledger import Ledger
-
         conn = self._connection()
         ids = list(self._pins)
         done = {JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED}
@@ -199,7 +167,7 @@ class EvalOnCheckpoint:
             if gone or (job is not None and job.get_status(refresh=False) in done):
                 checkpoint = self._pins.pop(job_id, None)
                 if checkpoint is not None:
-                    jobs_mod.unpin(checkpoint, job_id)
+                    unpin_checkpoint(checkpoint, job_id)
                     released += 1
         return released
 
@@ -218,10 +186,7 @@ class EvalOnCheckpoint:
     def _deliverer(self, directory: Path) -> Deliverer:
         d = self._deliverers.get(directory)
         if d is None:
-            from eval_worker.queue import refused_for_the_job
-
-            d = Deliverer(Outbox(directory), self._send, is_invalid=refused_for_the_job,
-                          min_backoff=self.min_backoff, max_backoff=self.max_backoff,
+            d = Deliverer(Outbox(directory), self._send, min_backoff=self.min_backoff, max_backoff=self.max_backoff,
                           on_idle=self.release_pins, idle_interval=self.reconcile_interval).start()
             self._deliverers[directory] = d
         return d
@@ -229,24 +194,20 @@ class EvalOnCheckpoint:
     def _connection(self):
         with self._conn_lock:
             if self._conn is None:
-                from eval_worker.redis_local import connect, resolve_redis_url
-
                 url = resolve_redis_url(self.redis_url)
                 self._conn = connect(url, socket_connect_timeout=self.connect_timeout,
                                      socket_timeout=max(self.connect_timeout, 5.0))
             return self._conn
 
     def _send(self, job: dict[str, Any]):
-        from eval_worker.queue import QueueConfig, enqueue
-
         config = QueueConfig(base=self.queue)
         if self.job_timeout:
             config.job_timeout = int(self.job_timeout)
         try:
             outcome = enqueue(self._connection(), job, config=config)
         except Exception as e:
-            if _transport_error(e):
-                with self._conn_lock:  # reconnect next time
+            if retryable(e):  # the queue is at fault, not the job: a new connection next time
+                with self._conn_lock:
                     self._conn = None
             raise
         self.outcomes.append(outcome)

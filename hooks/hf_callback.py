@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any, Callable
 
 from transformers import TrainerCallback
+
+from dflash_train.checkpoint import AsyncPublisher
+from dflash_train.model import DFlashDrafter
+from dflash_train.publication import run_id_from
 
 from .eval_on_checkpoint import EvalOnCheckpoint
 
@@ -32,8 +35,6 @@ log = logging.getLogger("hooks.hf")
 
 
 def find_drafter(model: Any):
-    from dflash_train.model import DFlashDrafter
-
     seen = 0
     while hasattr(model, "module") and not isinstance(model, DFlashDrafter) and seen < 4:
         model, seen = model.module, seen + 1
@@ -51,8 +52,7 @@ def find_drafter(model: Any):
 
 def _run_id_from(args) -> str:
     raw = getattr(args, "run_name", None) or Path(getattr(args, "output_dir", None) or "hf-run").name
-    rid = re.sub(r"[^A-Za-z0-9._-]", "_", str(raw)).lstrip("._-") or "hf-run"
-    return rid[:128]
+    return run_id_from(raw, default="hf-run")
 
 
 def _train_metrics(state) -> dict:
@@ -120,8 +120,6 @@ class DFlashEvalCallback(TrainerCallback):
     # ---- internals -------------------------------------------------------------------
     def _publisher(self, args):
         if self.publisher is None:
-            from dflash_train.checkpoint import AsyncPublisher
-
             self.run_id = self.run_id or _run_id_from(args)
             self.publisher = AsyncPublisher(self.checkpoint_root, self.run_id, on_published=self._published,
                                             dtype=self.dtype, max_pending=self.max_pending)

@@ -7,7 +7,7 @@ already has it), so a crash, a Redis outage or the end of training never loses a
 a delivery repeated after a crash is a no-op thanks to the deterministic job id.
 
 Only a job the queue refuses *because of the job itself* (schema, options, checkpoint gone:
-`eval_worker.jobs.JobError`) moves to `rejected/` with the reason. Every other failure —
+an error that is not `retryable`, dflash_train.errors) moves to `rejected/` with the reason. Every other failure —
 Redis unreachable, out of memory at `maxmemory`, `MISCONF` (it cannot persist), `BUSY`,
 `LOADING`, a cluster redirection, a wrong password, a bug — keeps the job waiting here and
 delivery backs off: the job is not at fault, and a later try can succeed.
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_train.errors import retryable
 from dflash_train.fsutil import atomic_write_bytes, fsync_dir
 
 log = logging.getLogger("hooks.outbox")
@@ -48,6 +49,13 @@ def job_key(job: dict[str, Any]) -> str:
                        "target": job.get("target")}, sort_keys=True)
     return (f"step-{int(job['step']):08d}-{str(job['checkpoint_digest'])[:12]}-"
             f"{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+
+
+def _refused_for_the_job(error: BaseException) -> bool:
+    """The queue refused the job for itself (schema, options, suite, checkpoint), so sending it
+    unchanged cannot help. Anything else (Redis unreachable, out of memory at maxmemory, MISCONF,
+    BUSY, LOADING, a cluster redirection, a wrong password) is a condition of the server."""
+    return not retryable(error)
 
 
 @dataclass
@@ -107,12 +115,12 @@ class Outbox:
                     return True
         return False
 
-    def deliver(self, send: Callable[[dict[str, Any]], Any], *, is_invalid: Callable[[BaseException], bool]
-                ) -> DeliveryReport:
+    def deliver(self, send: Callable[[dict[str, Any]], Any], *,
+                is_invalid: Callable[[BaseException], bool] = _refused_for_the_job) -> DeliveryReport:
         """Send every waiting job in order; stop at the first error that is not the job's fault.
 
         `send(job)` enqueues (any return is success); an exception for which `is_invalid`
-        is true (the queue refused the job itself) sets that job aside with the reason; any
+        is true (default: not retryable, the queue refused the job itself) sets that job aside with the reason; any
         other keeps it and every later job waiting, and stops this delivery (try again later).
         """
         report = DeliveryReport()
@@ -188,7 +196,8 @@ class Deliverer:
     """A daemon thread that empties an outbox, backing off while the queue is unreachable."""
 
     def __init__(self, outbox: Outbox, send: Callable[[dict[str, Any]], Any], *,
-                 is_invalid: Callable[[BaseException], bool], min_backoff: float = 1.0, max_backoff: float = 60.0,
+                 is_invalid: Callable[[BaseException], bool] = _refused_for_the_job, min_backoff: float = 1.0,
+                 max_backoff: float = 60.0,
                  on_report: Callable[[DeliveryReport], None] | None = None,
                  on_idle: Callable[[], None] | None = None, idle_interval: float | None = None):
         self.outbox, self.send, self.is_invalid = outbox, send, is_invalid

@@ -13,12 +13,23 @@ from eval_worker.jobs import suite_fingerprint
 from tests.eval_results import make_result
 
 
+class FakeResult:
+    """What an engine returns: a result with `to_dict()` (here: the dict it was made from)."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def to_dict(self) -> dict:
+        return self.data
+
+
 class FakeEvaluator:
     def __init__(self, target, cache_dir=None, device=None):
         self.target = target
 
-    def evaluate(self, checkpoint_dir, suite, baseline=None, train_metrics=None, options=None) -> dict:
+    def evaluate(self, checkpoint_dir, suite, baseline=None, train_metrics=None, options=None, verified=None):
         marker = json.loads((Path(checkpoint_dir) / "COMPLETE.json").read_text())
         step = int(marker["step"])
-        return make_result(marker["run_id"], step, p=0.3 + step / 2000, digest=marker["digest"],
-                           checkpoint_root=str(Path(checkpoint_dir).parents[1]), suite_fp=suite_fingerprint(suite))
+        return FakeResult(make_result(marker["run_id"], step, p=0.3 + step / 2000, digest=marker["digest"],
+                                      checkpoint_root=str(Path(checkpoint_dir).parents[1]),
+                                      suite_fp=suite_fingerprint(suite)))

@@ -4,7 +4,8 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
-from dflash_train.checkpoint import CheckpointError, publish_checkpoint, save_drafter
+from dflash_train.checkpoint import publish_checkpoint, save_drafter
+from dflash_train.publication import CheckpointError
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
 from dflash_train.target import TargetError

@@ -6,7 +6,7 @@ import pytest
 from dflash_train.checkpoint import save_drafter
 from dflash_train.speculative import greedy_generate
 from eval_worker.acceptance import Evaluator
-from eval_worker.references import LocalReferences, ReferenceError, ServerReferences, split_at_eos
+from eval_worker.references import LocalReferences, ReferenceSourceError, ServerReferences, split_at_eos
 from eval_worker.suite import Prompt, Suite
 
 from .engine_helpers import CannedServer
@@ -59,18 +59,18 @@ def test_server_ids_in_each_known_shape(shape):
 
 def test_text_without_ids_is_a_clear_error():
     with CannedServer(lambda b: (200, {"choices": [{"text": "def f(): pass"}]})) as srv:
-        with pytest.raises(ReferenceError, match="text without token ids"):
+        with pytest.raises(ReferenceSourceError, match="text without token ids"):
             ServerReferences(srv.url).generate("x", PROMPT, 5, None, 2)
 
 
 def test_http_error_and_server_down():
     with CannedServer(lambda b: (500, {"error": "model not loaded"})) as srv:
-        with pytest.raises(ReferenceError, match="HTTP 500.*model not loaded"):
+        with pytest.raises(ReferenceSourceError, match="HTTP 500.*model not loaded"):
             ServerReferences(srv.url).generate("x", PROMPT, 5, None, 2)
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(ReferenceError, match="cannot reach reference server"):
+    with pytest.raises(ReferenceSourceError, match="cannot reach reference server"):
         ServerReferences(f"http://127.0.0.1:{port}", timeout=5).generate("x", PROMPT, 5, None, 2)
 
 
@@ -102,7 +102,7 @@ def test_a_server_that_serves_another_model_fails_the_job_and_caches_nothing(tmp
     save_drafter(drafter_for(TARGET, block_size=4), tmp_path / "ck")
     with CannedServer(_wrong_server) as srv:
         ev = Evaluator(TARGET, tmp_path / "cache", reference_source=ServerReferences(srv.url))
-        with pytest.raises(ReferenceError, match=r"prompt 'a' .* not the target's greedy output: at response "
+        with pytest.raises(ReferenceSourceError, match=r"prompt 'a' .* not the target's greedy output: at response "
                                                  r"token 5 .*reference_mismatch='measure'"):
             ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False})
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
@@ -116,7 +116,7 @@ def test_a_later_prompt_mismatch_removes_what_the_job_cached(tmp_path):
 
     with CannedServer(respond) as srv:
         ev = Evaluator(TARGET, tmp_path / "cache", reference_source=ServerReferences(srv.url))
-        with pytest.raises(ReferenceError, match="prompt 'b'"):
+        with pytest.raises(ReferenceSourceError, match="prompt 'b'"):
             ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False})
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
@@ -127,7 +127,7 @@ def test_measuring_a_mismatched_reference_is_an_explicit_choice(tmp_path):
         ev = Evaluator(TARGET, tmp_path / "cache", reference_source=ServerReferences(srv.url))
         res = ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False, "reference_mismatch": "measure"})
         # cached under the opt-in; a later run without it still checks, and fails
-        with pytest.raises(ReferenceError, match="not the target's greedy output"):
+        with pytest.raises(ReferenceSourceError, match="not the target's greedy output"):
             ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False})
     assert [p.reference_agrees_with_target for p in res.prompts] == [False, False]
     diag = [d for d in res.diagnostics if d.code == "REFERENCE_NOT_TARGET_GREEDY"]

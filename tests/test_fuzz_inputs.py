@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import soak
-from dflash_train.checkpoint import CheckpointError, load_drafter, publish_checkpoint, read_manifest
+from dflash_train.checkpoint import load_drafter, publish_checkpoint
+from dflash_train.publication import CheckpointError, read_manifest
 from dflash_train.config import ConfigError, DrafterConfig
 from eval_worker import jobs
 from eval_worker.jobs import JobError

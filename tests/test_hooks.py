@@ -7,7 +7,7 @@ import pytest
 
 from rq.job import JobStatus
 
-from dflash_train.checkpoint import apply_retention, is_pinned, read_manifest
+from dflash_train.publication import apply_retention, is_pinned, read_manifest
 from eval_worker.jobs import JobError, make_job
 from eval_worker.queue import enqueue, get_queue, status
 from eval_worker.redis_local import connect

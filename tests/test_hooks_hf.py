@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_train.checkpoint import list_checkpoints, load_drafter, read_manifest, verify_checkpoint
+from dflash_train.checkpoint import load_drafter
+from dflash_train.publication import list_checkpoints, read_manifest, verify_checkpoint
 from eval_worker.queue import get_queue
 from eval_worker.redis_local import connect
 from hooks import DFlashEvalCallback

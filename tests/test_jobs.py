@@ -93,7 +93,9 @@ def test_suite_fingerprint_depends_on_suite_and_options():
 def test_checkpoint_outside_roots_is_refused(published, tmp_path):
     root, ckpt = published
     job = _job(ckpt)
-    assert jobs.check_checkpoint(job, [root])["digest"] == job["checkpoint_digest"]
+    manifests = jobs.check_checkpoint(job, [root])
+    assert list(manifests) == [os.path.realpath(ckpt)]  # the manifests read, by real path (for the engine)
+    assert manifests[os.path.realpath(ckpt)]["digest"] == job["checkpoint_digest"]
     with pytest.raises(JobError, match="outside the checkpoint roots"):
         jobs.check_checkpoint(job, [tmp_path])
 
@@ -149,8 +151,9 @@ def test_configured_roots_from_env(monkeypatch, tmp_path):
 
 def test_pin_and_unpin(tmp_path):
     ckpt = publish_random(tmp_path, "run-p", 1)
-    from dflash_train.checkpoint import is_pinned
+    from dflash_train.publication import is_pinned, pin_checkpoint, unpin_checkpoint
 
-    assert jobs.pin(ckpt, "eval-run-p-1-abc") and is_pinned(ckpt)
-    assert jobs.unpin(ckpt, "eval-run-p-1-abc") and not is_pinned(ckpt)
-    assert jobs.pin(tmp_path / "missing", "x") is False  # never raises
+    assert pin_checkpoint(ckpt, "eval-run-p-1-abc") and is_pinned(ckpt)
+    assert unpin_checkpoint(ckpt, "eval-run-p-1-abc") and not is_pinned(ckpt)
+    assert unpin_checkpoint(ckpt, "eval-run-p-1-abc") is False  # gone already: not an error
+    assert pin_checkpoint(tmp_path / "missing", "x") is False  # never raises for a checkpoint that is gone

@@ -4,7 +4,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file
 
-from dflash_train.checkpoint import CheckpointError, load_drafter, save_drafter
+from dflash_train.checkpoint import load_drafter, save_drafter
+from dflash_train.publication import CheckpointError
 from dflash_train.model import DraftCache
 
 from .factories import MASK_ID, VOCAB, drafter_for, qwen3_target

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from rq.job import JobStatus
 
-from dflash_train.checkpoint import is_pinned
+from dflash_train.publication import is_pinned
 from eval_worker import acceptance, options
 from eval_worker.cli import main as cli
 from eval_worker.jobs import JobError, make_job, validate_job

@@ -15,10 +15,11 @@ import pytest
 import redis
 from hypothesis import given, strategies as st
 
-from dflash_train.checkpoint import read_manifest
+from dflash_train.publication import read_manifest
 from eval_worker.cli import main as cli
 from eval_worker.jobs import JobError
-from eval_worker.queue import get_queue, refused_for_the_job
+from dflash_train.errors import retryable
+from eval_worker.queue import get_queue
 from eval_worker.redis_local import LocalRedis, connect
 from hooks import EvalOnCheckpoint, Outbox
 from hooks.outbox import OUTBOX_DIRNAME
@@ -138,8 +139,8 @@ def test_outbox_server_error_classes_are_never_the_jobs_fault(cls, message):
         error = cls(message)
     except (TypeError, ValueError):  # MovedError/AskError parse their message
         error = cls("3999 127.0.0.1:6381")
-    assert not refused_for_the_job(error)
-    assert refused_for_the_job(JobError("invalid job: step must be a non-negative integer"))
+    assert retryable(error)
+    assert not retryable(JobError("invalid job: step must be a non-negative integer"))
 
 
 def test_outbox_server_error_then_set_aside_jobs_are_delivered_again_after_a_fix(tmp_path, redis_url, capsys):

@@ -6,10 +6,12 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-from dflash_train.checkpoint import (MARKER_NAME, AsyncPublisher, CheckpointError, apply_retention, cleanup_incomplete,
-                                     drafter_state_dict, is_pinned, list_checkpoints, load_drafter, pin_checkpoint,
-                                     publish_checkpoint, read_manifest, unpin_checkpoint, verify_checkpoint)
+from dflash_train.checkpoint import AsyncPublisher, drafter_state_dict, load_drafter, publish_checkpoint
+from dflash_train.publication import (MARKER_NAME, CheckpointError, apply_retention, cleanup_incomplete, is_pinned,
+                                      list_checkpoints, pin_checkpoint, read_manifest, run_id_from,
+                                      unpin_checkpoint, valid_run_id, verify_checkpoint)
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
 
@@ -190,3 +192,40 @@ def test_bf16_publication_of_a_target_sized_drafter(tmp_path):
     assert read_manifest(path)["config"]["torch_dtype"] == "bfloat16"
     assert load_drafter(path).fc.weight.dtype == torch.bfloat16
     target.check_drafter(load_drafter(path).config)
+
+
+@given(st.one_of(st.text(max_size=140), st.from_regex(r"[A-Za-z0-9._ /-]{1,140}", fullmatch=True)))
+def test_one_run_id_rule_for_trainer_jobs_and_ledger(text):
+    """The trainer's config, the job schema and the ledger accept exactly the same run ids,
+    and `run_id_from` turns any text into one of them."""
+    from dflash_train.train_config import TrainConfig, TrainConfigError
+    from eval_worker.jobs import JobError, validate_job
+    from eval_worker.ledger import Ledger, LedgerError
+
+    ok = valid_run_id(text)
+    try:
+        TrainConfig(run_id=text)
+        accepted = [True]
+    except TrainConfigError:
+        accepted = [False]
+    job = {"schema": "dflash-eval-job/1", "run_id": text, "step": 1, "checkpoint": "/c", "checkpoint_digest": "0" * 64,
+           "suite": "builtin:coding-v1"}
+    try:
+        validate_job(job)
+        accepted.append(True)
+    except JobError:
+        accepted.append(False)
+    try:
+        Ledger("/nonexistent").step_dir(text, 1)
+        accepted.append(True)
+    except LedgerError:
+        accepted.append(False)
+    assert accepted == [ok, ok, ok]
+    assert valid_run_id(run_id_from(text))
+
+
+def test_an_invalid_run_id_is_refused_before_training(tmp_path):
+    from dflash_train.train_config import TrainConfigError, load_config
+
+    with pytest.raises(TrainConfigError, match="run_id 'exp 1' must be"):
+        load_config(None, {"run_id": "exp 1", "checkpoint_root": str(tmp_path)})

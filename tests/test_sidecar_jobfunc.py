@@ -44,6 +44,20 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
     assert again["recorded_now"] is False and len(told) == 2
 
 
+def test_a_job_hashes_its_checkpoint_files_once(env, monkeypatch):
+    """The worker verifies the digests (inside its roots) and hands the verified manifest to the
+    engine, which does not hash the weights again (issue 12: they were hashed twice per job)."""
+    from dflash_train import publication
+
+    _, (j1, _) = env
+    hashed = []
+    real = publication.sha256_file
+    monkeypatch.setattr(publication, "sha256_file", lambda path, *a: hashed.append(str(path)) or real(path, *a))
+    run_eval_job(j1)
+    listed = publication.read_manifest(j1["checkpoint"])["files"]
+    assert sorted(hashed) == sorted(f"{j1['checkpoint']}/{name}" for name in listed)
+
+
 def test_a_failing_sink_does_not_fail_the_job(env, monkeypatch):
     settings, (j1, _) = env
     from eval_worker import sinks

@@ -63,7 +63,8 @@ def test_cli_trains_and_publishes(tmp_path, tiny_target_path):
            "--run-id", "cli", "--queue-depth", "1", "--no-progress", "--num-threads", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from dflash_train.checkpoint import load_drafter, read_manifest
+    from dflash_train.checkpoint import load_drafter
+    from dflash_train.publication import read_manifest
     path = tmp_path / "ck" / "cli" / "step-00000003"
     assert read_manifest(path)["step"] == 3
     assert load_drafter(path).config.block_size == 16
@@ -86,5 +87,5 @@ def test_torchrun_two_ranks_cli(tmp_path, tiny_target_path):
            "--num-threads", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from dflash_train.checkpoint import list_checkpoints
+    from dflash_train.publication import list_checkpoints
     assert [p.name for p in list_checkpoints(tmp_path / "ddp")] == ["step-00000002", "step-00000004"]

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.checkpoint import MARKER_NAME, list_checkpoints, load_drafter, pin_checkpoint, read_manifest
+from dflash_train.checkpoint import load_drafter
+from dflash_train.publication import MARKER_NAME, list_checkpoints, pin_checkpoint, read_manifest
 from dflash_train.train_state import TrainStateError, list_training_states, load_training_state
 from dflash_train.trainer import Trainer
 

@@ -121,7 +121,7 @@ def _expand(paths: list[str]) -> list[str]:
     """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
     from pathlib import Path
 
-    from dflash_train.checkpoint import MARKER_NAME, list_checkpoints
+    from dflash_train.publication import MARKER_NAME, list_checkpoints
 
     out = []
     for p in paths:
@@ -131,11 +131,11 @@ def _expand(paths: list[str]) -> list[str]:
 
 
 def _deliver_outbox(directory: str, conn, config, *, retry_rejected: bool = False) -> dict:
-    from eval_worker.queue import enqueue, refused_for_the_job
+    from eval_worker.queue import enqueue
     from hooks.outbox import Outbox
 
     box = Outbox(directory)
     restored = box.restore_rejected() if retry_rejected else []
-    report = box.deliver(lambda job: enqueue(conn, job, config=config), is_invalid=refused_for_the_job)
+    report = box.deliver(lambda job: enqueue(conn, job, config=config))
     return {"dir": directory, "restored": restored, "delivered": report.delivered, "rejected": report.rejected,
             "remaining": report.remaining, "error": report.error, "set_aside": box.rejected()}

@@ -59,12 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from dflash_train.checkpoint import CheckpointError
+    from dflash_train.publication import CheckpointError
     from dflash_train.config import ConfigError
     from dflash_train.target import TargetError
 
     from ..acceptance import Evaluator
-    from ..references import ReferenceError, ServerReferences
+    from ..references import ReferenceSourceError, ServerReferences
     from ..suite import SuiteError
 
     if args.threads:
@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
             evaluator.reference_source = ServerReferences(args.reference_server, args.reference_model)
         result = evaluator.evaluate(args.checkpoint, args.suite, baseline=args.baseline,
                                     train_metrics=train_metrics, options=options)
-    except (CheckpointError, ConfigError, TargetError, SuiteError, ReferenceError, ValueError) as e:
+    except (CheckpointError, ConfigError, TargetError, SuiteError, ReferenceSourceError, ValueError) as e:
         print(f"dflash-eval run: error: {e}", file=sys.stderr)
         return 2
     if args.json_out:

@@ -41,6 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_text
 from eval_worker.run_results import RunResult, load_run
 from eval_worker.sinks.wandb_lock import writer_lock
@@ -56,8 +57,10 @@ ENV_PRIMARY_SUITE = "DFLASH_WANDB_PRIMARY_SUITE"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-class SinkError(RuntimeError):
+class SinkError(DFlashError, RuntimeError):
     """A publication that did not happen; the ledger still holds the result."""
+
+    retryable = True
 
 
 @dataclass

@@ -1,0 +1,303 @@
+"""Published checkpoints: the one contract between the trainer (and its hooks) and the eval worker.
+
+Torch-free on purpose: `dflash-eval enqueue`, the job schema, pin/unpin and the worker's
+checks read a JSON marker and hash files, and must not pay for importing torch. Writing
+and reading the weights themselves is `dflash_train.checkpoint` (safetensors, torch).
+
+Layout (docs/design.md, "Published eval checkpoint")::
+
+    <checkpoint_root>/<run_id>/step-<step:08d>/
+        config.json, model.safetensors     the drafter (published DFlash layout)
+        COMPLETE.json                      the manifest, written last
+        .pins/<token>                      retention pins (one per eval job that may read it)
+
+A checkpoint is published by writing a hidden temporary directory
+`.step-<step:08d>.tmp-<pid>`, fsyncing it, renaming it into place and only then writing
+COMPLETE.json (a fsynced temporary file and a rename). A directory without the marker is
+never a checkpoint: never enqueued, never evaluated, removed by the next run's cleanup.
+
+Run ids name directories, Redis keys and job ids: `RUN_ID_PATTERN`, checked by the
+trainer's config, the job schema and the ledger alike.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .errors import DFlashError
+from .fsutil import atomic_write_json, fsync_path, pid_alive
+
+# Published checkpoints are read by eval workers that may run as another user: every file is
+# 0644 and every directory we create 0755, whatever the umask (safetensors alone writes 0600).
+FILE_MODE, DIR_MODE = 0o644, 0o755
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+MARKER_NAME = "COMPLETE.json"
+MANIFEST_FORMAT = "dflash-checkpoint/1"
+PINS_DIR = ".pins"
+
+RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+RUN_ID_RULE = "1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, no '..'"
+_RUN_ID = re.compile(rf"^{RUN_ID_PATTERN}$")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_DIR = re.compile(r"^\.step-(\d{8,})\.tmp-(\d+)$")
+
+
+class CheckpointError(DFlashError, ValueError):
+    """A checkpoint that is not published, not intact, or cannot be loaded; the message says why."""
+
+
+# --------------------------------------------------------------------------- names
+
+def valid_run_id(run_id: object) -> bool:
+    """Whether `run_id` may name a run (a directory, a Redis key part, a job id part)."""
+    return isinstance(run_id, str) and bool(_RUN_ID.match(run_id)) and ".." not in run_id
+
+
+def check_run_id(run_id: object) -> str:
+    if not valid_run_id(run_id):
+        raise CheckpointError(f"invalid run id {run_id!r}: {RUN_ID_RULE}")
+    return run_id  # type: ignore[return-value]
+
+
+def run_id_from(text: str, default: str = "run") -> str:
+    """A valid run id made from free text (an HF run name, a directory name)."""
+    rid = re.sub(r"[^A-Za-z0-9._-]", "_", str(text)).lstrip("._-")
+    rid = re.sub(r"\.{2,}", ".", rid)[:128]
+    return rid if valid_run_id(rid) else default
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{int(step):08d}"
+
+
+def checkpoint_step(directory: str | Path) -> int | None:
+    """The step a `step-NNNNNNNN` directory name stands for, else None."""
+    m = _STEP_DIR.match(Path(directory).name)
+    return int(m.group(1)) if m else None
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- publishing
+
+def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
+                      train_metrics: dict | None = None) -> Path:
+    """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
+
+    `write_files(tmp_dir)` writes the checkpoint's files (config.json, the weights) into a
+    fresh temporary directory. Publishing a step that is already complete is an error; a
+    leftover without a marker is replaced.
+    """
+    check_run_id(run_id)
+    run_dir = Path(checkpoint_root) / run_id
+    if not run_dir.is_dir():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, DIR_MODE)
+    final = run_dir / step_dir_name(step)
+    if (final / MARKER_NAME).exists():
+        raise CheckpointError(f"{final} is already published")
+    tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write_files(tmp)
+    os.chmod(tmp, DIR_MODE)
+    files = {}
+    for p in sorted(tmp.iterdir()):
+        os.chmod(p, FILE_MODE)
+        fsync_path(p)
+        files[p.name] = sha256_file(p)
+    fsync_path(tmp)
+    if final.exists():  # renamed but never marked: a crashed earlier attempt
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_path(run_dir)
+    manifest = {
+        "format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": files[WEIGHTS_NAME],
+        "files": files, "config": json.loads((final / CONFIG_NAME).read_text()),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "train_metrics": dict(train_metrics or {}),
+    }
+    atomic_write_json(final / MARKER_NAME, manifest, mode=FILE_MODE)
+    return final
+
+
+# --------------------------------------------------------------------------- reading and verifying
+
+def read_manifest(directory: str | Path) -> dict:
+    """The manifest of a published checkpoint; CheckpointError if it is not one."""
+    marker = Path(directory) / MARKER_NAME
+    try:
+        data = json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
+                              "(still being written, or abandoned)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
+    problems = []
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{marker}: format is not {MANIFEST_FORMAT!r}")
+    if not isinstance(data.get("step"), int) or data["step"] < 0:
+        problems.append("step must be a non-negative integer")
+    if not isinstance(data.get("digest"), str) or len(data["digest"]) != 64:
+        problems.append("digest must be a sha256 hex string")
+    files = data.get("files")
+    if not isinstance(files, dict) or WEIGHTS_NAME not in files:
+        problems.append(f"files must list {WEIGHTS_NAME}")
+    elif files[WEIGHTS_NAME] != data.get("digest"):
+        problems.append(f"digest differs from files[{WEIGHTS_NAME}]")
+    if not isinstance(data.get("run_id"), str):
+        problems.append("run_id missing")
+    if problems:
+        raise CheckpointError(f"{marker}: invalid manifest: " + "; ".join(problems))
+    return data
+
+
+def within(path: str | os.PathLike, roots: Iterable[Path]) -> Path | None:
+    """The real path of `path` (symlinks resolved) if it lies inside one of `roots`, else None."""
+    real = Path(os.path.realpath(path))
+    return real if any(real == root or root in real.parents for root in roots) else None
+
+
+def verify_checkpoint(directory: str | Path, roots: list[Path] | None = None) -> dict:
+    """`read_manifest` plus a sha256 check of every listed file; returns the manifest.
+
+    With `roots`, every listed file must also lie inside them once symlinks are resolved
+    (a checkpoint may not point the worker at files elsewhere).
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for name, want in sorted(manifest["files"].items()):
+        path = directory / name
+        if os.sep in name or name.startswith("."):
+            raise CheckpointError(f"{directory}: {MARKER_NAME} lists a file outside the directory: {name!r}")
+        if roots is not None and within(path, roots) is None:
+            raise CheckpointError(f"{directory}: {name} resolves to {os.path.realpath(path)}, outside the "
+                                  "checkpoint roots; a symlink may not lead out of the roots")
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: {name} listed in {MARKER_NAME} is missing")
+        got = sha256_file(path)
+        if got != want:
+            raise CheckpointError(f"{directory}: {name} digest mismatch (manifest {str(want)[:12]}..., "
+                                  f"file {got[:12]}...): modified or corrupt")
+    return manifest
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Published (marked) checkpoints of a run directory, oldest step first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None
+             and (p / MARKER_NAME).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+# --------------------------------------------------------------------------- pins and retention
+
+def _pin_path(directory: Path, token: str) -> Path:
+    if not token or "/" in token or token.startswith("."):
+        raise CheckpointError(f"invalid pin token {token!r}")
+    return Path(directory) / PINS_DIR / token
+
+
+def pin_checkpoint(directory: str | Path, token: str) -> bool:
+    """Keep `directory` through retention until `unpin_checkpoint(directory, token)`.
+
+    Returns False when the pin cannot be written (no such checkpoint, a read-only mount):
+    the checkpoint is then only less protected, never refused.
+    """
+    p = _pin_path(Path(directory), token)
+    try:
+        if not Path(directory).is_dir():
+            return False
+        if not p.parent.is_dir():
+            p.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+            os.chmod(p.parent, DIR_MODE)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)
+        except OSError:
+            pass  # another user's pin of the same token: leave its mode
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
+def unpin_checkpoint(directory: str | Path, token: str) -> bool:
+    """Release pin `token` (True if one was removed); a missing pin or checkpoint is not an error."""
+    try:
+        _pin_path(Path(directory), token).unlink()
+    except OSError:
+        return False
+    return True
+
+
+def is_pinned(directory: str | Path) -> bool:
+    pins = Path(directory) / PINS_DIR
+    return pins.is_dir() and any(pins.iterdir())
+
+
+def remove_checkpoint(directory: str | Path) -> None:
+    """Invalidate first (marker gone), then delete: a reader never loads a half-deleted one."""
+    directory = Path(directory)
+    try:
+        (directory / MARKER_NAME).unlink()
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list[Path]:
+    """Delete published checkpoints beyond the newest `keep_last` (0 keeps all).
+
+    Kept regardless: pinned ones and those for which `protect(path)` is True.
+    Returns the removed paths.
+    """
+    if keep_last <= 0:
+        return []
+    removed = []
+    for path in list_checkpoints(run_dir)[:-keep_last]:
+        if is_pinned(path) or (protect is not None and protect(path)):
+            continue
+        if is_pinned(path):  # re-check just before deleting: a pin may have just landed
+            continue
+        remove_checkpoint(path)
+        removed.append(path)
+    return removed
+
+
+def cleanup_incomplete(run_dir: str | Path) -> list[Path]:
+    """Remove half-written publications of earlier runs (call before training starts).
+
+    `.step-*.tmp-<pid>` directories of dead processes (or of this one: nothing is in
+    flight yet) and `step-*` directories that never got their marker.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    removed = []
+    for p in run_dir.iterdir():
+        m = _TMP_DIR.match(p.name)
+        stale_tmp = m is not None and (int(m.group(2)) == os.getpid() or not pid_alive(int(m.group(2))))
+        unmarked = checkpoint_step(p) is not None and p.is_dir() and not (p / MARKER_NAME).exists()
+        if stale_tmp or unmarked:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
