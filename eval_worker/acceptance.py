@@ -56,7 +56,7 @@ class EvalOptions:
     draft_verify_cost_ratio: float | None = None  # from the serving hardware; default: measured here
     measure_speed: bool = True
     anchors_per_chunk: int | None = None
-    head_rows: int = DEFAULT_HEAD_ROWS
+    head_rows: int | None = DEFAULT_HEAD_ROWS  # None: a fixed logits budget (flat in vocabulary)
     backend: str = "auto"
     # a server reference that is not the target's own greedy output: "fail" the job (nothing is
     # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
