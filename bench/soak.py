@@ -1836,18 +1836,6 @@ def scenario_spool(base: Path, zygote: Zygote, target: Path, *, jobs: int = 3, t
                       observed, c, t0, reasons=sorted(set(reasons.values()))[:3], problems=problems)
 
 
-def _served_without_password(port: int) -> bool:
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=3)
-    try:
-        return bool(client.ping())
-    except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError):
-        return False
-    finally:
-        client.close()
-
-
 def scenario_password(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
     """An embedded Redis started without a password is reused with DFLASH_REDIS_PASSWORD set: the
     password must be applied (CONFIG SET, config file) and verified with an unauthenticated
@@ -1856,6 +1844,7 @@ def scenario_password(base: Path, zygote: Zygote, target: Path, *, timeout: floa
 
     from eval_worker.cli import main as cli
     from eval_worker.redis_local import LocalRedis, RedisAuthError, connect
+    from eval_worker.redis_local import open_to_anyone as _served_without_password
 
     t0 = time.monotonic()
     password = "soak:pw/@ &"

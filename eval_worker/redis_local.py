@@ -67,6 +67,7 @@ __all__ = [
     "default_data_dir",
     "find_redis_server",
     "free_port",
+    "open_to_anyone",
     "redact_url",
     "resolve_redis_url",
     "server_unavailable",
@@ -225,6 +226,23 @@ def server_unavailable(error: BaseException) -> bool:
     if isinstance(error, _UNAVAILABLE):
         return True
     return isinstance(error, redis.exceptions.ResponseError) and bool(_UNAVAILABLE_RE.search(str(error)))
+
+
+def open_to_anyone(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a Redis on host:port serves a client that has no credentials at all."""
+    client = redis.Redis(host=host, port=port, socket_timeout=2.0, socket_connect_timeout=2.0,
+                         retry=Retry(NoBackoff(), 0))
+    try:
+        client.ping()
+        return True
+    except redis.exceptions.AuthenticationError:
+        return False
+    except redis.exceptions.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            return False
+        raise
+    finally:
+        client.close()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -584,20 +602,7 @@ class LocalRedis:
         return True
 
     def _requires_password(self, port: int) -> bool:
-        """Whether a client *without* credentials is refused (True) or served (False)."""
-        client = redis.Redis(host=self.host, port=port, socket_timeout=2.0, socket_connect_timeout=2.0,
-                             retry=Retry(NoBackoff(), 0))
-        try:
-            client.ping()
-            return False
-        except redis.exceptions.AuthenticationError:
-            return True
-        except redis.exceptions.ResponseError as exc:
-            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-                return True
-            raise
-        finally:
-            client.close()
+        return not open_to_anyone(port, self.host)
 
     def _enforce_password(self, port: int) -> None:
         """With a password configured, make sure the server really requires it.

@@ -28,6 +28,7 @@ SIGTERM/SIGINT, the current job is put back at the front of its queue and the wo
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -412,6 +413,17 @@ class EvalJob(Job):
         return run_eval_job
 
 
+@contextlib.contextmanager
+def _ride_out(log, what: str):
+    """Skip `what` when Redis is unavailable (redis_local.server_unavailable); other errors propagate."""
+    try:
+        yield
+    except redis.exceptions.RedisError as e:
+        if not server_unavailable(e):
+            raise
+        log.warning("%s skipped, Redis unavailable: %s", what, e)
+
+
 # --------------------------------------------------------------------------- the scheduler
 
 def _die_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -450,20 +462,12 @@ class EvalScheduler(RQScheduler):
             self.log.warning("Scheduler %s: its worker (pid %s) is gone; stopping", self.name, self._parent_pid)
             self._stop_requested = True
             return
-        try:
+        with _ride_out(self.log, f"Scheduler {self.name}: heartbeat"):  # like the worker: ride out an outage
             super().heartbeat()
-        except redis.exceptions.RedisError as e:  # like the worker: ride out a server refusing writes
-            if not server_unavailable(e):
-                raise
-            self.log.warning("Scheduler %s: heartbeat skipped, Redis unavailable: %s", self.name, e)
 
     def enqueue_scheduled_jobs(self):
-        try:
+        with _ride_out(self.log, f"Scheduler {self.name}: moving scheduled jobs"):
             super().enqueue_scheduled_jobs()
-        except redis.exceptions.RedisError as e:
-            if not server_unavailable(e):
-                raise
-            self.log.warning("Scheduler %s: scheduled jobs wait, Redis unavailable: %s", self.name, e)
 
 
 # --------------------------------------------------------------------------- the worker
@@ -639,39 +643,23 @@ class EvalWorker(SimpleWorker):
     def heartbeat(self, timeout=None, pipeline=None):
         if pipeline is not None:
             return super().heartbeat(timeout, pipeline=pipeline)
-        try:
+        with _ride_out(self.log, f"Worker {self.name}: heartbeat"):
             super().heartbeat(timeout)
-        except redis.exceptions.RedisError as e:
-            if not server_unavailable(e):
-                raise
-            self.log.warning("Worker %s: heartbeat skipped, Redis unavailable: %s", self.name, e)
 
     def set_state(self, state, pipeline=None):
         if pipeline is not None:
             return super().set_state(state, pipeline=pipeline)
-        try:
+        self._state = state  # kept here even when Redis cannot hear of it
+        with _ride_out(self.log, f"Worker {self.name}: saving state {state}"):
             super().set_state(state)
-        except redis.exceptions.RedisError as e:
-            if not server_unavailable(e):
-                raise
-            self._state = state
-            self.log.warning("Worker %s: state %s not saved, Redis unavailable: %s", self.name, state, e)
 
     def check_for_suspension(self, burst: bool):
-        try:
+        with _ride_out(self.log, f"Worker {self.name}: suspension check"):
             super().check_for_suspension(burst)
-        except redis.exceptions.RedisError as e:
-            if not server_unavailable(e):
-                raise
-            self.log.warning("Worker %s: suspension check skipped, Redis unavailable: %s", self.name, e)
 
     def run_maintenance_tasks(self):
-        try:
+        with _ride_out(self.log, f"Worker {self.name}: maintenance"):
             super().run_maintenance_tasks()
-        except redis.exceptions.RedisError as e:
-            if not server_unavailable(e):
-                raise
-            self.log.warning("Worker %s: maintenance skipped, Redis unavailable: %s", self.name, e)
 
     # ---- stopping ----------------------------------------------------------------------
     def _interrupt_handler(self, signum, frame):

@@ -296,13 +296,7 @@ def test_password_url_works_and_wrong_password_is_clear(tmp_path):
 
 
 def _served_without_password(port: int) -> bool:
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=3)
-    try:
-        return bool(client.ping())
-    except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError):
-        return False
-    finally:
-        client.close()
+    return redis_local.open_to_anyone(port)
 
 
 def test_password_reuse_of_an_open_server_applies_the_password(tmp_path, monkeypatch, capsys):
