@@ -1,7 +1,7 @@
 """`dflash-train --config FILE [--option value ...]`: every TrainConfig field is a flag.
 
 `--config` takes a YAML/JSON file or a bundled config name (`demo`, `long`). Flags win
-over the file. Under `torchrun --nproc-per-node K -m dflash_train ...` each rank runs this.
+over the environment (`WANDB_MODE`, dflash_train.settings), which wins over the file. Under `torchrun --nproc-per-node K -m dflash_train ...` each rank runs this.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 
+from .settings import Settings
 from .train_config import TrainConfig, TrainConfigError, field_types, load_config, unwrap_optional
 
 
@@ -32,11 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
     args = build_parser().parse_args(argv)
+    settings = settings or Settings.from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    env = {"wandb_mode": settings.wandb_mode}
+    overrides = {**{k: v for k, v in env.items() if v is not None},
+                 **{k: v for k, v in vars(args).items() if k in names and v is not None}}
     for k, v in overrides.items():
         if isinstance(v, str) and v.lower() in ("none", "null"):
             overrides[k] = None

@@ -26,6 +26,14 @@ class DistInfo:
         return self.world_size > 1
 
 
+def is_rank0() -> bool:
+    """True on the main process: rank 0 of the process group, else of torchrun's `RANK` (a
+    callback may run before the group is joined), else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
     """Join the torchrun process group (NCCL on CUDA, gloo on CPU) if there is one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

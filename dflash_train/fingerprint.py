@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Iterable
@@ -28,6 +27,7 @@ import xxhash
 
 from .errors import DFlashError
 from .fsutil import atomic_write_json
+from .settings import Settings
 
 ALGO = "xxh3_128"
 CHUNK = 8 << 20
@@ -43,15 +43,6 @@ class FingerprintError(DFlashError, RuntimeError):
     """A target whose identity cannot be established (files changing, tensors without data)."""
 
     retryable = True  # a file that was being written when the worker read it
-
-
-def digest_home() -> Path:
-    """`$DFLASH_HOME/file-digests`, else `$XDG_CACHE_HOME|~/.cache` `/dflash-eval/file-digests`."""
-    home = os.environ.get("DFLASH_HOME")
-    if home:
-        return Path(home).expanduser() / "file-digests"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "dflash-eval" / "file-digests"
 
 
 def identity_files(directory: str | Path) -> list[Path]:
@@ -88,7 +79,9 @@ class FileDigests:
     """Per-file digests, cached on disk by the file's stat identity."""
 
     def __init__(self, root: str | Path | None = None, racy_s: float | None = None):
-        self.root = Path(root) if root is not None else digest_home()
+        # default `Settings.digests_dir` ($DFLASH_HOME/file-digests): Target.load is also called
+        # from Python (notebooks, the trainer), where no command line has read the settings
+        self.root = Path(root) if root is not None else Settings.from_env().digests_dir
         self.racy_s = RACY_S if racy_s is None else racy_s
         self.hashed_bytes = 0  # bytes actually read by this instance (for tests and the bench)
 

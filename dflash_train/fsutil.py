@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+import psutil
+
 __all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "atomic_writer",
            "fsync_dir", "fsync_path", "pid_alive"]
 
@@ -95,12 +97,4 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None =
 
 def pid_alive(pid: int) -> bool:
     """Whether a process `pid` exists (it may belong to another user; zombies count as alive)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid > 0 and psutil.pid_exists(pid)

@@ -15,7 +15,6 @@ import collections
 import contextlib
 import logging
 import math
-import os
 import queue as queue_mod
 import sys
 import time
@@ -418,10 +417,9 @@ class Trainer:
 
     def _init_wandb(self):
         c = self.config
-        os.environ.setdefault("WANDB_MODE", c.wandb_mode)
         import wandb
         run = wandb.init(project=c.wandb_project, entity=c.wandb_entity, group=self.run_id, name=self.run_id,
-                         job_type="train", config=c.to_dict(), mode=os.environ["WANDB_MODE"])
+                         job_type="train", config=c.to_dict(), mode=c.wandb_mode)
         run.define_metric("train/step")
         run.define_metric("train/*", step_metric="train/step")
         return run

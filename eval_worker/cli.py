@@ -2,13 +2,16 @@
 
 Each command module defines `HELP` (one line), `add_arguments(parser)` and
 `main(args) -> int`, and imports heavy dependencies inside `main` so that `--help`
-stays fast.
+stays fast. The environment is read here, once (`args.settings`, dflash_train.settings),
+and every command takes its defaults from it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from dflash_train.settings import Settings
 
 COMMANDS = {
     "run": "eval_worker.commands.run",  # evaluate one checkpoint, no queue
@@ -27,20 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-eval", description="Acceptance-length evaluation of DFlash drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # command not built yet
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(_main=module.main)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.settings = settings or Settings.from_env()
     try:
         return int(args._main(args) or 0)
     except KeyboardInterrupt:

@@ -24,7 +24,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal
+from typing import Annotated, Any, Literal, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -36,9 +36,6 @@ from .options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options
 from .suite import load_suite
 
 SCHEMA = "dflash-eval-job/1"
-ROOTS_ENV = "DFLASH_CHECKPOINT_ROOTS"
-TARGET_ROOTS_ENV = "DFLASH_TARGET_ROOTS"
-SUITE_ROOTS_ENV = "DFLASH_SUITE_ROOTS"
 
 PRIORITIES = ("high", "default", "low")
 REQUESTERS = ("hook", "user", "requeue")
@@ -255,20 +252,8 @@ def strip_attempt(job_id: str) -> str:
 
 # --------------------------------------------------------------------------- roots
 
-def configured_roots(roots: Iterable[str | os.PathLike] | None = None, env_var: str = ROOTS_ENV) -> list[Path] | None:
-    """Roots: `roots` if given, else `$env_var` (os.pathsep-separated; checkpoint roots by default).
-
-    Returns None when neither names any root (confinement not configured).
-    """
-    if roots is None:
-        env = os.environ.get(env_var, "")
-        roots = [r for r in env.split(os.pathsep) if r.strip()]
-    out = [Path(os.path.realpath(os.path.expanduser(str(r)))) for r in roots]
-    return out or None
-
-
-def confine(path: str | os.PathLike, roots: list[Path], what: str = "checkpoint",
-            how: str = f"--checkpoint-root or ${ROOTS_ENV}") -> Path:
+def confine(path: str | os.PathLike, roots: Sequence[Path], what: str = "checkpoint",
+            how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> Path:
     """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError."""
     real = within(path, roots)
     if real is not None:
@@ -281,8 +266,8 @@ def confine(path: str | os.PathLike, roots: list[Path], what: str = "checkpoint"
     raise JobError(f"{path} is outside the {what} roots ({shown}); add its root with {how}")
 
 
-def check_target(target: str, default_target: str | None, target_roots: list[Path] | None,
-                 checkpoint_roots: list[Path]) -> None:
+def check_target(target: str, default_target: str | None, target_roots: Sequence[Path] | None,
+                 checkpoint_roots: Sequence[Path]) -> None:
     """A job may name the worker's own target, or one inside the target roots.
 
     Loading a target reads gigabytes and runs its tokenizer/config code paths, so a job may
@@ -292,14 +277,14 @@ def check_target(target: str, default_target: str | None, target_roots: list[Pat
     if default_target and os.path.realpath(target) == os.path.realpath(default_target):
         return
     if target_roots is not None:
-        confine(target, target_roots, "target", f"--target-root or ${TARGET_ROOTS_ENV}")
+        confine(target, target_roots, "target", "--target-root or $DFLASH_TARGET_ROOTS")
     else:
         confine(target, checkpoint_roots, "checkpoint",
-                f"--target-root or ${TARGET_ROOTS_ENV} (targets other than the worker's own --target must lie "
+                "--target-root or $DFLASH_TARGET_ROOTS (targets other than the worker's own --target must lie "
                 "in a target root, or in a checkpoint root when no target root is set)")
 
 
-def check_suite(suite: str, suite_roots: list[Path] | None, checkpoint_roots: list[Path] | None) -> str:
+def check_suite(suite: str, suite_roots: Sequence[Path] | None, checkpoint_roots: Sequence[Path] | None) -> str:
     """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), or a
     file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
     spec to load (a bare name gets its `builtin:` prefix; a file its real path).
@@ -316,7 +301,7 @@ def check_suite(suite: str, suite_roots: list[Path] | None, checkpoint_roots: li
     roots = suite_roots if suite_roots is not None else checkpoint_roots
     refused = JobError(f"suite {shorten(suite)} is not available on this worker: name a built-in suite "
                        "(builtin:NAME) or a suite file under the worker's suite roots "
-                       f"(--suite-root / ${SUITE_ROOTS_ENV}; default: the checkpoint roots)")
+                       "(--suite-root / $DFLASH_SUITE_ROOTS; default: the checkpoint roots)")
     if (not roots or not isinstance(suite, str) or len(suite) > MAX_PATH or "\x00" in suite
             or not os.path.isabs(suite)):
         raise refused
@@ -328,7 +313,7 @@ def check_suite(suite: str, suite_roots: list[Path] | None, checkpoint_roots: li
 
 # --------------------------------------------------------------------------- checkpoints
 
-def check_checkpoint(job: dict[str, Any], roots: list[Path] | None, *,
+def check_checkpoint(job: dict[str, Any], roots: Sequence[Path] | None, *,
                      verify_digest: bool = False) -> dict[str, dict[str, Any]]:
     """Check the job's checkpoint on disk; return the manifests read, keyed by real path.
 
@@ -356,7 +341,7 @@ def check_checkpoint(job: dict[str, Any], roots: list[Path] | None, *,
     return manifests
 
 
-def _check_one(path: str, roots: list[Path] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
+def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
     if roots is not None:
         confine(path, roots)
     real = os.path.realpath(path)
@@ -379,7 +364,7 @@ def _check_one(path: str, roots: list[Path] | None, verify_digest: bool, what: s
 def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.PathLike | None = None,
              baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
              requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
-             manifest: dict[str, Any] | None = None, roots: list[Path] | None = None) -> dict[str, Any]:
+             manifest: dict[str, Any] | None = None, roots: Sequence[Path] | None = None) -> dict[str, Any]:
     """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
     checkpoint = os.path.abspath(os.fspath(checkpoint))
     if manifest is None:

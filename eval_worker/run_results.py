@@ -47,7 +47,7 @@ def result_of(record: dict) -> dict:
     raise ResultsError(f"not a {RESULT_SCHEMA} record (schema={record.get('schema')!r})")
 
 
-def load_run(run_id: str, results_dir: str | os.PathLike | None = None) -> list[RunResult]:
+def load_run(run_id: str, results_dir: str | os.PathLike) -> list[RunResult]:
     """Latest attempt of every (step, record key) of ``run_id``, in that order."""
     from eval_worker.ledger import Ledger, LedgerError
 

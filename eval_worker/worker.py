@@ -42,7 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import redis
 from rq.exceptions import DeserializationError
@@ -54,11 +54,12 @@ from rq.worker import SimpleWorker, WorkerStatus
 from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
 from dflash_train.publication import unpin_checkpoint
+from dflash_train.settings import Settings
 
 from . import jobs as jobs_mod
 from . import sinks
 from .jobs import JobError
-from .ledger import Ledger, default_results_dir, tau_of
+from .ledger import Ledger, tau_of
 from .options import options_identity
 from .queue import JOB_FUNC, get_queue
 from .redis_local import server_unavailable
@@ -66,11 +67,6 @@ from .redis_local import server_unavailable
 log = logging.getLogger("eval_worker.worker")
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
-
-TARGET_ENV = "DFLASH_TARGET"
-CACHE_ENV = "DFLASH_CACHE_DIR"
-DEVICE_ENV = "DFLASH_DEVICE"
-SPOOL_ENV = "DFLASH_SPOOL_DIR"
 SPOOL_SCHEMA = "dflash-eval-spool/1"
 
 
@@ -86,38 +82,34 @@ class LedgerWriteFailed(DFlashError, OSError):
 
 @dataclass
 class WorkerSettings:
-    """What a worker process needs besides Redis."""
+    """What a worker process needs besides Redis: the environment's settings (`env`), with the
+    command line's choices applied (`from_settings`)."""
 
     results_dir: Path
-    roots: list[Path] | None
+    roots: Sequence[Path] | None
     cache_dir: Path | None = None
-    target_roots: list[Path] | None = None  # where a job's own `target` may lie (see jobs.check_target)
-    suite_roots: list[Path] | None = None   # where a job's suite file may lie (see jobs.check_suite)
+    target_roots: Sequence[Path] | None = None  # where a job's own `target` may lie (see jobs.check_target)
+    suite_roots: Sequence[Path] | None = None   # where a job's suite file may lie (see jobs.check_suite)
     default_target: str | None = None
     device: str | None = None
     max_targets: int = 1
     evaluator_factory: str | None = None  # "module:callable(target, cache_dir=..., device=...)"
     spool_dir: Path | None = None  # computed results whose ledger write failed (default: next to the cache)
+    env: Settings | None = None  # sinks and their Redis; None: read where the worker starts (a plain `rq worker`)
 
     def __post_init__(self) -> None:
         if self.spool_dir is None:
-            base = self.cache_dir.parent if self.cache_dir is not None else self.results_dir.parent
-            self.spool_dir = Path(os.environ.get(SPOOL_ENV) or base / "spool")
+            self.spool_dir = (self.cache_dir or self.results_dir).parent / "spool"
+        if self.env is None:
+            self.env = Settings.from_env()
 
     @classmethod
-    def from_env(cls, **overrides) -> "WorkerSettings":
-        results = Path(overrides.pop("results_dir", None) or default_results_dir())
-        cache = overrides.pop("cache_dir", None) or os.environ.get(CACHE_ENV)
-        values = dict(
-            results_dir=results,
-            roots=jobs_mod.configured_roots(overrides.pop("roots", None)),
-            target_roots=jobs_mod.configured_roots(overrides.pop("target_roots", None), jobs_mod.TARGET_ROOTS_ENV),
-            suite_roots=jobs_mod.configured_roots(overrides.pop("suite_roots", None), jobs_mod.SUITE_ROOTS_ENV),
-            cache_dir=Path(cache) if cache else results.parent / "cache",
-            default_target=os.environ.get(TARGET_ENV) or None,
-            device=os.environ.get(DEVICE_ENV) or None,
-            evaluator_factory=os.environ.get("DFLASH_EVALUATOR_FACTORY") or None,
-        )
+    def from_settings(cls, settings: Settings, **overrides) -> "WorkerSettings":
+        """The worker's settings: `settings` (the environment), with `overrides` (flags given) applied."""
+        values = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
+                      target_roots=settings.target_roots, suite_roots=settings.suite_roots,
+                      cache_dir=settings.cache_dir, default_target=settings.target, device=settings.device,
+                      evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -137,8 +129,8 @@ def configure(settings: WorkerSettings) -> None:
 
 def settings() -> WorkerSettings:
     global _settings
-    if _settings is None:  # a plain `rq worker` running our jobs: configuration from the environment
-        _settings = WorkerSettings.from_env()
+    if _settings is None:  # a plain `rq worker` running our jobs: its process is the edge
+        _settings = WorkerSettings.from_settings(Settings.from_env())
     return _settings
 
 
@@ -202,7 +194,7 @@ def _empty_device_cache() -> None:
 def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None:
     """Tell the result sinks (W&B). Returns their errors as text instead of raising."""
     try:
-        outcome = sinks.publish_result(record, job)
+        outcome = sinks.publish_result(record, job, settings().env)
     except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
         log.warning("result sink failed for %s (kept in the ledger; `dflash-eval publish` can retry): %s",
                     record.get("job_id"), e, exc_info=True)
@@ -243,7 +235,7 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
     s = settings()
     if s.roots is None:
         raise JobError("this worker has no checkpoint roots configured: start it with --checkpoint-root DIR "
-                       f"or set ${jobs_mod.ROOTS_ENV}; refusing to read checkpoints from arbitrary paths")
+                       "or set $DFLASH_CHECKPOINT_ROOTS; refusing to read checkpoints from arbitrary paths")
     connection = rq_job.connection if rq_job is not None else None
     job_id = rq_job.id if rq_job is not None else _local_job_id(job)
     ledger = Ledger(s.results_dir, connection=connection)
@@ -300,7 +292,7 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
                                 train_metrics=job["train_metrics"], options=job["options"], verified=verified).to_dict()
     worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
-                   "name": os.environ.get("RQ_WORKER_ID") or (rq_job.worker_name if rq_job else None)}
+                   "name": s.env.worker_id or (rq_job.worker_name if rq_job else None)}
     return result, worker_info
 
 

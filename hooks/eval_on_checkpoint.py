@@ -31,6 +31,7 @@ from rq.serializers import JSONSerializer
 
 from dflash_train.errors import retryable
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.settings import Settings
 from eval_worker import jobs as jobs_mod
 from eval_worker.ledger import Ledger
 from eval_worker.queue import QueueConfig, enqueue
@@ -42,12 +43,9 @@ log = logging.getLogger("hooks.eval")
 
 
 def is_rank0() -> bool:
-    """True on the main process (no torch.distributed, or rank 0; RANK env as fallback)."""
-    import torch.distributed as dist  # the trainer's process has torch loaded already
+    from dflash_train.distributed import is_rank0  # torch: the trainer's process has it loaded already
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") in ("", "0")
+    return is_rank0()
 
 
 class EvalOnCheckpoint:
@@ -56,6 +54,8 @@ class EvalOnCheckpoint:
     queue: the queue base name (`dflash-eval`; priorities add `-high`/`-low`).
     redis_url: `None` -> $REDIS_URL -> the embedded local redis-server.
     target / suite / baseline / options / wandb / priority: copied into each job.
+    settings: the environment's settings (dflash_train.settings); read here when not given,
+    the training script being the edge.
     """
 
     def __init__(self, every_n_steps: int = 1, queue: str = "dflash-eval", *, suite: str = "builtin:coding-v1",
@@ -63,7 +63,8 @@ class EvalOnCheckpoint:
                  options: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
                  priority: str = "default", redis_url: str | None = None, eval_final: bool = True,
                  train_end_timeout: float = 30.0, connect_timeout: float = 2.0, job_timeout: int | None = None,
-                 min_backoff: float = 1.0, max_backoff: float = 60.0, reconcile_interval: float = 30.0):
+                 min_backoff: float = 1.0, max_backoff: float = 60.0, reconcile_interval: float = 30.0,
+                 settings: Settings | None = None):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = int(every_n_steps)
@@ -71,6 +72,7 @@ class EvalOnCheckpoint:
         self.suite, self.target, self.baseline = suite, target, baseline
         self.options, self.wandb, self.priority = options, wandb, priority
         self.redis_url = redis_url
+        self.settings = settings or Settings.from_env()
         self.eval_final = eval_final
         self.train_end_timeout = train_end_timeout
         self.connect_timeout = connect_timeout
@@ -194,7 +196,7 @@ class EvalOnCheckpoint:
     def _connection(self):
         with self._conn_lock:
             if self._conn is None:
-                url = resolve_redis_url(self.redis_url)
+                url = resolve_redis_url(self.redis_url, self.settings)
                 self._conn = connect(url, socket_connect_timeout=self.connect_timeout,
                                      socket_timeout=max(self.connect_timeout, 5.0))
             return self._conn

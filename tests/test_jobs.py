@@ -141,14 +141,6 @@ def test_missing_marker_and_digest_mismatch(tmp_path):
         jobs.check_checkpoint({**job, "checkpoint": str(root / "nope")}, None)
 
 
-def test_configured_roots_from_env(monkeypatch, tmp_path):
-    monkeypatch.setenv(jobs.ROOTS_ENV, f"{tmp_path}/a{os.pathsep}{tmp_path}/b")
-    assert jobs.configured_roots() == [tmp_path / "a", tmp_path / "b"]
-    assert jobs.configured_roots([tmp_path]) == [tmp_path]
-    monkeypatch.delenv(jobs.ROOTS_ENV)
-    assert jobs.configured_roots() is None
-
-
 def test_pin_and_unpin(tmp_path):
     ckpt = publish_random(tmp_path, "run-p", 1)
     from dflash_train.publication import is_pinned, pin_checkpoint, unpin_checkpoint

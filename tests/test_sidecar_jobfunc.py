@@ -33,7 +33,7 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
     told = []
     from eval_worker import sinks
 
-    monkeypatch.setattr(sinks, "publish_result", lambda record, job: told.append(record["path"]) or {"x": {"ok": True}})
+    monkeypatch.setattr(sinks, "publish_result", lambda record, job, settings: told.append(record["path"]) or {"x": {"ok": True}})
     r1, r2 = run_eval_job(j1), run_eval_job(j2)
     assert r1["recorded_now"] and r2["recorded_now"] and r1["sink_error"] is None
     assert worker_mod.target_loads() == 1 and r2["target_loads"] == 1
@@ -62,7 +62,7 @@ def test_a_failing_sink_does_not_fail_the_job(env, monkeypatch):
     settings, (j1, _) = env
     from eval_worker import sinks
 
-    def boom(record, job):
+    def boom(record, job, settings):
         raise RuntimeError("wandb is down")
 
     monkeypatch.setattr(sinks, "publish_result", boom)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from eval_worker.ledger import Ledger, read_record
+from dflash_train.settings import Settings
 from eval_worker.sinks import publish_result
 from eval_worker.sinks.wandb_lock import LockTimeout, writer_lock
 from eval_worker.sinks.wandb_payload import marked_html, marked_text, scalars
@@ -55,7 +56,7 @@ def test_out_of_order_results_land_at_their_training_step(env):
     expected = {}
     for step, p in ((300, 0.75), (100, 0.35), (200, 0.55)):  # a re-queued old checkpoint arrives late
         record, res = record_for(env, "run-a", step, p, baseline_tau=2.0)
-        outcome = publish_result(record, record["job"])
+        outcome = publish_result(record, record["job"], Settings.from_env())
         assert outcome["wandb"]["ok"], outcome
         expected[step] = res
         pointer, log = current_run(env["wandb"], "run-a")
@@ -106,11 +107,11 @@ def test_out_of_order_results_land_at_their_training_step(env):
 def test_newer_attempt_replaces_the_point_and_best_alias_moves(env):
     r1, res1 = record_for(env, "run-b", 100, 0.7)
     r2, res2 = record_for(env, "run-b", 200, 0.5)
-    assert publish_result(r2, r2["job"])["wandb"]["ok"]
+    assert publish_result(r2, r2["job"], Settings.from_env())["wandb"]["ok"]
     # re-evaluation of step 100 (attempt 1) with a worse τ: the ledger's latest attempt wins
     worse = make_result("run-b", 100, p=0.2, checkpoint_root=str(env["ckpt"]), digest=res1["checkpoint"]["digest"])
     r3 = read_record(write_ledger(env["results"], worse, attempt=1))
-    assert publish_result(r3, r3["job"])["wandb"]["ok"]
+    assert publish_result(r3, r3["job"], Settings.from_env())["wandb"]["ok"]
     pointer, log = current_run(env["wandb"], "run-b")
     assert log.points("eval/tau") == {100: pytest.approx(worse["tau"]["macro"]), 200: pytest.approx(res2["tau"]["macro"])}
     best = [a for a in log.artifacts if a["type"] == "model" and "best-tau" in a["aliases"]]
@@ -130,17 +131,17 @@ def test_marked_text_and_html_escape_and_survive_bad_spans():
 def test_sink_off_by_env_and_disabled_mode(env, monkeypatch):
     record, _ = record_for(env, "run-c", 100, 0.5)
     monkeypatch.setenv("DFLASH_SINKS", "none")
-    assert publish_result(record, record["job"]) == {}
+    assert publish_result(record, record["job"], Settings.from_env()) == {}
     monkeypatch.setenv("DFLASH_SINKS", "wandb")
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert publish_result(record, record["job"]) == {"wandb": {"ok": True, "mode": "disabled"}}
+    assert publish_result(record, record["job"], Settings.from_env()) == {"wandb": {"ok": True, "mode": "disabled"}}
     assert not (env["wandb"] / "run-c-eval.json").exists()
 
 
 def test_sink_failure_is_reported_not_raised(env, monkeypatch):
     record, _ = record_for(env, "run-d", 100, 0.5)
     (env["results"] / "run-d" / "step-00000100" / record["key"] / "attempt-0.json").write_text("{torn")
-    out = publish_result(record, record["job"])
+    out = publish_result(record, record["job"], Settings.from_env())
     assert out["wandb"]["ok"] is False and "attempt-0.json" in out["wandb"]["error"]
 
 

@@ -1,6 +1,6 @@
 """Options and helpers shared by the queue commands (worker, enqueue, requeue, status, cancel).
 
-Redis URL: `--redis-url` > `$REDIS_URL` > the embedded local redis-server
+Redis URL: `--redis-url` > `$REDIS_URL` (`args.settings`) > the embedded local redis-server
 (eval_worker.redis_local.resolve_redis_url). Passwords are never printed (redact_url).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def connect_from_args(args: argparse.Namespace):
     """(connection, redacted url) for the command's Redis; raises RedisLocalError with a clear message."""
     from eval_worker.redis_local import connect, redact_url, resolve_redis_url
 
-    url = resolve_redis_url(args.redis_url)
+    url = resolve_redis_url(args.redis_url, args.settings)
     return connect(url), redact_url(url)
 
 

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default=None,
                    help="W&B mode for the eval run (default: $WANDB_MODE, else offline)")
-    p.add_argument("--wandb-project", default=os.environ.get("WANDB_PROJECT", "dflash-eval"))
+    p.add_argument("--wandb-project", default=None, help="W&B project (default: $WANDB_PROJECT, else dflash-eval)")
     p.add_argument("--eval-timeout", type=float, default=900, help="seconds to wait for the evaluations after training")
 
 
@@ -97,10 +97,7 @@ def main(args: argparse.Namespace) -> int:
     paths = {k: work / k for k in ("runs", "results", "wandb", "report", "cache", "logs")}
     for p in paths.values():
         p.mkdir(parents=True, exist_ok=True)
-    mode = args.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
-    os.environ["WANDB_MODE"] = mode  # the trainer, the worker and the sink all read it
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.environ["DFLASH_WANDB_DIR"] = str(paths["wandb"])
+    mode = args.wandb_mode or args.settings.wandb_mode or "offline"  # passed to the trainer, the worker, the sink
     stack = DemoStack(work, redis_url=args.redis_url)
     try:
         return _run(args, stack, paths, mode, t0)
@@ -145,7 +142,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         overrides.setdefault("progress", "false")  # a progress bar in a log file is one endless line
     config = load_config(args.config, {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
                                        "max_steps": args.max_steps, "num_threads": trainer_threads,
-                                       "data_cache_dir": str(paths["cache"] / "train-data")})
+                                       "data_cache_dir": str(paths["cache"] / "train-data"), "wandb_mode": mode})
     every = args.eval_every or config.publish_every
     if every % config.publish_every:
         config = config.replace(publish_every=every)  # an eval needs a checkpoint published at that step
@@ -160,10 +157,12 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
                   "DFLASH_WANDB_DIR": str(paths["wandb"]), "WANDB_MODE": mode, "TOKENIZERS_PARALLELISM": "false"}
     stack.start_worker("demo-worker", target=target_dir, checkpoint_root=paths["runs"], results=paths["results"],
                        cache=paths["cache"] / "eval", env=worker_env)
-    wandb_cfg = {"project": args.wandb_project, "group": run_id, "entity": os.environ.get("WANDB_ENTITY"), "mode": mode}
+    settings = args.settings
+    wandb_cfg = {"project": args.wandb_project or settings.wandb_project or "dflash-eval", "group": run_id,
+                 "entity": settings.wandb_entity, "mode": mode}
     options = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else None
     hook = EvalOnCheckpoint(every_n_steps=every, suite=args.suite, target=target_dir, wandb=wandb_cfg,
-                            redis_url=url, options=options, train_end_timeout=60)
+                            redis_url=url, options=options, train_end_timeout=60, settings=settings)
     print(f"[demo] training {run_id}: {config.max_steps} steps on {config.target}, eval every {every} steps "
           f"(trainer {trainer_threads} thread(s), worker {worker_threads})", flush=True)
     t_train = time.monotonic()
@@ -182,7 +181,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         conn.close()
     stack.stop_workers()  # the worker's sink has published after each result; stop before the final pass
 
-    info = publish_run(run_id, target_from(wandb_cfg, mode=mode, root=paths["wandb"]), results_dir=paths["results"],
+    info = publish_run(run_id, target_from(wandb_cfg, settings, mode=mode, root=paths["wandb"]), results_dir=paths["results"],
                        redis_url=url)
     report = build_report(run_id, results_dir=paths["results"], out_dir=paths["report"] / run_id)
     rows = [r for r in load_run(run_id, paths["results"])]
@@ -195,7 +194,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         print(f"  W&B offline: {info['run_dir']}")
         print(f"  to upload:   {info['sync']}")
     elif info.get("mode") == "online":
-        print(f"  W&B online:  project {args.wandb_project}, run {info['eval_run_id']}")
+        print(f"  W&B online:  project {wandb_cfg['project']}, run {info['eval_run_id']}")
     print(f"  ledger:      {paths['results'] / run_id}")
     print(f"  total time:  {time.monotonic() - t0:.0f}s")
     return 0 if not failed else 1

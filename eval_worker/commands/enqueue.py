@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from ._common import add_redis_args, connect_from_args, fail, print_json
 
@@ -25,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="published checkpoint directories (with COMPLETE.json), or a run directory "
                              "(all its published checkpoints)")
     parser.add_argument("--suite", default="builtin:coding-v1", help="suite: builtin:NAME or a .jsonl file")
-    parser.add_argument("--target", default=os.environ.get("DFLASH_TARGET"),
+    parser.add_argument("--target", default=None,
                         help="target model directory as the worker sees it (default $DFLASH_TARGET, "
                              "else the worker's own --target)")
     parser.add_argument("--baseline", default=None, help="a published checkpoint to compare against")
@@ -54,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.jobs import JobError, configured_roots, make_job
+    from dflash_train.settings import parse_roots
+    from eval_worker.jobs import JobError, make_job
     from eval_worker.queue import QueueConfig, enqueue
 
     if not args.checkpoints and not args.outbox:
@@ -75,13 +75,14 @@ def main(args: argparse.Namespace) -> int:
         config.job_timeout = args.job_timeout
     if args.retries is not None:
         config.retry_max = args.retries
-    roots = configured_roots(args.checkpoint_root)
+    roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
+    target = args.target or args.settings.target
 
     outcomes, errors = [], []
     jobs = []
     for path in _expand(args.checkpoints):
         try:
-            jobs.append(make_job(path, suite=args.suite, target=args.target, baseline=args.baseline, wandb=wandb,
+            jobs.append(make_job(path, suite=args.suite, target=target, baseline=args.baseline, wandb=wandb,
                                  requested_by="user", priority=args.priority, options=options or None, roots=roots))
         except JobError as e:
             errors.append({"checkpoint": path, "error": str(e)})

@@ -6,7 +6,6 @@ ledger point; online it logs exactly the records the live run is missing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,8 @@ HELP = "rebuild the W&B eval run of a training run from the results ledger (offl
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="training run id")
-    p.add_argument("--results", help="results (ledger) directory; default: the worker's")
+    p.add_argument("--results", help="results (ledger) directory (default $DFLASH_RESULTS_DIR, else "
+                                     "$DFLASH_HOME/results: the worker's)")
     p.add_argument("--mode", choices=("offline", "online"), help="W&B mode (default: $WANDB_MODE, else offline)")
     p.add_argument("--wandb-dir", help="local W&B directory (default: $DFLASH_WANDB_DIR, $WANDB_DIR, ./wandb-eval)")
     p.add_argument("--project", help="W&B project (default: as last published, $WANDB_PROJECT, dflash-eval)")
@@ -28,15 +28,16 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.redis_local import redact_url
     from eval_worker.run_results import ResultsError
     from eval_worker.sinks.wandb_lock import LockTimeout
-    from eval_worker.sinks.wandb_sink import SinkError, default_root, publish_run, saved_identity, target_from
+    from eval_worker.sinks.wandb_sink import SinkError, publish_run, saved_identity, target_from
 
-    target_root = Path(args.wandb_dir).expanduser().resolve() if args.wandb_dir else default_root()
+    settings = args.settings
+    target_root = Path(args.wandb_dir).expanduser().resolve() if args.wandb_dir else settings.wandb_dir
     cfg = dict(saved_identity(args.run, target_root))
     cfg.update({k: v for k, v in (("project", args.project), ("entity", args.entity)) if v})
     try:
-        target = target_from(cfg, mode=args.mode, root=target_root)
-        redis_url = args.redis_url or os.environ.get("REDIS_URL")
-        info = publish_run(args.run, target, results_dir=args.results, redis_url=redis_url, force=args.force)
+        target = target_from(cfg, settings, mode=args.mode, root=target_root)
+        info = publish_run(args.run, target, results_dir=args.results or settings.results_dir,
+                           redis_url=args.redis_url or settings.redis_url, force=args.force)
     except ResultsError as e:
         print(f"dflash-eval publish: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,8 @@ def _steps(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="training run id")
     p.add_argument("--out", help="output directory (default: ./reports/<run>)")
-    p.add_argument("--results", help="results (ledger) directory; default: the worker's")
+    p.add_argument("--results", help="results (ledger) directory (default $DFLASH_RESULTS_DIR, else "
+                                     "$DFLASH_HOME/results: the worker's)")
     p.add_argument("--steps", type=_steps, help="checkpoints shown in detail, e.g. 100,400 (default: first, best, latest)")
     p.add_argument("--suite", help="suite shown in detail (default: the one with the most evaluations)")
 
@@ -27,7 +28,7 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.run_results import ResultsError
 
     try:
-        path = build_report(args.run, results_dir=args.results, out_dir=args.out, steps=args.steps, suite=args.suite)
+        path = build_report(args.run, results_dir=args.results or args.settings.results_dir, out_dir=args.out, steps=args.steps, suite=args.suite)
     except ResultsError as e:
         print(f"dflash-eval report: {e}", file=sys.stderr)
         return 2

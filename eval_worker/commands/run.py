@@ -7,19 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 HELP = "evaluate one drafter checkpoint (acceptance length τ and friends), no queue"
-
-
-def default_cache_dir() -> Path:
-    home = os.environ.get("DFLASH_HOME")
-    if home:
-        return Path(home).expanduser() / "eval-cache"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "dflash-eval" / "eval-cache"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-mismatched-references", action="store_true",
                    help="measure on a server reference even where it is not the target's greedy output "
                         "(default: such a job fails and caches nothing)")
-    p.add_argument("--cache-dir", default=None, help=f"reference/feature cache (default {default_cache_dir()})")
+    p.add_argument("--cache-dir", default=None, help="reference/feature cache (default $DFLASH_CACHE_DIR, else "
+                                                     "$DFLASH_HOME/cache: the worker's)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the disk cache")
     p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16)")
     p.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:1)")
@@ -83,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
 
         for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
             check_drafter_config(drafter_dir)  # before the target: its load can take minutes
-        evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or default_cache_dir()),
+        evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
                               progress=not args.no_progress and sys.stderr.isatty(), dtype=args.dtype,
                               device=args.device)
         if args.reference_server:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
+
+from dflash_train.settings import parse_roots
 
 from ._common import add_redis_args, connect_from_args, fail
 
@@ -14,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priorities", default="high,default,low",
                         help="which priority queues to serve, in order (default: %(default)s)")
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    parser.add_argument("--target", default=os.environ.get("DFLASH_TARGET"),
+    parser.add_argument("--target", default=None,
                         help="target model directory: loaded before the first job and kept "
                              "(default $DFLASH_TARGET; jobs naming another target load it on demand, "
                              "if it lies in a --target-root)")
@@ -30,11 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$DFLASH_CHECKPOINT_ROOTS; required)")
     parser.add_argument("--results-dir", default=None, help="ledger directory (default $DFLASH_RESULTS_DIR, "
                                                             "else $DFLASH_HOME/results)")
-    parser.add_argument("--cache-dir", default=None, help="reference/feature cache (default $DFLASH_CACHE_DIR)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="reference/feature cache (default $DFLASH_CACHE_DIR, else $DFLASH_HOME/cache)")
     parser.add_argument("--spool-dir", default=None,
                         help="where a computed result waits when its ledger write fails, so a retry only "
-                             "writes it (default $DFLASH_SPOOL_DIR, else next to the cache directory)")
-    parser.add_argument("--device", default=None, help="torch device for the target (default: the engine's)")
+                             "writes it (default $DFLASH_SPOOL_DIR, else $DFLASH_HOME/spool)")
+    parser.add_argument("--device", default=None, help="torch device for the target (default $DFLASH_DEVICE, "
+                                                       "else the engine's)")
     parser.add_argument("--max-targets", type=int, default=1, help="targets kept loaded at once (LRU)")
     parser.add_argument("--name", default=None, help="worker name (default dflash-<host>-<pid>)")
     parser.add_argument("--maintenance-interval", type=int, default=60,
@@ -50,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not run RQ's scheduler here (retry back-off needs one somewhere)")
     parser.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     parser.add_argument("--evaluator-factory", default=None, metavar="MODULE:CALLABLE",
-                        help="build evaluators with this instead of eval_worker.acceptance.Evaluator")
+                        help="build evaluators with this instead of eval_worker.acceptance.Evaluator "
+                             "(default $DFLASH_EVALUATOR_FACTORY)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -60,11 +66,12 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.queue import queue_name
     from eval_worker.worker import WorkerSettings, serve, worker_name
 
-    settings = WorkerSettings.from_env(results_dir=args.results_dir, roots=args.checkpoint_root,
-                                       target_roots=args.target_root, suite_roots=args.suite_root,
-                                       cache_dir=args.cache_dir, default_target=args.target, device=args.device,
-                                       max_targets=args.max_targets, evaluator_factory=args.evaluator_factory,
-                                       spool_dir=args.spool_dir)
+    path = lambda p: Path(p).expanduser() if p else None  # noqa: E731
+    settings = WorkerSettings.from_settings(
+        args.settings, results_dir=path(args.results_dir), roots=parse_roots(args.checkpoint_root),
+        target_roots=parse_roots(args.target_root), suite_roots=parse_roots(args.suite_root),
+        cache_dir=path(args.cache_dir), default_target=args.target, device=args.device, max_targets=args.max_targets,
+        evaluator_factory=args.evaluator_factory, spool_dir=path(args.spool_dir))
     if settings.roots is None:
         return fail("no checkpoint roots configured: pass --checkpoint-root DIR (repeatable) or set "
                     "DFLASH_CHECKPOINT_ROOTS; the worker only reads checkpoints under them")

@@ -4,18 +4,18 @@ W&B's shared mode (several processes writing one run) is known to lose history, 
 offline rebuilds of one run must not interleave, so every writer holds this lock for the
 short logging phase. With a Redis URL it is a Redis lock (works across machines); it
 expires on its own if the holder dies, and a background thread extends it while the
-holder is alive. An ``fcntl`` lock file in the local W&B directory is always taken as
-well (it serialises writers on one machine, also those that know no Redis).
+holder is alive. A lock file in the local W&B directory (``filelock``: an ``flock`` on
+Linux) is always taken as well: it serialises writers on one machine, also those that know
+no Redis.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
+
+from filelock import FileLock, Timeout
 
 LOCK_PREFIX = "dflash-eval:wandb-lock:"
 
@@ -58,20 +58,15 @@ def redis_lock(url: str, name: str, *, wait_s: float = 600.0, ttl_s: float = 60.
 @contextlib.contextmanager
 def file_lock(path: Path, *, wait_s: float = 600.0) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(path, timeout=wait_s, mode=0o644, preserve_lock_file=True, poll_interval=0.1)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise LockTimeout(f"W&B lock file {path} still held after {wait_s:.0f}s") from None
-                time.sleep(0.1)
+        lock.acquire()
+    except Timeout:
+        raise LockTimeout(f"W&B lock file {path} still held after {wait_s:.0f}s") from None
+    try:
         yield
     finally:
-        os.close(fd)  # closing releases the flock
+        lock.release()
 
 
 @contextlib.contextmanager

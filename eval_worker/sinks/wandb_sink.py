@@ -43,6 +43,7 @@ from pathlib import Path
 
 from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_text
+from dflash_train.settings import Settings
 from eval_worker.run_results import RunResult, load_run
 from eval_worker.sinks.wandb_lock import writer_lock
 from eval_worker.sinks.wandb_payload import STEP_KEY, log_dict, prefix_for
@@ -50,10 +51,6 @@ from eval_worker.sinks.wandb_payload import STEP_KEY, log_dict, prefix_for
 log = logging.getLogger(__name__)
 
 MODES = ("offline", "online", "disabled")
-ENV_ROOT = "DFLASH_WANDB_DIR"
-ENV_TIMEOUT = "DFLASH_WANDB_TIMEOUT_S"  # whole publication (child process) wall clock
-ENV_INIT_TIMEOUT = "DFLASH_WANDB_INIT_TIMEOUT_S"  # wandb.init handshake
-ENV_PRIMARY_SUITE = "DFLASH_WANDB_PRIMARY_SUITE"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -65,13 +62,18 @@ class SinkError(DFlashError, RuntimeError):
 
 @dataclass
 class WandbTarget:
+    """Where and how one eval run is published (everything a publication needs, so the sink's
+    child process gets it whole as JSON and reads no settings of its own)."""
+
     project: str = "dflash-eval"
     entity: str | None = None
     group: str | None = None
     mode: str = "offline"
     name: str | None = None
     tags: list[str] = field(default_factory=list)
-    root: Path = field(default_factory=lambda: default_root())
+    root: Path = field(default_factory=lambda: Path("wandb-eval").resolve())
+    init_timeout_s: float = 60.0        # the wandb.init handshake
+    primary_suite: str | None = None   # logged under plain eval/... (default: the first suite evaluated)
 
     def identity(self) -> dict:
         """What names the run on the server; kept in the pointer so `publish` reuses it."""
@@ -80,39 +82,38 @@ class WandbTarget:
 
     def to_json(self) -> dict:
         return {"project": self.project, "entity": self.entity, "group": self.group, "mode": self.mode,
-                "name": self.name, "tags": list(self.tags), "root": str(self.root)}
+                "name": self.name, "tags": list(self.tags), "root": str(self.root),
+                "init_timeout_s": self.init_timeout_s, "primary_suite": self.primary_suite}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "WandbTarget":
+        return cls(**{**data, "root": Path(data["root"])})
 
 
-def default_root() -> Path:
-    """Local W&B directory: ``$DFLASH_WANDB_DIR``, else ``$WANDB_DIR``, else ``./wandb-eval``."""
-    for var in (ENV_ROOT, "WANDB_DIR"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser().resolve()
-    return Path("wandb-eval").resolve()
-
-
-def target_from(cfg: dict | None, *, mode: str | None = None, root: str | os.PathLike | None = None) -> WandbTarget:
-    """Job ``wandb`` block + environment -> target. ``WANDB_MODE`` overrides the job's mode."""
+def target_from(cfg: dict | None, settings: Settings, *, mode: str | None = None,
+                root: str | os.PathLike | None = None) -> WandbTarget:
+    """Job ``wandb`` block + settings -> target. The worker's ``WANDB_MODE`` overrides the job's mode."""
     cfg = dict(cfg or {})
-    chosen = mode or os.environ.get("WANDB_MODE") or cfg.get("mode") or "offline"
+    chosen = mode or settings.wandb_mode or cfg.get("mode") or "offline"
     if chosen == "dryrun":
         chosen = "offline"
     if chosen not in MODES:
         raise SinkError(f"unknown W&B mode {chosen!r}; expected one of {', '.join(MODES)}")
-    return WandbTarget(project=cfg.get("project") or os.environ.get("WANDB_PROJECT") or "dflash-eval",
-                       entity=cfg.get("entity") or os.environ.get("WANDB_ENTITY") or None,
+    return WandbTarget(project=cfg.get("project") or settings.wandb_project or "dflash-eval",
+                       entity=cfg.get("entity") or settings.wandb_entity or None,
                        group=cfg.get("group"), mode=chosen, name=cfg.get("name"), tags=list(cfg.get("tags") or []),
-                       root=Path(root).expanduser().resolve() if root else Path(cfg.get("root") or default_root()))
+                       root=Path(root or cfg.get("root") or settings.wandb_dir).expanduser().resolve(),
+                       init_timeout_s=settings.wandb_init_timeout_s, primary_suite=settings.wandb_primary_suite)
 
 
 def eval_run_id(run_id: str) -> str:
     return _SAFE.sub("_", run_id)[:120] + "-eval"
 
 
-def primary_suite(results: list[RunResult]) -> str | None:
+def primary_suite(results: list[RunResult], configured: str | None = None) -> str | None:
     """The suite logged under plain ``eval/...``: the configured one, else the first ever evaluated."""
-    if os.environ.get(ENV_PRIMARY_SUITE):
-        return os.environ[ENV_PRIMARY_SUITE]
+    if configured:
+        return configured
     if not results:
         return None
     first = min(results, key=lambda r: (r.result.get("provenance", {}).get("created_at") or "", r.step))
@@ -122,7 +123,7 @@ def primary_suite(results: list[RunResult]) -> str | None:
 def _settings(target: WandbTarget):
     import wandb
 
-    init_timeout = float(os.environ.get(ENV_INIT_TIMEOUT, "60"))
+    init_timeout = target.init_timeout_s
     kwargs = dict(silent=True, console="off", x_disable_stats=True, x_disable_meta=True, disable_git=True,
                   save_code=False, disable_code=True, disable_job_creation=True, x_save_requirements=False,
                   init_timeout=init_timeout)
@@ -144,7 +145,8 @@ def _init(target: WandbTarget, run_id: str, run_dir: Path, results: list[RunResu
     # The full schema on every writer: a later writer's definitions replace earlier ones.
     run.define_metric(STEP_KEY)
     run.define_metric("eval/*", step_metric=STEP_KEY)
-    for r_prefix in sorted({prefix_for(r.result["suite"]["name"], primary_suite(results)) for r in results}):
+    primary = primary_suite(results, target.primary_suite)
+    for r_prefix in sorted({prefix_for(r.result["suite"]["name"], primary) for r in results}):
         run.define_metric(r_prefix + "tau", step_metric=STEP_KEY, summary="max")
     return run
 
@@ -177,8 +179,8 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) ->
     return True
 
 
-def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunResult]) -> None:
-    primary = primary_suite(all_results)
+def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunResult], target: WandbTarget) -> None:
+    primary = primary_suite(all_results, target.primary_suite)
     best = _best(all_results, primary)
     logged_ckpts: set[str] = set()
     for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
@@ -238,7 +240,7 @@ def rebuild_offline(run_id: str, results: list[RunResult], target: WandbTarget) 
         with _env(WANDB_DATA_DIR=str(build / "data")):
             run = _init(target, run_id, build, results)
             try:
-                _log_results(run, run_id, results, results)
+                _log_results(run, run_id, results, results, target)
             finally:
                 _finish(run)
         run_dirs = sorted((build / "wandb").glob(f"offline-run-*-{eid}"))
@@ -274,7 +276,7 @@ def append_online(run_id: str, results: list[RunResult], target: WandbTarget) ->
     if todo:
         run = _init(target, run_id, target.root, results, resume="allow")
         try:
-            _log_results(run, run_id, todo, results)
+            _log_results(run, run_id, todo, results, target)
         finally:
             _finish(run)
         state["records"] = sorted(done | {r.key for r in todo})
@@ -284,7 +286,7 @@ def append_online(run_id: str, results: list[RunResult], target: WandbTarget) ->
     return {"eval_run_id": eid, "mode": "online", "logged": [r.key for r in todo], "records": state["records"]}
 
 
-def publish_run(run_id: str, target: WandbTarget, *, results_dir=None, redis_url: str | None = None,
+def publish_run(run_id: str, target: WandbTarget, *, results_dir: str | os.PathLike, redis_url: str | None = None,
                 force: bool = False, lock_wait_s: float = 600.0) -> dict:
     """Bring the eval run of ``run_id`` up to date with the ledger (the whole publication)."""
     if target.mode == "disabled":
@@ -331,25 +333,20 @@ def saved_identity(run_id: str, root: Path) -> dict:
 # --------------------------------------------------------------------------- worker side
 
 
-def publish_in_child(run_id: str, target: WandbTarget, *, results_dir=None, redis_url: str | None = None,
-                     timeout_s: float | None = None) -> dict:
+def publish_in_child(run_id: str, target: WandbTarget, *, results_dir: str | os.PathLike,
+                     redis_url: str | None = None, timeout_s: float = 300.0) -> dict:
     """Run :func:`publish_run` in a child process with a hard timeout.
 
     W&B may hang or leave its service process behind; a child that is killed on timeout
-    (with its whole process group) cannot stall or leak into the worker.
+    (with its whole process group) cannot stall or leak into the worker. The child gets
+    everything as arguments, the Redis URL on its stdin (it may hold a password).
     """
-    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get(ENV_TIMEOUT, "300"))
-    cmd = [sys.executable, "-m", "eval_worker.sinks.wandb_sink", "--run", run_id, "--target", json.dumps(target.to_json())]
-    if results_dir is not None:
-        cmd += ["--results", str(results_dir)]
-    env = dict(os.environ)
-    env.pop("REDIS_URL", None)
-    if redis_url:
-        env["DFLASH_SINK_REDIS_URL"] = redis_url  # not on the command line: it may hold a password
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    cmd = [sys.executable, "-m", "eval_worker.sinks.wandb_sink", "--run", run_id, "--target",
+           json.dumps(target.to_json()), "--results", str(results_dir)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        out, err = proc.communicate(input=(redis_url or "") + "\n", timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -368,13 +365,12 @@ def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="internal: one W&B publication (used by the worker's sink)")
     p.add_argument("--run", required=True)
     p.add_argument("--target", required=True, help="WandbTarget as JSON")
-    p.add_argument("--results")
+    p.add_argument("--results", required=True)
     args = p.parse_args(argv)
-    cfg = json.loads(args.target)
-    target = target_from(cfg, mode=cfg.get("mode"), root=cfg.get("root"))
+    target = WandbTarget.from_json(json.loads(args.target))
+    redis_url = sys.stdin.readline().strip() or None  # from the worker (not argv: it may hold a password)
     try:
-        info = publish_run(args.run, target, results_dir=args.results,
-                           redis_url=os.environ.get("DFLASH_SINK_REDIS_URL"))
+        info = publish_run(args.run, target, results_dir=args.results, redis_url=redis_url)
     except Exception as e:  # one line for the parent's log; the details stay in W&B's debug logs
         from eval_worker.redis_local import redact_url
 

