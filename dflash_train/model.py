@@ -14,6 +14,8 @@ checkpoint layout.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,13 +180,16 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward_blocks(self, embed_tokens: nn.Module, input_ids: torch.Tensor, context_features: torch.Tensor,
-                       anchors: torch.Tensor, valid: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                       anchors: torch.Tensor, valid: torch.Tensor | None = None, backend: str = "auto",
+                       see_anchor_state: bool = False) -> torch.Tensor:
         """Draft N blocks per row at once in the multi-block layout (training and eval).
 
         input_ids `[batch, S]`, context_features `[batch, S, n*H]`, anchors `[batch, N]`.
         Block j is `[input_ids[anchor_j], MASK x (B-1)]` at positions `anchor_j + k`.
         Returns hidden states `[batch, N*B, hidden]`; slot k of block j predicts the
         token at `anchor_j + k`.
+        see_anchor_state: context `kv <= anchor` instead of `kv < anchor`, the inclusive-anchor
+        leak. Never for training or drafting: only the eval worker's leak probe asks for it.
         """
         B = self.config.block_size
         if valid is None:
@@ -192,7 +197,8 @@ class DFlashDrafter(nn.Module):
         layout = BlockLayout(anchors=anchors, valid=valid, context_len=input_ids.shape[1], block_size=B)
         block_ids = block_token_ids(input_ids, anchors, B, self.config.mask_token_id)
         ctx_pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        mask = build_attention_mask(layout, backend)
+        # the mask's context rule is `kv < anchor`: moving the anchor by one shows its own state
+        mask = build_attention_mask(replace(layout, anchors=anchors + 1) if see_anchor_state else layout, backend)
         return self(embed_tokens(block_ids), layout.block_positions(), context_features, ctx_pos, mask)
 
 

@@ -30,6 +30,7 @@ from .cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from .checkpoint_source import CheckpointInfo, open_drafter
 from .diagnostics import Facts, diagnose
 from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
+from .leak_probe import DEFAULT_PROBE_ANCHORS, LeakProbe, probe_offsets
 from .references import LocalReferences, Reference, ReferenceError
 from .result import EvalResult, PromptResult
 from .scoring import PromptScore, Summary, score_prompt, summarize
@@ -58,6 +59,7 @@ class EvalOptions:
     anchors_per_chunk: int | None = None
     head_rows: int = DEFAULT_HEAD_ROWS
     backend: str = "auto"
+    leak_probe_anchors: int = DEFAULT_PROBE_ANCHORS  # anchors the leak probe drafts again (0: off)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "EvalOptions":
@@ -77,6 +79,8 @@ class EvalOptions:
             v = getattr(opts, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(opts.leak_probe_anchors, int) or opts.leak_probe_anchors < 0:
+            raise ValueError(f"leak_probe_anchors must be an integer >= 0, got {opts.leak_probe_anchors!r}")
         if not isinstance(opts.tree_budget, int) or opts.tree_budget < 0:
             raise ValueError(f"tree_budget must be an integer >= 0, got {opts.tree_budget!r}")
         return opts
@@ -90,6 +94,7 @@ class DrafterRun:
     summary: Summary
     block_size: int
     layer_ids: list[int]
+    leak_probe: dict | None = None
 
 
 def software_version() -> str:
@@ -137,7 +142,7 @@ class Evaluator:
         lookahead = B_max - 1  # what the last verify step of the real loop can look at
         with _timer(timings, "references"):
             refs = self._references(suite, prompts, max_new, eos, lookahead, report)
-        main = self._run(drafter, refs, suite, opts, report, timings)
+        main = self._run(drafter, refs, suite, opts, report, timings, probe=True)
         base_run = None
         if base is not None:
             with _timer(timings, "baseline"):
@@ -252,11 +257,12 @@ class Evaluator:
         return _on(value, self.target.device)
 
     def _run(self, drafter: DFlashDrafter, refs: list[Reference], suite: Suite, opts: EvalOptions,
-             report: CacheReport, timings: dict[str, float]) -> DrafterRun:
+             report: CacheReport, timings: dict[str, float], probe: bool = False) -> DrafterRun:
         cfg = drafter.config
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
         scores = []
+        leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
         for ref in self._bar(refs, f"draft B={B}"):
             with _timer(timings, "features"):
                 feats = self._features(ref, suite, cfg.target_layer_ids, report)
@@ -271,11 +277,20 @@ class Evaluator:
                                   tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
                                   ends_with_stop=ref.finish == "eos")
                 sc.greedy = feats["greedy"].numpy()
+            if leak is not None:
+                with _timer(timings, "leak_probe"):
+                    rows = probe_offsets(n, leak.quota)
+                    seen = draft_anchors(drafter, embed, head, ids, feats["features"], P + rows,
+                                         anchors_per_chunk=opts.anchors_per_chunk, head_rows=opts.head_rows,
+                                         backend=opts.backend, see_anchor_state=True)
+                    leak.add(ref.ext, rows, drafts.argmax[rows], seen.argmax)
+                    leak.check_contract(ref.name, drafter, embed, head, ids, feats["features"], P, rows,
+                                        head_rows=opts.head_rows, backend=opts.backend)
             scores.append(sc)
         with _timer(timings, "score"):
             summary = summarize(scores, B, opts.mode, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
                                 max_blocks=opts.max_blocks, n_resamples=opts.bootstrap, seed=opts.seed)
-        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids))
+        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids), leak.to_dict() if leak else None)
 
     def _baseline_run(self, base: tuple[DFlashDrafter, CheckpointInfo], refs, suite, opts, report) -> DrafterRun:
         drafter, info = base
@@ -354,7 +369,7 @@ class Evaluator:
                       empty_prompts=empty, validation=validation,
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
-                      layer_ids_origin=drafter.config.layer_ids_origin)
+                      layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe)
         return EvalResult(
             checkpoint=info.to_dict(),
             target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
@@ -373,7 +388,7 @@ class Evaluator:
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in timings.items()},
                         "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
-            stride=s.stride, validation=validation)
+            stride=s.stride, validation=validation, leak_probe=main.leak_probe)
 
     def _decoder(self):
         tok = self.target.tokenizer
