@@ -114,7 +114,7 @@ def time_per_block(args) -> dict:
         B, layer_ids = drafter.config.block_size, drafter.config.target_layer_ids
         naive_s, naive_n, walk_s = 0.0, 0, 0.0
         seeds_s, seeds_n = 0.0, 0
-        refs = warm_ev._references(suite, suite.encode(target.tokenizer), warm.settings["max_new_tokens"],
+        refs, _ = warm_ev._references(suite, suite.encode(target.tokenizer), warm.settings["max_new_tokens"],
                                    warm.settings["eos_token_id"], warm.settings["lookahead"], CacheReport())
         for ref, pr in zip(refs, warm.prompts):  # the same cached inputs the engine used
             ids = torch.tensor(ref.prompt_ids + ref.tokens)

@@ -121,6 +121,11 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
         problems.append(f"non-float tensors {not_float[:5]}")
     if problems:
         raise CheckpointError(f"{directory}: weights do not match config.json: " + "; ".join(problems))
+    bad = [f"{k} ({int((~torch.isfinite(t)).sum())} of {t.numel()})" for k, t in sorted(tensors.items())
+           if not torch.isfinite(t).all()]
+    if bad:  # a diverged run drafts garbage that would score as a plausible tau of 1
+        raise CheckpointError(f"{directory}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s): "
+                              f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; refusing to load this drafter")
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(tensors, strict=True)
     target_dtype = dtype or next(iter(tensors.values())).dtype

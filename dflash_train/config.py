@@ -46,9 +46,42 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return ids
 
 
+# --- fields of a published config.json ------------------------------------------------------
+# Everything a config may say is either implemented here, metadata that cannot change a
+# draft (kept on round trip), or refused by name: a field we would ignore could make our
+# drafts differ from the serving engine's, silently.
+_IMPLEMENTED = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "num_target_layers", "target_layer_ids", "mask_token_id", "block_size",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+    "target_hidden_size", "torch_dtype", "dtype", "layer_types", "sliding_window", "use_sliding_window",
+    "max_window_layers", "is_causal", "dflash_config", "architectures", "model_type"}
+_METADATA = {
+    "auto_map", "transformers_version", "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id",
+    "initializer_range", "use_cache", "attention_dropout", "tie_word_embeddings", "return_dict",
+    "output_hidden_states", "output_attentions", "id2label", "label2id", "problem_type", "tokenizer_class",
+    "chunk_size_feed_forward", "is_encoder_decoder", "task_specific_params", "prefix", "finetuning_task"}
+# metadata whose value matters: any other value is a different network
+_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "is_neox_style": True}
+_DFLASH_IMPLEMENTED = {"mask_token_id", "target_layer_ids", "block_size", "num_target_layers", "causal",
+                       "use_swa", "swa_window_size", "mask_token"}
+_DFLASH_FIXED = {"attention_sink_bias": False, "output_multiplier": 1.0, "final_logit_softcapping": None,
+                 "use_aux_hidden_state": True}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # position-only rotations (no length-dependent state)
+ARCHITECTURE = "DFlashDraftModel"
+
+
 @dataclass
 class DrafterConfig:
-    """Shape of a DFlash drafter and of the target it is tied to."""
+    """Shape of a DFlash drafter and of the target it is tied to.
+
+    `num_target_layers` and `target_layer_ids` may be None in a published config: they
+    then come from the target (`bind_target`), the ids by the published formula with one
+    feature per drafter layer. `layer_types` (None: all full attention) with
+    `sliding_window` gives windowed layers; `causal` (None: the engines' default, causal
+    exactly in sliding layers) overrides the block's causality in every layer.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -57,8 +90,8 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
-    num_target_layers: int
-    target_layer_ids: list[int]
+    num_target_layers: int | None
+    target_layer_ids: list[int] | None
     mask_token_id: int
     block_size: int = 16
     rms_norm_eps: float = 1e-6
@@ -67,53 +100,106 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     target_hidden_size: int | None = None  # defaults to hidden_size (embeddings are shared)
     torch_dtype: str = "float32"
-    extra: dict[str, Any] = field(default_factory=dict)  # unknown published fields, kept on round trip
+    layer_types: list[str] | None = None  # per layer; None: all "full_attention"
+    sliding_window: int | None = None
+    causal: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # published metadata, kept on round trip
     # where target_layer_ids came from: "config", or LAYER_IDS_FALLBACK (not written: to_dict makes them explicit)
     layer_ids_origin: str = field(default="config", compare=False)
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.target_layer_ids is None and self.num_target_layers is not None:
+            # older z-lab configs tie the feature count to the draft depth
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+            self.layer_ids_origin = LAYER_IDS_FALLBACK
+        # None means all full attention; stored explicitly so equal drafters compare equal
+        self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
         self.validate()
 
     @property
     def num_features(self) -> int:
-        return len(self.target_layer_ids)
+        return len(self.target_layer_ids) if self.target_layer_ids is not None else self.num_hidden_layers
+
+    def attention(self) -> list[tuple[int | None, bool]]:
+        """Per drafter layer: (sliding window or None, causal within the block)."""
+        types = self.layer_types
+        return [(self.sliding_window if t == "sliding_attention" else None,
+                 (t == "sliding_attention") if self.causal is None else self.causal) for t in types]
+
+    def bind_target(self, num_target_layers: int) -> None:
+        """Fill what a published config may leave to the target: its depth and the layer ids."""
+        if self.num_target_layers is None:
+            self.num_target_layers = int(num_target_layers)
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+            self.layer_ids_origin = LAYER_IDS_FALLBACK
+        self.validate()
 
     def validate(self) -> None:
         problems = []
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+                     "num_key_value_heads", "head_dim", "vocab_size"):
             if int(getattr(self, name)) < 1:
                 problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_target_layers is not None and self.num_target_layers < 1:
+            problems.append(f"num_target_layers must be >= 1 (got {self.num_target_layers})")
         if self.block_size < 2:
             problems.append(f"block_size must be >= 2 (got {self.block_size})")
         if self.num_attention_heads % max(self.num_key_value_heads, 1):
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
-        if not self.target_layer_ids:
-            problems.append("dflash_config.target_layer_ids is empty")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            problems.append(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            problems.append(f"target_layer_ids has duplicates: {self.target_layer_ids}")
+        ids = self.target_layer_ids
+        if ids is not None:
+            if not ids:
+                problems.append("dflash_config.target_layer_ids is empty")
+            bad = [i for i in ids if i < 0 or (self.num_target_layers is not None and i >= self.num_target_layers)]
+            if bad:
+                problems.append(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
+            if len(set(ids)) != len(ids):
+                problems.append(f"target_layer_ids has duplicates: {ids}")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             problems.append(f"rms_norm_eps must be a positive number (got {self.rms_norm_eps})")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             problems.append(f"rope_theta must be a positive number (got {self.rope_theta})")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             problems.append(f"rope_scaling must be an object or null (got {self.rope_scaling!r})")
+        elif self.rope_scaling:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ROPE_TYPES:
+                problems.append(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary (size {self.vocab_size})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            odd = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if odd:
+                problems.append(f"layer_types {odd} are not supported (supported: {', '.join(LAYER_TYPES)})")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                problems.append("sliding_attention layers need sliding_window (or dflash_config.swa_window_size)")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            problems.append(f"sliding_window must be a positive integer (got {self.sliding_window!r})")
+        if not problems:
+            try:  # rope parameters the rotary embedding cannot build are refused now, not mid-evaluation
+                from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+                Qwen3RotaryEmbedding(self.qwen3_config())
+            except Exception as e:  # noqa: BLE001 - transformers raises several types here
+                problems.append(f"rope parameters {self.rope_scaling} are not usable ({type(e).__name__}: {e})")
         if problems:
             raise ConfigError("invalid drafter config: " + "; ".join(problems))
 
     # --- published layout ---------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The layout current engines read: z-lab's (`block_size`, `num_target_layers` at the
+        top) and SGLang/vLLM's (`dflash_config.block_size`), plus explicit `layer_types`."""
         d: dict[str, Any] = dict(self.extra)
+        types = list(self.layer_types)
         d.update({
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -131,69 +217,59 @@ class DrafterConfig:
             "tie_word_embeddings": False,
             "torch_dtype": self.torch_dtype,
             "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
+            "layer_types": types,
+            "use_sliding_window": "sliding_attention" in types,
+            "sliding_window": self.sliding_window,
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
             },
         })
+        if self.num_target_layers is not None:
+            d["num_target_layers"] = self.num_target_layers
+        if self.target_layer_ids is not None:
+            d["dflash_config"]["target_layer_ids"] = list(self.target_layer_ids)
+        if self.causal is not None:
+            d["dflash_config"]["causal"] = self.causal
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        """Parse a published config (z-lab, SpecForge, SGLang/vLLM layouts), refusing by name
+        every field that would make the network differ from what is built here."""
         if not isinstance(d, dict):
             raise ConfigError("config.json must hold a JSON object")
         dcfg = d.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise ConfigError("config.json: dflash_config must be an object")
+        unsupported = sorted(set(d) - _IMPLEMENTED - _METADATA - set(_FIXED))
+        unsupported += [f"{k}={json.dumps(d[k])}" for k, v in _FIXED.items() if k in d and d[k] != v]
+        unsupported += [f"dflash_config.{k}" for k in sorted(set(dcfg) - _DFLASH_IMPLEMENTED - set(_DFLASH_FIXED))]
+        unsupported += [f"dflash_config.{k}={json.dumps(dcfg[k])}" for k, v in _DFLASH_FIXED.items()
+                        if k in dcfg and dcfg[k] != v and not (v is None and not dcfg[k])]
+        if d.get("model_type", "qwen3") != "qwen3":
+            unsupported.append(f"model_type={json.dumps(d['model_type'])}")
+        archs = d.get("architectures")
+        if archs is not None and ARCHITECTURE not in (archs if isinstance(archs, list) else [archs]):
+            unsupported.append(f"architectures={json.dumps(archs)}")
+        if unsupported:
+            raise ConfigError("config.json has fields this drafter does not implement (refused rather than drafting "
+                              f"differently from the published model): {', '.join(unsupported)}")
         required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
         missing = [k for k in required if k not in d]
-        if "num_target_layers" not in d:
-            missing.append("num_target_layers")
         if "mask_token_id" not in dcfg and "mask_token_id" not in d:
             missing.append("dflash_config.mask_token_id")
+        if "block_size" not in d and "block_size" not in dcfg:
+            missing.append("block_size (top level or dflash_config.block_size)")
         if missing:
             raise ConfigError(f"config.json is missing {', '.join(missing)}")
         try:
-            num_target_layers = int(d["num_target_layers"])
-            layer_ids = dcfg.get("target_layer_ids") or d.get("target_layer_ids")
-            origin = "config"
-            if layer_ids is None:
-                # older z-lab configs tie the feature count to the draft depth
-                layer_ids = default_target_layer_ids(num_target_layers, int(d["num_hidden_layers"]))
-                origin = LAYER_IDS_FALLBACK
-            heads = int(d["num_attention_heads"])
-            known = {f.name for f in dataclasses.fields(cls)} | {
-                "architectures", "model_type", "dflash_config", "hidden_act", "attention_bias", "tie_word_embeddings"}
-            rope_theta = d.get("rope_theta")
-            if rope_theta is None:
-                rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-            return cls(
-                hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-                vocab_size=int(d["vocab_size"]),
-                num_target_layers=num_target_layers,
-                target_layer_ids=[int(i) for i in layer_ids],
-                mask_token_id=int(dcfg.get("mask_token_id", d.get("mask_token_id"))),
-                block_size=int(d.get("block_size", 16)),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                rope_scaling=d.get("rope_scaling"),
-                max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-                target_hidden_size=d.get("target_hidden_size"),
-                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
-                extra={k: v for k, v in d.items() if k not in known},
-                layer_ids_origin=origin,
-            )
+            return cls(**_parse_fields(d, dcfg), extra={k: v for k, v in d.items() if k in _METADATA})
+        except ConfigError:
+            raise
         except (TypeError, ValueError, OverflowError, AttributeError) as e:
-            if isinstance(e, ConfigError):
-                raise
             raise ConfigError(f"config.json has a field of the wrong type: {e}") from e
 
     def save(self, directory: str | Path) -> Path:
@@ -238,8 +314,9 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target_config: Any, *, mask_token_id: int, num_hidden_layers: int = 1,
                    num_features: int | None = None, target_layer_ids: list[int] | None = None,
-                   block_size: int = 16, intermediate_size: int | None = None) -> "DrafterConfig":
-        """A drafter shaped for a target's (text) config: same width, heads, vocab, rope."""
+                   block_size: int = 16, intermediate_size: int | None = None, **fields) -> "DrafterConfig":
+        """A drafter shaped for a target's (text) config: same width, heads, vocab, rope.
+        `fields`: any other DrafterConfig field (layer_types, sliding_window, ...)."""
         tc = getattr(target_config, "text_config", None) or target_config
         L = int(tc.num_hidden_layers)
         if target_layer_ids is None:
@@ -265,4 +342,67 @@ class DrafterConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=int(getattr(tc, "max_position_embeddings", 40960)),
+            **fields,
         )
+
+
+def _one(d: dict, dcfg: dict, name: str, default: Any = None) -> Any:
+    """A field that may sit at the top level or in dflash_config; both must agree."""
+    top, nested = d.get(name), dcfg.get(name)
+    if top is not None and nested is not None and top != nested:
+        raise ConfigError(f"config.json: {name} is {top} at the top level but {nested} in dflash_config")
+    return nested if nested is not None else (top if top is not None else default)
+
+
+def _parse_fields(d: dict, dcfg: dict) -> dict[str, Any]:
+    heads = int(d["num_attention_heads"])
+    layers = int(d["num_hidden_layers"])
+    ntl = _one(d, dcfg, "num_target_layers")
+    ids = dcfg.get("target_layer_ids", d.get("target_layer_ids"))
+    rope_params = d.get("rope_parameters") or {}
+    if not isinstance(rope_params, dict):
+        raise ConfigError(f"config.json: rope_parameters must be an object (got {rope_params!r})")
+    theta = d.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
+    if rope_params.get("rope_theta", theta) != theta:
+        raise ConfigError(f"config.json: rope_theta is {theta} but rope_parameters.rope_theta is "
+                          f"{rope_params['rope_theta']}")
+    scaling = d.get("rope_scaling")
+    if scaling is None and rope_params.get("rope_type", "default") != "default":  # transformers v5 layout
+        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    elif set(rope_params) - {"rope_type", "rope_theta"}:  # e.g. partial_rotary_factor, mrope_section
+        raise ConfigError("config.json has fields this drafter does not implement: rope_parameters."
+                          + ", rope_parameters.".join(sorted(set(rope_params) - {"rope_type", "rope_theta"})))
+    # which layers slide: explicit layer_types; else dflash_config.use_swa (every layer); else
+    # transformers' Qwen3 rule (use_sliding_window and index >= max_window_layers)
+    window = dcfg.get("swa_window_size", d.get("sliding_window"))
+    types = d.get("layer_types")
+    if types is None and dcfg.get("use_swa"):
+        types = ["sliding_attention"] * layers
+    elif types is None and d.get("use_sliding_window") and window is not None:
+        types = ["sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
+                 for i in range(layers)]
+    if types is None or "sliding_attention" not in types:
+        window = None  # a window no layer uses
+    causal = d.get("is_causal", dcfg.get("causal"))
+    return dict(
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+        vocab_size=int(d["vocab_size"]),
+        num_target_layers=None if ntl is None else int(ntl),
+        target_layer_ids=None if ids is None else [int(i) for i in ids],
+        mask_token_id=int(dcfg.get("mask_token_id", d.get("mask_token_id"))),
+        block_size=int(_one(d, dcfg, "block_size")),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+        target_hidden_size=d.get("target_hidden_size"),
+        torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        layer_types=None if types is None else [str(t) for t in types],
+        sliding_window=None if window is None else int(window),
+        causal=None if causal is None else bool(causal),
+    )

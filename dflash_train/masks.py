@@ -9,9 +9,19 @@ Layout: queries are N blocks of B slots, `[block_0 | ... | block_{N-1}]`; keys/v
   2. every key of its own block (bidirectional);
   3. nothing else. Invalid (padding) blocks see nothing.
 
-`mask_mod` is the single definition. On CUDA it is compiled into a flex_attention
-BlockMask; elsewhere the same function is evaluated on an index grid to give a dense
-boolean mask for SDPA. Tests hold the two equal.
+Per drafter layer, published configs may narrow this (`DrafterConfig.attention`):
+  - a sliding window W: only keys less than W positions away (`sliding_attention` layers;
+    symmetric, as flash-attention's non-causal window, so within a block it only bites
+    when W < B);
+  - causal: a block slot sees only the slots of its block up to itself (what SGLang and
+    vLLM do in sliding layers unless the config says otherwise).
+`visible` states both on absolute positions, once, for every layout.
+
+`mask_mod` is the single definition of the multi-block mask. On CUDA it is compiled into a
+flex_attention BlockMask; elsewhere the same function is evaluated on an index grid to give
+a dense boolean mask for SDPA. Tests hold the two equal. Cached drafting (one block right
+after its whole context) is the same layout with one block at anchor = context length:
+`cached_block_mask` gives its mask from `visible` alone (rules 1-2 hold trivially there).
 """
 from __future__ import annotations
 
@@ -28,6 +38,9 @@ class BlockLayout:
     valid: torch.Tensor  # [batch, N] bool
     context_len: int  # S
     block_size: int  # B
+    window: int | None = None  # sliding-window layers: keys less than `window` positions away
+    causal: bool = False  # a block slot sees its own block only up to itself
+    see_anchor_state: bool = False  # context kv <= anchor: the leak, shown only to the eval leak probe
 
     @property
     def num_blocks(self) -> int:
@@ -47,22 +60,48 @@ class BlockLayout:
         return (self.anchors[:, :, None] + k).reshape(self.anchors.shape[0], -1)
 
 
+def visible(q_pos, kv_pos, window: int | None, causal: bool):
+    """The per-layer narrowing on absolute positions (broadcasting tensors)."""
+    ok = torch.ones_like(q_pos - kv_pos, dtype=torch.bool)
+    if window is not None:
+        ok = ok & (q_pos - kv_pos < window) & (kv_pos - q_pos < window)
+    if causal:
+        ok = ok & (kv_pos <= q_pos)
+    return ok
+
+
 def make_mask_mod(layout: BlockLayout):
     """The mask as a flex_attention `mask_mod(b, h, q_idx, kv_idx) -> bool`.
 
     Written with tensor ops only, so it broadcasts over index grids too.
     """
     anchors, valid = layout.anchors, layout.valid
-    S, B = layout.context_len, layout.block_size
+    S, B, window, causal = layout.context_len, layout.block_size, layout.window, layout.causal
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // B
         in_context = kv_idx < S
-        sees_context = in_context & (kv_idx < anchors[b, blk])
+        sees_context = in_context & (kv_idx < anchors[b, blk] + int(layout.see_anchor_state))
         sees_own_block = (~in_context) & (torch.div(kv_idx - S, B, rounding_mode="floor") == blk)
-        return valid[b, blk] & (sees_context | sees_own_block)
+        ok = valid[b, blk] & (sees_context | sees_own_block)
+        if window is None and not causal:
+            return ok
+        q_pos = anchors[b, blk] + q_idx % B  # slot k of block j sits at anchor_j + k
+        kv_pos = torch.where(in_context, kv_idx, anchors[b, blk] + (kv_idx - S) % B)
+        return ok & visible(q_pos, kv_pos, window, causal)
 
     return mask_mod
+
+
+def cached_block_mask(block_positions: torch.Tensor, context_positions: torch.Tensor, window: int | None,
+                      causal: bool) -> torch.Tensor | None:
+    """Mask for one block drafted right after its context (every context position is before
+    the anchor): `[batch, 1, B, S + B]` over keys `[context ; block]`, or None when every key
+    is visible (full, non-causal layers)."""
+    if window is None and not causal:
+        return None
+    kv_pos = torch.cat([context_positions.expand(block_positions.shape[0], -1), block_positions], dim=1)
+    return visible(block_positions[:, None, :, None], kv_pos[:, None, None, :], window, causal)
 
 
 def dense_mask(layout: BlockLayout) -> torch.Tensor:

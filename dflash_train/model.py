@@ -14,7 +14,7 @@ checkpoint layout.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .config import DrafterConfig
-from .masks import BlockLayout, build_attention_mask
+from .masks import BlockLayout, build_attention_mask, cached_block_mask
 
 
 class DraftCache:
@@ -157,8 +157,9 @@ class DFlashDrafter(nn.Module):
         block_embeds: target embeddings of the block tokens, `[batch, Q, hidden]`.
         context_features: concatenated target features `[batch, S, n*H]` (with a cache:
             only the new context positions; may be None when nothing is new).
-        mask: None (every block query sees all keys), a dense bool tensor or a
-            flex BlockMask, as built by `masks.build_attention_mask`.
+        mask: None (one block right after all of its context: each layer masks by its own
+            window/causality, `masks.cached_block_mask`), or one mask per layer (dense bool
+            tensors or flex BlockMasks, as `forward_blocks` builds them).
         """
         h = block_embeds
         rope_block = self.rotary_emb(h, block_positions)
@@ -166,7 +167,7 @@ class DFlashDrafter(nn.Module):
         if context_features is not None and context_features.shape[1] > 0:
             ctx = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
             cos_c, sin_c = self.rotary_emb(ctx, context_positions)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, (window, causal)) in enumerate(zip(self.layers, self.config.attention())):
             if ctx is not None:
                 kv = layer.self_attn.key_value(ctx, cos_c, sin_c)
             else:
@@ -176,7 +177,13 @@ class DFlashDrafter(nn.Module):
                 kv = cache.extend(i, *kv) if ctx is not None else (cache.keys[i], cache.values[i])
                 if kv[0] is None:
                     raise ValueError("drafting with an empty cache and no context")
-            h = layer(h, rope_block, kv, mask)
+            if mask is None:  # the cache holds context positions 0..len-1
+                ctx_pos = (torch.arange(kv[0].shape[2], device=h.device)[None] if cache is not None or ctx is None
+                           else context_positions)
+                layer_mask = cached_block_mask(block_positions, ctx_pos, window, causal)
+            else:
+                layer_mask = mask[i]
+            h = layer(h, rope_block, kv, layer_mask)
         return self.norm(h)
 
     def forward_blocks(self, embed_tokens: nn.Module, input_ids: torch.Tensor, context_features: torch.Tensor,
@@ -194,12 +201,16 @@ class DFlashDrafter(nn.Module):
         B = self.config.block_size
         if valid is None:
             valid = torch.ones_like(anchors, dtype=torch.bool)
-        layout = BlockLayout(anchors=anchors, valid=valid, context_len=input_ids.shape[1], block_size=B)
+        layout = BlockLayout(anchors=anchors, valid=valid, context_len=input_ids.shape[1], block_size=B,
+                             see_anchor_state=see_anchor_state)
         block_ids = block_token_ids(input_ids, anchors, B, self.config.mask_token_id)
         ctx_pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        # the mask's context rule is `kv < anchor`: moving the anchor by one shows its own state
-        mask = build_attention_mask(replace(layout, anchors=anchors + 1) if see_anchor_state else layout, backend)
-        return self(embed_tokens(block_ids), layout.block_positions(), context_features, ctx_pos, mask)
+        built: dict = {}  # one mask per distinct (window, causal) among the layers
+        for spec in self.config.attention():
+            if spec not in built:
+                built[spec] = build_attention_mask(dataclasses.replace(layout, window=spec[0], causal=spec[1]), backend)
+        masks = [built[spec] for spec in self.config.attention()]
+        return self(embed_tokens(block_ids), layout.block_positions(), context_features, ctx_pos, masks)
 
 
 def block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:

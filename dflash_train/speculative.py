@@ -10,8 +10,9 @@ One round, with `start` the position of the last committed token (the anchor):
   2. verify: the target runs over the block tokens `[seq[start], d_1 .. d_{B-1}]`,
      giving its greedy choice p_i for position start+i+1;
   3. accept the longest prefix with d_i == p_{i-1}, then the bonus p_n; the target's
-     features for positions start..start+n become context, its KV cache is cropped to
-     start+n+1 (entries past that were computed from rejected drafts).
+     features for positions start..start+n become context, and its cache is rewound to
+     start+n+1 (`VerifyCache`: attention layers cropped; the recurrent states of hybrid
+     targets such as Qwen3.5/3.6 restored and advanced over the accepted tokens).
 
 When to stop (`counting`, docs/design.md "Counting rules"): "response" runs steps until
 max_new_tokens tokens (or eos) are committed; "published" repeats z-lab's
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import DFlashDrafter, DraftCache
-from .target import Target, crop_cache
+from .target import Target, VerifyCache
 
 
 @dataclass
@@ -38,13 +39,6 @@ class SpecResult:
     @property
     def tau(self) -> float:
         return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
-
-
-def _supports_crop(target: Target) -> bool:
-    """KV caches of linear-attention (recurrent) layers cannot be rolled back."""
-    types = getattr(target.parts.text_config, "layer_types", None) or []
-    return all(t in ("full_attention", "sliding_attention") for t in types) and not getattr(
-        target.parts.text_config, "sliding_window", None)
 
 
 @torch.no_grad()
@@ -67,21 +61,21 @@ def _more_steps(result: SpecResult, max_new_tokens: int, eos_token_id: int | Non
 def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
                          eos_token_id: int | None = None, use_cache: bool | None = None,
                          counting: str = "response") -> SpecResult:
+    """`use_cache=False` re-runs the target over the whole sequence at every verify step
+    (the slow path the tests hold the cached one equal to)."""
     if counting not in ("response", "published"):
         raise ValueError(f"counting must be 'response' or 'published', got {counting!r}")
     cfg = drafter.config
     B, layer_ids = cfg.block_size, cfg.target_layer_ids
     dev = target.device
     embed, head = target.parts.embed_tokens, target.parts.lm_head
+    cache = VerifyCache(target)
     if use_cache is None:
-        use_cache = _supports_crop(target)
+        use_cache = cache.rewindable
 
     seq = list(prompt_ids)
-    pkv = None
-    if use_cache:
-        from transformers import DynamicCache
-        pkv = DynamicCache(config=target.model.config)
-    out = target.forward(torch.tensor([seq], device=dev), layer_ids, past_key_values=pkv, use_cache=use_cache)
+    out = target.forward(torch.tensor([seq], device=dev), layer_ids, past_key_values=cache.kv if use_cache else None,
+                         use_cache=use_cache)
     ctx_feats = out.features  # features of positions [draft_cache.length, start)
     seq.append(int(head(out.last_hidden[:, -1]).argmax(-1)))
     result = SpecResult(tokens=[seq[-1]])
@@ -100,7 +94,8 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
 
         block[0, 1:] = drafts
         if use_cache:
-            vout = target.forward(block, layer_ids, past_key_values=pkv, use_cache=True)
+            cache.save()
+            vout = target.forward(block, layer_ids, past_key_values=cache.kv, use_cache=True)
             feats, last = vout.features, vout.last_hidden
         else:
             full = torch.tensor([seq[:start]], device=dev)
@@ -110,7 +105,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
         n = int(torch.cumprod((drafts == posterior[:-1]).int(), 0).sum())
         new = drafts[:n].tolist() + [int(posterior[n])]
         if use_cache:
-            crop_cache(pkv, start + n + 1)
+            cache.rewind(start, block[:, : n + 1], layer_ids)
         ctx_feats = feats[:, : n + 1]
         if eos_token_id is not None and eos_token_id in new:
             new = new[: new.index(eos_token_id) + 1]

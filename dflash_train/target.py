@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from .config import DrafterConfig
 from .fingerprint import FileDigests, FingerprintError, directory_state, tensor_digest
@@ -157,10 +158,10 @@ class Target:
                             "(the drafter shares the target's embeddings and LM head)")
         if cfg.target_hidden_size != self.hidden_size:
             problems.append(f"drafter expects {cfg.target_hidden_size}-wide target features, target gives {self.hidden_size}")
-        too_deep = [i for i in cfg.target_layer_ids if i >= self.num_layers]
+        too_deep = [i for i in cfg.target_layer_ids or [] if i >= self.num_layers]
         if too_deep:
             problems.append(f"target_layer_ids {too_deep} beyond the target's {self.num_layers} layers")
-        if cfg.num_target_layers != self.num_layers:
+        if cfg.num_target_layers is not None and cfg.num_target_layers != self.num_layers:
             problems.append(f"drafter was built for a {cfg.num_target_layers}-layer target, this one has {self.num_layers}")
         if not 0 <= cfg.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's embedding ({self.vocab_size} rows)")
@@ -206,7 +207,8 @@ class Target:
             if i == self.num_layers - 1:  # HF's last hidden_states entry is after the final norm
                 f = last
             feats.append(f)
-        return TargetOutput(torch.cat(feats, dim=-1), last, past_key_values)
+        features = torch.cat(feats, dim=-1) if feats else last[..., :0]
+        return TargetOutput(features, last, past_key_values)
 
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         return self.parts.lm_head(last_hidden)
@@ -246,8 +248,61 @@ def _cache_kwarg(module: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def crop_cache(cache, keep: int) -> None:
-    """Drop cached positions >= keep (entries computed from rejected drafts)."""
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
+class VerifyCache:
+    """The target's cache in a draft-verify loop: extended by each verify pass, then rewound
+    to the tokens that were committed.
+
+    Attention layers keep every position and are simply cropped. Recurrent layers (the
+    gated delta net of Qwen3.5/3.6's linear attention) keep one state, no history: their
+    states are saved before a verify pass and, when drafts were rejected, restored and
+    advanced over the accepted tokens only, by running the target over them again. That is
+    how serving engines roll such layers back; it costs one forward over the accepted
+    tokens per partly rejected block, instead of re-running the whole sequence.
+    """
+
+    def __init__(self, target: Target):
+        from transformers import DynamicCache
+
+        self.target = target
+        self.kv = DynamicCache(config=target.model.config)
+        self.recurrent = [layer for layer in self.kv.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.attention = [layer for layer in self.kv.layers if isinstance(layer, DynamicLayer)]
+        self._saved: list | None = None
+        # a sliding-window layer has already dropped old positions: cropping it would lose context
+        self.rewindable = not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.kv.layers)
+
+    @property
+    def length(self) -> int:
+        return self.kv.get_seq_length()
+
+    def save(self) -> None:
+        """Remember the recurrent states (before a verify pass)."""
+        self._saved = [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+                        {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None})
+                       for layer in self.recurrent]
+
+    def restore(self, length: int) -> None:
+        """Back to the state of `save()`, taken when the cache held `length` positions."""
+        self._crop_attention(length)
+        for layer, conv, rec in self._saved or []:
+            for i, t in conv.items():
+                layer.conv_states[i].copy_(t)
+            for i, t in rec.items():
+                layer.recurrent_states[i].copy_(t)
+
+    def rewind(self, start: int, committed: torch.Tensor, layer_ids: list[int]) -> None:
+        """After a verify pass over a block at positions start.., keep its first
+        `committed.shape[1]` tokens (`committed`: `[1, n]` ids)."""
+        keep = start + committed.shape[1]
+        if not self.recurrent:
+            self._crop_attention(keep)
+        elif keep < self.length:  # some drafts rejected: the recurrent states went past them
+            self.restore(start)
+            self.target.forward(committed, layer_ids, past_key_values=self.kv, use_cache=True)
+
+    def _crop_attention(self, keep: int) -> None:
+        for layer in self.attention:
+            extra = DynamicLayer.get_seq_length(layer) - keep
+            if extra > 0:
+                DynamicLayer.crop(layer, -extra)  # only the attention part of a combined layer
+

@@ -31,7 +31,7 @@ from .anchors import block_labels, sample_anchors
 from .callbacks import CallbackList
 from .checkpoint import (MARKER_NAME, AsyncPublisher, apply_retention, cleanup_incomplete, list_checkpoints,
                          load_drafter, step_dir_name)
-from .config import DrafterConfig
+from .config import ConfigError, DrafterConfig
 from .data import Batch, BatchPlan, Example, build_examples
 from .hidden_queue import HiddenStateQueue, Slot
 from .loss import block_loss, summarize_stats
@@ -209,7 +209,11 @@ class Trainer:
             return
         st = load_training_state(path)
         saved_cfg = (st.get("extra") or {}).get("drafter_config")
-        if saved_cfg is not None and saved_cfg != self.drafter.config.to_dict():
+        try:  # compared as configs: the written layout may have gained fields since
+            same = saved_cfg is None or DrafterConfig.from_dict(saved_cfg) == self.drafter.config
+        except ConfigError:
+            same = False
+        if not same:
             raise TrainConfigError(f"{path}: saved for a different drafter config; cannot resume")
         self.drafter.load_state_dict({**self.drafter.state_dict(), **st["model"]})
         self.optimizer.load_state_dict(st["optimizer"])

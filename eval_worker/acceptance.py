@@ -60,6 +60,9 @@ class EvalOptions:
     head_rows: int = DEFAULT_HEAD_ROWS
     backend: str = "auto"
     leak_probe_anchors: int = DEFAULT_PROBE_ANCHORS  # anchors the leak probe drafts again (0: off)
+    # a server reference that is not the target's own greedy output: "fail" the job (nothing is
+    # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
+    reference_mismatch: str = "fail"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "EvalOptions":
@@ -71,6 +74,8 @@ class EvalOptions:
         opts = cls(**d)
         if opts.mode not in ("online", "stride"):
             raise ValueError(f"mode must be 'online' or 'stride', got {opts.mode!r}")
+        if opts.reference_mismatch not in ("fail", "measure"):
+            raise ValueError(f"reference_mismatch must be 'fail' or 'measure', got {opts.reference_mismatch!r}")
         if opts.counting not in metrics.COUNTING_RULES:
             raise ValueError(f"counting must be one of {list(metrics.COUNTING_RULES)}, got {opts.counting!r}")
         if opts.counting != "response" and opts.mode == "stride":
@@ -141,8 +146,19 @@ class Evaluator:
         B_max = max(drafter.config.block_size, base[0].config.block_size if base else 0)
         lookahead = B_max - 1  # what the last verify step of the real loop can look at
         with _timer(timings, "references"):
-            refs = self._references(suite, prompts, max_new, eos, lookahead, report)
-        main = self._run(drafter, refs, suite, opts, report, timings, probe=True)
+            refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report)
+        # a server's reference must be the target's own greedy output (checked on the features
+        # pass, which computes that argmax anyway); a local one is by construction, up to numerics
+        check = opts.reference_mismatch == "fail" and getattr(self.reference_source, "name", "local") != "local"
+        written: list[tuple[str, str]] = []
+        try:
+            main = self._run(drafter, refs, suite, opts, report, timings, check=check, written=written, probe=True)
+        except ReferenceError:
+            for kind, slot in written:  # a failed job leaves nothing behind
+                self.disk.remove(kind, slot)
+            raise
+        for slot, key, ref in pending:  # only references that passed the check are kept
+            self.disk.put_json("references", slot, key, ref.to_dict())
         base_run = None
         if base is not None:
             with _timer(timings, "baseline"):
@@ -202,9 +218,11 @@ class Evaluator:
         return self.target.source or self.target.fingerprint()
 
     def _references(self, suite: Suite, prompts: list[EncodedPrompt], max_new: int, eos: int | None,
-                    lookahead: int, report: CacheReport) -> list[Reference]:
+                    lookahead: int, report: CacheReport) -> tuple[list[Reference], list[tuple]]:
+        """References (cached or fetched) and the cache writes of the fetched ones, which the
+        caller makes once they are known to be the target's greedy output."""
         src = self.reference_source
-        refs = []
+        refs, pending = [], []
         for p in self._bar(prompts, "references"):
             slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity()})
             key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
@@ -226,13 +244,17 @@ class Evaluator:
                 ref = src.generate(p.name, p.ids, max_new, eos, lookahead)
                 if not ref.tokens:
                     raise ReferenceError(f"reference for {p.name!r} is empty")
-                self.disk.put_json("references", slot, key, ref.to_dict())
+                pending.append((slot, key, ref))
             report.record("references", look, p.name)
             refs.append(ref)
-        return refs
+        return refs, pending
 
-    def _features(self, ref: Reference, suite: Suite, layer_ids: list[int], report: CacheReport) -> dict:
-        """Target features over prompt + response (and the target's argmax there), cached."""
+    def _features(self, ref: Reference, suite: Suite, layer_ids: list[int], report: CacheReport,
+                  check: bool = False, written: list | None = None) -> dict:
+        """Target features over prompt + response (and the target's argmax there), cached.
+
+        With `check`, a reference that differs from that argmax raises ReferenceError
+        before anything is cached for it."""
         ids = ref.prompt_ids + ref.tokens
         slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids})
         key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
@@ -240,6 +262,8 @@ class Evaluator:
         mkey = digest({"slot": slot, "key": key})
         cached = self.memory.get(mkey)  # host RAM: device memory is the drafter's
         if cached is not None:
+            if check:
+                self._check_reference(ref, cached["greedy"])
             report.record("features", Lookup(None, "hit"), ref.name)
             return _on(cached, self.target.device)
         look = self.disk.get_tensors("features", slot, key)
@@ -251,13 +275,31 @@ class Evaluator:
             out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids)
             value = {"features": out.features[0].contiguous().cpu(),
                      "greedy": self.target.greedy_tokens(out.last_hidden[0, len(ref.prompt_ids) - 1:]).cpu()}
+            if check:
+                self._check_reference(ref, value["greedy"])
             self.disk.put_tensors("features", slot, key, value)
+            if written is not None:
+                written.append(("features", slot))
+        elif check:
+            self._check_reference(ref, value["greedy"])
         report.record("features", look, ref.name)
         self.memory.put(mkey, value)
         return _on(value, self.target.device)
 
+    def _check_reference(self, ref: Reference, greedy: torch.Tensor) -> None:
+        first = _first_divergence(greedy.tolist(), ref.ext)
+        if first is None:
+            return
+        raise ReferenceError(
+            f"the reference for prompt {ref.name!r} from {ref.source} is not the target's greedy output: at response "
+            f"token {first} it has id {ref.ext[first]}, the target's argmax is {int(greedy[first])}; nothing was "
+            "measured or cached. Usual causes: the server re-tokenizes text, serves another checkpoint or dtype, or "
+            "applies the chat template twice. Use local references (no reference server), or measure on this text "
+            "anyway with option reference_mismatch='measure' (dflash-eval run --measure-mismatched-references)")
+
     def _run(self, drafter: DFlashDrafter, refs: list[Reference], suite: Suite, opts: EvalOptions,
-             report: CacheReport, timings: dict[str, float], probe: bool = False) -> DrafterRun:
+             report: CacheReport, timings: dict[str, float], check: bool = False,
+             written: list | None = None, probe: bool = False) -> DrafterRun:
         cfg = drafter.config
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
@@ -265,7 +307,7 @@ class Evaluator:
         leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
         for ref in self._bar(refs, f"draft B={B}"):
             with _timer(timings, "features"):
-                feats = self._features(ref, suite, cfg.target_layer_ids, report)
+                feats = self._features(ref, suite, cfg.target_layer_ids, report, check, written)
             P, n = len(ref.prompt_ids), len(ref.tokens)
             with _timer(timings, "draft"):
                 ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
@@ -313,12 +355,15 @@ class Evaluator:
         if not opts.measure_speed:
             return out
         ctx = int(np.median([len(r.prompt_ids) + len(r.tokens) for r in refs]))
-        ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx})
+        committed = max(1, round(tau or 1))  # hybrid targets re-run the accepted tokens after a rejection
+        ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx,
+                       "committed": committed})
         if ckey not in self._costs:
-            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8))
+            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8),
+                                                   committed=committed)
         costs = self._costs[ckey]
         if costs is None:
-            out["source"] = "not measurable on this target (recurrent layers)"
+            out["source"] = "not measurable on this target (sliding-window target layers)"
             return out
         out.update(draft_verify_cost_ratio=costs["draft_s"] / costs["verify_s"],
                    verify_decode_cost_ratio=costs["verify_s"] / costs["decode_s"],

@@ -60,6 +60,13 @@ class DiskCache:
             return None
         return self.root / kind / f"{slot}.{ext}"
 
+    def remove(self, kind: str, slot: str) -> None:
+        """Forget a slot (an entry this job wrote before it failed)."""
+        for ext in ("json", "safetensors"):
+            path = self._path(kind, slot, ext)
+            if path is not None:
+                path.unlink(missing_ok=True)
+
     # --- JSON ----------------------------------------------------------------
     def get_json(self, kind: str, slot: str, key: dict) -> Lookup:
         path = self._path(kind, slot, "json")

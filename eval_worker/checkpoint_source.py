@@ -23,6 +23,7 @@ from dflash_train.checkpoint import (
     sha256_file,
     verify_checkpoint,
 )
+from dflash_train.config import ConfigError, DrafterConfig
 from dflash_train.model import DFlashDrafter
 from dflash_train.target import Target
 
@@ -77,5 +78,16 @@ def open_drafter(path: str | Path, target: Target, dtype: torch.dtype | None = N
     """Identify, load (names/shapes checked) and fit-check a drafter against the target."""
     info = identify(path)
     drafter = load_drafter(info.path, device=target.device, dtype=dtype).eval()
+    drafter.config.bind_target(target.num_layers)  # a published config may leave depth and layer ids to the target
     target.check_drafter(drafter.config)
     return drafter, info
+
+
+def check_drafter_config(path: str | Path) -> DrafterConfig:
+    """Identify a drafter directory and validate its config.json completely, before any
+    target is loaded (a target load takes minutes; a bad drafter should not wait for it)."""
+    info = identify(path)
+    try:
+        return DrafterConfig.load(info.path)
+    except ConfigError as e:
+        raise CheckpointError(f"{info.path}: {e}") from None

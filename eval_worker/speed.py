@@ -16,8 +16,7 @@ import time
 import torch
 
 from dflash_train.model import DFlashDrafter, DraftCache
-from dflash_train.speculative import _supports_crop
-from dflash_train.target import Target, crop_cache
+from dflash_train.target import Target, VerifyCache
 
 
 def _sync(dev: torch.device) -> None:
@@ -42,21 +41,27 @@ def _fastest_interleaved(fns: dict, reps: int, dev: torch.device) -> dict[str, f
 
 @torch.no_grad()
 def measure_step_costs(target: Target, drafter: DFlashDrafter, context_len: int = 256, new_context: int = 4,
-                       reps: int = 7) -> dict | None:
-    """Seconds for (draft, verify, decode-one-token) at `context_len`; None if not measurable."""
-    if not _supports_crop(target):
-        return None  # recurrent layers: the verify cost model differs (full re-verification)
-    from transformers import DynamicCache
+                       reps: int = 7, committed: int | None = None) -> dict | None:
+    """Seconds for (draft, verify, decode-one-token) at `context_len`; None if not measurable.
+
+    On a hybrid target (recurrent layers) a verify step also pays the rollback the real
+    loop does when drafts are rejected: the accepted tokens run through the target again.
+    `committed` (default: 1) is the number of tokens a typical step keeps, e.g. round(τ).
+    """
+    cache = VerifyCache(target)
+    if not cache.rewindable:
+        return None  # sliding-window target layers have dropped the positions a crop would need
 
     cfg, dev = drafter.config, target.device
     B = cfg.block_size
+    committed = max(1, min(B, committed or 1))
     gen = torch.Generator().manual_seed(0)
     hi = min(target.vocab_size, cfg.vocab_size)
     ids = torch.randint(0, hi, (1, context_len), generator=gen)
     ids[ids == cfg.mask_token_id] = 0
     ids = ids.to(dev)
-    kv = DynamicCache(config=target.model.config)
-    feats = target.forward(ids, cfg.target_layer_ids, past_key_values=kv, use_cache=True).features
+    feats = target.forward(ids, cfg.target_layer_ids, past_key_values=cache.kv, use_cache=True).features
+    cache.save()  # every timed call starts from this warm cache
     embed, ddtype = target.parts.embed_tokens, drafter.fc.weight.dtype
     dcache = DraftCache(cfg.num_hidden_layers)
     old = context_len - new_context
@@ -73,12 +78,17 @@ def measure_step_costs(target: Target, drafter: DFlashDrafter, context_len: int 
         h = drafter(embed(block).to(ddtype), positions, feats[:, old:], new_pos, cache=c)
         target.parts.lm_head(h[:, 1:].to(target.parts.lm_head.weight.dtype)).argmax(-1)
 
-    def run_target(n):
-        def fn():
-            out = target.forward(block[:, :n], cfg.target_layer_ids, past_key_values=kv, use_cache=True)
-            target.parts.lm_head(out.last_hidden).argmax(-1)
-            crop_cache(kv, context_len)
-        return fn
+    def verify():
+        out = target.forward(block, cfg.target_layer_ids, past_key_values=cache.kv, use_cache=True)
+        target.parts.lm_head(out.last_hidden).argmax(-1)
+        cache.rewind(context_len, block[:, :committed], cfg.target_layer_ids)  # what the loop does next
+        cache.restore(context_len)
 
-    best = _fastest_interleaved({"draft_s": draft, "verify_s": run_target(B), "decode_s": run_target(1)}, reps, dev)
-    return {**best, "context_len": context_len}
+    def decode():
+        out = target.forward(block[:, :1], cfg.target_layer_ids, past_key_values=cache.kv, use_cache=True)
+        target.parts.lm_head(out.last_hidden).argmax(-1)
+        cache.restore(context_len)
+
+    best = _fastest_interleaved({"draft_s": draft, "verify_s": verify, "decode_s": decode}, reps, dev)
+    return {**best, "context_len": context_len, "recurrent_layers": len(cache.recurrent),
+            "committed_per_step": committed}

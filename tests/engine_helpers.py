@@ -7,6 +7,10 @@ what an exact replay test needs (a random drafter only ever gives 1).
 """
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
 import torch
 import torch.nn.functional as F
 
@@ -80,3 +84,38 @@ def fit_on_target_predictions(target: Target, drafter: DFlashDrafter, rows: torc
         opt.step()
     acc = (logits.argmax(-1).view(n, -1, B)[..., 1] == labels[..., 1]).float().mean().item()
     return drafter.eval(), acc
+
+
+class CannedServer:
+    """A real HTTP server on 127.0.0.1 answering /v1/completions with a canned body."""
+
+    def __init__(self, respond):
+        self.requests = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, body))
+                status, payload = respond(body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -112,7 +112,39 @@ def test_empty_suite_bad_prompt_ids_and_options(ev, good, tmp_path):
 def test_cli_reports_errors_without_a_traceback(good, tmp_path, capsys):
     from eval_worker.cli import main
 
+    rc = main(["run", "--checkpoint", str(good), "--target", str(tmp_path / "no_target"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error:" in err and "no_target" in err and "Traceback" not in err
     rc = main(["run", "--checkpoint", str(tmp_path / "nope"), "--target", str(tmp_path / "no_target"),
                "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 2 and "error:" in err and "no_target" in err and "Traceback" not in err
+    assert rc == 2 and "nope" in err and "does not exist" in err  # the drafter is checked first
+
+
+def test_drafter_config_is_validated_completely_before_the_target_loads(good, tmp_path, capsys, monkeypatch):
+    from dflash_train.target import Target
+    from eval_worker.cli import main
+
+    cfg = json.loads((good / "config.json").read_text())
+    cfg["attention_bias"] = True
+    cfg["dflash_config"]["projector_type"] = "domino"
+    (good / "config.json").write_text(json.dumps(cfg))
+    loads = []
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: loads.append(a) or TARGET))
+    rc = main(["run", "--checkpoint", str(good), "--target", str(tmp_path / "some_target"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "attention_bias=true" in err and "dflash_config.projector_type" in err
+    assert loads == []  # refused before any target was loaded
+
+
+def test_non_finite_drafter_weights_are_refused(ev, tmp_path):
+    import torch
+
+    bad = drafter_for(TARGET, block_size=4)
+    with torch.no_grad():
+        bad.layers[0].mlp.up_proj.weight[3, 1] = float("nan")
+        bad.fc.weight[0, 0] = float("inf")
+    save_drafter(bad, tmp_path / "nan")
+    with pytest.raises(CheckpointError, match=r"non-finite weights \(NaN/Inf\) in 2 tensor\(s\): fc.weight \(1 of "
+                                              r"\d+\), layers.0.mlp.up_proj.weight \(1 of \d+\)"):
+        ev.evaluate(tmp_path / "nan", SUITE, options=OPTS)

@@ -1,8 +1,5 @@
 """References: local greedy (+ lookahead past eos), and an OpenAI-compatible server asked for ids."""
-import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
@@ -12,45 +9,11 @@ from eval_worker.acceptance import Evaluator
 from eval_worker.references import LocalReferences, ReferenceError, ServerReferences, split_at_eos
 from eval_worker.suite import Prompt, Suite
 
+from .engine_helpers import CannedServer
 from .factories import drafter_for, qwen3_target
 
 TARGET = qwen3_target(seed=6)
 PROMPT = [4, 8, 15, 16, 23, 42]
-
-
-class CannedServer:
-    """A real HTTP server on 127.0.0.1 answering /v1/completions with a canned body."""
-
-    def __init__(self, respond):
-        self.requests = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append((self.path, body))
-                status, payload = respond(body)
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def greedy_ids(body):
@@ -127,18 +90,47 @@ def test_evaluator_with_a_server_reference(tmp_path):
     assert "REFERENCE_NOT_TARGET_GREEDY" not in res.diagnostic_codes()
 
 
-def test_a_server_that_serves_another_model_is_flagged(tmp_path):
-    """bf16 serving, another checkpoint, a chat template applied twice: the reference is not the target's."""
+def _wrong_server(body):
+    ids = greedy_ids(body)
+    ids[5] = (ids[5] + 1) % 90
+    return 200, {"choices": [{"token_ids": ids}]}
+
+
+def test_a_server_that_serves_another_model_fails_the_job_and_caches_nothing(tmp_path):
+    """bf16 serving, another checkpoint, a chat template applied twice, re-tokenized text: the
+    reference is not the target's greedy output, so τ on it would not be the target's τ."""
+    save_drafter(drafter_for(TARGET, block_size=4), tmp_path / "ck")
+    with CannedServer(_wrong_server) as srv:
+        ev = Evaluator(TARGET, tmp_path / "cache", reference_source=ServerReferences(srv.url))
+        with pytest.raises(ReferenceError, match=r"prompt 'a' .* not the target's greedy output: at response "
+                                                 r"token 5 .*reference_mismatch='measure'"):
+            ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False})
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def test_a_later_prompt_mismatch_removes_what_the_job_cached(tmp_path):
     save_drafter(drafter_for(TARGET, block_size=4), tmp_path / "ck")
 
-    def respond(body):
-        ids = greedy_ids(body)
-        ids[5] = (ids[5] + 1) % 90
-        return 200, {"choices": [{"token_ids": ids}]}
+    def respond(body):  # right for prompt a, wrong for prompt b
+        return (200, {"choices": [{"token_ids": greedy_ids(body)}]}) if body["prompt"] == PROMPT else _wrong_server(body)
 
     with CannedServer(respond) as srv:
         ev = Evaluator(TARGET, tmp_path / "cache", reference_source=ServerReferences(srv.url))
-        res = ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False})
+        with pytest.raises(ReferenceError, match="prompt 'b'"):
+            ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False})
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def test_measuring_a_mismatched_reference_is_an_explicit_choice(tmp_path):
+    save_drafter(drafter_for(TARGET, block_size=4), tmp_path / "ck")
+    with CannedServer(_wrong_server) as srv:
+        ev = Evaluator(TARGET, tmp_path / "cache", reference_source=ServerReferences(srv.url))
+        res = ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False, "reference_mismatch": "measure"})
+        # cached under the opt-in; a later run without it still checks, and fails
+        with pytest.raises(ReferenceError, match="not the target's greedy output"):
+            ev.evaluate(tmp_path / "ck", _suite(), options={"measure_speed": False})
     assert [p.reference_agrees_with_target for p in res.prompts] == [False, False]
     diag = [d for d in res.diagnostics if d.code == "REFERENCE_NOT_TARGET_GREEDY"]
     assert diag and "a@5" in diag[0].message
+    with pytest.raises(ValueError, match="reference_mismatch"):
+        ev.evaluate(tmp_path / "ck", _suite(), options={"reference_mismatch": "ignore"})

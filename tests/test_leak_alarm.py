@@ -100,7 +100,7 @@ def test_leak_alarm_flags_a_drafting_path_that_reads_the_future(ev, tmp_path, mo
     assert "CONTEXT_LEAK_SUSPECTED" not in ev.evaluate(tmp_path / "ck", suite, options=OPTS).diagnostic_codes()
     real = drafter_model.build_attention_mask
     monkeypatch.setattr(drafter_model, "build_attention_mask", lambda layout, backend="auto": real(
-        dataclasses.replace(layout, anchors=layout.anchors + 1), backend))
+        dataclasses.replace(layout, see_anchor_state=True), backend))
     res = ev.evaluate(tmp_path / "ck", suite, options=OPTS)
     assert res.leak_probe["future_reads"] and len(res.leak_probe["future_reads"]) == res.leak_probe["contract_checked"]
     assert [d.code for d in res.errors()] == ["CONTEXT_LEAK_SUSPECTED"]

@@ -75,22 +75,65 @@ def test_other_blocks_never_change_a_block(c):
             torch.testing.assert_close(out, base, atol=1e-5, rtol=0)
 
 
-def test_multi_block_equals_one_block_with_cache():
-    """The training/eval layout and the incremental spec-decode path give the same draft."""
+# published drafters with windowed layers: mixed sliding/full (causal where sliding, the
+# engines' default), all sliding, and a window narrower than the block
+SLIDING = {
+    "sliding_mixed": drafter_for(TARGET, layers=3, block_size=4, layer_types=["sliding_attention", "full_attention",
+                                                                      "sliding_attention"], sliding_window=5),
+    "sliding_all": drafter_for(TARGET, layers=2, block_size=4, layer_types=["sliding_attention"] * 2, sliding_window=6),
+    "sliding_narrow_noncausal": drafter_for(TARGET, layers=2, block_size=4, layer_types=["sliding_attention"] * 2,
+                                    sliding_window=2, causal=False),
+}
+
+
+@pytest.mark.parametrize("name", ["full", *SLIDING])
+def test_multi_block_equals_one_block_with_cache(name):
+    """The training/eval layout and the incremental spec-decode path give the same draft
+    (for sliding drafters: the same windows and causality in both; test ids say `sliding`)."""
+    drafter = DRAFTER if name == "full" else SLIDING[name]
     ids, feats, _ = inputs(7)
-    B = DRAFTER.config.block_size
+    feats = feats[..., : drafter.fc.in_features]
+    B = drafter.config.block_size
     anchors = torch.tensor([[3, 9, 10, 17]])
-    many = draft(ids, feats, anchors)
+    many = draft(ids, feats, anchors, drafter)
     for j, a in enumerate(anchors[0].tolist()):
-        cache = DraftCache(DRAFTER.config.num_hidden_layers)
+        cache = DraftCache(drafter.config.num_hidden_layers)
         block = torch.full((1, B), MASK_ID)
         block[0, 0] = ids[0, a]
         with torch.no_grad():  # feed the context in two pieces, as the loop does
             cut = a // 2
-            DRAFTER(EMBED(block), torch.arange(a, a + B)[None], feats[:, :cut], torch.arange(cut)[None], cache=cache)
-            one = DRAFTER(EMBED(block), torch.arange(a, a + B)[None], feats[:, cut:a], torch.arange(cut, a)[None],
+            drafter(EMBED(block), torch.arange(a, a + B)[None], feats[:, :cut], torch.arange(cut)[None], cache=cache)
+            one = drafter(EMBED(block), torch.arange(a, a + B)[None], feats[:, cut:a], torch.arange(cut, a)[None],
                           cache=cache)
         torch.testing.assert_close(one, many[:, j * B:(j + 1) * B], atol=1e-5, rtol=1e-5)
+        with torch.no_grad():  # and without a cache (one block, whole context)
+            plain = drafter(EMBED(block), torch.arange(a, a + B)[None], feats[:, :a], torch.arange(a)[None])
+        torch.testing.assert_close(plain, many[:, j * B:(j + 1) * B], atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case(), st.sampled_from(sorted(SLIDING)))
+def test_sliding_no_leak_and_nothing_beyond_the_window(c, name):
+    """With windows: states at or after the anchor never matter; for an all-sliding drafter
+    neither do states W or more positions before the anchor (slot 0 sees no further back)."""
+    drafter = SLIDING[name]
+    anchors, seed, j = c
+    ids, feats, g = inputs(seed)
+    feats = feats[..., : drafter.fc.in_features]
+    B, a = drafter.config.block_size, int(anchors[0, j])
+    base = draft(ids, feats, anchors, drafter)[:, j * B:(j + 1) * B]
+    later = feats.clone()
+    later[:, a:] += torch.randn(later[:, a:].shape, generator=g)
+    torch.testing.assert_close(draft(ids, later, anchors, drafter)[:, j * B:(j + 1) * B], base, atol=1e-5, rtol=0)
+    W = drafter.config.sliding_window
+    if all(w is not None for w, _ in drafter.config.attention()):
+        far = feats.clone()
+        far[:, : max(a - W + 1, 0)] += 5.0  # positions <= a - W
+        torch.testing.assert_close(draft(ids, far, anchors, drafter)[:, j * B:(j + 1) * B], base, atol=1e-5, rtol=0)
+        if a - W + 1 >= 0:  # the property can fail: position a - W + 1 is inside slot 0's window
+            near = feats.clone()
+            near[:, a - W + 1] += 5.0
+            assert not torch.allclose(draft(ids, near, anchors, drafter)[:, j * B:(j + 1) * B], base, atol=1e-4)
 
 
 def test_padding_blocks_output_zero_attention_and_do_not_disturb_valid_ones():

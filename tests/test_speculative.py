@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from dflash_train.speculative import greedy_generate, speculative_generate
+from dflash_train.target import VerifyCache
 
 from .factories import drafter_for, qwen3_5_vlm_target, qwen3_target
 
@@ -20,11 +21,48 @@ def test_lossless_on_random_target(use_cache):
     assert all(1 <= n <= drafter.config.block_size for n in res.accept_lengths)
 
 
-def test_lossless_on_wrapped_linear_attention_target():
-    target = qwen3_5_vlm_target()  # recurrent layers: the loop falls back to full re-verification
-    drafter = drafter_for(target, features=1)
-    prompt = [7, 8, 9, 10]
-    assert speculative_generate(target, drafter, prompt, 20).tokens == greedy_generate(target, prompt, 20)
+HYBRID = qwen3_5_vlm_target()  # gated-delta (recurrent) layers and full attention, under a VLM wrapper
+
+
+@pytest.mark.parametrize("agree", [False, True], ids=["random_drafter", "agreeing_drafter"])
+def test_hybrid_incremental_verify_equals_full_forward_step_by_step(agree):
+    """On a hybrid target the loop verifies incrementally (recurrent states saved, restored and
+    advanced over the accepted tokens); step for step it equals re-running the whole sequence."""
+    target = qwen3_5_vlm_target(seed=1)
+    drafter = drafter_for(target, features=1, block_size=4)
+    if agree:  # both argmax to token 0: every draft accepted, the cache is never rewound
+        with torch.no_grad():
+            target.parts.final_norm.weight.fill_(-1.0)  # Qwen3.5's norm scales by (1 + weight)
+            drafter.norm.weight.zero_()
+    prompt = [7, 8, 9, 10, 3, 5]
+    assert VerifyCache(target).recurrent and VerifyCache(target).rewindable
+    fast = speculative_generate(target, drafter, prompt, 24)  # the default: incremental
+    slow = speculative_generate(target, drafter, prompt, 24, use_cache=False)
+    assert fast.accept_lengths == slow.accept_lengths and fast.tokens == slow.tokens
+    assert fast.tokens == greedy_generate(target, prompt, 24)
+    assert (max(fast.accept_lengths) == 4) == agree
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3, 5])
+def test_hybrid_verify_cache_rewinds_to_exactly_the_committed_tokens(accepted):
+    """A verify block whose first `accepted` drafts are the target's greedy tokens and the rest
+    wrong: after the rewind, the cache continues exactly as a fresh prefill of what was committed."""
+    target, B = HYBRID, 6
+    prompt = [4, 9, 2, 7, 7, 1, 30]
+    greedy = greedy_generate(target, prompt, B)
+    block = torch.tensor([[prompt[-1]] + greedy[:accepted] + [(g + 1) % 90 for g in greedy[accepted:B - 1]]])
+    cache = VerifyCache(target)
+    target.forward(torch.tensor([prompt[:-1]]), [1], past_key_values=cache.kv, use_cache=True)
+    cache.save()
+    target.forward(block, [1], past_key_values=cache.kv, use_cache=True)
+    cache.rewind(len(prompt) - 1, block[:, : accepted + 1], [1])
+    committed = prompt + greedy[:accepted]
+    assert cache.length == len(committed)
+    nxt = torch.tensor([[greedy[accepted]]])  # the bonus token goes in next
+    inc = target.forward(nxt, [0, 3], past_key_values=cache.kv, use_cache=True)
+    fresh = target.forward(torch.tensor([committed + [greedy[accepted]]]), [0, 3])
+    torch.testing.assert_close(inc.features[:, -1], fresh.features[:, -1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(inc.last_hidden[:, -1], fresh.last_hidden[:, -1], atol=1e-5, rtol=1e-4)
 
 
 def test_drafter_that_always_agrees_is_accepted_in_full():

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-ratio", type=float, help="draft/verify cost ratio of the serving hardware")
     p.add_argument("--reference-server", help="OpenAI-compatible server URL for references (SGLang/vLLM)")
     p.add_argument("--reference-model", help="model name to send to the reference server")
+    p.add_argument("--measure-mismatched-references", action="store_true",
+                   help="measure on a server reference even where it is not the target's greedy output "
+                        "(default: such a job fails and caches nothing)")
     p.add_argument("--cache-dir", default=None, help=f"reference/feature cache (default {default_cache_dir()})")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the disk cache")
     p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16)")
@@ -72,8 +75,14 @@ def main(args: argparse.Namespace) -> int:
                "max_blocks": args.max_blocks, "draft_verify_cost_ratio": args.cost_ratio}
     if args.no_chat_template:
         options["chat_template"] = False
+    if args.measure_mismatched_references:
+        options["reference_mismatch"] = "measure"
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
     try:
+        from ..checkpoint_source import check_drafter_config
+
+        for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
+            check_drafter_config(drafter_dir)  # before the target: its load can take minutes
         evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or default_cache_dir()),
                               progress=not args.no_progress and sys.stderr.isatty(), dtype=args.dtype,
                               device=args.device)
