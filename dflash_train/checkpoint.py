@@ -11,6 +11,7 @@ half-written directories complete the contract with the hook and the worker.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -31,6 +32,9 @@ from .config import ConfigError, DrafterConfig
 from .fsutil import atomic_write_json, fsync_path, pid_alive
 from .model import DFlashDrafter
 
+# Published checkpoints are read by eval workers that may run as another user: every file is
+# 0644 and every directory we create 0755, whatever the umask (safetensors alone writes 0600).
+FILE_MODE, DIR_MODE = 0o644, 0o755
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -60,6 +64,8 @@ def save_drafter(drafter: DFlashDrafter, directory: str | Path, *, dtype: torch.
     cfg.torch_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     cfg.save(directory)
+    for name in (WEIGHTS_NAME, "config.json"):
+        os.chmod(directory / name, FILE_MODE)
     return directory
 
 
@@ -166,7 +172,9 @@ def publish_checkpoint(drafter, checkpoint_root: str | Path, run_id: str, step: 
     if not run_id or "/" in run_id or run_id.startswith("."):
         raise CheckpointError(f"invalid run id {run_id!r}")
     run_dir = Path(checkpoint_root) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if not run_dir.is_dir():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, DIR_MODE)
     final = run_dir / step_dir_name(step)
     if (final / MARKER_NAME).exists():
         raise CheckpointError(f"{final} is already published")
@@ -174,6 +182,7 @@ def publish_checkpoint(drafter, checkpoint_root: str | Path, run_id: str, step: 
     if tmp.exists():
         shutil.rmtree(tmp)
     save_drafter(drafter, tmp, dtype=dtype, state=state)
+    os.chmod(tmp, DIR_MODE)
     files = {}
     for p in sorted(tmp.iterdir()):
         fsync_path(p)
@@ -189,7 +198,7 @@ def publish_checkpoint(drafter, checkpoint_root: str | Path, run_id: str, step: 
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "train_metrics": dict(train_metrics or {}),
     }
-    atomic_write_json(final / MARKER_NAME, manifest)
+    atomic_write_json(final / MARKER_NAME, manifest, mode=FILE_MODE)
     return final
 
 
@@ -262,8 +271,15 @@ def pin_checkpoint(directory: str | Path, token: str) -> Path:
     p = _pin_path(Path(directory), token)
     if not Path(directory).is_dir():
         raise CheckpointError(f"cannot pin {directory}: no such checkpoint")
-    p.parent.mkdir(exist_ok=True)
-    p.touch()
+    if not p.parent.is_dir():
+        p.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+        os.chmod(p.parent, DIR_MODE)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, FILE_MODE)
+    try:
+        with contextlib.suppress(OSError):  # another user's pin of the same token: leave its mode
+            os.fchmod(fd, FILE_MODE)
+    finally:
+        os.close(fd)
     return p
 
 

@@ -82,15 +82,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8",
-                      durable: bool = True) -> None:
+                      durable: bool = True, mode: int | None = None) -> None:
     """Atomically replace `path` with `text` (see `atomic_writer`)."""
-    atomic_write_bytes(path, text.encode(encoding), durable=durable)
+    atomic_write_bytes(path, text.encode(encoding), durable=durable, mode=mode)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = True,
-                      durable: bool = True) -> None:
+                      durable: bool = True, mode: int | None = None) -> None:
     """Atomically replace `path` with `obj` as JSON plus a final newline (see `atomic_writer`)."""
-    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n", durable=durable)
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n", durable=durable, mode=mode)
 
 
 def pid_alive(pid: int) -> bool:

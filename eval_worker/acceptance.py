@@ -13,7 +13,7 @@ from __future__ import annotations
 import platform
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -30,65 +30,13 @@ from .cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from .checkpoint_source import CheckpointInfo, open_drafter
 from .diagnostics import Facts, diagnose
 from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
-from .leak_probe import DEFAULT_PROBE_ANCHORS, LeakProbe, probe_offsets
+from .leak_probe import LeakProbe, probe_offsets
+from .options import EvalOptions
 from .references import LocalReferences, Reference, ReferenceError
 from .result import EvalResult, PromptResult
 from .scoring import PromptScore, Summary, score_prompt, summarize
 from .speed import measure_step_costs
 from .suite import EncodedPrompt, Suite, SuiteError, load_suite
-
-
-@dataclass
-class EvalOptions:
-    """Job options (`options` of the eval job); unknown keys are an error, not ignored."""
-
-    max_new_tokens: int | None = None  # default: the suite's
-    tree_budget: int = 8
-    tree_spine: bool = False
-    mode: str = "online"  # online | stride
-    counting: str = "response"  # response | published: when the online walk stops (docs/design.md)
-    num_prompts: int | None = None
-    max_blocks: int | None = None
-    validate: bool = False
-    bootstrap: int = 2000
-    seed: int = 0
-    chat_template: bool | None = None  # default: the suite's
-    eos_token_id: int | None = None  # default: the tokenizer's / generation config's
-    draft_verify_cost_ratio: float | None = None  # from the serving hardware; default: measured here
-    measure_speed: bool = True
-    anchors_per_chunk: int | None = None
-    head_rows: int = DEFAULT_HEAD_ROWS
-    backend: str = "auto"
-    leak_probe_anchors: int = DEFAULT_PROBE_ANCHORS  # anchors the leak probe drafts again (0: off)
-    # a server reference that is not the target's own greedy output: "fail" the job (nothing is
-    # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
-    reference_mismatch: str = "fail"
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "EvalOptions":
-        d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown eval options {unknown} (known: {sorted(known)})")
-        opts = cls(**d)
-        if opts.mode not in ("online", "stride"):
-            raise ValueError(f"mode must be 'online' or 'stride', got {opts.mode!r}")
-        if opts.reference_mismatch not in ("fail", "measure"):
-            raise ValueError(f"reference_mismatch must be 'fail' or 'measure', got {opts.reference_mismatch!r}")
-        if opts.counting not in metrics.COUNTING_RULES:
-            raise ValueError(f"counting must be one of {list(metrics.COUNTING_RULES)}, got {opts.counting!r}")
-        if opts.counting != "response" and opts.mode == "stride":
-            raise ValueError("counting applies to the online walk; stride mode drafts fixed blocks")
-        for name in ("max_new_tokens", "num_prompts", "max_blocks", "anchors_per_chunk"):
-            v = getattr(opts, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(opts.leak_probe_anchors, int) or opts.leak_probe_anchors < 0:
-            raise ValueError(f"leak_probe_anchors must be an integer >= 0, got {opts.leak_probe_anchors!r}")
-        if not isinstance(opts.tree_budget, int) or opts.tree_budget < 0:
-            raise ValueError(f"tree_budget must be an integer >= 0, got {opts.tree_budget!r}")
-        return opts
 
 
 @dataclass
@@ -313,7 +261,7 @@ class Evaluator:
                 ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
                 drafts = draft_anchors(drafter, embed, head, ids, feats["features"], np.arange(P, P + n),
                                        topk=topk, topk_slots=opts.tree_budget, anchors_per_chunk=opts.anchors_per_chunk,
-                                       head_rows=opts.head_rows, backend=opts.backend)
+                                       head_rows=opts.head_rows or DEFAULT_HEAD_ROWS, backend=opts.backend)
             with _timer(timings, "score"):
                 sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
                                   tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
@@ -322,12 +270,11 @@ class Evaluator:
             if leak is not None:
                 with _timer(timings, "leak_probe"):
                     rows = probe_offsets(n, leak.quota)
-                    seen = draft_anchors(drafter, embed, head, ids, feats["features"], P + rows,
-                                         anchors_per_chunk=opts.anchors_per_chunk, head_rows=opts.head_rows,
-                                         backend=opts.backend, see_anchor_state=True)
+                    kw = {"head_rows": opts.head_rows or DEFAULT_HEAD_ROWS, "backend": opts.backend}
+                    seen = draft_anchors(drafter, embed, head, ids, feats["features"], P + rows, see_anchor_state=True,
+                                         anchors_per_chunk=opts.anchors_per_chunk, **kw)
                     leak.add(ref.ext, rows, drafts.argmax[rows], seen.argmax)
-                    leak.check_contract(ref.name, drafter, embed, head, ids, feats["features"], P, rows,
-                                        head_rows=opts.head_rows, backend=opts.backend)
+                    leak.check_contract(ref.name, drafter, embed, head, ids, feats["features"], P, rows, **kw)
             scores.append(sc)
         with _timer(timings, "score"):
             summary = summarize(scores, B, opts.mode, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,

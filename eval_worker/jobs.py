@@ -10,7 +10,8 @@ pickled). Layout, per docs/design.md::
      "requested_by": "hook", "priority": "default", "attempt": 0,
      "train_metrics": {...}, "options": {...}}
 
-The same :func:`validate_job` runs before a job is enqueued and again when a worker
+The same :func:`validate_job` (one pydantic schema, :class:`JobPayload`, with the options'
+:class:`~eval_worker.options.EvalOptions`) runs before a job is enqueued and again when a worker
 takes it; :func:`check_checkpoint` then checks the directory itself (inside the
 configured roots after resolving symlinks, completion marker present, digest equal).
 Every failure raises :class:`JobError` whose message is the reason.
@@ -23,13 +24,18 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from .options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
 
 SCHEMA = "dflash-eval-job/1"
 CHECKPOINT_FORMAT = "dflash-checkpoint/1"
 MARKER_NAME = "COMPLETE.json"
 ROOTS_ENV = "DFLASH_CHECKPOINT_ROOTS"
 TARGET_ROOTS_ENV = "DFLASH_TARGET_ROOTS"
+SUITE_ROOTS_ENV = "DFLASH_SUITE_ROOTS"
 
 PRIORITIES = ("high", "default", "low")
 REQUESTERS = ("hook", "user", "requeue")
@@ -41,9 +47,8 @@ DEFAULTS: dict[str, Any] = {
 FIELDS = set(REQUIRED) | set(DEFAULTS)
 WANDB_FIELDS = {"project", "group", "entity", "mode", "name", "tags"}
 
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_BUILTIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class JobError(ValueError):
@@ -52,12 +57,107 @@ class JobError(ValueError):
 
 # --------------------------------------------------------------------------- schema
 
+# Size limits: a job is a few hundred bytes; anything near these is a mistake or an attack,
+# refused before it is pinned, hashed, stored in Redis or shown by `status`.
+MAX_PATH = 4096            # checkpoint, target, baseline, suite (PATH_MAX)
+MAX_NAME = 256             # W&B project/group/entity/name, each tag, each metric name
+MAX_TAGS = 64
+MAX_METRICS = 256
+MAX_PAYLOAD_BYTES = 256 * 1024
+
+_Name = Annotated[str, StringConstraints(max_length=MAX_NAME)]
+_FiniteNumber = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _abs_path(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("contains a NUL byte")
+    if not os.path.isabs(value):
+        raise ValueError("must be an absolute path")
+    return value
+
+
+_AbsPath = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH), AfterValidator(_abs_path)]
+
+
+class WandbSettings(BaseModel):
+    """The job's `wandb` object (the worker's WANDB_MODE wins over `mode`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    project: _Name | None = None
+    group: _Name | None = None
+    entity: _Name | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None
+    name: _Name | None = None
+    tags: list[_Name] | None = Field(None, max_length=MAX_TAGS)
+
+
+class JobPayload(BaseModel):
+    """The job schema (`dflash-eval-job/1`): types, ranges and sizes of every field, `options` included."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    schema_: Literal["dflash-eval-job/1"] = Field(alias="schema")
+    run_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+    step: int = Field(ge=0, le=(1 << 53))
+    checkpoint: _AbsPath
+    checkpoint_digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    target: _AbsPath | None = None
+    suite: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH, pattern=r"\S")]
+    baseline: _AbsPath | None = None
+    wandb: WandbSettings | None = None
+    requested_by: Literal["hook", "user", "requeue"] = "user"
+    priority: Literal["high", "default", "low"] = "default"
+    attempt: int = Field(0, ge=0, le=1_000_000)
+    train_metrics: dict[_Name, _FiniteNumber] | None = Field(None, max_length=MAX_METRICS)
+    options: dict[str, Any] | None = None  # checked by EvalOptions (eval_worker.options), the engine's schema
+
+
+# How each top-level field is described when it is wrong (the offending value is shortened).
+_FIELD_RULES = {
+    "run_id": "run_id must be 1-128 characters of letters, digits, '.', '_' or '-' (no '..', no '/')",
+    "step": "step must be a non-negative integer",
+    "checkpoint": f"checkpoint must be an absolute path of at most {MAX_PATH} characters without NUL bytes",
+    "target": f"target must be null or an absolute path of at most {MAX_PATH} characters without NUL bytes",
+    "baseline": f"baseline must be null or an absolute path of at most {MAX_PATH} characters without NUL bytes",
+    "checkpoint_digest": "checkpoint_digest must be 64 lowercase hex characters (sha256)",
+    "suite": f"suite must be a non-empty string of at most {MAX_PATH} characters",
+    "requested_by": f"requested_by must be one of {list(REQUESTERS)}",
+    "priority": f"priority must be one of {list(PRIORITIES)}",
+    "attempt": "attempt must be a non-negative integer",
+    "train_metrics": (f"train_metrics must be null or an object of at most {MAX_METRICS} finite numbers "
+                      f"named by at most {MAX_NAME} characters"),
+    "options": "options must be an object or null",
+}
+
+
+def _problems(error: ValidationError, payload: dict[str, Any]) -> list[str]:
+    out, seen = [], set()
+    for e in error.errors(include_url=False, include_input=False):
+        field = str(e["loc"][0]) if e["loc"] else ""
+        if field in _FIELD_RULES:
+            if field not in seen:
+                seen.add(field)
+                out.append(f"{_FIELD_RULES[field]}, got {shorten(payload.get(field))}")
+            continue
+        line = describe_one(e)
+        if e["type"] == "extra_forbidden" and field == "wandb":
+            line += f" (known: {sorted(WANDB_FIELDS)})"
+        out.append(line)
+    return out
+
+
 def validate_job(payload: Any) -> dict[str, Any]:
     """Check a job payload against the schema; return a normalised copy (defaults filled).
 
-    Checks shape only (no filesystem access): see :func:`check_checkpoint` for that.
+    One schema, run by `enqueue` and again by the worker: the types, ranges and sizes of
+    every field (:class:`JobPayload`) and of every option (eval_worker.options.EvalOptions,
+    the engine's own). No filesystem access: see :func:`check_checkpoint` for that.
     """
     if isinstance(payload, (str, bytes)):
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise JobError(f"job payload is {len(payload)} bytes; the limit is {MAX_PAYLOAD_BYTES}")
         try:
             payload = json.loads(payload)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -68,71 +168,34 @@ def validate_job(payload: Any) -> dict[str, Any]:
     if schema != SCHEMA:
         if schema is None:
             raise JobError(f"job payload has no 'schema' field (expected {SCHEMA!r})")
-        raise JobError(f"unknown job schema version {schema!r}; this worker understands {SCHEMA!r}")
+        raise JobError(f"unknown job schema version {shorten(schema)}; this worker understands {SCHEMA!r}")
     missing = [k for k in REQUIRED if payload.get(k) in (None, "")]
     if missing:
         raise JobError(f"job payload is missing required field(s): {', '.join(missing)}")
-    unknown = sorted(set(payload) - FIELDS)
+    unknown = sorted(k[:MAX_SHOWN] if isinstance(k, str) else repr(k) for k in set(payload) - FIELDS)
     if unknown:
-        raise JobError(f"job payload has unknown field(s) {unknown} for schema {SCHEMA!r}")
+        raise JobError(f"job payload has unknown field(s) {unknown[:10]} for schema {SCHEMA!r}")
     job = {**DEFAULTS, **payload}
     problems: list[str] = []
-
-    run_id = job["run_id"]
-    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or ".." in run_id:
-        problems.append(f"run_id {run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-' "
-                        "(no '..', no '/')")
-    step = job["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        problems.append(f"step must be a non-negative integer, got {step!r}")
-    for key in ("checkpoint", "baseline", "target"):
-        value = job[key]
-        if value is None and key != "checkpoint":
-            continue
-        if not isinstance(value, str) or not os.path.isabs(value):
-            problems.append(f"{key} must be an absolute path, got {value!r}")
-        elif "\x00" in value:
-            problems.append(f"{key} contains a NUL byte")
-    digest = job["checkpoint_digest"]
-    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
-        problems.append(f"checkpoint_digest must be 64 lowercase hex characters (sha256), got {digest!r}")
-    if not isinstance(job["suite"], str) or not job["suite"].strip():
-        problems.append(f"suite must be a non-empty string, got {job['suite']!r}")
-    if job["requested_by"] not in REQUESTERS:
-        problems.append(f"requested_by must be one of {list(REQUESTERS)}, got {job['requested_by']!r}")
-    if job["priority"] not in PRIORITIES:
-        problems.append(f"priority must be one of {list(PRIORITIES)}, got {job['priority']!r}")
-    attempt = job["attempt"]
-    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-        problems.append(f"attempt must be a non-negative integer, got {attempt!r}")
-    wandb = job["wandb"]
-    if wandb is not None:
-        if not isinstance(wandb, dict):
-            problems.append(f"wandb must be an object or null, got {type(wandb).__name__}")
-        else:
-            extra = sorted(set(wandb) - WANDB_FIELDS)
-            if extra:
-                problems.append(f"wandb has unknown field(s) {extra} (known: {sorted(WANDB_FIELDS)})")
-            if wandb.get("mode") not in (None, "online", "offline", "disabled"):
-                problems.append(f"wandb.mode must be online, offline or disabled, got {wandb.get('mode')!r}")
-    metrics = job["train_metrics"]
-    if metrics is not None:
-        if not isinstance(metrics, dict):
-            problems.append("train_metrics must be an object of numbers or null")
-        else:
-            bad = [k for k, v in metrics.items()
-                   if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
-            if bad:
-                problems.append(f"train_metrics values must be finite numbers (bad: {sorted(bad)})")
-    options = job["options"]
-    if options is not None and not isinstance(options, dict):
-        problems.append("options must be an object or null")
+    try:
+        JobPayload.model_validate(job)
+    except ValidationError as e:
+        problems += _problems(e, job)
+    if isinstance(job["run_id"], str) and ".." in job["run_id"] and not any(p.startswith("run_id") for p in problems):
+        problems.append(f"{_FIELD_RULES['run_id']}, got {shorten(job['run_id'])}")
+    if isinstance(job["options"], dict):
+        try:
+            EvalOptions.from_dict(job["options"])
+        except OptionsError as e:
+            problems.append(str(e))
     if problems:
         raise JobError("invalid job: " + "; ".join(problems))
     try:  # JSON data only: a payload that does not round-trip is refused here, not in RQ
-        json.dumps(job, allow_nan=False)
+        size = len(json.dumps(job, allow_nan=False))
     except (TypeError, ValueError) as e:
-        raise JobError(f"job payload is not plain JSON data: {e}") from None
+        raise JobError(f"job payload is not plain JSON data: {shorten(str(e))}") from None
+    if size > MAX_PAYLOAD_BYTES:
+        raise JobError(f"job payload is {size} bytes; the limit is {MAX_PAYLOAD_BYTES}")
     return job
 
 
@@ -157,19 +220,29 @@ def job_id_for(job: dict[str, Any], suite_fp: str) -> str:
     return base if not job.get("attempt") else f"{base}-r{int(job['attempt'])}"
 
 
-def suite_fingerprint(suite: str, options: dict[str, Any] | None = None) -> str:
-    """Identity of what a job evaluates: the suite's fingerprint (eval_worker.suite), folded
-    with the job's options when it has any (other settings are a different evaluation)."""
+def suite_fingerprint(suite: str, options: dict[str, Any] | None = None, target: str | None = None) -> str:
+    """Identity of what a job evaluates (its job id's last part): the suite's fingerprint
+    (eval_worker.suite), folded with the options that change a result (EvalOptions.identity:
+    non-default, not performance-only) and the job's `target` when it has either."""
     from eval_worker.suite import load_suite  # the engine's module: names, files, fingerprints
 
     try:
         fp = load_suite(suite).fingerprint()
     except (OSError, ValueError, KeyError) as e:
-        raise JobError(f"unknown or unreadable suite {suite!r}: {e}") from None
-    if options:
-        spec = json.dumps({"suite": fp, "options": options}, sort_keys=True)
-        fp = hashlib.sha256(spec.encode()).hexdigest()[:16]
+        raise JobError(f"unknown or unreadable suite {shorten(suite)}: {shorten(str(e), 300)}") from None
+    try:
+        options = options_identity(options)
+    except OptionsError as e:
+        raise JobError(str(e)) from None
+    if options or target:
+        spec = {"suite": fp, "options": options, **({"target": target} if target else {})}
+        fp = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return fp
+
+
+def job_fingerprint(job: dict[str, Any]) -> str:
+    """`suite_fingerprint` of a job's suite, options and target."""
+    return suite_fingerprint(job["suite"], job.get("options"), job.get("target"))
 
 
 def strip_attempt(job_id: str) -> str:
@@ -221,6 +294,33 @@ def check_target(target: str, default_target: str | None, target_roots: list[Pat
         confine(target, checkpoint_roots, "checkpoint",
                 f"--target-root or ${TARGET_ROOTS_ENV} (targets other than the worker's own --target must lie "
                 "in a target root, or in a checkpoint root when no target root is set)")
+
+
+def check_suite(suite: str, suite_roots: list[Path] | None, checkpoint_roots: list[Path] | None) -> str:
+    """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), or a
+    file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
+    spec to load (a bare name gets its `builtin:` prefix; a file its real path).
+
+    A job comes from whoever can reach the queue, and a suite is read and parsed on the
+    worker, so its path is confined like checkpoints and targets. Anything else fails with
+    one message, whatever the path is (missing, unreadable, a directory, outside the roots,
+    a symlink out): the reply tells nothing about the worker's files.
+    """
+    if isinstance(suite, str) and suite.startswith("builtin:"):
+        return suite
+    if isinstance(suite, str) and _BUILTIN_NAME.match(suite) and not suite.endswith(".jsonl"):
+        return "builtin:" + suite  # never looked up relative to the worker's working directory
+    roots = suite_roots if suite_roots is not None else checkpoint_roots
+    refused = JobError(f"suite {shorten(suite)} is not available on this worker: name a built-in suite "
+                       "(builtin:NAME) or a suite file under the worker's suite roots "
+                       f"(--suite-root / ${SUITE_ROOTS_ENV}; default: the checkpoint roots)")
+    if (not roots or not isinstance(suite, str) or len(suite) > MAX_PATH or "\x00" in suite
+            or not os.path.isabs(suite)):
+        raise refused
+    real = Path(os.path.realpath(suite))
+    if not any(real == root or root in real.parents for root in roots) or not real.is_file():
+        raise refused
+    return str(real)
 
 
 # --------------------------------------------------------------------------- checkpoints

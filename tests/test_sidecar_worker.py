@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
     cfg, mask = tiny_target_drafter_config(target)
     ckpts = {s: publish_random(root, "run-w", s, target_config=cfg, mask_token_id=mask, seed=s)
              for s in (10, 20, 30, 40)}
-    suite = write_suite(base / "suite.jsonl", n_prompts=2, max_new_tokens=12)
+    suite = write_suite(root / "suite.jsonl", n_prompts=2, max_new_tokens=12)  # in a root: the worker may read it
     return {"target": target, "root": root, "ckpts": ckpts, "suite": suite, "cfg": cfg, "mask": mask}
 
 
@@ -220,3 +220,46 @@ def test_timeout_and_cancel_fail_the_job_not_the_worker(ctx):
     last = enqueue(ctx.conn, ctx.job(30))
     assert ctx.finished(last.job_id).get_status().value == "finished"
     assert w.proc.poll() is None and ctx.finished(last.job_id).return_value()["worker_pid"] == w.pid
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def test_orphan_scheduler_stops_when_its_worker_is_sigkilled(tmp_path, redis_url):
+    """Observed: after SIGKILL of a worker its RQ scheduler (reparented to init) ran on for 13+ minutes,
+    still scheduling retries and holding the scheduler lock."""
+    conn = connect(redis_url)
+    w = WorkerProcess(tmp_path, redis_url, [tmp_path], name="w-orphan", args=["--no-preload"])
+    try:
+        w.wait_registered(conn)
+        scheduler = wait_for(lambda: _children(w.pid), 60, "the worker's scheduler process")[0]
+        wait_for(lambda: f"started with PID {scheduler}" in w.log(), 30, "the scheduler's start line")  # it is RQ's
+        assert _running(scheduler)
+        lock = "rq:scheduler-lock:dflash-eval"
+        wait_for(lambda: conn.get(lock) is not None, 30, "the scheduler lock")
+        os.kill(w.pid, signal.SIGKILL)  # the worker only, as the OOM killer would
+        w.proc.wait(timeout=30)
+        wait_for(lambda: not _running(scheduler), 15, f"scheduler pid {scheduler} to exit after its worker died")
+        assert conn.get(lock) is None  # it stopped gracefully: the lock is free for another worker's scheduler
+        assert "is gone; stopping" in w.log() or "Scheduler" in w.log()
+    finally:
+        if _running(locals().get("scheduler", -1) or -1):
+            os.kill(scheduler, signal.SIGKILL)
+        w.stop()
+        conn.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.ledger import read_record
+from eval_worker.ledger import Ledger, read_record
 from eval_worker.sinks import publish_result
 from eval_worker.sinks.wandb_lock import LockTimeout, writer_lock
 from eval_worker.sinks.wandb_payload import marked_html, marked_text, scalars
@@ -99,7 +99,8 @@ def test_out_of_order_results_land_at_their_training_step(env):
 
     # exactly one build is kept: it is the complete run that `wandb sync` should upload
     assert [p.name for p in (env["wandb"] / "builds" / "run-a-eval").iterdir()] == [Path(pointer["run_dir"]).parents[1].name]
-    assert pointer["records"] == ["100:abcd1234:0", "200:abcd1234:0", "300:abcd1234:0"]
+    keys = {e.step: e.key for e in Ledger(env["results"]).entries("run-a")}  # the ledger's record keys
+    assert pointer["records"] == [f"{s}:{keys[s]}:0" for s in (100, 200, 300)]
 
 
 def test_newer_attempt_replaces_the_point_and_best_alias_moves(env):
@@ -114,7 +115,7 @@ def test_newer_attempt_replaces_the_point_and_best_alias_moves(env):
     assert log.points("eval/tau") == {100: pytest.approx(worse["tau"]["macro"]), 200: pytest.approx(res2["tau"]["macro"])}
     best = [a for a in log.artifacts if a["type"] == "model" and "best-tau" in a["aliases"]]
     assert len(best) == 1 and "step-200" in best[0]["aliases"]
-    assert "100:abcd1234:1" in pointer["records"]
+    assert f"100:{r3['key']}:1" in pointer["records"]
 
 
 def test_marked_text_and_html_escape_and_survive_bad_spans():
@@ -138,7 +139,7 @@ def test_sink_off_by_env_and_disabled_mode(env, monkeypatch):
 
 def test_sink_failure_is_reported_not_raised(env, monkeypatch):
     record, _ = record_for(env, "run-d", 100, 0.5)
-    (env["results"] / "run-d" / "step-00000100" / "abcd1234" / "attempt-0.json").write_text("{torn")
+    (env["results"] / "run-d" / "step-00000100" / record["key"] / "attempt-0.json").write_text("{torn")
     out = publish_result(record, record["job"])
     assert out["wandb"]["ok"] is False and "attempt-0.json" in out["wandb"]["error"]
 

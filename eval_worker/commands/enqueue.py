@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", type=int, default=None, help="retries after a failure or a crashed worker")
     parser.add_argument("--outbox", action="append", default=[], metavar="DIR",
                         help="also deliver the jobs waiting in a hook outbox directory (repeatable)")
+    parser.add_argument("--retry-rejected", action="store_true",
+                        help="with --outbox: also deliver the jobs set aside in DIR/rejected (after fixing "
+                             "what made the queue refuse them)")
     parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
     add_redis_args(parser)
 
@@ -93,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
             errors.append({"checkpoint": job["checkpoint"], "error": str(e)})
     delivered = []
     for directory in args.outbox:
-        delivered.append(_deliver_outbox(directory, conn, config))
+        delivered.append(_deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected))
 
     if args.json:
         print_json({"redis": url, "outcomes": [o.to_dict() for o in outcomes], "errors": errors,
@@ -102,11 +105,16 @@ def main(args: argparse.Namespace) -> int:
         for o in outcomes:
             print(f"{o.status:9s} {o.job_id}  {o.message}")
         for d in delivered:
-            print(f"outbox {d['dir']}: delivered {len(d['delivered'])}, rejected {len(d['rejected'])}, "
+            print(f"outbox {d['dir']}: " + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
+                  + f"delivered {len(d['delivered'])}, rejected {len(d['rejected'])}, "
                   f"remaining {d['remaining']}" + (f" ({d['error']})" if d["error"] else ""))
+            for key, reason in d["set_aside"].items():
+                print(f"  set aside {key}: {reason}")
+            if d["set_aside"]:
+                print(f"  (fix the cause, then `dflash-eval enqueue --outbox {d['dir']} --retry-rejected`)")
         for e in errors:
             print(f"error     {e['checkpoint']}: {e['error']}")
-    return 2 if errors or any(d["remaining"] or d["rejected"] for d in delivered) else 0
+    return 2 if errors or any(d["remaining"] or d["rejected"] or d["set_aside"] for d in delivered) else 0
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -122,12 +130,12 @@ def _expand(paths: list[str]) -> list[str]:
     return out
 
 
-def _deliver_outbox(directory: str, conn, config) -> dict:
-    from eval_worker.queue import enqueue
-    from hooks.eval_on_checkpoint import _transport_error
+def _deliver_outbox(directory: str, conn, config, *, retry_rejected: bool = False) -> dict:
+    from eval_worker.queue import enqueue, refused_for_the_job
     from hooks.outbox import Outbox
 
-    report = Outbox(directory).deliver(lambda job: enqueue(conn, job, config=config),
-                                       is_invalid=lambda e: not _transport_error(e))
-    return {"dir": directory, "delivered": report.delivered, "rejected": report.rejected,
-            "remaining": report.remaining, "error": report.error}
+    box = Outbox(directory)
+    restored = box.restore_rejected() if retry_rejected else []
+    report = box.deliver(lambda job: enqueue(conn, job, config=config), is_invalid=refused_for_the_job)
+    return {"dir": directory, "restored": restored, "delivered": report.delivered, "rejected": report.rejected,
+            "remaining": report.remaining, "error": report.error, "set_aside": box.rejected()}

@@ -20,6 +20,12 @@ def _tau(s) -> str:
     return f"{s['tau']:.3f} @ step {s['step']}"
 
 
+def _spooled(j) -> str:
+    if not j.get("spooled_result"):
+        return ""
+    return f" [result computed and kept in {j['spooled_result']}: only the ledger write is retried]"
+
+
 def main(args: argparse.Namespace) -> int:
     from eval_worker.queue import status
 
@@ -43,10 +49,10 @@ def main(args: argparse.Namespace) -> int:
     if st["scheduled"]:
         print(f"waiting to retry ({len(st['scheduled'])}):")
         for j in st["scheduled"]:
-            print(f"  {j['job_id']}  run={j['run_id']} step={j['step']}")
+            print(f"  {j['job_id']}  run={j['run_id']} step={j['step']}{_spooled(j)}")
     print(f"failed ({len(st['failed'])}):")
     for j in st["failed"]:
-        print(f"  {j['job_id']}  run={j['run_id']} step={j['step']}: {j['reason']}")
+        print(f"  {j['job_id']}  run={j['run_id']} step={j['step']}: {j['reason']}{_spooled(j)}")
     print("runs:")
     if not st["runs"]:
         print("  (no results recorded yet)")

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-root", action="append", default=None, metavar="DIR",
                         help="jobs may name targets under these roots besides --target (repeatable; default "
                              "$DFLASH_TARGET_ROOTS, else the checkpoint roots)")
+    parser.add_argument("--suite-root", action="append", default=None, metavar="DIR",
+                        help="jobs may name suite files under these roots besides built-in suites (repeatable; "
+                             "default $DFLASH_SUITE_ROOTS, else the checkpoint roots)")
     parser.add_argument("--no-preload", action="store_true", help="load the target on the first job instead")
     parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
                         help="only evaluate checkpoints under these roots (repeatable; default "
@@ -28,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-dir", default=None, help="ledger directory (default $DFLASH_RESULTS_DIR, "
                                                             "else $DFLASH_HOME/results)")
     parser.add_argument("--cache-dir", default=None, help="reference/feature cache (default $DFLASH_CACHE_DIR)")
+    parser.add_argument("--spool-dir", default=None,
+                        help="where a computed result waits when its ledger write fails, so a retry only "
+                             "writes it (default $DFLASH_SPOOL_DIR, else next to the cache directory)")
     parser.add_argument("--device", default=None, help="torch device for the target (default: the engine's)")
     parser.add_argument("--max-targets", type=int, default=1, help="targets kept loaded at once (LRU)")
     parser.add_argument("--name", default=None, help="worker name (default dflash-<host>-<pid>)")
@@ -55,9 +61,10 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.worker import WorkerSettings, serve, worker_name
 
     settings = WorkerSettings.from_env(results_dir=args.results_dir, roots=args.checkpoint_root,
-                                       target_roots=args.target_root,
+                                       target_roots=args.target_root, suite_roots=args.suite_root,
                                        cache_dir=args.cache_dir, default_target=args.target, device=args.device,
-                                       max_targets=args.max_targets, evaluator_factory=args.evaluator_factory)
+                                       max_targets=args.max_targets, evaluator_factory=args.evaluator_factory,
+                                       spool_dir=args.spool_dir)
     if settings.roots is None:
         return fail("no checkpoint roots configured: pass --checkpoint-root DIR (repeatable) or set "
                     "DFLASH_CHECKPOINT_ROOTS; the worker only reads checkpoints under them")

@@ -178,7 +178,7 @@ def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunR
     primary = primary_suite(all_results)
     best = _best(all_results, primary)
     logged_ckpts: set[str] = set()
-    for res in sorted(todo, key=lambda r: (r.step, r.suite_fp)):
+    for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
         run.log(log_dict(res.result, prefix_for(res.result["suite"]["name"], primary)))
         digest = res.result["checkpoint"].get("digest") or res.result["checkpoint"]["path"]
         if digest not in logged_ckpts:
