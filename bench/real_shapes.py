@@ -2,19 +2,21 @@
 validation cost per step, and the arithmetic for a real Qwen3-8B evaluation.
 
     python bench/real_shapes.py [--num-prompts 8] [--max-new-tokens 64] [--threads 1]
-                                [--context 512] [--steps 12] [--parts phases,hybrid,estimate]
+                                [--contexts 256,2048] [--steps 8] [--hidden 512] [--parts phases,hybrid,estimate]
 
 1. phases: one whole `Evaluator.evaluate` (cold: no cache) per target, each in a fresh
    process: the bundled tiny target (vocab 2,048), Qwen3 at vocab 151,936 and a wrapped
    hybrid Qwen3.5 at 248,320 (random weights, hidden 128, 8 layers: tests/factories.py),
    a random 1-layer B=16 drafter, the built-in coding suite. Per phase (references,
    features, draft, score): seconds, and peak RSS above the RSS once the target is loaded
-   (RSS sampled every 0.5 ms), next to the weights' own size. Also the peak of what the
+   (RSS sampled every 0.5 ms; blocks over 128 KiB mmapped, so freed memory leaves RSS),
+   next to the weights' own size. Also the peak of what the
    references phase used to do (full-sequence logits for the lookahead), for comparison.
 2. hybrid: seconds per verify step of the real draft-verify loop (validation mode) on the
-   hybrid target at a `--context`-token prompt: re-running the whole sequence each step
-   (before) vs the incremental verify with recurrent-state rollback (now); plain Qwen3 at
-   the same size for reference.
+   hybrid target (width `--hidden`, so that the target's forward is what a step costs) at
+   `--contexts` prompt lengths: re-running the whole sequence each step (before: the only way
+   on recurrent layers) vs the incremental verify with recurrent-state rollback (now); plain
+   Qwen3 of the same size for reference (its KV cache was always cropped).
 3. estimate: the machine's measured fp32 matmul rate and copy bandwidth, the engine's
    measured drafting rate, and from them (and an H200's spec sheet) the arithmetic for a
    real Qwen3-8B evaluation of 23 prompts x 1.5k tokens. Printed as estimates.
@@ -143,9 +145,11 @@ def old_references_peak(target, ids: list[int]) -> int:
 def phases(args) -> list[dict]:
     rows = []
     for shape in SHAPES:
+        # glibc keeps freed heap pages: large blocks through mmap make RSS follow the live tensors
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
         out = subprocess.run([sys.executable, __file__, "--child", shape, "--num-prompts", str(args.num_prompts),
                               "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True, check=True, env=env)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     tiny = rows[0]
     print(f"\n1. one cold evaluation ({args.num_prompts} coding prompts x {args.max_new_tokens} tokens, random 1-layer "
@@ -169,23 +173,29 @@ def hybrid(args) -> dict:
     from tests.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
 
     torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
     out = {}
     for name, make in (("qwen3_5", qwen3_5_real_shape), ("qwen3", qwen3_real_shape)):
-        target = make()
+        target = make(hidden=args.hidden)
         drafter = real_shape_drafter(target, layers=1, block_size=16)
-        prompt = torch.randint(0, 100000, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
-        per = {}
-        for mode, use_cache in (("full", False), ("incremental", None)):
-            speculative_generate(target, drafter, prompt[:32], 3, use_cache=use_cache)  # warm-up
-            t = time.perf_counter()
-            res = speculative_generate(target, drafter, prompt, args.steps + 1, use_cache=use_cache)
-            per[mode] = (time.perf_counter() - t) / len(res.accept_lengths)
-        out[name] = per
-    print(f"\n2. real draft-verify loop (validation), seconds per verify step at a {args.context}-token prompt, "
-          f"{args.steps} steps, random drafter")
-    for name, per in out.items():
-        print(f"  {name:<8} re-run whole sequence {per['full']:.3f}s   incremental {per['incremental']:.3f}s   "
-              f"-> {per['full'] / per['incremental']:.1f}x")
+        g = torch.Generator().manual_seed(0)
+        for ctx in contexts:
+            prompt = torch.randint(0, 100000, (ctx,), generator=g).tolist()
+            per = {}
+            for mode, use_cache in (("full", False), ("incremental", None)):
+                speculative_generate(target, drafter, prompt[:32], 3, use_cache=use_cache)  # warm-up
+                runs = []
+                for n in (2, args.steps + 2):  # the difference of two runs: the prompt's prefill cancels out
+                    t = time.perf_counter()
+                    res = speculative_generate(target, drafter, prompt, n, use_cache=use_cache)
+                    runs.append((time.perf_counter() - t, len(res.accept_lengths)))
+                per[mode] = (runs[1][0] - runs[0][0]) / (runs[1][1] - runs[0][1])
+            out[(name, ctx)] = per
+    print(f"\n2. real draft-verify loop (validation), seconds per verify step, {args.steps} steps, random drafter "
+          f"(tau 1: every step rolls back), hidden {args.hidden}, 8 layers, {args.threads} thread(s)")
+    for (name, ctx), per in out.items():
+        print(f"  {name:<8} prompt {ctx:>5}: re-run whole sequence {per['full']:.3f}s   incremental "
+              f"{per['incremental']:.3f}s   -> {per['full'] / per['incremental']:.1f}x")
     return out
 
 
@@ -246,8 +256,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--contexts", default="256,2048", help="prompt lengths for part 2")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512, help="target width for part 2 (the loop's cost is the target's)")
     ap.add_argument("--parts", default="phases,hybrid,estimate")
     ap.add_argument("--child", choices=SHAPES, help=argparse.SUPPRESS)
     args = ap.parse_args()

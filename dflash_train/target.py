@@ -214,9 +214,11 @@ class Target:
         return self.parts.lm_head(last_hidden)
 
     @torch.no_grad()
-    def greedy_tokens(self, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-        """argmax of the LM head, in chunks of positions so [seq, vocab] is never whole."""
+    def greedy_tokens(self, last_hidden: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """argmax of the LM head, in chunks of positions so [seq, vocab] is never whole
+        (default chunk: `logits_rows`, so the temporary is the same size at any vocabulary)."""
         flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        chunk = chunk or logits_rows(self.parts.lm_head.weight.shape[0])
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for s in range(0, flat.shape[0], chunk):
             out[s:s + chunk] = self.parts.lm_head(flat[s:s + chunk]).argmax(-1)
@@ -246,6 +248,15 @@ class Target:
 def _cache_kwarg(module: nn.Module) -> str:
     params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+LOGITS_BUDGET_BYTES = 64 << 20  # the largest [rows, vocab] logits temporary of a chunked LM head
+
+
+def logits_rows(vocab: int, budget: int = LOGITS_BUDGET_BYTES) -> int:
+    """Rows per LM-head chunk that keep float32 logits within `budget` at any vocabulary
+    (4,096 rows at vocab 4k, 110 at 151,936, 67 at 248,320): memory flat in vocabulary."""
+    return max(1, budget // (4 * vocab))
 
 
 class VerifyCache:

@@ -2,8 +2,9 @@
 
 Uses `DFlashDrafter.forward_blocks` (the multi-block mask layout training uses): one
 chunk of anchors per pass, context = the target features before each anchor. The LM head
-runs on chunks of rows and keeps only argmax and top-k log-probs, so peak memory is set
-by the chunk sizes, not by the number of anchors or the vocabulary.
+runs on chunks of rows sized to a fixed logits budget and keeps only argmax and top-k
+log-probs, so peak memory is set by the chunk sizes, not by the number of anchors or the
+vocabulary.
 
 `draft_one_block` is the one-block-per-forward path (each block alone, context recomputed)
 that the seeds' harness used; the tests hold the two equal and the bench times both.
@@ -17,9 +18,10 @@ import torch
 from torch import nn
 
 from dflash_train.model import DFlashDrafter
+from dflash_train.target import logits_rows
 
 DEFAULT_QUERY_BUDGET = 2048  # block slots per drafter pass
-DEFAULT_HEAD_ROWS = 1024  # rows per LM-head chunk ([rows, vocab] is the largest temporary)
+DEFAULT_HEAD_ROWS = None  # rows per LM-head chunk; None: `target.logits_rows` (a fixed logits budget)
 # SDPA with a dense mask materialises [heads, queries, keys] scores: cap them (flex does not)
 DENSE_SCORE_BUDGET = 32 * 1024 * 1024
 
@@ -51,9 +53,11 @@ class _CastEmbedding(nn.Module):
 
 
 @torch.no_grad()
-def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chunk: int = DEFAULT_HEAD_ROWS):
+def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chunk: int | None = DEFAULT_HEAD_ROWS):
     """argmax (and top-k log-probs) of `head(hidden)` for `[rows, H]`, a chunk of rows at a time."""
     rows = hidden.shape[0]
+    # with top-k, logsumexp needs a second [rows, vocab] temporary: half the rows, same budget
+    rows_per_chunk = rows_per_chunk or max(1, logits_rows(head.weight.shape[0]) // (2 if topk else 1))
     arg = torch.empty(rows, dtype=torch.long)
     ids = torch.empty(rows, topk, dtype=torch.long) if topk else None
     logp = torch.empty(rows, topk, dtype=torch.float32) if topk else None
@@ -98,7 +102,7 @@ def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET, 
 def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, input_ids: torch.Tensor,
                   features: torch.Tensor, anchors: list[int] | np.ndarray, *, topk: int = 0,
                   topk_slots: int | None = None, anchors_per_chunk: int | None = None,
-                  head_rows: int = DEFAULT_HEAD_ROWS, backend: str = "auto",
+                  head_rows: int | None = DEFAULT_HEAD_ROWS, backend: str = "auto",
                   see_anchor_state: bool = False) -> AnchorDrafts:
     """Draft the block at each anchor of one sequence.
 

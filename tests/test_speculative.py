@@ -113,3 +113,18 @@ def test_counting_published_drafts_once_after_an_eos_first_token():
     published = speculative_generate(target, drafter, [1, 2, 3], 30, eos_token_id=eos, counting="published")
     assert ours.tokens == published.tokens == [eos]
     assert ours.accept_lengths == [] and len(published.accept_lengths) == 1
+
+
+def test_output_tokens_equal_to_the_mask_id_are_kept():
+    """z-lab 7d2ea1e: a generated token that happens to be the mask id is output like any other."""
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model import DFlashDrafter
+
+    target = qwen3_target()
+    prompt = [3, 14, 15, 9, 26, 5]
+    ref = greedy_generate(target, prompt, 30)
+    torch.manual_seed(1)
+    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=ref[4], num_hidden_layers=1, num_features=2,
+                                   block_size=4)
+    res = speculative_generate(target, DFlashDrafter(cfg).eval(), prompt, 30)
+    assert res.tokens == ref and ref.count(cfg.mask_token_id) >= 1
