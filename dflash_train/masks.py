@@ -40,6 +40,7 @@ class BlockLayout:
     block_size: int  # B
     window: int | None = None  # sliding-window layers: keys less than `window` positions away
     causal: bool = False  # a block slot sees its own block only up to itself
+    see_anchor_state: bool = False  # context kv <= anchor: the leak, shown only to the eval leak probe
 
     @property
     def num_blocks(self) -> int:
@@ -80,7 +81,7 @@ def make_mask_mod(layout: BlockLayout):
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // B
         in_context = kv_idx < S
-        sees_context = in_context & (kv_idx < anchors[b, blk])
+        sees_context = in_context & (kv_idx < anchors[b, blk] + int(layout.see_anchor_state))
         sees_own_block = (~in_context) & (torch.div(kv_idx - S, B, rounding_mode="floor") == blk)
         ok = valid[b, blk] & (sees_context | sees_own_block)
         if window is None and not causal:

@@ -187,18 +187,22 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward_blocks(self, embed_tokens: nn.Module, input_ids: torch.Tensor, context_features: torch.Tensor,
-                       anchors: torch.Tensor, valid: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                       anchors: torch.Tensor, valid: torch.Tensor | None = None, backend: str = "auto",
+                       see_anchor_state: bool = False) -> torch.Tensor:
         """Draft N blocks per row at once in the multi-block layout (training and eval).
 
         input_ids `[batch, S]`, context_features `[batch, S, n*H]`, anchors `[batch, N]`.
         Block j is `[input_ids[anchor_j], MASK x (B-1)]` at positions `anchor_j + k`.
         Returns hidden states `[batch, N*B, hidden]`; slot k of block j predicts the
         token at `anchor_j + k`.
+        see_anchor_state: context `kv <= anchor` instead of `kv < anchor`, the inclusive-anchor
+        leak. Never for training or drafting: only the eval worker's leak probe asks for it.
         """
         B = self.config.block_size
         if valid is None:
             valid = torch.ones_like(anchors, dtype=torch.bool)
-        layout = BlockLayout(anchors=anchors, valid=valid, context_len=input_ids.shape[1], block_size=B)
+        layout = BlockLayout(anchors=anchors, valid=valid, context_len=input_ids.shape[1], block_size=B,
+                             see_anchor_state=see_anchor_state)
         block_ids = block_token_ids(input_ids, anchors, B, self.config.mask_token_id)
         ctx_pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         built: dict = {}  # one mask per distinct (window, causal) among the layers

@@ -31,6 +31,7 @@ from .cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from .checkpoint_source import CheckpointInfo, open_drafter
 from .diagnostics import Facts, diagnose
 from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
+from .leak_probe import LeakProbe, probe_offsets
 from .options import EvalOptions
 from .references import LocalReferences, Reference, ReferenceSourceError
 from .result import EvalResult, PromptResult
@@ -47,6 +48,7 @@ class DrafterRun:
     summary: Summary
     block_size: int
     layer_ids: list[int]
+    leak_probe: dict | None = None
 
 
 def software_version() -> str:
@@ -101,7 +103,7 @@ class Evaluator:
         check = opts.reference_mismatch == "fail" and getattr(self.reference_source, "name", "local") != "local"
         written: list[tuple[str, str]] = []
         try:
-            main = self._run(drafter, refs, suite, opts, report, timings, check=check, written=written)
+            main = self._run(drafter, refs, suite, opts, report, timings, check=check, written=written, probe=True)
         except ReferenceSourceError:
             for kind, slot in written:  # a failed job leaves nothing behind
                 self.disk.remove(kind, slot)
@@ -248,11 +250,12 @@ class Evaluator:
 
     def _run(self, drafter: DFlashDrafter, refs: list[Reference], suite: Suite, opts: EvalOptions,
              report: CacheReport, timings: dict[str, float], check: bool = False,
-             written: list | None = None) -> DrafterRun:
+             written: list | None = None, probe: bool = False) -> DrafterRun:
         cfg = drafter.config
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
         scores = []
+        leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
         for ref in self._bar(refs, f"draft B={B}"):
             with _timer(timings, "features"):
                 feats = self._features(ref, suite, cfg.target_layer_ids, report, check, written)
@@ -267,11 +270,19 @@ class Evaluator:
                                   tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
                                   ends_with_stop=ref.finish == "eos")
                 sc.greedy = feats["greedy"].numpy()
+            if leak is not None:
+                with _timer(timings, "leak_probe"):
+                    rows = probe_offsets(n, leak.quota)
+                    kw = {"head_rows": opts.head_rows or DEFAULT_HEAD_ROWS, "backend": opts.backend}
+                    seen = draft_anchors(drafter, embed, head, ids, feats["features"], P + rows, see_anchor_state=True,
+                                         anchors_per_chunk=opts.anchors_per_chunk, **kw)
+                    leak.add(ref.ext, rows, drafts.argmax[rows], seen.argmax)
+                    leak.check_contract(ref.name, drafter, embed, head, ids, feats["features"], P, rows, **kw)
             scores.append(sc)
         with _timer(timings, "score"):
             summary = summarize(scores, B, opts.mode, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
                                 max_blocks=opts.max_blocks, n_resamples=opts.bootstrap, seed=opts.seed)
-        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids))
+        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids), leak.to_dict() if leak else None)
 
     def _baseline_run(self, base: tuple[DFlashDrafter, CheckpointInfo], refs, suite, opts, report) -> DrafterRun:
         drafter, info = base
@@ -353,7 +364,7 @@ class Evaluator:
                       empty_prompts=empty, validation=validation,
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
-                      layer_ids_origin=drafter.config.layer_ids_origin)
+                      layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe)
         return EvalResult(
             checkpoint=info.to_dict(),
             target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
@@ -372,7 +383,7 @@ class Evaluator:
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in timings.items()},
                         "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
-            stride=s.stride, validation=validation)
+            stride=s.stride, validation=validation, leak_probe=main.leak_probe)
 
     def _decoder(self):
         tok = self.target.tokenizer

@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .leak_probe import MIN_PROBE_ANCHORS, leak_signature
 from .result import Diagnostic
 
-# A drafter whose training accuracy is this high has learned *something*; an online τ
-# this close to 1 then means training saw what inference cannot (SF #455: 70% vs 1.02).
+# A drafter whose training accuracy is this high has learned *something*; an online τ far
+# below what it promises is worth a warning. It is not evidence of a leak by itself: a suite
+# far from the training data does the same to a healthy drafter. The leak probe decides.
 LEAK_MIN_TRAIN_ACC = 0.3
 NEAR_ONE_TAU = 1.15
 
@@ -35,6 +37,7 @@ class Facts:
     baseline_layer_ids: list[int] | None = None
     reference_source: str = "local"
     layer_ids_origin: str = "config"
+    leak_probe: dict | None = None  # eval_worker.leak_probe.LeakProbe.to_dict()
 
 
 def train_accuracy(train_metrics: dict[str, Any] | None) -> float | None:
@@ -50,22 +53,51 @@ def expected_tau_from_accuracy(acc: float, block_size: int) -> float:
     return 1.0 + sum(acc ** k for k in range(1, block_size))
 
 
+def _probe_slot1(probe: dict, view: str) -> str:
+    v = (probe.get(f"{view}_top1") or [None])[0]
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _leak(f: Facts, acc: float | None, eval_acc: float | None) -> list[Diagnostic]:
+    """CONTEXT_LEAK_SUSPECTED only on the leak probe's evidence; a training/eval gap alone is a warning."""
+    probe = f.leak_probe
+    views = (f"slot-1 top-1 on this suite: {_probe_slot1(probe, 'strict')} as evaluated, "
+             f"{_probe_slot1(probe, 'anchor_state')} with the anchor's own state visible, "
+             f"{_probe_slot1(probe, 'shifted_label')} against labels one token later; "
+             f"{probe['anchors']} anchors") if probe else ""
+    sign = leak_signature(probe)
+    if sign is not None and sign[0] == "path":
+        return [Diagnostic("CONTEXT_LEAK_SUSPECTED", "error",
+                           f"the evaluated drafting path reads target states at or after its anchor ({sign[1]}): "
+                           "the replayed τ is inflated; the drafter code, the mask or the cached features are wrong")]
+    if sign is not None:
+        trained = f"training accuracy {acc:.2f}, " if acc is not None else ""
+        tau = f"τ={f.tau:.2f}" if f.tau is not None else "no τ"
+        return [Diagnostic("CONTEXT_LEAK_SUSPECTED", "error",
+                           f"the drafter predicts far better from what inference cannot give it, {sign[1]} ({views}; "
+                           f"{trained}{tau}): it was trained with a leak. The training mask must hide the anchor's own "
+                           "state (kv < anchor) and slot k must predict anchor+k")]
+    gap = None
+    if acc is not None and f.tau is not None and acc >= LEAK_MIN_TRAIN_ACC:
+        expect = expected_tau_from_accuracy(acc, f.block_size)
+        if f.tau - 1.0 < 0.25 * (expect - 1.0):
+            gap = f"training accuracy {acc:.2f} predicts τ≈{expect:.2f}, measured τ={f.tau:.2f}"
+    if gap is None and acc is not None and eval_acc is not None and acc - eval_acc > 0.25 and acc > 2 * eval_acc:
+        gap = f"training accuracy {acc:.2f} vs {eval_acc:.2f} on this suite (all anchors, mean over slots)"
+    if gap is None:
+        return []
+    why = (f"the leak probe finds no leak ({views}), so most likely this suite is far from the training data "
+           "(distribution shift) or the drafter overfit" if probe and probe["anchors"] >= MIN_PROBE_ANCHORS else
+           "the leak probe did not run (options.leak_probe_anchors), so a leak cannot be told from distribution "
+           "shift or overfitting")
+    return [Diagnostic("TRAIN_EVAL_ACCURACY_GAP", "warning", f"{gap}: {why}")]
+
+
 def diagnose(f: Facts) -> list[Diagnostic]:
     out: list[Diagnostic] = []
     acc = train_accuracy(f.train_metrics)
     eval_acc = sum(f.eval_top1) / len(f.eval_top1) if f.eval_top1 else None
-    if acc is not None and f.tau is not None and acc >= LEAK_MIN_TRAIN_ACC:
-        expect = expected_tau_from_accuracy(acc, f.block_size)
-        if f.tau - 1.0 < 0.25 * (expect - 1.0):
-            out.append(Diagnostic("CONTEXT_LEAK_SUSPECTED", "error",
-                                  f"training accuracy {acc:.2f} predicts τ≈{expect:.2f}, measured τ={f.tau:.2f}: "
-                                  "the training pass saw something inference cannot — an inclusive-anchor context "
-                                  "leak (kv <= anchor), labels shifted by one (slot k must predict anchor+k), or "
-                                  "features from a different layer path than the one evaluated"))
-        elif eval_acc is not None and acc - eval_acc > 0.25 and acc > 2 * eval_acc:
-            out.append(Diagnostic("TRAIN_EVAL_ACCURACY_GAP", "warning",
-                                  f"training accuracy {acc:.2f} vs {eval_acc:.2f} on this suite (all anchors, mean "
-                                  "over slots): overfitting, a train/eval prompt-format mismatch, or a leak"))
+    out += _leak(f, acc, eval_acc)
     if f.tau is not None and f.tau < NEAR_ONE_TAU and not any(d.code == "CONTEXT_LEAK_SUSPECTED" for d in out):
         out.append(Diagnostic("TAU_NEAR_ONE", "warning",
                               f"τ={f.tau:.3f}: almost no draft token is accepted (untrained/random weights, a "

@@ -102,11 +102,13 @@ def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET, 
 def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, input_ids: torch.Tensor,
                   features: torch.Tensor, anchors: list[int] | np.ndarray, *, topk: int = 0,
                   topk_slots: int | None = None, anchors_per_chunk: int | None = None,
-                  head_rows: int | None = DEFAULT_HEAD_ROWS, backend: str = "auto") -> AnchorDrafts:
+                  head_rows: int | None = DEFAULT_HEAD_ROWS, backend: str = "auto",
+                  see_anchor_state: bool = False) -> AnchorDrafts:
     """Draft the block at each anchor of one sequence.
 
     input_ids `[S]` (prompt + reference), features `[S, n*H]` from `Target.forward`.
-    Anchor a's block is `[input_ids[a], MASK...]`; its context is features[:a].
+    Anchor a's block is `[input_ids[a], MASK...]`; its context is features[:a]
+    (features[:a + 1] with `see_anchor_state`: the leak probe's view, never τ's).
     Top-k (when topk > 0) is kept for the first `topk_slots` slots (default: all).
     """
     cfg = drafter.config
@@ -132,7 +134,8 @@ def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, inp
             valid = torch.cat([valid, valid.new_zeros(pad)])
         ids = _fit(input_ids.to(dev), S)[None]
         feats = _fit(features.to(dev), S)[None]
-        hidden = drafter.forward_blocks(emb, ids, feats, chunk[None], valid[None], backend=backend)
+        hidden = drafter.forward_blocks(emb, ids, feats, chunk[None], valid[None], backend=backend,
+                                        see_anchor_state=see_anchor_state)
         H = hidden.shape[-1]
         slots = hidden.view(-1, B, H)[:n, 1:]
         if topk and D:

@@ -22,6 +22,7 @@ from dflash_train.tau import COUNTING_RULES
 # How the work is done, not what is measured: not part of an evaluation's identity.
 PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend"})
 MAX_SHOWN = 80  # characters of an offending value quoted in an error
+DEFAULT_LEAK_PROBE_ANCHORS = 256  # anchors over the whole suite the leak probe drafts again
 
 
 class OptionsError(DFlashError, ValueError):
@@ -85,6 +86,7 @@ class EvalOptions(BaseModel):
     # a server reference that is not the target's own greedy output: "fail" the job (nothing is
     # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
     reference_mismatch: Literal["fail", "measure"] = "fail"
+    leak_probe_anchors: int = _int(0, 1 << 20, DEFAULT_LEAK_PROBE_ANCHORS)  # eval_worker.leak_probe; 0: off
 
     @field_validator("counting")
     @classmethod

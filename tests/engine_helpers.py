@@ -24,8 +24,12 @@ def references(target: Target, prompts: list[list[int]], max_new: int, eos: int 
 
 
 def fit_drafter(target: Target, drafter: DFlashDrafter, sequences: list[list[int]], prompt_lens: list[int],
-                steps: int = 60, lr: float = 3e-3, seed: int = 0) -> DFlashDrafter:
-    """A few Adam steps of same-position CE on every response anchor of `sequences`."""
+                steps: int = 60, lr: float = 3e-3, seed: int = 0, leak: str | None = None) -> DFlashDrafter:
+    """A few Adam steps of same-position CE on every response anchor of `sequences`.
+
+    `leak` injects a known training bug: "anchor_state" (context kv <= anchor, SF #455) or
+    "shifted_labels" (slot k trained on the token at anchor + k + 1).
+    """
     torch.manual_seed(seed)
     cfg = drafter.config
     B, embed, head = cfg.block_size, target.parts.embed_tokens, target.parts.lm_head
@@ -34,7 +38,7 @@ def fit_drafter(target: Target, drafter: DFlashDrafter, sequences: list[list[int
         ids = torch.tensor([seq])
         feats = target.forward(ids, cfg.target_layer_ids).features
         anchors = torch.arange(P, len(seq) - 1)[None]
-        pos = anchors[0, :, None] + torch.arange(B)[None]  # [N, B] absolute label positions
+        pos = anchors[0, :, None] + torch.arange(B)[None] + (leak == "shifted_labels")  # [N, B] label positions
         labels = torch.where(pos < len(seq), ids[0, pos.clamp(max=len(seq) - 1)], -100)
         labels[:, 0] = -100  # slot 0 is the anchor itself, not a prediction
         data.append((ids, feats, anchors, labels))
@@ -42,13 +46,44 @@ def fit_drafter(target: Target, drafter: DFlashDrafter, sequences: list[list[int
     opt = torch.optim.Adam(drafter.parameters(), lr=lr)
     for _ in range(steps):
         for ids, feats, anchors, labels in data:
-            hidden = drafter.forward_blocks(embed, ids, feats, anchors, backend="sdpa")
+            hidden = drafter.forward_blocks(embed, ids, feats, anchors, backend="sdpa",
+                                            see_anchor_state=leak == "anchor_state")
             logits = head(hidden[0])
             loss = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
             opt.zero_grad()
             loss.backward()
             opt.step()
     return drafter.eval()
+
+
+def fit_on_target_predictions(target: Target, drafter: DFlashDrafter, rows: torch.Tensor, steps: int = 200,
+                              lr: float = 2e-2, seed: int = 0, leak: str | None = None) -> tuple[DFlashDrafter, float]:
+    """Full-batch same-position CE on every anchor of token `rows` `[N, S]`, labels = the target's own
+    argmax there (verifier targets, as speculators trains). Returns the drafter and its slot-1
+    accuracy on `rows` as its trainer would log it (through the same, possibly leaky, view).
+    `leak="anchor_state"` trains with context kv <= anchor (SF #455)."""
+    torch.manual_seed(seed)
+    B, (n, S) = drafter.config.block_size, rows.shape
+    with torch.no_grad():
+        out = target.forward(rows, drafter.config.target_layer_ids)
+        pred = target.greedy_tokens(out.last_hidden.reshape(n * S, -1)).view(n, S)  # pred[p]: token at p + 1
+    anchors = torch.arange(1, S - B + 1).expand(n, -1)
+    pos = anchors[..., None] + torch.arange(B)
+    labels = torch.gather(pred, 1, (pos - 1).reshape(n, -1)).view(n, -1, B)
+    labels[..., 0] = -100
+    embed, head = target.parts.embed_tokens, target.parts.lm_head
+    drafter.train()
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        hidden = drafter.forward_blocks(embed, rows, out.features, anchors, backend="sdpa",
+                                        see_anchor_state=leak == "anchor_state")
+        logits = head(hidden)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    acc = (logits.argmax(-1).view(n, -1, B)[..., 1] == labels[..., 1]).float().mean().item()
+    return drafter.eval(), acc
 
 
 class CannedServer:

@@ -97,14 +97,16 @@ def test_stride_mode_like_the_seeds_harness(ckpts, ev):
     assert res.suite["num_prompts"] == 3 and res.suite["fingerprint"] != SUITE.fingerprint()
 
 
-def test_random_drafter_with_high_training_accuracy_is_a_suspected_leak(ckpts, ev):
+def test_leak_alarm_random_drafter_with_high_training_accuracy_is_a_gap_not_a_leak(ckpts, ev):
+    """τ≈1 against a 0.75 training accuracy: without the probe's evidence of a leak that is a
+    warning (shift, overfitting, a wrong checkpoint), not the error that fails `dflash-eval run`."""
     res = ev.evaluate(ckpts / "random", SUITE, train_metrics={"loss": 0.9, "accuracy": 0.75},
                       options={"measure_speed": False})
-    assert res.tau["macro"] < 1.1
-    leak = [d for d in res.errors() if d.code == "CONTEXT_LEAK_SUSPECTED"]
-    assert leak and "0.75" in leak[0].message
+    assert res.tau["macro"] < 1.1 and res.errors() == []
+    gap = [d for d in res.diagnostics if d.code == "TRAIN_EVAL_ACCURACY_GAP"]
+    assert gap and "0.75" in gap[0].message and "TAU_NEAR_ONE" in res.diagnostic_codes()
     quiet = ev.evaluate(ckpts / "random", SUITE, train_metrics={"accuracy": 0.02}, options={"measure_speed": False})
-    assert "CONTEXT_LEAK_SUSPECTED" not in quiet.diagnostic_codes() and "TAU_NEAR_ONE" in quiet.diagnostic_codes()
+    assert "TRAIN_EVAL_ACCURACY_GAP" not in quiet.diagnostic_codes() and "TAU_NEAR_ONE" in quiet.diagnostic_codes()
 
 
 def test_dtype_and_last_layer_diagnostics(tmp_path, ev):

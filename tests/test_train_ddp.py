@@ -1,6 +1,7 @@
 """torchrun with 2 CPU processes (gloo): ranks stay identical and equal one process on the global batch."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,8 +29,17 @@ def test_two_process_ddp_matches_single_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(Path(__file__).with_name("ddp_worker.py")), str(out),
            json.dumps(OVERRIDES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # Own process group: on a timeout the ranks torchrun started die with it (a plain
+    # subprocess.run timeout kills torchrun alone and leaves the ranks running).
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stderr[-4000:]
 
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     for k in r0:
