@@ -11,11 +11,9 @@ Python API: `train(config, callbacks=[...]) -> TrainSummary`, or `Trainer(...).t
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import math
-import queue as queue_mod
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,8 +26,10 @@ from torch import nn
 from . import distributed as dist_util
 from .anchors import block_labels, sample_anchors
 from .callbacks import CallbackList
-from .checkpoint import AsyncPublisher, load_drafter
-from .publication import MARKER_NAME, apply_retention, cleanup_incomplete, list_checkpoints, step_dir_name
+from .checkpoint import load_drafter
+from .checkpointer import Checkpointer
+from .metric_logger import MetricLogger
+from .publication import list_checkpoints
 from .config import ConfigError, DrafterConfig
 from .data import Batch, BatchPlan, Example, build_examples
 from .hidden_queue import HiddenStateQueue, Slot
@@ -37,7 +37,7 @@ from .loss import block_loss, summarize_stats
 from .model import DFlashDrafter
 from .target import Target, TargetError
 from .train_config import BUNDLED_TARGET, TrainConfig, TrainConfigError, load_config
-from .train_state import load_training_state, save_training_state, set_rng_state, latest_training_state
+from .train_state import latest_training_state, load_training_state, set_rng_state
 
 log = logging.getLogger("dflash_train")
 TINY_TARGET_DIR = Path(__file__).resolve().parent / "assets" / "tiny_target"
@@ -127,7 +127,6 @@ class Trainer:
         self.run_dir = Path(c.checkpoint_root) / self.run_id
         self.state_dir = Path(c.state_dir) if c.state_dir else self.run_dir / "train_state"
         self.step = 0
-        self._published: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
 
         self.target = target or self._load_target()
         self.drafter = self._build_drafter().to(self.device)
@@ -298,55 +297,18 @@ class Trainer:
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         return metrics
 
-    def _on_published(self, step: int, path: Path, manifest: dict) -> None:
-        self._published.put((step, path, manifest))  # from the publisher thread; handled on ours
-
-    def _drain_published(self, summary: TrainSummary) -> None:
-        while True:
-            try:
-                step, path, manifest = self._published.get_nowait()
-            except queue_mod.Empty:
-                return
-            summary.checkpoints.append(str(path))
-            self.callbacks.on_checkpoint_published(self, step, path, manifest)
-            removed = apply_retention(self.run_dir, self.config.keep_last, protect=self.callbacks.protects)
-            for p in removed:
-                log.info("retention removed %s", p)
-
-    def _publish(self, publisher: AsyncPublisher, metrics: dict) -> None:
-        if (self.run_dir / step_dir_name(self.step) / MARKER_NAME).exists():
-            log.warning("step %d is already published in %s; keeping that one", self.step, self.run_dir)
-            return
-        publisher.submit(self.drafter, self.step, train_metrics=metrics)
-
-    def _save_state(self) -> str:
-        return str(save_training_state(
-            self.state_dir, self.step, model_state=self.drafter.state_dict(), optimizer_state=self.optimizer.state_dict(),
-            scheduler_state=self.scheduler.state_dict(), data_position=self.data_position,
-            config=self.config.to_dict(), extra={"drafter_config": self.drafter.config.to_dict(), "run_id": self.run_id},
-            keep=self.config.keep_states))
-
     def train(self) -> TrainSummary:
+        """The loop: take a prepared batch, step, then let the logger and the checkpointer act on
+        their own cadences (rank 0 publishes and calls the callbacks)."""
         c, main = self.config, self.dist.is_main
-        summary = TrainSummary(self.run_id, str(self.run_dir), self.step, self.step)
-        state_every = c.state_every or c.publish_every
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            for p in cleanup_incomplete(self.run_dir):
-                log.info("removed half-written %s", p)
-        publisher = AsyncPublisher(c.checkpoint_root, self.run_id, on_published=self._on_published,
-                                   dtype=_dtype(c.checkpoint_dtype)) if main else None
-        wandb_run = self._init_wandb() if main and c.wandb else None
+        start_step = self.step
+        checkpointer = Checkpointer(self, dtype=_dtype(c.checkpoint_dtype)) if main else None
+        logger = MetricLogger(c, self.run_id, self.dist, start_step)
         todo = c.max_steps - self.step
         batches = self.plan.iterate(self.data_position, self.data_position + max(todo, 0))
         q = HiddenStateQueue(batches, self._make_buffers, self._fill, depth=c.queue_depth, device=self.device)
-        recent: collections.deque = collections.deque(maxlen=max(c.log_every, 1))
-        bar = None
-        if main and c.progress:
-            from tqdm import tqdm
-            bar = tqdm(total=c.max_steps, initial=self.step, desc=f"train {self.run_id}", dynamic_ncols=True)
+        metrics: dict = {}
         t_start, cpu_start = time.perf_counter(), time.process_time()
-        tokens_local, t_log, tok_log = 0, t_start, 0
         try:
             while self.step < c.max_steps:
                 slot = q.take()
@@ -354,90 +316,26 @@ class Trainer:
                 metrics = self.train_step(slot, lambda: q.release(slot))
                 self.step += 1
                 self.data_position = meta.position + 1
-                tokens_local += meta.tokens
-                metrics["tokens"] = meta.tokens  # this rank's real target tokens in the step
-                summary.losses.append(metrics["loss"])
-                recent.append(metrics)
-                if self.step % c.log_every == 0 or self.step == c.max_steps:
-                    tok = dist_util.all_reduce_sum(torch.tensor([float(tokens_local - tok_log)]), self.dist).item()
-                    now = time.perf_counter()
-                    metrics["tokens_per_s"] = tok / max(now - t_log, 1e-9)
-                    t_log, tok_log = now, tokens_local
-                    metrics.update({f"queue/{k}": v for k, v in q.health.as_dict().items()})
-                    if main:
-                        self._log(metrics, wandb_run)
+                logger.step(self.step, metrics, meta.tokens, q.health)
                 if main:
                     self.callbacks.on_step_end(self, self.step, metrics)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
-                                        streak=f"{metrics['streak']:.2f}")
-                    if self.step % c.publish_every == 0 or self.step == c.max_steps:
-                        self._publish(publisher, self._train_metrics(recent))
-                    if self.step % state_every == 0 or self.step == c.max_steps:
-                        summary.state_path = self._save_state()
-                    self._drain_published(summary)
-                summary.metrics = metrics
-        finally:
+                    checkpointer.step(self.step, logger.window_means)
+        finally:  # on errors too: the producer thread stops, the last publication is waited for
             failing = sys.exc_info()[0] is not None
             q.close()
-            if bar is not None:
-                bar.close()
-            if publisher is not None:
-                try:
-                    publisher.close()  # waits for the last publication; raises if it failed
-                except Exception:
-                    if not failing:
-                        raise
-                    log.exception("checkpoint publication also failed while training was failing")
-            if failing and wandb_run is not None:
-                wandb_run.finish(exit_code=1)
-        wall = time.perf_counter() - t_start
-        summary.cpu_s = time.process_time() - cpu_start
+            if failing:
+                logger.close(failing=True)
+            if checkpointer is not None:
+                checkpointer.close(failing)  # raises if the last publication failed (and nothing else did)
+        wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
         if main:
-            self._drain_published(summary)
+            checkpointer.announce()
             self.callbacks.on_train_end(self)
-            if wandb_run is not None:
-                wandb_run.finish()
-        summary.step = self.step
-        summary.wall_s = wall
-        tok_total = dist_util.all_reduce_sum(torch.tensor([float(tokens_local)]), self.dist).item()
-        summary.tokens_per_s = tok_total / max(wall, 1e-9)
-        summary.queue_health = q.health.as_dict()
-        return summary
-
-    @staticmethod
-    def _train_metrics(recent) -> dict:
-        """Recent averages for the manifest (the eval worker compares them with τ)."""
-        def mean(key):
-            vals = [m[key] for m in recent if not math.isnan(m[key])]
-            return sum(vals) / len(vals) if vals else None
-        return {"loss": mean("loss"), "accuracy": mean("accuracy"), "streak": mean("streak"),
-                "window_steps": len(recent)}
-
-    def _init_wandb(self):
-        c = self.config
-        import wandb
-        run = wandb.init(project=c.wandb_project, entity=c.wandb_entity, group=self.run_id, name=self.run_id,
-                         job_type="train", config=c.to_dict(), mode=c.wandb_mode)
-        run.define_metric("train/step")
-        run.define_metric("train/*", step_metric="train/step")
-        return run
-
-    def _log(self, metrics: dict, wandb_run) -> None:
-        q = {k: v for k, v in metrics.items() if k.startswith("queue/")}
-        slots = " ".join(f"{a:.2f}" for a in metrics["per_slot_accuracy"][:4])
-        log.info("step %d loss %.4f acc %.3f (slots 1-4: %s) streak %.2f lr %.2e tok/s %.0f consumer_wait %.2f "
-                 "producer_wait %.2f", self.step, metrics["loss"], metrics["accuracy"], slots, metrics["streak"],
-                 metrics["lr"], metrics.get("tokens_per_s", 0.0), q.get("queue/consumer_wait_fraction", 0.0),
-                 q.get("queue/producer_wait_fraction", 0.0))
-        if wandb_run is not None:
-            data = {"train/step": self.step, "train/loss": metrics["loss"], "train/acc": metrics["accuracy"],
-                    "train/streak": metrics["streak"], "train/lr": metrics["lr"], "train/grad_norm": metrics["grad_norm"],
-                    "train/tokens_per_s": metrics.get("tokens_per_s", 0.0)}
-            data.update({f"train/{k}": v for k, v in q.items()})
-            data.update({f"train/slot_acc/{k}": a for k, a in enumerate(metrics["per_slot_accuracy"], 1)})
-            wandb_run.log(data)
+        logger.close(failing=False)
+        return TrainSummary(self.run_id, str(self.run_dir), start_step, self.step, losses=logger.losses,
+                            metrics=metrics, checkpoints=checkpointer.published if main else [],
+                            state_path=checkpointer.state_path if main else None, wall_s=wall, cpu_s=cpu,
+                            tokens_per_s=logger.total_tokens() / max(wall, 1e-9), queue_health=q.health.as_dict())
 
 
 def train(config: TrainConfig, callbacks=(), **kwargs) -> TrainSummary:

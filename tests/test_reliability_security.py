@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from bench import soak
+from tests import soak, soak_stack
 from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
@@ -91,10 +91,10 @@ def test_everything_in_redis_is_json_never_pickle(tmp_path, zygote, target):
     from eval_worker.cli import main as cli
     from eval_worker.queue import requeue_failed, status
 
-    with soak.Stack(tmp_path, zygote=zygote, target=target) as s:
+    with soak_stack.Stack(tmp_path, zygote=zygote, target=target) as s:
         good = s.publish(1)
         bad = s.publish(2)
-        ids = [s.enqueue(good), s.enqueue(bad, config=soak.retry_now(0))]
+        ids = [s.enqueue(good), s.enqueue(bad, config=soak_stack.retry_now(0))]
         (bad / "model.safetensors").write_bytes(b"not the published weights")
         s.start_worker()
         s.wait_settled(ids, 60)
@@ -115,7 +115,7 @@ def test_everything_in_redis_is_json_never_pickle(tmp_path, zygote, target):
             h = s.conn.hgetall(f"rq:job:{jid}")
             func, instance, args, kwargs = json.loads(zlib.decompress(h[b"data"]))
             assert func == "eval_worker.worker.run_eval_job" and instance is None and kwargs == {}
-            assert json.loads(h[b"meta"])["run_id"] == soak.RUN
+            assert json.loads(h[b"meta"])["run_id"] == soak_stack.RUN
             for _, fields in s.conn.xrange(f"rq:results:{jid}"):
                 if fields.get(b"return_value"):
                     json.loads(base64.b64decode(fields[b"return_value"]))
@@ -157,7 +157,7 @@ def test_password_and_tls_urls_work_and_the_password_is_never_printed(tmp_path, 
         tls_port = free_port()
         tls_config = {"tls-port": tls_port, "tls-cert-file": str(certs["cert"]), "tls-key-file": str(certs["key"]),
                       "tls-ca-cert-file": str(certs["ca"]), "tls-auth-clients": "no"}
-    with soak.Stack(tmp_path / "stack", zygote=zygote, target=target, password=PASSWORD,
+    with soak_stack.Stack(tmp_path / "stack", zygote=zygote, target=target, password=PASSWORD,
                     redis_config=tls_config) as s:
         assert PASSWORD not in s.url and quote(PASSWORD, safe="") in s.url
         urls = {"plain": s.url}

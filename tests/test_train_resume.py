@@ -96,6 +96,12 @@ class Protector:
         return path.name == f"step-{self.keep_step:08d}"
 
 
+class PinStep2:
+    def on_checkpoint_published(self, trainer, step, path, manifest):  # as an eval hook does, before retention
+        if step == 2 and (path / MARKER_NAME).exists():
+            pin_checkpoint(path, "eval-job")
+
+
 class Broken:
     def on_step_end(self, trainer, step, metrics):
         raise RuntimeError("hook bug")
@@ -105,17 +111,8 @@ def test_hooks_order_metrics_and_retention(tmp_path):
     target, examples = target_and_examples()
     rec = Recorder()
     cfg = small_config(tmp_path, max_steps=10, publish_every=2, keep_last=2)
-    trainer = Trainer(cfg, [Broken(), rec, Protector(4)], target=target, examples=list(examples))
+    trainer = Trainer(cfg, [Broken(), rec, Protector(4), PinStep2()], target=target, examples=list(examples))
     run_dir = trainer.run_dir
-    orig_drain = trainer._drain_published
-
-    def pin_step_2_first(summary):  # pin step 2 as soon as it exists, like an eval hook would
-        p = run_dir / "step-00000002"
-        if (p / MARKER_NAME).exists() and not (p / ".pins").exists():
-            pin_checkpoint(p, "eval-job")
-        orig_drain(summary)
-
-    trainer._drain_published = pin_step_2_first
     summary = trainer.train()
     steps = [e[1] for e in rec.events if e[0] == "step"]
     assert steps == list(range(1, 11))  # a broken hook does not stop training

@@ -1,0 +1,89 @@
+"""The trainer's checkpointer: it owns when to publish, when to save the training state, and retention.
+
+Like torchtitan's checkpoint manager, it is told about every step (`step(n)`) and decides
+itself what that step needs (rank 0 only):
+
+- every `publish_every` steps, and at the last one, the drafter is published for evaluation
+  (`AsyncPublisher`: a CPU snapshot here, the write, fsync and COMPLETE.json on a thread);
+- every `state_every` steps (default: `publish_every`), and at the last one, the resumable
+  training state is saved (`train_state.py`);
+- each publication that has landed is announced to the callbacks
+  (`on_checkpoint_published`, on the training thread), then retention keeps the newest
+  `keep_last` plus every pinned or callback-protected one.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from typing import TYPE_CHECKING, Callable
+
+from .checkpoint import AsyncPublisher
+from .publication import MARKER_NAME, apply_retention, cleanup_incomplete, step_dir_name
+from .train_state import save_training_state
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+log = logging.getLogger("dflash_train")
+
+
+class Checkpointer:
+    def __init__(self, trainer: "Trainer", dtype=None):
+        c = trainer.config
+        self.trainer, self.config = trainer, c
+        self.publish_every = c.publish_every
+        self.state_every = c.state_every or c.publish_every
+        self.published: list[str] = []         # checkpoints published by this run
+        self.state_path: str | None = None     # the last training state saved
+        self._landed: queue.SimpleQueue = queue.SimpleQueue()
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        for p in cleanup_incomplete(trainer.run_dir):
+            log.info("removed half-written %s", p)
+        self.publisher = AsyncPublisher(c.checkpoint_root, trainer.run_id, dtype=dtype,
+                                        on_published=lambda *landed: self._landed.put(landed))
+
+    def step(self, step: int, train_metrics: Callable[[], dict]) -> None:
+        """After optimizer step `step`: publish and/or save as the cadences say, then announce what landed."""
+        last = step == self.config.max_steps
+        if step % self.publish_every == 0 or last:
+            self._publish(step, train_metrics())
+        if step % self.state_every == 0 or last:
+            self.state_path = self._save_state(step)
+        self.announce()
+
+    def announce(self) -> None:
+        """Tell the callbacks about publications that have landed, then apply retention."""
+        t = self.trainer
+        while True:
+            try:
+                step, path, manifest = self._landed.get_nowait()
+            except queue.Empty:
+                return
+            self.published.append(str(path))
+            t.callbacks.on_checkpoint_published(t, step, path, manifest)
+            for p in apply_retention(t.run_dir, self.config.keep_last, protect=t.callbacks.protects):
+                log.info("retention removed %s", p)
+
+    def close(self, failing: bool) -> None:
+        """Wait for the last publication; its failure is raised unless training is failing already."""
+        try:
+            self.publisher.close()
+        except Exception:
+            if not failing:
+                raise
+            log.exception("checkpoint publication also failed while training was failing")
+
+    def _publish(self, step: int, train_metrics: dict) -> None:
+        t = self.trainer
+        if (t.run_dir / step_dir_name(step) / MARKER_NAME).exists():
+            log.warning("step %d is already published in %s; keeping that one", step, t.run_dir)
+            return
+        self.publisher.submit(t.drafter, step, train_metrics=train_metrics)
+
+    def _save_state(self, step: int) -> str:
+        t = self.trainer
+        return str(save_training_state(
+            t.state_dir, step, model_state=t.drafter.state_dict(), optimizer_state=t.optimizer.state_dict(),
+            scheduler_state=t.scheduler.state_dict(), data_position=t.data_position, config=self.config.to_dict(),
+            extra={"drafter_config": t.drafter.config.to_dict(), "run_id": t.run_id}, keep=self.config.keep_states))
+

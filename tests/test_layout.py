@@ -1,0 +1,55 @@
+"""Structure rules of the code base (issue 12), checked on the source rather than trusted."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("dflash_train", "eval_worker", "hooks")
+OURS = ("dflash_train", "eval_worker", "hooks", "tests", "bench")
+
+
+def _sources(*dirs: str):
+    for d in dirs:
+        for path in sorted((REPO / d).rglob("*.py")):
+            yield path.relative_to(REPO).as_posix(), ast.parse(path.read_text())
+
+
+def _imported(node) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return ["." * node.level + (node.module or "")]
+    return []
+
+
+def test_tests_do_not_import_bench():
+    found = [(rel, name) for rel, tree in _sources("tests") for node in ast.walk(tree)
+             for name in _imported(node) if name == "bench" or name.startswith("bench.")]
+    assert found == []
+
+
+def test_no_import_error_guard_around_our_own_modules():
+    """A module of ours that fails to import is a bug to see, not a feature to skip."""
+    found = []
+    for rel, tree in _sources(*PACKAGES):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Try):
+                continue
+            caught = {n.id for h in node.handlers for n in ast.walk(h.type or ast.Name("BaseException"))
+                      if isinstance(n, ast.Name)}
+            if not caught & {"ImportError", "ModuleNotFoundError"}:
+                continue
+            names = [name for stmt in node.body for n in ast.walk(stmt) for name in _imported(n)]
+            if any(name.startswith(".") or name.split(".")[0] in OURS for name in names):
+                found.append((rel, node.lineno))
+    assert found == []
+
+
+def test_one_run_id_pattern():
+    """The run-id rule is written once (dflash_train/publication.py); everyone else imports it."""
+    pattern = re.compile(r"\[A-Za-z0-9\]\[A-Za-z0-9\._-\]|\[A-Za-z0-9\]\[A-Za-z0-9\.\\_-\]")
+    found = [p.relative_to(REPO).as_posix() for d in PACKAGES for p in (REPO / d).rglob("*.py")
+             if pattern.search(p.read_text())]
+    assert found == ["dflash_train/publication.py"]
