@@ -20,6 +20,7 @@ COMMANDS = {
     "requeue": "eval_worker.commands.requeue",
     "status": "eval_worker.commands.status",
     "cancel": "eval_worker.commands.cancel",
+    "dismiss": "eval_worker.commands.dismiss",  # remove failed jobs
     "publish": "eval_worker.commands.publish",  # rebuild the W&B eval run from the ledger
     "report": "eval_worker.commands.report",  # local HTML report
     "demo": "eval_worker.commands.demo",  # the main job, end to end

@@ -238,10 +238,12 @@ def _jobs(connection, ids: Iterable[str]) -> list[Job]:
 
 def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict[str, Any]:
     """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run."""
-    out: dict[str, Any] = {"queues": {}, "running": [], "scheduled": [], "failed": [], "workers": [], "runs": {}}
+    out: dict[str, Any] = {"queues": {}, "queued": [], "running": [], "scheduled": [], "failed": [], "workers": [],
+                           "runs": {}}
     for name in queue_names(base):
         q = get_queue(connection, name)
         out["queues"][name] = q.count
+        out["queued"] += [_job_brief(j) for j in _jobs(connection, q.get_job_ids())]  # in the order served
         started = StartedJobRegistry(name, connection=connection, serializer=JSONSerializer)
         out["running"] += [_job_brief(j) for j in _jobs(connection, started.get_job_ids(cleanup=False))]
         sched = ScheduledJobRegistry(name, connection=connection, serializer=JSONSerializer)
@@ -258,9 +260,8 @@ def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict
                                "current_job": w.get_current_job_id(), "queues": w.queue_names(),
                                "successful": w.successful_job_count, "failed": w.failed_job_count})
     if run:
-        out["running"] = [j for j in out["running"] if j["run_id"] == run]
-        out["scheduled"] = [j for j in out["scheduled"] if j["run_id"] == run]
-        out["failed"] = [j for j in out["failed"] if j["run_id"] == run]
+        for section in ("queued", "running", "scheduled", "failed"):
+            out[section] = [j for j in out[section] if j["run_id"] == run]
     summaries = Ledger(connection=connection).indexed(run)
     for s in summaries:
         r = out["runs"].setdefault(s["run_id"], {"evaluated": 0, "latest": None, "best": None})
@@ -305,20 +306,28 @@ def remembered(connection, run: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: (e["job"]["step"], e["suite_fingerprint"]))
 
 
+@dataclass
+class RequeueReport:
+    """What `requeue_run` did: one outcome per job it found, and the asked-for steps it has no job for."""
+
+    outcomes: list[EnqueueOutcome | tuple[str, str]]
+    missing_steps: list[int]
+
+
 def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, config: QueueConfig | None = None,
-                roots: list[Path] | None = None) -> list[EnqueueOutcome | tuple[str, str]]:
+                roots: list[Path] | None = None) -> RequeueReport:
     """Evaluate steps of a run again: failed jobs are re-queued as they are, finished ones get a new
-    attempt, pending ones are left alone. `steps=None` means every step the queue has seen."""
+    attempt, pending ones are left alone. `steps=None` means every step the queue has seen.
+
+    Steps the queue has never seen for `run` are reported in `missing_steps`; the others are
+    requeued all the same. JobError only when nothing at all matches."""
     config = config or QueueConfig()
     wanted = None if steps is None else {int(s) for s in steps}
     entries = [e for e in remembered(connection, run) if wanted is None or e["job"]["step"] in wanted]
-    if wanted is not None:
-        missing = wanted - {e["job"]["step"] for e in entries}
-        if missing:
-            raise JobError(f"run {run!r} has no enqueued job for step(s) {sorted(missing)}; "
-                           "enqueue those checkpoints with `dflash-eval enqueue DIR`")
+    missing = sorted(wanted - {e["job"]["step"] for e in entries}) if wanted is not None else []
     if not entries:
-        raise JobError(f"run {run!r} has no enqueued jobs to requeue")
+        raise JobError(f"run {run!r} has no enqueued job" + (f" for step(s) {missing}" if missing else "s")
+                       + " to requeue; enqueue checkpoints with `dflash-eval enqueue DIR`")
     results: list[EnqueueOutcome | tuple[str, str]] = []
     for entry in entries:
         job_id = entry["job_id"]
@@ -337,7 +346,7 @@ def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, con
         payload = {**entry["job"], "requested_by": "requeue", "attempt": 0}
         results.append(enqueue(connection, payload, force=True, config=config, roots=roots,
                                suite_fp=entry["suite_fingerprint"]))
-    return results
+    return RequeueReport(results, missing)
 
 
 # --------------------------------------------------------------------------- cancel
@@ -356,8 +365,45 @@ def cancel(connection, job_id: str) -> str:
     elif state in PENDING:
         job.cancel()
         msg = f"canceled {job_id} (was {state.value})"
+    elif state == JobStatus.FAILED:
+        raise JobError(f"{job_id} is failed; nothing to cancel (`dflash-eval dismiss {job_id}` removes a failure, "
+                       "`dflash-eval requeue --failed --job ...` runs it again)")
     else:
         raise JobError(f"{job_id} is {state.value if state else 'gone'}; nothing to cancel")
     if checkpoint:
         unpin_checkpoint(checkpoint, job_id)
     return msg
+
+
+# --------------------------------------------------------------------------- dismiss
+
+def dismiss_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] | None = None,
+                   run: str | None = None) -> tuple[list[str], list[str]]:
+    """Remove failed jobs for good (all of `base`'s, those of `run`, or `job_ids`): out of the failed
+    registry, the job deleted, its retention pin released. The ledger is not touched (a failure
+    never wrote to it). Returns (dismissed ids, problems: ids that are not failed jobs here)."""
+    wanted = None if job_ids is None else list(dict.fromkeys(job_ids))
+    found: dict[str, Job] = {}
+    for name in queue_names(base):
+        registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
+        for job in _jobs(connection, registry.get_job_ids()):
+            if (wanted is None or job.id in wanted) and (run is None or (job.meta or {}).get("run_id") == run):
+                found[job.id] = job
+    problems = []
+    for job_id in wanted or []:
+        if job_id in found:
+            continue
+        try:
+            state = fetch_job(connection, job_id).get_status()
+            problems.append(f"{job_id} is {state.value if state else 'gone'}, not failed; nothing to dismiss"
+                            + (" (`dflash-eval cancel` stops a queued or running job)" if state in PENDING else ""))
+        except JobError as e:
+            problems.append(str(e))
+    dismissed = []
+    for job_id, job in found.items():
+        checkpoint = (job.meta or {}).get("checkpoint")
+        job.delete(remove_from_queue=True)  # also leaves the failed registry
+        if checkpoint:
+            unpin_checkpoint(checkpoint, job_id)
+        dismissed.append(job_id)
+    return dismissed, problems

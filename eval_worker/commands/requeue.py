@@ -1,4 +1,8 @@
-"""`dflash-eval requeue --run RUN [--steps 100,200 | --all] | --failed`: evaluate again."""
+"""`dflash-eval requeue --run RUN [--steps 100,200 | --all] | --failed`: evaluate again.
+
+Exit status: 0 done; 1 some of `--steps` have no job (the others were requeued, the missing
+ones are listed); 2 nothing to do or bad input.
+"""
 from __future__ import annotations
 
 import argparse
@@ -26,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failed", action="store_true",
                         help="put failed jobs back on their queues as they are (all, or of --run)")
     parser.add_argument("--job", action="append", default=None, metavar="JOB_ID", help="with --failed: only these")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print what was done as JSON")
     add_redis_args(parser)
 
 
@@ -50,12 +54,17 @@ def main(args: argparse.Namespace) -> int:
             if not lines:
                 lines.append({"job_id": None, "status": "none", "message": "no failed jobs to re-queue"})
         else:
-            for r in requeue_run(conn, args.run, None if args.all else args.steps, config=QueueConfig(base=args.queue)):
+            report = requeue_run(conn, args.run, None if args.all else args.steps, config=QueueConfig(base=args.queue))
+            for r in report.outcomes:
                 if isinstance(r, EnqueueOutcome):
                     lines.append(r.to_dict())
                 else:
                     lines.append({"job_id": r[0], "status": "requeued" if r[1].startswith("re-queued") else "skipped",
                                   "message": r[1]})
+            for step in report.missing_steps:
+                lines.append({"job_id": None, "status": "missing", "step": step,
+                              "message": f"run {args.run} step {step}: the queue has never seen a job for it "
+                                         "(enqueue its checkpoint with `dflash-eval enqueue DIR`)"})
     except JobError as e:
         return fail(str(e))
     if args.json:
@@ -63,4 +72,5 @@ def main(args: argparse.Namespace) -> int:
     else:
         for ln in lines:
             print(f"{ln['status']:9s} {ln['message']}")
-    return 0
+    # whatever exists was requeued above; a missing step still makes the command fail (scripts see it)
+    return 1 if any(ln["status"] == "missing" for ln in lines) else 0

@@ -8,10 +8,22 @@ from ._common import add_redis_args, connect_from_args, fail, print_json
 HELP = "show queue depth, running jobs and workers, failures with reasons, latest and best τ per run"
 
 
+SHOWN = 50  # job ids listed per section in text; --json lists every one
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=None, help="only this training run")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--json", action="store_true",
+                        help="machine-readable output: every queued, running, waiting and failed job with its id")
     add_redis_args(parser)
+
+
+def _listed(title: str, jobs: list, line) -> None:
+    print(f"{title} ({len(jobs)}):")
+    for j in jobs[:SHOWN]:
+        print("  " + line(j))
+    if len(jobs) > SHOWN:
+        print(f"  ... and {len(jobs) - SHOWN} more (`dflash-eval status --json` lists them all)")
 
 
 def _tau(s) -> str:
@@ -43,16 +55,18 @@ def main(args: argparse.Namespace) -> int:
     for w in st["workers"]:
         print(f"  {w['name']}  {w['state']}  {w['host']}:{w['pid']}  job={w['current_job'] or '-'}  "
               f"ok={w['successful']} failed={w['failed']}")
-    print(f"running ({len(st['running'])}):")
-    for j in st["running"]:
-        print(f"  {j['job_id']}  run={j['run_id']} step={j['step']}  on {j['worker']}  since {j['started_at']}")
+    _listed("queued", st["queued"], lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}  on {j['origin']}  "
+                                               f"since {j['enqueued_at']}")
+    _listed("running", st["running"], lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}  on {j['worker']}  "
+                                                 f"since {j['started_at']}")
     if st["scheduled"]:
-        print(f"waiting to retry ({len(st['scheduled'])}):")
-        for j in st["scheduled"]:
-            print(f"  {j['job_id']}  run={j['run_id']} step={j['step']}{_spooled(j)}")
-    print(f"failed ({len(st['failed'])}):")
-    for j in st["failed"]:
-        print(f"  {j['job_id']}  run={j['run_id']} step={j['step']}: {j['reason']}{_spooled(j)}")
+        _listed("waiting to retry", st["scheduled"],
+                lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}{_spooled(j)}")
+    _listed("failed", st["failed"], lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}: {j['reason']}"
+                                              f"{_spooled(j)}")
+    if st["failed"]:
+        print("  (`dflash-eval requeue --failed [--job ID]` runs them again; `dflash-eval dismiss ID...|--all` "
+              "removes them)")
     print("runs:")
     if not st["runs"]:
         print("  (no results recorded yet)")

@@ -1,0 +1,103 @@
+"""Operations on the queue a user reaches for: job ids in `status`, dismissing failures, partial requeue."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from rq.job import JobStatus
+
+from eval_worker import jobs
+from eval_worker.cli import main as cli
+from eval_worker.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
+from eval_worker.redis_local import connect
+from eval_worker.worker import WorkerSettings, serve
+from tests.sidecar_support import publish_random
+
+
+@pytest.fixture
+def conn(redis_url):
+    c = connect(redis_url)
+    yield c
+    c.close()
+
+
+def _fail_jobs(conn, root, tmp_path, paths):
+    """Queue jobs for `paths`, break their weights, and let a real burst worker fail them (digest
+    mismatch: not retryable, so they land in the failed registry at once, no target is loaded)."""
+    ids = [enqueue(conn, jobs.make_job(p, suite="builtin:coding-v1"), config=QueueConfig(retry_max=0)).job_id
+           for p in paths]
+    for p in paths:
+        (p / "model.safetensors").write_bytes(b"not the published weights")
+    serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root]), burst=True,
+          preload=False, with_scheduler=False, name=f"w-{tmp_path.name}"[:60])
+    assert all(fetch_job(conn, i).get_status() == JobStatus.FAILED for i in ids)
+    return ids
+
+
+def test_status_lists_every_job_id_text_and_json(redis_url, conn, tmp_path, capsys):
+    root = tmp_path / "ck"
+    paths = [publish_random(root, "run-s", step, seed=step) for step in (10, 20, 30)]
+    queued = [enqueue(conn, jobs.make_job(p, suite="builtin:coding-v1"), config=QueueConfig()).job_id
+              for p in paths[:2]]
+    high = enqueue(conn, jobs.make_job(paths[2], suite="builtin:coding-v1", priority="high")).job_id
+    st = status(conn)
+    assert [j["job_id"] for j in st["queued"]] == [high, *queued]  # the order workers take them in
+    assert cli(["status", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "queued (3):" in out and all(i in out for i in [high, *queued])
+    assert cli(["status", "--json", "--run", "run-s", "--redis-url", redis_url]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {j["job_id"] for j in data["queued"]} == {high, *queued}
+    assert {(j["run_id"], j["step"]) for j in data["queued"]} == {("run-s", 10), ("run-s", 20), ("run-s", 30)}
+    assert cli(["status", "--json", "--run", "other", "--redis-url", redis_url]) == 0
+    assert json.loads(capsys.readouterr().out)["queued"] == []
+    # the id `status` shows is the id `cancel` takes
+    assert cli(["cancel", queued[0], "--redis-url", redis_url]) == 0
+    assert queued[0] not in {j["job_id"] for j in status(conn)["queued"]}
+
+
+def test_dismiss_failed_jobs(redis_url, conn, tmp_path, capsys):
+    root = tmp_path / "ck"
+    paths = [publish_random(root, "run-d", step, seed=step) for step in (1, 2, 3)]
+    ids = _fail_jobs(conn, root, tmp_path, paths)
+    assert {j["job_id"] for j in status(conn)["failed"]} == set(ids)
+    assert all((p / ".pins" / i).exists() for p, i in zip(paths, ids))  # failed jobs stay pinned
+
+    with pytest.raises(jobs.JobError, match="dismiss"):  # cancel points at the right command
+        from eval_worker.queue import cancel
+        cancel(conn, ids[0])
+    assert cli(["dismiss", ids[0], "--redis-url", redis_url]) == 0
+    assert capsys.readouterr().out.strip() == f"dismissed {ids[0]}"
+    assert {j["job_id"] for j in status(conn)["failed"]} == set(ids[1:])
+    with pytest.raises(jobs.JobError, match="no job"):
+        fetch_job(conn, ids[0])
+    assert not (paths[0] / ".pins" / ids[0]).exists()  # retention may remove it now
+
+    # an id that is not a failed job is named, the others still go; exit status says so
+    other = enqueue(conn, jobs.make_job(publish_random(root, "run-d", 4, seed=4), suite="builtin:coding-v1")).job_id
+    assert cli(["dismiss", ids[1], other, "--redis-url", redis_url]) == 2
+    captured = capsys.readouterr()
+    assert f"dismissed {ids[1]}" in captured.out and f"{other} is queued, not failed" in captured.err
+    assert get_queue(conn, "dflash-eval").count == 1  # the queued job was left alone
+
+    assert cli(["dismiss", "--all", "--run", "someone-else", "--redis-url", redis_url]) == 0
+    assert "no failed jobs" in capsys.readouterr().out
+    assert dismiss_failed(conn, run="run-d") == ([ids[2]], [])
+    assert status(conn)["failed"] == []
+    assert cli(["dismiss", "--redis-url", redis_url]) == 2  # nothing named, no --all
+
+
+def test_requeue_requeues_what_exists_and_reports_what_does_not(redis_url, conn, tmp_path, capsys):
+    root = tmp_path / "ck"
+    paths = [publish_random(root, "run-p", step, seed=step) for step in (10, 20)]
+    ids = _fail_jobs(conn, root, tmp_path, paths[:1])
+    enqueue(conn, jobs.make_job(paths[1], suite="builtin:coding-v1"))  # queued: left as it is
+    assert cli(["requeue", "--run", "run-p", "--steps", "10,20,99", "--redis-url", redis_url]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in out] == ["requeued", "skipped", "missing"]
+    assert "step 99" in out[2] and "enqueue" in out[2]
+    assert fetch_job(conn, ids[0]).get_status() == JobStatus.QUEUED  # step 10 went back despite step 99
+    assert cli(["requeue", "--run", "run-p", "--steps", "98,99", "--json", "--redis-url", redis_url]) == 2
+    assert "no enqueued job for step(s) [98, 99]" in capsys.readouterr().err
+    assert cli(["requeue", "--run", "run-p", "--steps", "20", "--json", "--redis-url", redis_url]) == 0
+    assert [ln["status"] for ln in json.loads(capsys.readouterr().out)] == ["skipped"]
