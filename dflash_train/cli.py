@@ -1,7 +1,16 @@
 """`dflash-train --config FILE [--option value ...]`: every TrainConfig field is a flag.
 
 `--config` takes a YAML/JSON file or a bundled config name (`demo`, `long`). Flags win
-over the environment (`WANDB_MODE`, dflash_train.settings), which wins over the file. Under `torchrun --nproc-per-node K -m dflash_train ...` each rank runs this.
+over the environment (`WANDB_MODE`, dflash_train.settings), which wins over the file. Every
+flag's help text is the field's own (`train_config.opt`).
+
+Evaluation is a flag away: `--eval-every N` attaches the `EvalOnCheckpoint` hook, which
+queues an acceptance eval of every Nth published checkpoint for the eval worker
+(`--eval-suite`, `--eval-baseline`, `--eval-target`, `--redis-url`).
+
+Under `torchrun --nproc-per-node K -m dflash_train ...` each rank runs this; rank 0 alone
+shows progress, logs and prints the closing `done:` line, whose figures are the global ones
+(loss and accuracy summed over ranks before they are divided; tokens/s of all ranks).
 """
 from __future__ import annotations
 
@@ -12,31 +21,55 @@ import logging
 import sys
 
 from .settings import Settings
-from .train_config import TrainConfig, TrainConfigError, field_types, load_config, unwrap_optional
+from .train_config import TrainConfig, TrainConfigError, field_types, help_of, load_config, unwrap_optional
+
+log = logging.getLogger("dflash_train")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter against a frozen target.")
+    p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter against a frozen target.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML/JSON config file, or a bundled config name (demo, long)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="logging level of rank 0 (other ranks log warnings only)")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis of the eval queue, with --eval-every (default $REDIS_URL, else a local redis-server "
+                        "started on demand)")
     hints = field_types(TrainConfig)
-    opts = p.add_argument_group("options (override the config file)")
+    opts = p.add_argument_group("options (override the config file; default shown is the built-in one)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         base = unwrap_optional(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        text = help_of(f) + f" (default: {_shown(default)})"
         if base is bool:
-            opts.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            opts.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                              help=text.replace("%", "%%"))
         else:
             # values stay strings here; TrainConfig coerces them (lists: "1,2,3" or JSON)
-            opts.add_argument(flag, dest=f.name, default=None, metavar=getattr(base, "__name__", "VALUE").upper())
+            opts.add_argument(flag, dest=f.name, default=None, help=text.replace("%", "%%"),
+                              metavar=getattr(base, "__name__", "VALUE").upper())
     return p
 
 
+def _shown(value) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return "none" if value is None else str(value)
+
+
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
+    from .distributed import is_rank0
+
     args = build_parser().parse_args(argv)
     settings = settings or Settings.from_env()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    main_rank = is_rank0()
+    logging.basicConfig(level=args.log_level.upper() if main_rank else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not main_rank:  # transformers draws its own bars (loading weights) on every rank
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     env = {"wandb_mode": settings.wandb_mode}
     overrides = {**{k: v for k, v in env.items() if v is not None},
@@ -51,17 +84,39 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
         print(f"dflash-train: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(json.dumps(config.to_dict(), indent=2))
+        if main_rank:
+            print(json.dumps(config.to_dict(), indent=2))
         return 0
     from .trainer import train
 
-    summary = train(config)
-    if summary.metrics is not None:
-        logging.getLogger("dflash_train").info(
-            "done: step %d, loss %.4f, acc %.3f, %.0f tok/s, %d checkpoints in %s", summary.step,
-            summary.metrics.get("loss", float("nan")), summary.metrics.get("accuracy", float("nan")),
-            summary.tokens_per_s, len(summary.checkpoints), summary.run_dir)
+    callbacks = []
+    if config.eval_every:
+        try:
+            callbacks.append(eval_hook(config, settings, args.redis_url))
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot be imported, a bad suite: before training
+            print(f"dflash-train: eval wiring: {e}", file=sys.stderr)
+            return 2
+    summary = train(config, callbacks=callbacks)
+    if main_rank and summary.metrics is not None:
+        m = summary.metrics
+        log.info("done: step %d, loss %.4f, acc %.3f, streak %.2f (last step, all %d rank(s)), %.0f tok/s, "
+                 "%d checkpoints in %s", summary.step, m.get("loss", float("nan")), m.get("accuracy", float("nan")),
+                 m.get("streak", float("nan")), summary.world_size, summary.tokens_per_s, len(summary.checkpoints),
+                 summary.run_dir)
     return 0
+
+
+def eval_hook(config: TrainConfig, settings: Settings, redis_url: str | None):
+    """The `EvalOnCheckpoint` hook the eval flags describe (imported only when asked for: the
+    trainer itself never imports the eval side)."""
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+
+    wandb = None
+    if config.wandb:  # the eval run lands next to the training run: same project and entity
+        wandb = {"project": config.wandb_project, "entity": config.wandb_entity, "mode": config.wandb_mode}
+    return EvalOnCheckpoint(every_n_steps=config.eval_every, suite=list(config.eval_suite), target=config.eval_target,
+                            baseline=config.eval_baseline, wandb=wandb,
+                            redis_url=redis_url, settings=settings)
 
 
 if __name__ == "__main__":

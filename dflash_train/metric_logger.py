@@ -5,7 +5,7 @@ the losses and the recent window (whose averages go into each published manifest
 every `log_every` steps, and at the last one, adds throughput (target tokens per second,
 summed over ranks: a collective, so every rank takes part) and the hidden-state queue's
 health to the step's metrics, then logs them on rank 0: the log line, W&B (`train/*`
-against `train/step`) and the progress bar.
+against `train/step`); progress (a bar, or lines with the ETA off a terminal) on rank 0 only.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 import torch
 
 from . import distributed as dist_util
+from .progress import Progress
 
 log = logging.getLogger("dflash_train")
 
@@ -31,10 +32,9 @@ class MetricLogger:
         self._t_log, self._tokens_log = time.perf_counter(), 0
         main = dist.is_main
         self.wandb_run = self._init_wandb() if main and config.wandb else None
-        self.bar = None
-        if main and config.progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=config.max_steps, initial=start_step, desc=f"train {run_id}", dynamic_ncols=True)
+        # rank 0 alone: a bar on a terminal, lines with the ETA in a log (dflash_train.progress)
+        self.bar = Progress(f"train {run_id}", config.max_steps, unit="steps", initial=start_step,
+                            enabled=main and config.progress, every_s=config.progress_every_s, logger=log)
 
     def step(self, step: int, metrics: dict, tokens: int, queue_health) -> None:
         metrics["tokens"] = tokens  # this rank's real target tokens in the step
@@ -49,10 +49,9 @@ class MetricLogger:
             metrics.update({f"queue/{k}": v for k, v in queue_health.as_dict().items()})
             if self.dist.is_main:
                 self._log(step, metrics)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
-                                 streak=f"{metrics['streak']:.2f}")
+        # the metrics are the global ones: block_loss sums its stats over ranks before dividing
+        self.bar.update(1, loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                        streak=f"{metrics['streak']:.2f}")
 
     def window_means(self) -> dict:
         """Recent averages for a published manifest (the eval worker compares them with τ)."""
@@ -67,8 +66,7 @@ class MetricLogger:
         return dist_util.all_reduce_sum(torch.tensor([float(self.tokens)]), self.dist).item()
 
     def close(self, failing: bool) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
         if self.wandb_run is not None:
             self.wandb_run.finish(exit_code=1 if failing else 0)
 

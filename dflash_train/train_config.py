@@ -20,73 +20,100 @@ class TrainConfigError(DFlashError, ValueError):
     pass
 
 
+def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory=None) -> Any:
+    """A TrainConfig field with its help text (the `dflash-train --help` line of its flag)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def help_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("help", "")
+
+
 @dataclass
 class TrainConfig:
     # --- target and drafter -----------------------------------------------------------
-    target: str = BUNDLED_TARGET  # local HF model directory, or builtin:tiny-target
-    target_dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    drafter_layers: int = 1
-    num_features: int | None = None  # target layers fed to the drafter (default: drafter_layers)
-    target_layer_ids: list[int] | None = None  # explicit layers (overrides num_features)
-    block_size: int = 16
-    drafter_intermediate_size: int | None = None  # default: the target's
-    mask_token_id: int | None = None  # default: the tokenizer's <|MASK|>
-    init_from: str | None = None  # start from a drafter directory
+    target: str = opt(BUNDLED_TARGET, "target model: a local Hugging Face model directory, or builtin:tiny-target "
+                                      "(the bundled tiny Qwen3)")
+    target_dtype: str = opt("auto", "dtype the frozen target runs in (auto: float32 on CPU, bfloat16 on CUDA)")
+    drafter_layers: int = opt(1, "decoder layers of the drafter")
+    num_features: int | None = opt(None, "target layers whose hidden states feed the drafter, spread by the "
+                                         "published formula (default: drafter_layers)")
+    target_layer_ids: list[int] | None = opt(None, "explicit target layer ids fed to the drafter, e.g. 1,9,17 "
+                                                   "(overrides num_features)")
+    block_size: int = opt(16, "draft block size B: tokens drafted per verify step, anchor included")
+    drafter_intermediate_size: int | None = opt(None, "drafter MLP width (default: the target's)")
+    mask_token_id: int | None = opt(None, "mask token id of the draft blocks (default: the tokenizer's <|MASK|>)")
+    init_from: str | None = opt(None, "start from the weights of this drafter directory")
 
     # --- data ---------------------------------------------------------------------------
-    data: str = "builtin:stdlib-code"  # JSONL path or builtin:stdlib-code
-    num_prompts: int = 512  # builtin source only
-    prompt_tokens: int = 64  # builtin source only
-    chat_template: str = "auto"  # auto | always | never
-    regenerate: bool = True  # responses = the target's greedy output
-    max_new_tokens: int = 128
-    regen_batch_size: int = 32
-    max_seq_len: int = 512
-    seq_multiple: int = 64  # pad batch length to a multiple (few shapes); 0 = exact
-    data_cache_dir: str | None = None  # default <run dir>/cache
+    data: str = opt("builtin:stdlib-code", "training prompts: a JSONL file (prompt/messages/text per line), or "
+                                           "builtin:stdlib-code | builtin:stdlib-instruct | builtin:stdlib-mix")
+    num_prompts: int = opt(512, "prompts drawn from a builtin source")
+    prompt_tokens: int = opt(64, "prompt length in tokens for builtin code prefixes")
+    chat_template: str = opt("auto", "wrap prompts in the target's chat template: auto | always | never")
+    regenerate: bool = opt(True, "train on the target's own greedy responses (regenerated once, cached)")
+    max_new_tokens: int = opt(128, "response length when regenerating")
+    regen_batch_size: int = opt(32, "prompts per generate() call when regenerating")
+    max_seq_len: int = opt(512, "longest training sequence (prompt + response) in tokens")
+    seq_multiple: int = opt(64, "pad batch length to a multiple of this (few shapes); 0 = exact length")
+    data_cache_dir: str | None = opt(None, "where regenerated responses are cached (default <run dir>/cache)")
 
     # --- optimisation ---------------------------------------------------------------------
-    max_steps: int = 1000
-    batch_size: int = 8  # global (all ranks together)
-    num_anchors: int = 32  # blocks per sequence
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_ratio: float = 0.04
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    loss_type: str = "dflash"  # dflash | dpace
-    gamma: float | None = None  # decay; default 7/5/4 for B = 16/10/8
-    dpace_alpha: float = 0.5
-    noise_std: float = 0.0  # Gaussian noise on the context features only
-    ce_chunk: int | None = 8192  # LM-head rows per chunk (None: all at once)
-    seed: int = 0
+    max_steps: int = opt(1000, "optimizer steps to train for")
+    batch_size: int = opt(8, "global batch size in sequences (all ranks together)")
+    num_anchors: int = opt(32, "draft blocks (anchors) sampled per sequence")
+    lr: float = opt(6e-4, "peak learning rate (AdamW)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_betas: list[float] = opt(help="AdamW betas, e.g. 0.9,0.95", factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = opt(0.04, "share of max_steps spent warming the learning rate up linearly")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a share of lr (cosine decay)")
+    grad_clip: float = opt(1.0, "gradient norm clip (0: off)")
+    loss_type: str = opt("dflash", "block loss: dflash (decay-weighted CE) | dpace (acceptance-weighted)")
+    gamma: float | None = opt(None, "decay of the dflash loss weights (default 7/5/4 for B = 16/10/8)")
+    dpace_alpha: float = opt(0.5, "smoothing of the dpace weights")
+    noise_std: float = opt(0.0, "std of Gaussian noise added to the context features (0: off)")
+    ce_chunk: int | None = opt(8192, "LM-head rows per chunk of the loss (None: all at once)")
+    seed: int = opt(0, "seed of the initial weights, data order and anchors")
 
     # --- runtime --------------------------------------------------------------------------
-    device: str = "auto"  # auto | cpu | cuda
-    backend: str = "auto"  # attention: auto (flex on CUDA, sdpa elsewhere) | flex | sdpa
-    autocast: str = "auto"  # auto (bf16 on CUDA) | bf16 | off
-    queue_depth: int = 2  # hidden-state batches prepared ahead; 0 = synchronous
-    num_threads: int | None = None  # torch intra-op threads (CPU)
+    device: str = opt("auto", "auto | cpu | cuda (each torchrun rank takes cuda:LOCAL_RANK)")
+    backend: str = opt("auto", "attention kernel: auto (flex on CUDA, sdpa elsewhere) | flex | sdpa")
+    autocast: str = opt("auto", "mixed precision: auto (bf16 on CUDA) | bf16 | off")
+    queue_depth: int = opt(2, "target hidden-state batches prepared ahead of the drafter; 0 = synchronous")
+    num_threads: int | None = opt(None, "torch intra-op threads on CPU (default: torch's)")
 
     # --- checkpoints --------------------------------------------------------------------------
-    checkpoint_root: str = "runs"
-    run_id: str | None = None  # default: train-<UTC time>
-    publish_every: int = 100
-    keep_last: int = 3  # published checkpoints kept (plus pinned/protected); 0 keeps all
-    checkpoint_dtype: str | None = None  # e.g. bfloat16; default: the drafter's
-    state_dir: str | None = None  # default <run dir>/train_state
-    state_every: int | None = None  # default: publish_every
-    keep_states: int = 2
-    resume: str = "auto"  # auto | never | <state file or dir>
+    checkpoint_root: str = opt("runs", "directory the run's checkpoints are published under (<root>/<run_id>/)")
+    run_id: str | None = opt(None, "name of the run (default train-<UTC time>)")
+    publish_every: int = opt(100, "publish a checkpoint for evaluation every N steps (and at the last one)")
+    keep_last: int = opt(3, "published checkpoints kept (plus pinned/queued ones); 0 keeps all")
+    checkpoint_dtype: str | None = opt(None, "dtype of published weights, e.g. bfloat16 (default: the drafter's)")
+    state_dir: str | None = opt(None, "where resumable training states go (default <run dir>/train_state)")
+    state_every: int | None = opt(None, "save a training state every N steps (default: publish_every)")
+    keep_states: int = opt(2, "training states kept")
+    resume: str = opt("auto", "auto (latest state of the run) | never | a state file or directory")
 
     # --- logging ----------------------------------------------------------------------------
-    log_every: int = 10
-    progress: bool = True
-    wandb: bool = False
-    wandb_project: str = "dflash-train"
-    wandb_entity: str | None = None
-    wandb_mode: str = "offline"
+    log_every: int = opt(10, "log train metrics every N steps")
+    progress: bool = opt(True, "show progress (a bar on a terminal, lines with ETA elsewhere; rank 0 only)")
+    progress_every_s: float = opt(15.0, "seconds between progress lines when stderr is not a terminal")
+    wandb: bool = opt(False, "log train metrics to W&B (train/* against train/step)")
+    wandb_project: str = opt("dflash-train", "W&B project of the training run")
+    wandb_entity: str | None = opt(None, "W&B entity (team or user)")
+    wandb_mode: str = opt("offline", "W&B mode: offline | online | disabled ($WANDB_MODE wins)")
+
+    # --- evaluation (the eval sidecar; docs/sidecar.md) ------------------------------------
+    eval_every: int | None = opt(None, "queue an acceptance eval of the published checkpoint every N steps "
+                                       "(and the last one) for the eval worker; needs Redis (--redis-url, "
+                                       "$REDIS_URL, else a local redis-server)")
+    eval_suite: list[str] = opt(help="suite(s) each eval runs, comma-separated: builtin:NAME, hf:NAME[?n=..&seed=..], "
+                                     "or a .jsonl file the worker can read",
+                                factory=lambda: ["builtin:coding-v1"])
+    eval_baseline: str | None = opt(None, "drafter every eval is compared with (Δτ): a published checkpoint or a "
+                                          "drafter directory without COMPLETE.json (imported, nothing written to it)")
+    eval_target: str | None = opt(None, "target path as the eval worker sees it (default: the worker's own --target)")
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +124,10 @@ class TrainConfig:
                 problems.append(f"{name} must be >= 1")
         if self.queue_depth < 0:
             problems.append("queue_depth must be >= 0")
+        if self.eval_every is not None and self.eval_every < 1:
+            problems.append("eval_every must be >= 1")
+        if not self.eval_suite or not all(isinstance(x, str) and x.strip() for x in self.eval_suite):
+            problems.append("eval_suite must name at least one suite")
         if self.loss_type not in ("dflash", "dpace"):
             problems.append(f"loss_type must be dflash or dpace (got {self.loss_type!r})")
         if self.chat_template not in ("auto", "always", "never"):

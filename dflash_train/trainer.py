@@ -35,6 +35,7 @@ from .data import Batch, BatchPlan, Example, build_examples
 from .hidden_queue import HiddenStateQueue, Slot
 from .loss import block_loss, summarize_stats
 from .model import DFlashDrafter
+from .progress import Progress
 from .target import Target, TargetError
 from .train_config import BUNDLED_TARGET, TrainConfig, TrainConfigError, load_config
 from .train_state import latest_training_state, load_training_state, set_rng_state
@@ -59,6 +60,7 @@ class TrainSummary:
     cpu_s: float = 0.0  # process CPU time over the loop (all threads): ~ the wall time on an idle core
     tokens_per_s: float = 0.0  # target tokens (real, all ranks) per second of training loop
     queue_health: dict = field(default_factory=dict)
+    world_size: int = 1  # ranks that trained (metrics are global: summed over them)
 
 
 @dataclass
@@ -179,13 +181,15 @@ class Trainer:
         c = self.config
         cache = Path(c.data_cache_dir) if c.data_cache_dir else self.run_dir / "cache"
 
-        def build():
+        def build(progress=None):
             return build_examples(self.target, c.data, num_prompts=c.num_prompts, prompt_tokens=c.prompt_tokens,
                                   chat_template=c.chat_template, regenerate_responses=c.regenerate,
                                   max_new_tokens=c.max_new_tokens, cache_dir=cache,
-                                  regen_batch_size=c.regen_batch_size)
-        if self.dist.is_main:  # rank 0 regenerates; the others then read its cache
-            examples = build()
+                                  regen_batch_size=c.regen_batch_size, progress=progress)
+        if self.dist.is_main:  # rank 0 regenerates (and shows how far it is); the others then read its cache
+            with Progress("regenerating responses", unit="prompts", enabled=c.progress,
+                          every_s=c.progress_every_s, logger=log) as bar:
+                examples = build(bar.count_to)
         dist_util.barrier(self.dist)
         if not self.dist.is_main:
             examples = build()
@@ -335,7 +339,8 @@ class Trainer:
         return TrainSummary(self.run_id, str(self.run_dir), start_step, self.step, losses=logger.losses,
                             metrics=metrics, checkpoints=checkpointer.published if main else [],
                             state_path=checkpointer.state_path if main else None, wall_s=wall, cpu_s=cpu,
-                            tokens_per_s=logger.total_tokens() / max(wall, 1e-9), queue_health=q.health.as_dict())
+                            tokens_per_s=logger.total_tokens() / max(wall, 1e-9), queue_health=q.health.as_dict(),
+                            world_size=self.dist.world_size)
 
 
 def train(config: TrainConfig, callbacks=(), **kwargs) -> TrainSummary:

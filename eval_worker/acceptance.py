@@ -10,6 +10,7 @@ One evaluation:
 """
 from __future__ import annotations
 
+import logging
 import platform
 import time
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from dflash_train.model import DFlashDrafter
+from dflash_train.progress import DEFAULT_EVERY_S, track
 from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
 from dflash_train.tau import tau
@@ -39,6 +41,7 @@ from .scoring import PromptScore, Summary, score_prompt, summarize
 from .speed import measure_step_costs
 from .suite import EncodedPrompt, Suite, SuiteError, load_suite
 
+log = logging.getLogger("eval_worker.engine")
 
 @dataclass
 class DrafterRun:
@@ -64,15 +67,15 @@ class Evaluator:
     """Target + caches, loaded once; `evaluate(...)` per checkpoint."""
 
     def __init__(self, target: Target | str | Path, cache_dir: str | Path | None = None, *,
-                 reference_source=None, progress: bool = False, memory_cache_bytes: int = 1 << 30,
-                 dtype: str = "float32", device: str | None = None):
+                 reference_source=None, progress: bool = True, progress_every_s: float = DEFAULT_EVERY_S,
+                 memory_cache_bytes: int = 1 << 30, dtype: str = "float32", device: str | None = None):
         if not isinstance(target, Target):
             target = Target.load(target, dtype=dtype, device=device)
         self.target = target
         self.disk = DiskCache(cache_dir)
         self.memory = MemoryLRU(memory_cache_bytes)
         self.reference_source = reference_source or LocalReferences(target)
-        self.progress = progress
+        self.progress, self.progress_every_s = progress, progress_every_s
         self._baselines: dict[str, DrafterRun] = {}
         self._costs: dict[str, dict | None] = {}
 
@@ -174,7 +177,7 @@ class Evaluator:
         caller makes once they are known to be the target's greedy output."""
         src = self.reference_source
         refs, pending = [], []
-        for p in self._bar(prompts, "references"):
+        for p in self._bar(prompts, f"{suite.name}: references"):
             slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity()})
             key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
                    "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity()}
@@ -256,7 +259,7 @@ class Evaluator:
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
         scores = []
         leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
-        for ref in self._bar(refs, f"draft B={B}"):
+        for ref in self._bar(refs, f"{suite.name}: features + drafting (B={B})"):
             with _timer(timings, "features"):
                 feats = self._features(ref, suite, cfg.target_layer_ids, report, check, written)
             P, n = len(ref.prompt_ids), len(ref.tokens)
@@ -392,11 +395,11 @@ class Evaluator:
         return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _bar(self, items, desc: str):
+        """Progress of a per-prompt phase: a bar on a terminal, else a log line with counts and ETA
+        every `progress_every_s` (a worker's log shows a long first job moving)."""
         if not self.progress:
             return items
-        from tqdm import tqdm
-
-        return tqdm(items, desc=desc, leave=False)
+        return track(items, desc, unit="prompts", every_s=self.progress_every_s, logger=log)
 
 
 def _on(value: dict, device: torch.device) -> dict:

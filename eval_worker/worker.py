@@ -53,6 +53,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
+from dflash_train.progress import format_duration
 from dflash_train.publication import unpin_checkpoint
 from dflash_train.settings import Settings
 
@@ -263,10 +264,30 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
             sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
     unpin_checkpoint(job["checkpoint"], job_id)
     tau = tau_of(record)
+    _log_outcome(job_id, job, record, path, time.monotonic() - t0, created)
     return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": record.get("attempt"),
             "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
             "from_spool": existing is None and spooled is not None,
             "worker_pid": os.getpid(), "target_loads": target_loads(), "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path, seconds: float,
+                 created: bool) -> None:
+    """One line per job in the worker's log: what was measured, how sure, how long it took."""
+    result = record.get("result") or {}
+    tau = result.get("tau") or {}
+    ci = tau.get("ci95") or [None, None]
+    base = result.get("baseline") or {}
+
+    def f(x):
+        return "?" if not isinstance(x, (int, float)) else f"{x:.3f}"
+    extra = f", Δτ vs baseline {f(base.get('delta_tau'))}" if base else ""
+    errors = [d.get("code") for d in result.get("diagnostics") or [] if d.get("severity") == "error"]
+    log.info("job %s: run %s step %s suite %s: τ %s (95%% CI [%s, %s], %s verify steps%s)%s in %s; %s %s",
+             job_id, job["run_id"], job["step"], (result.get("suite") or {}).get("name", job["suite"]),
+             f(tau.get("macro")), f(ci[0]), f(ci[1]), tau.get("num_steps", "?"), extra,
+             f"; diagnostics: {', '.join(errors)}" if errors else "", format_duration(seconds),
+             "recorded at" if created else "already recorded at", path)
 
 
 def _local_job_id(job: dict[str, Any]) -> str:

@@ -53,12 +53,14 @@ class EvalOnCheckpoint:
 
     queue: the queue base name (`dflash-eval`; priorities add `-high`/`-low`).
     redis_url: `None` -> $REDIS_URL -> the embedded local redis-server.
-    target / suite / baseline / options / wandb / priority: copied into each job.
+    suite: one suite or a list; each published checkpoint gets one job per suite.
+    target / baseline / options / wandb / priority: copied into each job.
     settings: the environment's settings (dflash_train.settings); read here when not given,
     the training script being the edge.
     """
 
-    def __init__(self, every_n_steps: int = 1, queue: str = "dflash-eval", *, suite: str = "builtin:coding-v1",
+    def __init__(self, every_n_steps: int = 1, queue: str = "dflash-eval", *,
+                 suite: str | list[str] = "builtin:coding-v1",
                  target: str | os.PathLike | None = None, baseline: str | os.PathLike | None = None,
                  options: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
                  priority: str = "default", redis_url: str | None = None, eval_final: bool = True,
@@ -69,7 +71,10 @@ class EvalOnCheckpoint:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = int(every_n_steps)
         self.queue = queue
-        self.suite, self.target, self.baseline = suite, target, baseline
+        self.suites = [suite] if isinstance(suite, str) else list(suite)  # one job per suite and checkpoint
+        if not self.suites:
+            raise ValueError("suite: name at least one suite")
+        self.target, self.baseline = target, baseline
         self.options, self.wandb, self.priority = options, wandb, priority
         self.redis_url = redis_url
         self.settings = settings or Settings.from_env()
@@ -122,23 +127,32 @@ class EvalOnCheckpoint:
         return box.holds(path)
 
     # ---- API -------------------------------------------------------------------------
-    def make_job(self, path: str | os.PathLike, manifest: dict | None = None) -> dict[str, Any]:
-        return jobs_mod.make_job(path, manifest=manifest, suite=self.suite, target=self.target, baseline=self.baseline,
-                        wandb=self.wandb, requested_by="hook", priority=self.priority, options=self.options)
+    @property
+    def suite(self) -> str:
+        """The first suite (the hook's jobs run every one of `suites`)."""
+        return self.suites[0]
 
-    def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> Path:
-        """Pin the checkpoint, write its job to the outbox, wake the delivery thread; returns the job file."""
+    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> dict[str, Any]:
+        return jobs_mod.make_job(path, manifest=manifest, suite=suite or self.suite, target=self.target,
+                                 baseline=self.baseline, wandb=self.wandb, requested_by="hook",
+                                 priority=self.priority, options=self.options)
+
+    def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> list[Path]:
+        """For each suite: pin the checkpoint, write the job to the outbox; then wake the delivery
+        thread. Returns the job files."""
         path = Path(os.path.abspath(path))
-        job = self.make_job(path, manifest)
-        try:
-            pin_checkpoint(path, jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
-        except jobs_mod.JobError as e:  # unknown suite: still queued, the queue will say why
-            self._note(f"cannot pin {path}: {e}")
         outbox = self._deliverer(path.parent / OUTBOX_DIRNAME)
-        file = outbox.outbox.put(job)
-        self._enqueued_steps.add(int(job["step"]))
+        files = []
+        for suite in self.suites:
+            job = self.make_job(path, manifest, suite)
+            try:
+                pin_checkpoint(path, jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
+            except jobs_mod.JobError as e:  # unknown suite: still queued, the queue will say why
+                self._note(f"cannot pin {path}: {e}")
+            files.append(outbox.outbox.put(job))
+            self._enqueued_steps.add(int(job["step"]))
         outbox.kick()
-        return file
+        return files
 
     def flush(self, timeout: float) -> bool:
         """Try to deliver every waiting job for up to `timeout` s; True if none is left."""

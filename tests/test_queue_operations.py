@@ -101,3 +101,28 @@ def test_requeue_requeues_what_exists_and_reports_what_does_not(redis_url, conn,
     assert "no enqueued job for step(s) [98, 99]" in capsys.readouterr().err
     assert cli(["requeue", "--run", "run-p", "--steps", "20", "--json", "--redis-url", redis_url]) == 0
     assert [ln["status"] for ln in json.loads(capsys.readouterr().out)] == ["skipped"]
+
+
+def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, monkeypatch):
+    import logging
+    import re
+
+    monkeypatch.setenv("DFLASH_SINKS", "none")  # read by WorkerSettings' Settings.from_env below
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-l", 100, seed=3)
+    job_id = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path))).job_id
+    caplog.set_level(logging.INFO, logger="eval_worker.worker")
+    serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path],
+                                                default_target=str(tmp_path),
+                                                evaluator_factory="tests.fake_evaluator:FakeEvaluator"),
+          burst=True, preload=False, with_scheduler=False, name=f"wl-{tmp_path.name}"[:60])
+    assert fetch_job(conn, job_id).get_status() == JobStatus.FINISHED
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"job {job_id}:")]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    record = json.loads(next((tmp_path / "results" / "run-l").rglob("attempt-0.json")).read_text())
+    tau = record["result"]["tau"]
+    m = re.search(r"run run-l step 100 suite \S+: τ ([\d.]+) \(95% CI \[([\d.]+), ([\d.]+)\], (\d+) verify steps\) "
+                  r"in \d+s; recorded at (\S+)", lines[0])
+    assert m, lines[0]
+    assert [float(x) for x in m.group(1, 2, 3)] == [round(tau["macro"], 3), *(round(x, 3) for x in tau["ci95"])]
+    assert int(m.group(4)) == tau["num_steps"] and m.group(5).endswith("attempt-0.json")

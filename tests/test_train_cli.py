@@ -89,3 +89,104 @@ def test_torchrun_two_ranks_cli(tmp_path, tiny_target_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     from dflash_train.publication import list_checkpoints
     assert [p.name for p in list_checkpoints(tmp_path / "ddp")] == ["step-00000002", "step-00000004"]
+
+
+def test_every_flag_has_help_text():
+    """`dflash-train --help`: no flag without a description (argparse's own --help aside)."""
+    from dflash_train.cli import build_parser
+
+    parser = build_parser()
+    empty = [a.option_strings for a in parser._actions if a.option_strings and not (a.help or "").strip()]
+    assert empty == []
+    text = parser.format_help()
+    for flag in ("--eval-every", "--eval-suite", "--eval-baseline", "--eval-target", "--redis-url", "--max-steps"):
+        assert flag in text
+    # the help of a field is the config's own, and says its default
+    assert "publish a checkpoint for evaluation every N steps" in text and "(default: 100)" in text
+    proc = subprocess.run([sys.executable, "-m", "dflash_train", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "--eval-every" in proc.stdout
+
+
+def test_eval_flags_reach_the_config(capsys):
+    assert main(["--config", "demo", "--eval-every", "50", "--eval-suite", "builtin:coding-v1,hf:gsm8k?n=8",
+                 "--eval-baseline", "/drafters/zlab", "--print-config"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["eval_every"] == 50 and out["eval_suite"] == ["builtin:coding-v1", "hf:gsm8k?n=8"]
+    assert out["eval_baseline"] == "/drafters/zlab"
+    assert main(["--config", "demo", "--eval-every", "0", "--print-config"]) == 2
+    assert "eval_every must be >= 1" in capsys.readouterr().err
+
+
+def _torchrun(tmp_path, *args, timeout=420):
+    """torchrun with 2 CPU ranks in its own process group (killed whole on a timeout); each rank's
+    stdout/stderr in its own file under tmp_path/logs (torchrun --redirects 3)."""
+    import os
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
+           "-m", "dflash_train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    ranks = {}
+    for r in (0, 1):
+        files = list((tmp_path / "logs").rglob(f"attempt_0/{r}/stderr.log"))
+        ranks[r] = (files[0].read_text() if files else "") + "".join(
+            p.read_text() for p in (tmp_path / "logs").rglob(f"attempt_0/{r}/stdout.log"))
+    return proc.returncode, out + err, ranks
+
+
+def test_torchrun_two_ranks_rank0_alone_reports(tmp_path, tiny_target_path):
+    """Under `torchrun --nproc-per-node 2` only rank 0 shows progress and prints `done:`, with the
+    global figures (the same loss rank 0 logged for the last step, summed over both ranks)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "def add(a, b):\n    return a + b\n" * (i + 2)}) for i in range(8)))
+    code, combined, ranks = _torchrun(
+        tmp_path, "--config", "demo", "--data", str(data), "--max-steps", "2", "--batch-size", "4",
+        "--num-anchors", "4", "--publish-every", "2", "--checkpoint-root", str(tmp_path / "ck"), "--run-id", "ddp",
+        "--queue-depth", "0", "--num-threads", "1", "--log-every", "1", "--progress", "--progress-every-s", "0")
+    assert code == 0, combined[-3000:]
+    r0, r1 = ranks[0], ranks[1]
+    assert r0.count("done: step 2") == 1 and "done:" not in r1
+    assert "train ddp: 1/2 steps" in r0 and "train ddp" not in r1  # progress lines: rank 0 only
+    assert "all 2 rank(s)" in r0
+    import re
+    last_logged = re.findall(r"step 2 loss ([\d.]+) acc ([\d.]+)", r0)
+    done = re.search(r"done: step 2, loss ([\d.]+), acc ([\d.]+)", r0)
+    assert last_logged and done and done.groups() == last_logged[-1]
+    assert r1.strip() == "" or "WARNING" in r1 or "Warning" in r1, r1[-2000:]  # nothing but warnings
+
+
+def test_eval_every_queues_one_job_per_suite(tmp_path, tiny_target_path, redis_url):
+    """`--eval-every` wires the EvalOnCheckpoint hook: every 2nd step's checkpoint, each suite, on the queue."""
+    from eval_worker.queue import status
+    from eval_worker.redis_local import connect
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "def add(a, b):\n    return a + b\n" * (i + 2)}) for i in range(8)))
+    suite = tmp_path / "s.jsonl"
+    suite.write_text('{"suite": "mine"}\n{"name": "a", "prompt": "def f():"}\n')
+    assert main(["--config", "demo", "--data", str(data), "--max-steps", "4", "--batch-size", "4", "--num-anchors", "4",
+                 "--publish-every", "1", "--checkpoint-root", str(tmp_path / "ck"), "--run-id", "wired",
+                 "--queue-depth", "0", "--no-progress", "--num-threads", "1", "--eval-every", "2",
+                 "--eval-suite", f"builtin:coding-v1,{suite}", "--eval-target", str(tiny_target_path),
+                 "--redis-url", redis_url]) == 0
+    conn = connect(redis_url)
+    try:
+        queued = status(conn, run="wired")["queued"]
+    finally:
+        conn.close()
+    assert sorted((j["step"], j["suite"]) for j in queued) == sorted(
+        (step, s) for step in (2, 4) for s in ("builtin:coding-v1", str(suite)))

@@ -138,8 +138,6 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         if not sep or not key.strip():
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value.strip()
-    if not sys.stdout.isatty():
-        overrides.setdefault("progress", "false")  # a progress bar in a log file is one endless line
     config = load_config(args.config, {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
                                        "max_steps": args.max_steps, "num_threads": trainer_threads,
                                        "data_cache_dir": str(paths["cache"] / "train-data"), "wandb_mode": mode})

@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16)")
     p.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress output (default: a bar on a terminal, else a line with counts and ETA "
+                        "every 15 s)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -59,6 +61,9 @@ def main(args: argparse.Namespace) -> int:
     from ..references import ReferenceSourceError, ServerReferences
     from ..suite import SuiteError
 
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # progress lines
     if args.threads:
         torch.set_num_threads(args.threads)
     options = {"tree_budget": args.tree_budget, "tree_spine": args.tree_spine, "mode": args.mode,
@@ -76,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
         for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
             check_drafter_config(drafter_dir)  # before the target: its load can take minutes
         evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
-                              progress=not args.no_progress and sys.stderr.isatty(), dtype=args.dtype,
+                              progress=not args.no_progress, dtype=args.dtype,
                               device=args.device)
         if args.reference_server:
             evaluator.reference_source = ServerReferences(args.reference_server, args.reference_model)
