@@ -96,6 +96,10 @@ def test_demo_ctrl_c_stops_everything_it_started(tmp_path, tiny_target_path):
             if line.startswith("[demo] training demo-int"):
                 break
         assert any("[demo] redis" in ln for ln in lines), "".join(lines)
+        # the demo has spawned the worker by now; on a loaded machine its exec can lag a little
+        deadline = time.monotonic() + 30
+        while not any("eval_worker.cli worker" in p for p in leftovers(str(work))) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert any("eval_worker.cli worker" in p for p in leftovers(str(work))), "the worker should be running"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
