@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash_train.checkpoint import save_drafter
-from eval_worker.acceptance import Evaluator
-from eval_worker.result import SCHEMA, EvalResult, ResultSchemaError
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.result import SCHEMA, EvalResult, ResultSchemaError
+from eval_worker.engine.suite import Prompt, Suite
 
 from .engine_helpers import fit_drafter, references
 from .factories import drafter_for, qwen3_target
