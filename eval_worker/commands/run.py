@@ -57,9 +57,9 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.config import ConfigError
     from dflash_train.target import TargetError
 
-    from ..acceptance import Evaluator
-    from ..references import ReferenceSourceError, ServerReferences
-    from ..suite import SuiteError
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.references import ReferenceSourceError, ServerReferences
+    from eval_worker.engine.suite import SuiteError
 
     import logging
 
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         options["reference_mismatch"] = "measure"
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
     try:
-        from ..checkpoint_source import check_drafter_config
+        from eval_worker.engine.checkpoint_source import check_drafter_config
 
         for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
             check_drafter_config(drafter_dir)  # before the target: its load can take minutes
