@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 from dflash_train.checkpoint import KNOWN_PREFIXES, load_drafter, save_drafter
 from dflash_train.publication import (MARKER_NAME, CheckpointError, import_directory, import_name, read_manifest,
                                       verify_checkpoint)
-from eval_worker import jobs
+from eval_worker.service import jobs
 from eval_worker.cli import main as cli
-from eval_worker.ledger import Ledger
-from eval_worker.queue import fetch_job
-from eval_worker.redis_local import connect
+from eval_worker.results.ledger import Ledger
+from eval_worker.service.queue import fetch_job
+from eval_worker.service.redis_local import connect
 from tests.factories import drafter_for, qwen3_target
 from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, wait_for, write_suite
 from tests.test_sidecar_worker import _target
