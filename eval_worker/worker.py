@@ -60,6 +60,7 @@ from dflash_train.settings import Settings
 from . import jobs as jobs_mod
 from . import sinks
 from .jobs import JobError
+from .suite import HF_PREFIX, load_suite
 from .ledger import Ledger, tau_of
 from .options import options_identity
 from .queue import JOB_FUNC, get_queue
@@ -306,6 +307,8 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     if job["target"]:
         jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
     suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
+    if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
+        suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
     evaluator = get_evaluator(target)
     result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
                                 train_metrics=job["train_metrics"], options=job["options"], verified=verified).to_dict()
