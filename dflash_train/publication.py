@@ -18,6 +18,13 @@ never a checkpoint: never enqueued, never evaluated, removed by the next run's c
 
 Run ids name directories, Redis keys and job ids: `RUN_ID_PATTERN`, checked by the
 trainer's config, the job schema and the ledger alike.
+
+The same layout lives in an object store under a URL prefix (`s3://bucket/runs/<run_id>/
+step-<step:08d>/...`, see `storage.py`). A store has no atomic directory rename, so the
+marker is the commit point: `upload_checkpoint` uploads every file of a published local
+checkpoint, then COMPLETE.json last; a prefix without the marker is never a checkpoint
+(an interrupted upload is ignored by readers and removed by `cleanup_incomplete`). Reading
+the manifest, listing, pins and retention take a URL wherever they take a directory.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable
 
+from . import storage
 from .errors import DFlashError
 from .fsutil import atomic_write_json, fsync_path, pid_alive
 
@@ -80,7 +88,8 @@ def step_dir_name(step: int) -> str:
 
 def checkpoint_step(directory: str | Path) -> int | None:
     """The step a `step-NNNNNNNN` directory name stands for, else None."""
-    m = _STEP_DIR.match(Path(directory).name)
+    base = storage.name(directory) if storage.is_url(directory) else Path(directory).name
+    m = _STEP_DIR.match(base)
     return int(m.group(1)) if m else None
 
 
@@ -139,14 +148,37 @@ def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write
 # --------------------------------------------------------------------------- reading and verifying
 
 def read_manifest(directory: str | Path) -> dict:
-    """The manifest of a published checkpoint; CheckpointError if it is not one."""
+    """The manifest of a published checkpoint (a directory or a URL); CheckpointError if it is not one."""
+    return parse_manifest(read_marker(directory), directory)
+
+
+def read_marker(directory: str | Path) -> bytes:
+    """The bytes of a checkpoint's COMPLETE.json (local or in a store); CheckpointError when there is none.
+
+    A store that cannot be reached raises storage.StoreUnavailable (retryable)."""
+    if storage.is_url(directory):
+        marker = storage.join(storage.check_url(directory), MARKER_NAME)
+        try:
+            return storage.store_for(marker).read_bytes(marker)
+        except FileNotFoundError:
+            raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
+                                  "(still being uploaded, or an interrupted upload)") from None
     marker = Path(directory) / MARKER_NAME
     try:
-        data = json.loads(marker.read_text())
+        return marker.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
                               "(still being written, or abandoned)") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
+
+
+def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
+    """The manifest in marker bytes `raw`, checked; CheckpointError naming `directory` if invalid."""
+    marker = storage.join(str(directory), MARKER_NAME) if storage.is_url(directory) else Path(directory) / MARKER_NAME
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
     problems = []
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
@@ -160,6 +192,9 @@ def read_manifest(directory: str | Path) -> dict:
         problems.append(f"files must list {WEIGHTS_NAME}")
     elif files[WEIGHTS_NAME] != data.get("digest"):
         problems.append(f"digest differs from files[{WEIGHTS_NAME}]")
+    elif any(not isinstance(n, str) or not n or "/" in n or os.sep in n or n.startswith(".") or n == MARKER_NAME
+             or not isinstance(d, str) or len(d) != 64 for n, d in files.items()):
+        problems.append("files must map plain file names to sha256 hex digests")
     if not isinstance(data.get("run_id"), str):
         problems.append("run_id missing")
     if problems:
@@ -197,14 +232,55 @@ def verify_checkpoint(directory: str | Path, roots: list[Path] | None = None) ->
     return manifest
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Published (marked) checkpoints of a run directory, oldest step first."""
+def list_checkpoints(run_dir: str | Path) -> list:
+    """Published (marked) checkpoints of a run directory or run URL, oldest step first
+    (Paths for a directory, URLs for a store)."""
+    if storage.is_url(run_dir):
+        run_url = storage.check_url(run_dir)
+        store = storage.store_for(run_url)
+        steps = [storage.join(run_url, n) for n in store.list_names(run_url) if _STEP_DIR.match(n)]
+        found = [u for u in steps if MARKER_NAME in store.list_names(u)]
+        return sorted(found, key=checkpoint_step)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None
              and (p / MARKER_NAME).is_file()]
     return sorted(found, key=checkpoint_step)
+
+
+# --------------------------------------------------------------------------- object stores
+
+def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = True) -> str:
+    """Copy a published local checkpoint to `<run_url>/step-<step:08d>/`; returns that URL.
+
+    Every listed file is uploaded (and its size checked against the store), then
+    COMPLETE.json, byte for byte, last: the marker is the commit point, so a reader sees
+    the whole checkpoint or none. An earlier interrupted upload of the same step (objects
+    but no marker) is removed first; a step already marked in the store is an error.
+    """
+    directory = Path(directory)
+    raw = read_marker(directory)
+    manifest = parse_manifest(raw, directory)
+    if verify:
+        verify_checkpoint(directory)
+    run_url = storage.check_url(run_url)
+    check_run_id(storage.name(run_url))
+    dest = storage.join(run_url, step_dir_name(manifest["step"]))
+    store = storage.store_for(dest)
+    marker = storage.join(dest, MARKER_NAME)
+    if store.exists(marker):
+        raise CheckpointError(f"{dest} is already published")
+    if store.list_names(dest):  # an interrupted earlier upload
+        store.remove(dest, recursive=True)
+    for file_name in sorted(manifest["files"]):
+        url = storage.join(dest, file_name)
+        store.put_file(directory / file_name, url)
+        want, got = (directory / file_name).stat().st_size, store.size(url)
+        if got != want:
+            raise storage.StoreUnavailable(f"{url}: the store holds {got} bytes after uploading {want}")
+    store.write_bytes(marker, raw)
+    return dest
 
 
 # --------------------------------------------------------------------------- pins and retention
@@ -215,12 +291,27 @@ def _pin_path(directory: Path, token: str) -> Path:
     return Path(directory) / PINS_DIR / token
 
 
+def _pin_url(directory: str, token: str) -> str:
+    _pin_path(Path("."), token)  # the same token rule
+    return storage.join(storage.check_url(directory), PINS_DIR, token)
+
+
 def pin_checkpoint(directory: str | Path, token: str) -> bool:
     """Keep `directory` through retention until `unpin_checkpoint(directory, token)`.
 
-    Returns False when the pin cannot be written (no such checkpoint, a read-only mount):
-    the checkpoint is then only less protected, never refused.
+    Returns False when the pin cannot be written (no such checkpoint, a read-only mount or
+    store): the checkpoint is then only less protected, never refused.
     """
+    if storage.is_url(directory):
+        try:
+            url = _pin_url(directory, token)
+            store = storage.store_for(url)
+            if not store.exists(storage.join(storage.check_url(directory), MARKER_NAME)):
+                return False
+            store.write_bytes(url, b"")
+        except (storage.StoreError, OSError):
+            return False
+        return True
     p = _pin_path(Path(directory), token)
     try:
         if not Path(directory).is_dir():
@@ -242,6 +333,16 @@ def pin_checkpoint(directory: str | Path, token: str) -> bool:
 
 def unpin_checkpoint(directory: str | Path, token: str) -> bool:
     """Release pin `token` (True if one was removed); a missing pin or checkpoint is not an error."""
+    if storage.is_url(directory):
+        try:
+            url = _pin_url(directory, token)
+            store = storage.store_for(url)
+            if not store.exists(url):
+                return False
+            store.remove(url)
+        except (storage.StoreError, OSError):
+            return False
+        return True
     try:
         _pin_path(Path(directory), token).unlink()
     except OSError:
@@ -250,12 +351,21 @@ def unpin_checkpoint(directory: str | Path, token: str) -> bool:
 
 
 def is_pinned(directory: str | Path) -> bool:
+    if storage.is_url(directory):
+        url = storage.join(storage.check_url(directory), PINS_DIR)
+        return bool(storage.store_for(url).list_names(url))
     pins = Path(directory) / PINS_DIR
     return pins.is_dir() and any(pins.iterdir())
 
 
 def remove_checkpoint(directory: str | Path) -> None:
     """Invalidate first (marker gone), then delete: a reader never loads a half-deleted one."""
+    if storage.is_url(directory):
+        url = storage.check_url(directory)
+        store = storage.store_for(url)
+        store.remove(storage.join(url, MARKER_NAME))
+        store.remove(url, recursive=True)
+        return
     directory = Path(directory)
     try:
         (directory / MARKER_NAME).unlink()
@@ -264,11 +374,11 @@ def remove_checkpoint(directory: str | Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list[Path]:
-    """Delete published checkpoints beyond the newest `keep_last` (0 keeps all).
+def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list:
+    """Delete published checkpoints (of a run directory or run URL) beyond the newest `keep_last` (0 keeps all).
 
     Kept regardless: pinned ones and those for which `protect(path)` is True.
-    Returns the removed paths.
+    Returns the removed paths (URLs for a store).
     """
     if keep_last <= 0:
         return []
@@ -283,12 +393,23 @@ def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list[P
     return removed
 
 
-def cleanup_incomplete(run_dir: str | Path) -> list[Path]:
+def cleanup_incomplete(run_dir: str | Path) -> list:
     """Remove half-written publications of earlier runs (call before training starts).
 
     `.step-*.tmp-<pid>` directories of dead processes (or of this one: nothing is in
-    flight yet) and `step-*` directories that never got their marker.
+    flight yet) and `step-*` directories that never got their marker. For a run URL:
+    `step-*` prefixes without a marker (interrupted uploads).
     """
+    if storage.is_url(run_dir):
+        run_url = storage.check_url(run_dir)
+        store = storage.store_for(run_url)
+        removed = []
+        for n in store.list_names(run_url):
+            url = storage.join(run_url, n)
+            if _STEP_DIR.match(n) and MARKER_NAME not in store.list_names(url):
+                store.remove(url, recursive=True)
+                removed.append(url)
+        return removed
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []

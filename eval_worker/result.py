@@ -45,6 +45,7 @@ class PromptResult:
     tree_tau: float | None = None
     mean_streak: float | None = None
     reference_agrees_with_target: bool | None = None
+    degenerate: str | None = None  # why the reference collapsed (diagnostics.reference_collapse), else None
 
 
 @dataclass

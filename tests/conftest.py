@@ -135,3 +135,24 @@ def wandb_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return wandb_dir
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real S3-compatible server (moto, subprocess) with this process pointed at it through
+    the standard AWS variables; `s3_server.make_bucket(name)` creates a bucket."""
+    pytest.importorskip("s3fs", reason="s3fs is in the dev extra (pip install -e '.[dev]')")
+    pytest.importorskip("moto.server", reason="moto[server] is in the dev extra (pip install -e '.[dev]')")
+    from dflash_train import storage
+    from tests.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in server.env().items():
+            mp.setenv(k, v)
+        storage._filesystem.cache_clear()
+        try:
+            yield server
+        finally:
+            storage._filesystem.cache_clear()
+            server.stop()

@@ -23,6 +23,7 @@ def _imported_after(code: str) -> list[str]:
 
 @pytest.mark.parametrize("code", [
     "import dflash_train.publication",
+    "import dflash_train.storage, dflash_train.checkpoint_cache",
     "import eval_worker.jobs",
     "import eval_worker.queue, eval_worker.ledger, eval_worker.redis_local",
     "import eval_worker.commands.enqueue",

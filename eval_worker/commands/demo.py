@@ -185,6 +185,9 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     rows = [r for r in load_run(run_id, paths["results"])]
     _print_table(rows)
     failed = [j for j, s in status.items() if s != "finished"]
+    collapsed = _collapsed(rows)
+    if collapsed:
+        print(f"\n  ERROR: {collapsed}", file=sys.stderr)
     print(f"\n  evaluations: {len(job_ids) - len(failed)} finished, {len(failed)} failed"
           + (f" ({', '.join(failed)}; see `dflash-eval status`)" if failed else ""))
     print(f"  report:      {report}")
@@ -195,4 +198,19 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         print(f"  W&B online:  project {wandb_cfg['project']}, run {info['eval_run_id']}")
     print(f"  ledger:      {paths['results'] / run_id}")
     print(f"  total time:  {time.monotonic() - t0:.0f}s")
-    return 0 if not failed else 1
+    return 0 if not failed and not collapsed else 1
+
+
+def _collapsed(rows) -> str | None:
+    """A loud line when most references of an evaluation are degenerate: τ would then say that a
+    drafter learns to repeat the target's collapse, not how well it drafts (issue 17)."""
+    from eval_worker.diagnostics import mostly_degenerate
+
+    for r in rows:
+        prompts = r.result.get("prompts") or []
+        bad = mostly_degenerate(prompts)
+        if bad:
+            return (f"{len(bad)} of {len(prompts)} references at step {r.step} are degenerate (the target repeats "
+                    f"a line or a few tokens: {', '.join(bad[:5])}); τ measures repetition, not drafting. "
+                    "Check the target and the prompt format (see DEGENERATE_REFERENCE in the report)")
+    return None
