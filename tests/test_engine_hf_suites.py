@@ -6,7 +6,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from eval_worker.suite import (HF_MAX_NEW_TOKENS, HF_SUITES, SuiteError, load_suite, parse_hf_spec,
+from eval_worker.engine.suite import (HF_MAX_NEW_TOKENS, HF_SUITES, SuiteError, load_suite, parse_hf_spec,
                                request_fingerprint)
 from tests.hf_fixture import ROWS, write_all, write_repo
 
@@ -158,10 +158,10 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
     """A queued `hf:` job: canonical spec in the job, the worker reads its own dataset copy, the
     record carries the suite's dataset identity; a bad spec is refused at enqueue."""
     from dflash_train.settings import Settings
-    from eval_worker import worker as worker_mod
-    from eval_worker.jobs import JobError, check_suite, job_fingerprint, make_job
-    from eval_worker.ledger import read_record
-    from eval_worker.worker import WorkerSettings, run_eval_job
+    from eval_worker.service import worker as worker_mod
+    from eval_worker.service.jobs import JobError, check_suite, job_fingerprint, make_job
+    from eval_worker.results.ledger import read_record
+    from eval_worker.service.worker import WorkerSettings, run_eval_job
     from tests.sidecar_support import publish_random, tiny_target_drafter_config
     from tests.test_sidecar_worker import _target
 

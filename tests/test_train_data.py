@@ -128,7 +128,7 @@ def test_builtin_training_prompts_are_held_out_from_the_suite_and_the_targets_pa
     from transformers import AutoTokenizer
 
     from dflash_train.assets.build_tiny_target import collect_chat_pairs
-    from eval_worker.suite import load_suite
+    from eval_worker.engine.suite import load_suite
 
     tok = AutoTokenizer.from_pretrained(tiny_target_path, local_files_only=True)
     pairs = collect_chat_pairs()

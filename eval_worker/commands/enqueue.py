@@ -58,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from dflash_train.settings import parse_roots
-    from eval_worker.jobs import JobError, make_job
-    from eval_worker.queue import QueueConfig, enqueue
-    from eval_worker.suite import DEFAULT_SUITE
+    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.queue import QueueConfig, enqueue
+    from eval_worker.engine.suite import DEFAULT_SUITE
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -139,8 +139,8 @@ def _expand(paths: list[str]) -> list[str]:
 
 
 def _deliver_outbox(directory: str, conn, config, *, retry_rejected: bool = False) -> dict:
-    from eval_worker.queue import enqueue
-    from hooks.outbox import Outbox
+    from eval_worker.service.queue import enqueue
+    from eval_worker.service.outbox import Outbox
 
     box = Outbox(directory)
     restored = box.restore_rejected() if retry_rejected else []

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..suite import DEFAULT_SUITE, hf_suites
+from eval_worker.engine.suite import DEFAULT_SUITE, hf_suites
 
 MULTI_SCHEMA = "dflash-eval-suites/1"
 HELP = "evaluate one drafter checkpoint (acceptance length τ and friends), no queue"
@@ -64,9 +64,9 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.config import ConfigError
     from dflash_train.target import TargetError
 
-    from ..acceptance import Evaluator
-    from ..references import ReferenceSourceError, ServerReferences
-    from ..suite import SuiteError, load_suite
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.references import ReferenceSourceError, ServerReferences
+    from eval_worker.engine.suite import SuiteError, load_suite
 
     import logging
 
@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
         options["reference_mismatch"] = "measure"
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
     try:
-        from ..checkpoint_source import check_drafter_config
+        from eval_worker.engine.checkpoint_source import check_drafter_config
 
         for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
             check_drafter_config(drafter_dir)  # before the target: its load can take minutes

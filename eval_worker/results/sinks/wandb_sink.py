@@ -44,9 +44,9 @@ from pathlib import Path
 from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_text
 from dflash_train.settings import Settings
-from eval_worker.run_results import RunResult, load_run
-from eval_worker.sinks.wandb_lock import writer_lock
-from eval_worker.sinks.wandb_payload import STEP_KEY, run_log, suite_prefix
+from eval_worker.results.run_results import RunResult, load_run
+from eval_worker.results.sinks.wandb_lock import writer_lock
+from eval_worker.results.sinks.wandb_payload import STEP_KEY, run_log, suite_prefix
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ def publish_in_child(run_id: str, target: WandbTarget, *, results_dir: str | os.
     (with its whole process group) cannot stall or leak into the worker. The child gets
     everything as arguments, the Redis URL on its stdin (it may hold a password).
     """
-    cmd = [sys.executable, "-m", "eval_worker.sinks.wandb_sink", "--run", run_id, "--target",
+    cmd = [sys.executable, "-m", "eval_worker.results.sinks.wandb_sink", "--run", run_id, "--target",
            json.dumps(target.to_json()), "--results", str(results_dir)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -372,7 +372,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         info = publish_run(args.run, target, results_dir=args.results, redis_url=redis_url)
     except Exception as e:  # one line for the parent's log; the details stay in W&B's debug logs
-        from eval_worker.redis_local import redact_url
+        from eval_worker.service.redis_local import redact_url
 
         print("error: " + redact_url(f"{type(e).__name__}: {e}").replace("\n", " "), file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ pickled). Layout, per docs/design.md::
      "train_metrics": {...}, "options": {...}}
 
 The same :func:`validate_job` (one pydantic schema, :class:`JobPayload`, with the options'
-:class:`~eval_worker.options.EvalOptions`) runs before a job is enqueued and again when a worker
+:class:`~eval_worker.engine.options.EvalOptions`) runs before a job is enqueued and again when a worker
 takes it; :func:`check_checkpoint` then checks the directory itself (inside the
 configured roots after resolving symlinks, completion marker present, digest equal).
 Every failure raises :class:`JobError` whose message is the reason.
@@ -32,8 +32,8 @@ from dflash_train.errors import DFlashError
 from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, read_manifest,
                                       valid_run_id, verify_checkpoint, within)
 
-from .options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
-from .suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
+from eval_worker.engine.options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
+from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
 
 SCHEMA = "dflash-eval-job/1"
 
@@ -109,7 +109,7 @@ class JobPayload(BaseModel):
     priority: Literal[PRIORITIES] = "default"  # type: ignore[valid-type]
     attempt: int = Field(0, ge=0, le=1_000_000)
     train_metrics: dict[_Name, _FiniteNumber] | None = Field(None, max_length=MAX_METRICS)
-    options: dict[str, Any] | None = None  # checked by EvalOptions (eval_worker.options), the engine's schema
+    options: dict[str, Any] | None = None  # checked by EvalOptions (eval_worker.engine.options), the engine's schema
 
 
 # Read off the schema: the fields a job may carry, those it must, the defaults of the others.
@@ -156,7 +156,7 @@ def validate_job(payload: Any) -> dict[str, Any]:
     """Check a job payload against the schema; return a normalised copy (defaults filled).
 
     One schema, run by `enqueue` and again by the worker: the types, ranges and sizes of
-    every field (:class:`JobPayload`) and of every option (eval_worker.options.EvalOptions,
+    every field (:class:`JobPayload`) and of every option (eval_worker.engine.options.EvalOptions,
     the engine's own). No filesystem access: see :func:`check_checkpoint` for that.
     """
     if isinstance(payload, (str, bytes)):
@@ -224,7 +224,7 @@ def job_id_for(job: dict[str, Any], suite_fp: str) -> str:
 
 def suite_fingerprint(suite: str, options: dict[str, Any] | None = None, target: str | None = None) -> str:
     """Identity of what a job evaluates (its job id's last part): the suite's fingerprint
-    (eval_worker.suite), folded with the options that change a result (EvalOptions.identity:
+    (eval_worker.engine.suite), folded with the options that change a result (EvalOptions.identity:
     non-default, not performance-only) and the job's `target` when it has either."""
     try:
         fp = request_fingerprint(suite)  # an hf: suite: its request, so no dataset is read here
