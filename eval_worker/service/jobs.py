@@ -29,8 +29,8 @@ from typing import Annotated, Any, Literal, Sequence
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from dflash_train.errors import DFlashError
-from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, read_manifest,
-                                      valid_run_id, verify_checkpoint, within)
+from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, files_dir,
+                                      read_manifest, valid_run_id, verify_checkpoint, within)
 
 from eval_worker.engine.options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
@@ -356,7 +356,16 @@ def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, wha
     try:
         manifest = read_manifest(real)
     except CheckpointError as e:
-        raise JobError(f"{what}: checkpoint {path} is not published: {e}") from None
+        hint = ""
+        if not os.path.exists(os.path.join(real, MARKER_NAME)) and os.path.isfile(os.path.join(real, "config.json")):
+            hint = ("; a drafter trained elsewhere (a z-lab release, a SpecForge output, a Hugging Face snapshot) "
+                    f"is evaluated through an import record: `dflash-eval import {path}` (or `enqueue --external`)")
+        raise JobError(f"{what}: checkpoint {path} is not published: {e}{hint}") from None
+    if roots is not None and manifest.get("source"):  # an import record: its drafter is confined alike
+        try:
+            confine(files_dir(real, manifest), roots)
+        except JobError as e:
+            raise JobError(f"{what}: {path} records the drafter at {manifest['source']}: {e}") from None
     if verify_digest:
         try:
             verify_checkpoint(real, roots)
@@ -375,6 +384,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     checkpoint = os.path.abspath(os.fspath(checkpoint))
     if manifest is None:
         _, manifest = _check_one(checkpoint, roots, False, "checkpoint")
+    if baseline:  # refused here, not an hour later on the worker
+        _check_one(os.path.abspath(os.fspath(baseline)), roots, False, "baseline")
     run_id, step, digest = manifest["run_id"], manifest["step"], manifest["digest"]
     metrics = manifest.get("train_metrics") or None
     if not isinstance(metrics, dict):

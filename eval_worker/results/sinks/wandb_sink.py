@@ -164,7 +164,7 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) ->
     import wandb
 
     ck = res.result["checkpoint"]
-    ck_dir = Path(ck["path"]).resolve()
+    ck_dir = Path(ck.get("source") or ck["path"]).resolve()  # an import record's files are at its source
     files = [ck_dir / f for f in CHECKPOINT_FILES if (ck_dir / f).is_file()]
     if not files:
         log.warning("checkpoint %s is gone; logging step %d without its artifact", ck_dir, res.step)
