@@ -24,7 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="*", metavar="CHECKPOINT_DIR",
                         help="published checkpoint directories (with COMPLETE.json), or a run directory "
                              "(all its published checkpoints)")
-    parser.add_argument("--suite", default="builtin:coding-v1", help="suite: builtin:NAME or a .jsonl file")
+    parser.add_argument("--suite", action="append", default=None, metavar="SUITE",
+                        help="builtin:NAME, a .jsonl file (under the worker's suite roots), or a standard benchmark "
+                             "hf:NAME[:n=N][:seed=S][:thinking=on] (gsm8k, math500, humaneval, mbpp, mt-bench, alpaca); "
+                             "repeatable: one job per suite, each logged as eval/<suite>/... "
+                             "(default builtin:coding-v1)")
     parser.add_argument("--target", default=None,
                         help="target model directory as the worker sees it (default $DFLASH_TARGET, "
                              "else the worker's own --target)")
@@ -64,6 +68,7 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.settings import parse_roots
     from eval_worker.service.jobs import JobError, make_job
     from eval_worker.service.queue import QueueConfig, enqueue
+    from eval_worker.engine.suite import DEFAULT_SUITE
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -102,11 +107,13 @@ def main(args: argparse.Namespace) -> int:
         baseline = record_of.get(baseline, baseline)
     jobs = []
     for path in paths:
-        try:
-            jobs.append(make_job(path, suite=args.suite, target=target, baseline=baseline, wandb=wandb,
-                                 requested_by="user", priority=args.priority, options=options or None, roots=roots))
-        except JobError as e:
-            errors.append({"checkpoint": path, "error": str(e)})
+        for suite in dict.fromkeys(args.suite or [DEFAULT_SUITE]):
+            try:
+                jobs.append(make_job(path, suite=suite, target=target, baseline=baseline, wandb=wandb,
+                                     requested_by="user", priority=args.priority, options=options or None,
+                                     roots=roots))
+            except JobError as e:
+                errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
     try:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost

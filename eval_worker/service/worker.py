@@ -60,6 +60,7 @@ from dflash_train.settings import Settings
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.results import sinks
 from eval_worker.service.jobs import JobError
+from eval_worker.engine.suite import HF_PREFIX, load_suite
 from eval_worker.results.ledger import Ledger, tau_of
 from eval_worker.engine.options import options_identity
 from eval_worker.service.queue import JOB_FUNC, get_queue
@@ -306,6 +307,8 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     if job["target"]:
         jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
     suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
+    if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
+        suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
     evaluator = get_evaluator(target)
     result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
                                 train_metrics=job["train_metrics"], options=job["options"], verified=verified).to_dict()

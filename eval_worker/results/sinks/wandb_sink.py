@@ -46,7 +46,7 @@ from dflash_train.fsutil import atomic_write_text
 from dflash_train.settings import Settings
 from eval_worker.results.run_results import RunResult, load_run
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, log_dict, prefix_for
+from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log, suite_prefix
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,8 @@ def _init(target: WandbTarget, run_id: str, run_dir: Path, results: list[RunResu
     run.define_metric(STEP_KEY)
     run.define_metric(HF_STEP_KEY)  # an x-axis choice for panels shared with an HF run
     run.define_metric("eval/*", step_metric=STEP_KEY)
-    primary = primary_suite(results, target.primary_suite)
-    for r_prefix in sorted({prefix_for(r.result["suite"]["name"], primary) for r in results}):
+    prefixes = {"eval/"} | {suite_prefix(r.result["suite"]["name"]) for r in results}
+    for r_prefix in sorted(prefixes):
         run.define_metric(r_prefix + "tau", step_metric=STEP_KEY, summary="max")
     return run
 
@@ -185,7 +185,7 @@ def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunR
     best = _best(all_results, primary)
     logged_ckpts: set[str] = set()
     for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
-        run.log(log_dict(res.result, prefix_for(res.result["suite"]["name"], primary)))
+        run.log(run_log(res.result, primary))
         digest = res.result["checkpoint"].get("digest") or res.result["checkpoint"]["path"]
         if digest not in logged_ckpts:
             logged_ckpts.add(digest)
