@@ -8,14 +8,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .leak_probe import MIN_PROBE_ANCHORS, leak_signature
-from .result import Diagnostic
+from eval_worker.engine.leak_probe import MIN_PROBE_ANCHORS, leak_signature
+from eval_worker.engine.result import Diagnostic
 
 # A drafter whose training accuracy is this high has learned *something*; an online τ far
 # below what it promises is worth a warning. It is not evidence of a leak by itself: a suite
 # far from the training data does the same to a healthy drafter. The leak probe decides.
 LEAK_MIN_TRAIN_ACC = 0.3
 NEAR_ONE_TAU = 1.15
+# A reference is degenerate (collapsed) when a response of COLLAPSE_MIN_TOKENS+ tokens has at
+# most COLLAPSE_MAX_LINES distinct lines or fewer than COLLAPSE_MIN_TOKEN_FRAC distinct tokens
+# per token: "#\n" repeated, one import repeated. A drafter learns to repeat it, so τ on such
+# references says nothing about drafting (issue 17: every demo reference was "#\n" repeats).
+COLLAPSE_MIN_TOKENS = 32
+COLLAPSE_MAX_LINES = 3
+COLLAPSE_MIN_TOKEN_FRAC = 0.1
+COLLAPSE_FAIL_SHARE = 0.5  # the demo fails when more than this share of references collapsed
+
+
+def reference_collapse(tokens: list[int], text: str | None) -> str | None:
+    """Why a reference is degenerate ("2 distinct line(s) in 128 tokens"), or None if it is not.
+    `text` is the decoded response (None without a tokenizer: only tokens are counted)."""
+    n = len(tokens)
+    if n < COLLAPSE_MIN_TOKENS:
+        return None  # a short answer that ended is not a collapse
+    if text is not None:
+        lines = len(set(line.rstrip() for line in text.split("\n")))
+        if lines <= COLLAPSE_MAX_LINES:
+            return f"{lines} distinct line(s) in {n} tokens"
+    kinds = len(set(tokens))
+    if kinds < COLLAPSE_MIN_TOKEN_FRAC * n:
+        return f"{kinds} distinct token(s) in {n}"
+    return None
+
+
+def mostly_degenerate(prompts: list[dict]) -> list[str] | None:
+    """The degenerate prompts' names when they are more than COLLAPSE_FAIL_SHARE of a result's
+    prompts (`EvalResult.to_dict()["prompts"]`), else None."""
+    bad = [p["name"] for p in prompts if p.get("degenerate")]
+    return bad if prompts and len(bad) > COLLAPSE_FAIL_SHARE * len(prompts) else None
 
 
 @dataclass
@@ -33,11 +64,13 @@ class Facts:
     tokenizer_mask_id: int | None = None
     greedy_divergence: dict[str, int] = field(default_factory=dict)  # prompt -> first offset
     empty_prompts: list[str] = field(default_factory=list)
+    degenerate: dict[str, str] = field(default_factory=dict)  # prompt -> reference_collapse reason
+    num_prompts: int = 0
     validation: dict | None = None
     baseline_layer_ids: list[int] | None = None
     reference_source: str = "local"
     layer_ids_origin: str = "config"
-    leak_probe: dict | None = None  # eval_worker.leak_probe.LeakProbe.to_dict()
+    leak_probe: dict | None = None  # eval_worker.engine.leak_probe.LeakProbe.to_dict()
 
 
 def train_accuracy(train_metrics: dict[str, Any] | None) -> float | None:
@@ -132,6 +165,12 @@ def diagnose(f: Facts) -> list[Diagnostic]:
     if f.empty_prompts:
         out.append(Diagnostic("EMPTY_REFERENCE", "info",
                               f"no verify step for {f.empty_prompts[:5]} (the reference ends after one token)"))
+    if f.degenerate:
+        some = "; ".join(f"{k}: {v}" for k, v in list(f.degenerate.items())[:3])
+        out.append(Diagnostic("DEGENERATE_REFERENCE", "warning",
+                              f"{len(f.degenerate)} of {f.num_prompts or '?'} reference(s) collapsed ({some}): the "
+                              "target repeats a line or a few tokens, so τ on them measures repetition, not drafting "
+                              "(an untrained target, or a prompt format it never saw)"))
     if f.validation is not None and f.validation.get("mismatched_prompts"):
         bad = f.validation["mismatched_prompts"]
         out.append(Diagnostic("VALIDATION_MISMATCH", "error",

@@ -28,18 +28,18 @@ from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
 from dflash_train.tau import tau
 
-from . import metrics
-from .cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
-from .checkpoint_source import CheckpointInfo, open_drafter
-from .diagnostics import Facts, diagnose
-from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
-from .leak_probe import LeakProbe, probe_offsets
-from .options import EvalOptions
-from .references import LocalReferences, Reference, ReferenceSourceError
-from .result import EvalResult, PromptResult
-from .scoring import PromptScore, Summary, score_prompt, summarize
-from .speed import measure_step_costs
-from .suite import EncodedPrompt, Suite, SuiteError, load_suite
+from eval_worker.engine import metrics
+from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
+from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
+from eval_worker.engine.diagnostics import Facts, diagnose, reference_collapse
+from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, draft_anchors
+from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
+from eval_worker.engine.options import EvalOptions
+from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError
+from eval_worker.engine.result import EvalResult, PromptResult
+from eval_worker.engine.scoring import PromptScore, Summary, score_prompt, summarize
+from eval_worker.engine.speed import measure_step_costs
+from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
 
 log = logging.getLogger("eval_worker.engine")
 
@@ -332,7 +332,7 @@ class Evaluator:
         s = main.summary
         decode = self._decoder()
         base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
-        prompts, divergence, empty = [], {}, []
+        prompts, divergence, empty, degenerate = [], {}, [], {}
         for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus):
             walk_spans = sc.online.spans if opts.mode == "online" else [
                 (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride)]
@@ -343,12 +343,15 @@ class Evaluator:
             if not sc.accepts(opts.mode):
                 empty.append(ref.name)
             tree_acc = sc.tree_accepts(opts.mode)
+            collapse = reference_collapse(ref.tokens, text if self.target.tokenizer is not None else None)
+            if collapse:
+                degenerate[ref.name] = collapse
             prompts.append(PromptResult(
                 name=ref.name, tau=prompt_tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
                 reference_text=text, accepted_spans=spans, num_tokens=len(ref.tokens), finish=ref.finish,
                 tree_tau=tau(tree_acc),
                 mean_streak=float(sc.streaks.mean()) if sc.num_tokens else None,
-                reference_agrees_with_target=first is None))
+                reference_agrees_with_target=first is None, degenerate=collapse))
         baseline = None
         if base_run is not None:
             d = metrics.paired_delta(s.per_prompt_tau, base_run.summary.per_prompt_tau, n_resamples=opts.bootstrap,
@@ -364,7 +367,7 @@ class Evaluator:
                       target_dtype=str(self.target.dtype).removeprefix("torch."), layer_ids=main.layer_ids,
                       target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
                       tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
-                      empty_prompts=empty, validation=validation,
+                      empty_prompts=empty, degenerate=degenerate, num_prompts=len(refs), validation=validation,
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
                       layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe)
