@@ -32,12 +32,12 @@ from rq.serializers import JSONSerializer
 from dflash_train.errors import retryable
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.settings import Settings
-from eval_worker import jobs as jobs_mod
-from eval_worker.ledger import Ledger
-from eval_worker.queue import QueueConfig, enqueue
-from eval_worker.redis_local import connect, resolve_redis_url
+from eval_worker.service import jobs as jobs_mod
+from eval_worker.results.ledger import Ledger
+from eval_worker.service.queue import QueueConfig, enqueue
+from eval_worker.service.redis_local import connect, resolve_redis_url
 
-from .outbox import Deliverer, Outbox, OUTBOX_DIRNAME
+from eval_worker.service.outbox import Deliverer, Outbox, OUTBOX_DIRNAME
 
 log = logging.getLogger("hooks.eval")
 

@@ -14,6 +14,9 @@ TINY_TARGET = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing is downloaded in tests: `datasets` and `huggingface_hub` read these when imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 def _hypothesis_profiles() -> None:
@@ -67,11 +70,12 @@ def _isolated_dflash_home(tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("dflash_home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_HOME", str(home))
+        mp.setenv("HF_DATASETS_CACHE", str(home / "hf-datasets"))  # read when `datasets` is imported
         for var in ("REDIS_URL", "DFLASH_REDIS_PASSWORD"):
             mp.delenv(var, raising=False)
         yield home
     if (home / "redis").exists():
-        from eval_worker.redis_local import LocalRedis
+        from eval_worker.service.redis_local import LocalRedis
 
         LocalRedis(home / "redis").stop()
 
@@ -85,7 +89,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     tests can take Redis away and bring it back. ``appendfsync always`` makes
     every acknowledged write survive even a SIGKILL.
     """
-    from eval_worker.redis_local import LocalRedis
+    from eval_worker.service.redis_local import LocalRedis
 
     server = LocalRedis(tmp_path_factory.mktemp("redis_server"), appendfsync="always")
     server.start()
@@ -98,7 +102,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def redis_url(redis_server) -> str:
     """URL of the session Redis, flushed before the test (restarted if a test stopped it)."""
-    from eval_worker.redis_local import connect
+    from eval_worker.service.redis_local import connect
 
     if not redis_server.is_running():
         redis_server.start()

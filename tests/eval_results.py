@@ -96,7 +96,7 @@ def make_result(run_id: str = "run-a", step: int = 100, *, p: float = 0.6, block
 
 def write_ledger(results_dir: Path, result: dict, attempt: int = 0) -> Path:
     """Record ``result`` through the real ledger, as the worker does; returns the record path."""
-    from eval_worker.ledger import Ledger
+    from eval_worker.results.ledger import Ledger
 
     ck = result["checkpoint"]
     job = {"schema": "dflash-eval-job/1", "run_id": ck["run_id"], "step": ck["step"], "checkpoint": ck["path"],

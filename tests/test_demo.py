@@ -113,7 +113,7 @@ def test_demo_ctrl_c_stops_everything_it_started(tmp_path, tiny_target_path):
 
 def test_demo_fails_loudly_when_most_references_collapsed():
     from eval_worker.commands.demo import _collapsed
-    from eval_worker.run_results import RunResult
+    from eval_worker.results.run_results import RunResult
 
     def row(step, flags):
         prompts = [{"name": f"p{i}", "degenerate": f} for i, f in enumerate(flags)]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash_train.checkpoint import save_drafter
-from eval_worker.acceptance import Evaluator
-from eval_worker.result import SCHEMA, EvalResult, ResultSchemaError
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.result import SCHEMA, EvalResult, ResultSchemaError
+from eval_worker.engine.suite import Prompt, Suite
 
 from .engine_helpers import fit_drafter, references
 from .factories import drafter_for, qwen3_target
@@ -139,9 +139,9 @@ def test_layer_formula_fallback_is_named_in_the_result(tmp_path, ev):
 # --- collapse: a degenerate reference is flagged (issue 17) ---------------------------------
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from eval_worker.diagnostics import (COLLAPSE_MAX_LINES, COLLAPSE_MIN_TOKENS, Facts, diagnose,  # noqa: E402
+from eval_worker.engine.diagnostics import (COLLAPSE_MAX_LINES, COLLAPSE_MIN_TOKENS, Facts, diagnose,  # noqa: E402
                                      mostly_degenerate, reference_collapse)
-from eval_worker.references import LocalReferences, Reference  # noqa: E402
+from eval_worker.engine.references import LocalReferences, Reference  # noqa: E402
 
 CODE = ("def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"
         "        mid = (lo + hi) // 2\n        if items[mid] == target:\n            return mid\n"

@@ -6,8 +6,8 @@ from torch import nn
 
 from dflash_train.checkpoint import load_drafter
 from dflash_train.publication import list_checkpoints, read_manifest, verify_checkpoint
-from eval_worker.queue import get_queue
-from eval_worker.redis_local import connect
+from eval_worker.service.queue import get_queue
+from eval_worker.service.redis_local import connect
 from hooks import DFlashEvalCallback
 from tests.factories import drafter_for, qwen3_target
 

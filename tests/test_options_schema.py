@@ -14,11 +14,11 @@ from hypothesis import given, settings, strategies as st
 from rq.job import JobStatus
 
 from dflash_train.publication import is_pinned
-from eval_worker import acceptance, options
+from eval_worker.engine import acceptance, options
 from eval_worker.cli import main as cli
-from eval_worker.jobs import JobError, make_job, validate_job
-from eval_worker.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
-from eval_worker.redis_local import connect
+from eval_worker.service.jobs import JobError, make_job, validate_job
+from eval_worker.service.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
+from eval_worker.service.redis_local import connect
 from tests.sidecar_support import publish_random
 
 BIG = "x" * 10_000_000
@@ -107,8 +107,8 @@ def test_options_schema_oversized_fields_fail_once_at_the_worker_and_status_stay
                                                                                         capsys):
     """Hand-pushed payloads with a 10 MB suite / option: a non-retryable job error (ValueError) at the
     worker, before any file is touched; `status` shows a short reason."""
-    from eval_worker import worker as worker_mod
-    from eval_worker.worker import WorkerSettings, run_eval_job
+    from eval_worker.service import worker as worker_mod
+    from eval_worker.service.worker import WorkerSettings, run_eval_job
 
     job = make_job(ckpt, suite="builtin:coding-v1")
     worker_mod.configure(WorkerSettings(results_dir=tmp_path / "results", roots=[ckpt.parents[1]]))

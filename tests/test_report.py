@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.report import build_report, segments
-from eval_worker.run_results import ResultsError
+from eval_worker.results.report import build_report, segments
+from eval_worker.results.run_results import ResultsError
 from tests.eval_results import make_result, write_ledger
 
 REPO = Path(__file__).resolve().parents[1]

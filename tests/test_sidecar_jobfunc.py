@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from eval_worker import worker as worker_mod
-from eval_worker.jobs import JobError, make_job
-from eval_worker.options import shorten
-from eval_worker.ledger import Ledger, read_record
-from eval_worker.worker import WorkerSettings, run_eval_job
+from eval_worker.service import worker as worker_mod
+from eval_worker.service.jobs import JobError, make_job
+from eval_worker.engine.options import shorten
+from eval_worker.results.ledger import Ledger, read_record
+from eval_worker.service.worker import WorkerSettings, run_eval_job
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
 
@@ -31,7 +31,7 @@ def env(tmp_path, monkeypatch):
 def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
     settings, (j1, j2) = env
     told = []
-    from eval_worker import sinks
+    from eval_worker.results import sinks
 
     monkeypatch.setattr(sinks, "publish_result", lambda record, job, settings: told.append(record["path"]) or {"x": {"ok": True}})
     r1, r2 = run_eval_job(j1), run_eval_job(j2)
@@ -60,7 +60,7 @@ def test_a_job_hashes_its_checkpoint_files_once(env, monkeypatch):
 
 def test_a_failing_sink_does_not_fail_the_job(env, monkeypatch):
     settings, (j1, _) = env
-    from eval_worker import sinks
+    from eval_worker.results import sinks
 
     def boom(record, job, settings):
         raise RuntimeError("wandb is down")
@@ -166,7 +166,7 @@ def test_ledger_collision_second_checkpoint_at_one_step_is_recorded_next_to_the_
 
 def test_failed_ledger_write_keeps_the_result_and_the_retry_only_writes_it(env, monkeypatch):
     """Observed: with an unwritable results directory every retry ran the whole evaluation again."""
-    from eval_worker.worker import LedgerWriteFailed
+    from eval_worker.service.worker import LedgerWriteFailed
 
     settings, (j1, _) = env
     calls = _count_evaluations(monkeypatch)

@@ -8,12 +8,12 @@ import zlib
 
 import pytest
 
-from eval_worker import jobs
+from eval_worker.service import jobs
 from eval_worker.cli import main as cli
-from eval_worker.jobs import JobError
-from eval_worker.ledger import Ledger
-from eval_worker.queue import QueueConfig, cancel, enqueue, fetch_job, get_queue, status
-from eval_worker.redis_local import connect
+from eval_worker.service.jobs import JobError
+from eval_worker.results.ledger import Ledger
+from eval_worker.service.queue import QueueConfig, cancel, enqueue, fetch_job, get_queue, status
+from eval_worker.service.redis_local import connect
 from tests.sidecar_support import REPO_ROOT, publish_random
 
 
@@ -41,7 +41,7 @@ def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
     data = zlib.decompress(raw[b"data"])
     assert not data.startswith(b"\x80")  # a pickle would start with the PROTO opcode
     func, instance, args, kwargs = json.loads(data)
-    assert func == "eval_worker.worker.run_eval_job" and instance is None and kwargs == {}
+    assert func == "eval_worker.service.worker.run_eval_job" and instance is None and kwargs == {}
     assert args[0]["schema"] == jobs.SCHEMA and args[0]["checkpoint"] == str(c100)
     assert json.loads(raw[b"meta"])["run_id"] == "run-q"
     assert int(raw[b"timeout"]) == QueueConfig().job_timeout
@@ -186,3 +186,21 @@ def test_rq_dashboard_shows_our_queues_and_jobs(conn, ckpts, redis_url, monkeypa
     info = client.get(f"/0/data/job/{out.job_id}.json").get_json()
     assert info["status"] == "queued" and "eval run-q step 100" in info["description"]
     assert json.loads(info["metadata"])["run_id"] == "run-q"
+
+
+def test_cli_enqueue_several_suites_one_job_each(redis_url, ckpts, capsys):
+    """`--suite` repeats: one job per (checkpoint, suite), told apart by the suite's part of the id."""
+    root, (c100, _) = ckpts
+    conn = connect(redis_url)
+    argv = ["enqueue", str(c100), "--suite", "builtin:coding-v1", "--suite", "hf:gsm8k:n=4", "--suite",
+            "hf:mt-bench:n=4:seed=0", "--redis-url", redis_url, "--checkpoint-root", str(root), "--json"]
+    assert cli(argv) == 0
+    outcomes = json.loads(capsys.readouterr().out)["outcomes"]
+    assert [o["status"] for o in outcomes] == ["enqueued"] * 3
+    suites = [fetch_job(conn, o["job_id"]).meta["suite"] for o in outcomes]
+    assert suites == ["builtin:coding-v1", "hf:gsm8k:n=4", "hf:mt-bench:n=4"]  # no dataset needed to queue
+    assert len({o["job_id"] for o in outcomes}) == 3
+    assert cli(argv[:2] + ["--suite", "hf:gsm8k:n=4", "--redis-url", redis_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["outcomes"][0]["status"] == "duplicate"
+    assert cli(argv[:2] + ["--suite", "hf:nope", "--redis-url", redis_url]) == 2
+    assert "no standard benchmark 'nope'" in capsys.readouterr().out

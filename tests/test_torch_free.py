@@ -24,8 +24,8 @@ def _imported_after(code: str) -> list[str]:
 @pytest.mark.parametrize("code", [
     "import dflash_train.publication",
     "import dflash_train.storage, dflash_train.checkpoint_cache",
-    "import eval_worker.jobs",
-    "import eval_worker.queue, eval_worker.ledger, eval_worker.redis_local",
+    "import eval_worker.service.jobs",
+    "import eval_worker.service.queue, eval_worker.results.ledger, eval_worker.service.redis_local",
     "import eval_worker.commands.enqueue",
     "from eval_worker.cli import build_parser; build_parser()",
 ])
@@ -38,7 +38,7 @@ def test_enqueue_path_imports_no_torch(tmp_path):
     code = f"""
 import hashlib, json, pathlib
 from dflash_train.publication import publish_directory, pin_checkpoint
-from eval_worker.jobs import check_checkpoint, job_fingerprint, job_id_for, make_job
+from eval_worker.service.jobs import check_checkpoint, job_fingerprint, job_id_for, make_job
 
 def write(tmp):
     (tmp / "config.json").write_text("{{}}")

@@ -44,7 +44,7 @@ def _threads() -> tuple[int, int]:
 
 
 def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float) -> dict[str, str]:
-    from eval_worker.queue import fetch_job
+    from eval_worker.service.queue import fetch_job
 
     deadline, status = time.monotonic() + timeout_s, {}
     while True:
@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
                         datefmt="%H:%M:%S")
     for name in ("dflash_train", "hooks.eval"):  # training progress and the hook's enqueue lines
         logging.getLogger(name).setLevel(logging.INFO)
-    from eval_worker.demo_stack import DemoStack, tail
+    from eval_worker.service.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
     paths = {k: work / k for k in ("runs", "results", "wandb", "report", "cache", "logs")}
@@ -124,10 +124,10 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
 
     from dflash_train.train_config import load_config
     from dflash_train.trainer import resolve_target_path, train
-    from eval_worker.redis_local import connect, redact_url
-    from eval_worker.report import build_report
-    from eval_worker.run_results import load_run
-    from eval_worker.sinks.wandb_sink import publish_run, target_from
+    from eval_worker.service.redis_local import connect, redact_url
+    from eval_worker.results.report import build_report
+    from eval_worker.results.run_results import load_run
+    from eval_worker.results.sinks.wandb_sink import publish_run, target_from
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
 
     run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
@@ -204,7 +204,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
 def _collapsed(rows) -> str | None:
     """A loud line when most references of an evaluation are degenerate: τ would then say that a
     drafter learns to repeat the target's collapse, not how well it drafts (issue 17)."""
-    from eval_worker.diagnostics import mostly_degenerate
+    from eval_worker.engine.diagnostics import mostly_degenerate
 
     for r in rows:
         prompts = r.result.get("prompts") or []

@@ -39,7 +39,7 @@ def _spooled(j) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.queue import status
+    from eval_worker.service.queue import status
 
     try:
         conn, url = connect_from_args(args)

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not run RQ's scheduler here (retry back-off needs one somewhere)")
     parser.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     parser.add_argument("--evaluator-factory", default=None, metavar="MODULE:CALLABLE",
-                        help="build evaluators with this instead of eval_worker.acceptance.Evaluator "
+                        help="build evaluators with this instead of eval_worker.engine.acceptance.Evaluator "
                              "(default $DFLASH_EVALUATOR_FACTORY)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from eval_worker.queue import queue_name
-    from eval_worker.worker import WorkerSettings, serve, worker_name
+    from eval_worker.service.queue import queue_name
+    from eval_worker.service.worker import WorkerSettings, serve, worker_name
 
     from dflash_train.storage import StoreError
 

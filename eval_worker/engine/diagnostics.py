@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .leak_probe import MIN_PROBE_ANCHORS, leak_signature
-from .result import Diagnostic
+from eval_worker.engine.leak_probe import MIN_PROBE_ANCHORS, leak_signature
+from eval_worker.engine.result import Diagnostic
 
 # A drafter whose training accuracy is this high has learned *something*; an online τ far
 # below what it promises is worth a warning. It is not evidence of a leak by itself: a suite
@@ -70,7 +70,7 @@ class Facts:
     baseline_layer_ids: list[int] | None = None
     reference_source: str = "local"
     layer_ids_origin: str = "config"
-    leak_probe: dict | None = None  # eval_worker.leak_probe.LeakProbe.to_dict()
+    leak_probe: dict | None = None  # eval_worker.engine.leak_probe.LeakProbe.to_dict()
 
 
 def train_accuracy(train_metrics: dict[str, Any] | None) -> float | None:

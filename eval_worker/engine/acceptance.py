@@ -28,18 +28,18 @@ from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
 from dflash_train.tau import tau
 
-from . import metrics
-from .cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
-from .checkpoint_source import CheckpointInfo, open_drafter
-from .diagnostics import Facts, diagnose, reference_collapse
-from .drafting import DEFAULT_HEAD_ROWS, draft_anchors
-from .leak_probe import LeakProbe, probe_offsets
-from .options import EvalOptions
-from .references import LocalReferences, Reference, ReferenceSourceError
-from .result import EvalResult, PromptResult
-from .scoring import PromptScore, Summary, score_prompt, summarize
-from .speed import measure_step_costs
-from .suite import EncodedPrompt, Suite, SuiteError, load_suite
+from eval_worker.engine import metrics
+from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
+from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
+from eval_worker.engine.diagnostics import Facts, diagnose, reference_collapse
+from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, draft_anchors
+from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
+from eval_worker.engine.options import EvalOptions
+from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError
+from eval_worker.engine.result import EvalResult, PromptResult
+from eval_worker.engine.scoring import PromptScore, Summary, score_prompt, summarize
+from eval_worker.engine.speed import measure_step_costs
+from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
 
 log = logging.getLogger("eval_worker.engine")
 

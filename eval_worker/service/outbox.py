@@ -33,7 +33,7 @@ from typing import Any, Callable
 from dflash_train.errors import retryable
 from dflash_train.fsutil import atomic_write_bytes, fsync_dir
 
-log = logging.getLogger("hooks.outbox")
+log = logging.getLogger("eval_worker.service.outbox")
 
 OUTBOX_DIRNAME = ".eval-outbox"
 FILE_MODE, DIR_MODE = 0o600, 0o700  # the trainer's private spool of undelivered jobs

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def _results_dir(record: dict, settings: Settings) -> Path:
     """The ledger root the record was written to, from its own path when the worker gives it
     (not the settings' default: a worker may write elsewhere with --results-dir)."""
-    from eval_worker.ledger import Ledger
+    from eval_worker.results.ledger import Ledger
 
     path = record.get("path")
     return Ledger.root_of(path) if path else settings.results_dir
@@ -49,8 +49,8 @@ def _redis_url(settings: Settings) -> str | None:
 
 
 def _publish_wandb(record: dict, job: dict, settings: Settings) -> dict:
-    from eval_worker.run_results import result_of
-    from eval_worker.sinks.wandb_sink import publish_in_child, target_from
+    from eval_worker.results.run_results import result_of
+    from eval_worker.results.sinks.wandb_sink import publish_in_child, target_from
 
     result = result_of(record)
     run_id = (job or {}).get("run_id") or result["checkpoint"]["run_id"]

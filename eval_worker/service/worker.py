@@ -58,15 +58,16 @@ from dflash_train.progress import format_duration
 from dflash_train.publication import unpin_checkpoint
 from dflash_train.settings import Settings
 
-from . import jobs as jobs_mod
-from . import sinks
-from .jobs import JobError
-from .ledger import Ledger, tau_of
-from .options import options_identity
-from .queue import JOB_FUNC, get_queue
-from .redis_local import server_unavailable
+from eval_worker.service import jobs as jobs_mod
+from eval_worker.results import sinks
+from eval_worker.service.jobs import JobError
+from eval_worker.engine.suite import HF_PREFIX, load_suite
+from eval_worker.results.ledger import Ledger, tau_of
+from eval_worker.engine.options import options_identity
+from eval_worker.service.queue import JOB_FUNC, get_queue
+from eval_worker.service.redis_local import server_unavailable
 
-log = logging.getLogger("eval_worker.worker")
+log = logging.getLogger("eval_worker.service.worker")
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
 SPOOL_SCHEMA = "dflash-eval-spool/1"
@@ -167,7 +168,7 @@ def _new_evaluator(target: str, s: WorkerSettings):
         module, _, name = s.evaluator_factory.partition(":")
         factory = getattr(import_module(module), name)
     else:
-        from .acceptance import Evaluator as factory
+        from eval_worker.engine.acceptance import Evaluator as factory
     kwargs: dict[str, Any] = {"cache_dir": str(s.cache_dir) if s.cache_dir else None}
     if s.device:
         kwargs["device"] = s.device
@@ -324,6 +325,8 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     if job["target"]:
         jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
     suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
+    if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
+        suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
     remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
     # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
     with jobs_mod.materialize(job, s.roots, checkpoint_cache() if remote else None) as (checkpoint, baseline, verified):

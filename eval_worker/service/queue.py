@@ -28,11 +28,11 @@ from rq.worker import Worker
 
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 
-from . import jobs as jobs_mod
-from .jobs import JobError
-from .ledger import Ledger
+from eval_worker.service import jobs as jobs_mod
+from eval_worker.service.jobs import JobError
+from eval_worker.results.ledger import Ledger
 
-JOB_FUNC = "eval_worker.worker.run_eval_job"  # the only function an eval job may name (worker.EvalJob)
+JOB_FUNC = "eval_worker.service.worker.run_eval_job"  # the only function an eval job may name (worker.EvalJob)
 DEFAULT_BASE = "dflash-eval"
 # Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}

@@ -81,12 +81,12 @@ class EvalOptions(BaseModel):
     draft_verify_cost_ratio: float | None = Field(None, gt=0, le=1000)  # from the serving hardware
     measure_speed: bool = True
     anchors_per_chunk: int | None = _int(1, 1 << 24)
-    head_rows: int | None = _int(1, 1 << 24)               # default: eval_worker.drafting's
+    head_rows: int | None = _int(1, 1 << 24)               # default: eval_worker.engine.drafting's
     backend: Literal["auto", "flex", "sdpa"] = "auto"
     # a server reference that is not the target's own greedy output: "fail" the job (nothing is
     # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
     reference_mismatch: Literal["fail", "measure"] = "fail"
-    leak_probe_anchors: int = _int(0, 1 << 20, DEFAULT_LEAK_PROBE_ANCHORS)  # eval_worker.leak_probe; 0: off
+    leak_probe_anchors: int = _int(0, 1 << 20, DEFAULT_LEAK_PROBE_ANCHORS)  # eval_worker.engine.leak_probe; 0: off
 
     @field_validator("counting")
     @classmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from eval_worker.run_results import RunResult
+from eval_worker.results.run_results import RunResult
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 

@@ -25,9 +25,9 @@ import numpy as np
 
 import torch
 
-from . import metrics
-from .drafting import draft_anchors
-from .options import DEFAULT_LEAK_PROBE_ANCHORS
+from eval_worker.engine import metrics
+from eval_worker.engine.drafting import draft_anchors
+from eval_worker.engine.options import DEFAULT_LEAK_PROBE_ANCHORS
 
 DEFAULT_PROBE_ANCHORS = DEFAULT_LEAK_PROBE_ANCHORS  # over the whole suite; 0 turns the probe off
 CONTRACT_ANCHORS_PER_PROMPT = 2  # blocks re-drafted with their future perturbed

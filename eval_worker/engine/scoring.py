@@ -7,9 +7,9 @@ import numpy as np
 
 from dflash_train.tau import tau
 
-from . import metrics
-from .drafting import AnchorDrafts
-from .tree import build_tree, tree_streak
+from eval_worker.engine import metrics
+from eval_worker.engine.drafting import AnchorDrafts
+from eval_worker.engine.tree import build_tree, tree_streak
 
 
 @dataclass

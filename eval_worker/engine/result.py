@@ -67,7 +67,7 @@ class EvalResult:
     provenance: dict[str, Any]
     stride: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] | None = None
-    leak_probe: dict[str, Any] | None = None  # eval_worker.leak_probe: per-slot top-1 of the three views
+    leak_probe: dict[str, Any] | None = None  # eval_worker.engine.leak_probe: per-slot top-1 of the three views
     schema: str = SCHEMA
 
     # --- views ----------------------------------------------------------------

@@ -7,7 +7,7 @@ Layout (docs/design.md)::
 
 `key` (:func:`record_key`) is the identity of the evaluation: everything that changes the
 numbers in it — the checkpoint digest, the suite's fingerprint, the target's identity and
-the options that change a result (eval_worker.options). Two checkpoints published at the
+the options that change a result (eval_worker.engine.options). Two checkpoints published at the
 same (run, step), or one checkpoint evaluated with other options, get separate directories:
 both are recorded, both are shown.
 
@@ -46,8 +46,8 @@ from dflash_train.errors import DFlashError
 from dflash_train.fsutil import fsync_dir
 from dflash_train.publication import checkpoint_step, step_dir_name, valid_run_id
 
-from .jobs import strip_attempt
-from .options import OptionsError, options_identity
+from eval_worker.service.jobs import strip_attempt
+from eval_worker.engine.options import OptionsError, options_identity
 
 RECORD_SCHEMA = "dflash-eval-record/1"
 # Redis keys of this module: the index is a cache of the files (`Ledger.reindex` rebuilds it)

@@ -17,8 +17,8 @@ from pathlib import Path
 import markupsafe
 
 from dflash_train.fsutil import atomic_write_text
-from eval_worker import report_figures as figs
-from eval_worker.run_results import ResultsError, RunResult, load_run
+from eval_worker.results import report_figures as figs
+from eval_worker.results.run_results import ResultsError, RunResult, load_run
 
 TEMPLATE = "report.html.j2"
 
@@ -141,7 +141,7 @@ def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | N
                                         for g in r.result.get("diagnostics") or [] if isinstance(g, dict)],
                         "checkpoint": r.result["checkpoint"].get("path"), "block": block})
 
-    env = jinja2.Environment(loader=jinja2.PackageLoader("eval_worker", "templates"),
+    env = jinja2.Environment(loader=jinja2.PackageLoader("eval_worker.results", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)
     env.filters["verbatim"] = _verbatim
     first = main[0].result

@@ -25,7 +25,7 @@ class RunResult:
     """One ledger record: where it lies, which attempt, and the result dict."""
 
     step: int
-    record_key: str  # the ledger record's key (eval_worker.ledger.record_key)
+    record_key: str  # the ledger record's key (eval_worker.results.ledger.record_key)
     attempt: int
     path: Path
     result: dict
@@ -49,7 +49,7 @@ def result_of(record: dict) -> dict:
 
 def load_run(run_id: str, results_dir: str | os.PathLike) -> list[RunResult]:
     """Latest attempt of every (step, record key) of ``run_id``, in that order."""
-    from eval_worker.ledger import Ledger, LedgerError
+    from eval_worker.results.ledger import Ledger, LedgerError
 
     ledger = Ledger(results_dir)
     try:
