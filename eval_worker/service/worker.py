@@ -51,6 +51,7 @@ from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
+from dflash_train import storage
 from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
 from dflash_train.progress import format_duration
@@ -98,6 +99,8 @@ class WorkerSettings:
     evaluator_factory: str | None = None  # "module:callable(target, cache_dir=..., device=...)"
     spool_dir: Path | None = None  # computed results whose ledger write failed (default: next to the cache)
     env: Settings | None = None  # sinks and their Redis; None: read where the worker starts (a plain `rq worker`)
+    checkpoint_cache_dir: Path | None = None  # local copies of checkpoints pulled from a store
+    checkpoint_cache_gb: float = 20.0
 
     def __post_init__(self) -> None:
         if self.spool_dir is None:
@@ -111,7 +114,9 @@ class WorkerSettings:
         values = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
                       target_roots=settings.target_roots, suite_roots=settings.suite_roots,
                       cache_dir=settings.cache_dir, default_target=settings.target, device=settings.device,
-                      evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings)
+                      evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings,
+                      checkpoint_cache_dir=settings.checkpoint_cache_dir,
+                      checkpoint_cache_gb=settings.checkpoint_cache_gb)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -119,14 +124,27 @@ class WorkerSettings:
 # --------------------------------------------------------------------------- per-process state
 
 _settings: WorkerSettings | None = None
+_checkpoint_cache = None
 _evaluators: "OrderedDict[str, Any]" = OrderedDict()
 _loads: dict[str, int] = {}
 _lock = threading.Lock()
 
 
 def configure(settings: WorkerSettings) -> None:
-    global _settings
-    _settings = settings
+    global _settings, _checkpoint_cache
+    _settings, _checkpoint_cache = settings, None
+
+
+def checkpoint_cache():
+    """This process's cache of checkpoints pulled from object stores (dflash_train.checkpoint_cache)."""
+    global _checkpoint_cache
+    s = settings()
+    if _checkpoint_cache is None:
+        from dflash_train.checkpoint_cache import CheckpointCache
+
+        root = s.checkpoint_cache_dir or s.env.checkpoint_cache_dir or Path(s.results_dir).parent / "checkpoint-cache"
+        _checkpoint_cache = CheckpointCache(root, max_bytes=int(s.checkpoint_cache_gb * 2**30))
+    return _checkpoint_cache
 
 
 def settings() -> WorkerSettings:
@@ -300,7 +318,7 @@ def _local_job_id(job: dict[str, Any]) -> str:
 
 def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check the job's files (checkpoint, target, suite: inside their roots), run the engine; (result, worker info)."""
-    verified = jobs_mod.check_checkpoint(job, s.roots, verify_digest=True)  # the one hashing pass of the job
+    jobs_mod.check_checkpoint(job, s.roots)  # confined and marked: cheap, before anything is loaded or pulled
     target = job["target"] or s.default_target
     if not target:
         raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
@@ -309,9 +327,17 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
     if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
         suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
-    evaluator = get_evaluator(target)
-    result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
-                                train_metrics=job["train_metrics"], options=job["options"], verified=verified).to_dict()
+    remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
+    # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
+    with jobs_mod.materialize(job, s.roots, checkpoint_cache() if remote else None) as (checkpoint, baseline, verified):
+        evaluator = get_evaluator(target)
+        result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job["train_metrics"],
+                                    options=job["options"], verified=verified).to_dict()
+    # a result names what was asked for (the store URL), not the worker's cache entry
+    if storage.is_url(job["checkpoint"]) and isinstance(result.get("checkpoint"), dict):
+        result["checkpoint"] = {**result["checkpoint"], "path": job["checkpoint"]}
+    if storage.is_url(job.get("baseline")) and isinstance(result.get("baseline"), dict):
+        result["baseline"] = {**result["baseline"], "checkpoint": job["baseline"]}
     worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
                    "name": s.env.worker_id or (rq_job.worker_name if rq_job else None)}
     return result, worker_info
