@@ -11,6 +11,14 @@ Layout (docs/design.md, "Published eval checkpoint")::
         COMPLETE.json                      the manifest, written last
         .pins/<token>                      retention pins (one per eval job that may read it)
 
+An *import record* is a published checkpoint whose files live elsewhere: a drafter trained
+by another tool (a z-lab release, a SpecForge output directory, a Hugging Face cache
+snapshot) gets `<checkpoint_root>/<run_id>/step-<step:08d>/COMPLETE.json` alone, with
+`"source": "<real path of the drafter directory>"` and the digests of the source's files;
+nothing is written into the source (it may be read-only). Every reader resolves the files
+through `files_dir(directory, manifest)`, so verification, confinement (the source's files
+must lie inside the roots too), pins and retention treat both kinds alike.
+
 A checkpoint is published by writing a hidden temporary directory
 `.step-<step:08d>.tmp-<pid>`, fsyncing it, renaming it into place and only then writing
 COMPLETE.json (a fsynced temporary file and a rename). A directory without the marker is
@@ -101,21 +109,55 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def weights_digest(files: dict[str, str]) -> str:
+    """The checkpoint's digest from its files' digests: that of `model.safetensors`, or for a
+    sharded drafter (an index and shards) a sha256 over `name:digest` lines of the shards in
+    name order. One definition, for the manifest, `run` on a plain directory and the worker."""
+    if WEIGHTS_NAME in files:
+        return files[WEIGHTS_NAME]
+    h = hashlib.sha256()
+    for name in sorted(n for n in files if n.endswith(".safetensors")):
+        h.update(f"{name}:{files[name]}\n".encode())
+    return h.hexdigest()
+
+
+def drafter_files(directory: str | Path) -> list[str]:
+    """The files that make a drafter directory (config.json and its weights: one
+    `model.safetensors`, or an index and the shards it names); CheckpointError naming what is missing."""
+    directory = Path(directory)
+    if not (directory / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{directory} is not a drafter directory: missing {CONFIG_NAME}")
+    if (directory / WEIGHTS_NAME).is_file():
+        return [CONFIG_NAME, WEIGHTS_NAME]
+    index = directory / INDEX_NAME
+    if not index.is_file():
+        raise CheckpointError(f"{directory} is not a drafter directory: missing {WEIGHTS_NAME} (or {INDEX_NAME})")
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: unreadable ({e})") from None
+    bad = [s for s in shards if not isinstance(s, str) or os.sep in s or s.startswith(".")]
+    if bad:
+        raise CheckpointError(f"{index}: shard names {bad[:3]} leave the directory")
+    missing = [s for s in shards if not (directory / s).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: shards {missing[:3]} listed in {INDEX_NAME} are missing")
+    return [CONFIG_NAME, INDEX_NAME, *shards]
+
+
 # --------------------------------------------------------------------------- publishing
 
-def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
-                      train_metrics: dict | None = None) -> Path:
-    """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
-
-    `write_files(tmp_dir)` writes the checkpoint's files (config.json, the weights) into a
-    fresh temporary directory. Publishing a step that is already complete is an error; a
-    leftover without a marker is replaced.
-    """
+def _run_dir(checkpoint_root: str | Path, run_id: str) -> Path:
     check_run_id(run_id)
     run_dir = Path(checkpoint_root) / run_id
     if not run_dir.is_dir():
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, DIR_MODE)
+    return run_dir
+
+
+def _place(run_dir: Path, step: int, write_files: Callable[[Path], None]) -> tuple[Path, dict[str, str]]:
+    """Write into a fresh temporary directory, fsync, rename to `step-<step>`; (its path, digests of its files)."""
     final = run_dir / step_dir_name(step)
     if (final / MARKER_NAME).exists():
         raise CheckpointError(f"{final} is already published")
@@ -135,14 +177,85 @@ def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write
         shutil.rmtree(final)
     os.rename(tmp, final)
     fsync_path(run_dir)
-    manifest = {
-        "format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": files[WEIGHTS_NAME],
-        "files": files, "config": json.loads((final / CONFIG_NAME).read_text()),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "train_metrics": dict(train_metrics or {}),
-    }
+    return final, files
+
+
+def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train_metrics: dict | None,
+              **extra) -> dict:
+    return {"format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": weights_digest(files),
+            "files": files, "config": config, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "train_metrics": dict(train_metrics or {}), **extra}
+
+
+def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
+                      train_metrics: dict | None = None) -> Path:
+    """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
+
+    `write_files(tmp_dir)` writes the checkpoint's files (config.json, the weights) into a
+    fresh temporary directory. Publishing a step that is already complete is an error; a
+    leftover without a marker is replaced.
+    """
+    final, files = _place(_run_dir(checkpoint_root, run_id), step, write_files)
+    manifest = _manifest(run_id, step, files, json.loads((final / CONFIG_NAME).read_text()), train_metrics)
     atomic_write_json(final / MARKER_NAME, manifest, mode=FILE_MODE)
     return final
+
+
+def import_directory(checkpoint_root: str | Path, run_id: str, step: int, source: str | Path, *,
+                     train_metrics: dict | None = None) -> tuple[Path, bool]:
+    """Record a drafter directory trained elsewhere as `<root>/<run_id>/step-<step:08d>/`
+    (an import record: COMPLETE.json alone, `source` naming the directory, the digests of its
+    files); returns (the record's path, whether it was written now).
+
+    Nothing is written into `source` (it may be read-only). Importing the same files again
+    returns the existing record; a different drafter at a recorded (run, step) is an error.
+    """
+    src = Path(os.path.realpath(os.path.expanduser(str(source))))
+    if not src.is_dir():
+        raise CheckpointError(f"{source} is not a directory")
+    if (src / MARKER_NAME).exists():
+        raise CheckpointError(f"{source} is already a published checkpoint (it has {MARKER_NAME}); "
+                              "enqueue it as it is")
+    files = {name: sha256_file(src / name) for name in drafter_files(src)}
+    try:
+        config = json.loads((src / CONFIG_NAME).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{src / CONFIG_NAME}: unreadable ({e})") from None
+    run_dir = _run_dir(checkpoint_root, run_id)
+    existing = run_dir / step_dir_name(step)
+    if (existing / MARKER_NAME).exists():
+        old = read_manifest(existing)
+        if old.get("source") == str(src) and old["files"] == files:
+            return existing, False
+        raise CheckpointError(f"{existing} already records {old.get('source') or 'a published checkpoint'} "
+                              f"(digest {old['digest'][:12]}...); import this drafter under another run or step")
+    final, _ = _place(run_dir, step, lambda tmp: None)
+    atomic_write_json(final / MARKER_NAME, _manifest(run_id, step, files, config, train_metrics, source=str(src)),
+                      mode=FILE_MODE)
+    return final, True
+
+
+_STEP_IN_NAME = re.compile(r"(?:^|[_-])(?:step|checkpoint|ckpt|iter)[_-]?(\d+)$", re.IGNORECASE)
+
+
+def import_name(source: str | Path) -> tuple[str, int]:
+    """The (run id, step) an import record gets by default, read off the source's path: a
+    Hugging Face cache snapshot `.../models--ORG--NAME/snapshots/REV` -> (`ORG--NAME-REV[:8]`, 0);
+    a step directory of a trainer (`epoch_0_step_1000` (SpecForge), `checkpoint-500` (HF
+    Trainer)) -> (its parent's name, that step); anything else -> (its name, 0)."""
+    p = Path(os.path.abspath(os.path.expanduser(str(source))))
+    parts = p.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return run_id_from(f"{parts[-3][len('models--'):]}-{parts[-1][:8]}", default="import"), 0
+    m = _STEP_IN_NAME.search(p.name)
+    if m and p.parent.name:
+        return run_id_from(p.parent.name, default="import"), int(m.group(1))
+    return run_id_from(p.name, default="import"), 0
+
+
+def files_dir(directory: str | Path, manifest: dict) -> Path:
+    """Where a checkpoint's listed files are: the import record's `source`, else the directory itself."""
+    return Path(manifest["source"]) if manifest.get("source") else Path(directory)
 
 
 # --------------------------------------------------------------------------- reading and verifying
@@ -188,13 +301,17 @@ def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
     if not isinstance(data.get("digest"), str) or len(data["digest"]) != 64:
         problems.append("digest must be a sha256 hex string")
     files = data.get("files")
-    if not isinstance(files, dict) or WEIGHTS_NAME not in files:
-        problems.append(f"files must list {WEIGHTS_NAME}")
-    elif files[WEIGHTS_NAME] != data.get("digest"):
-        problems.append(f"digest differs from files[{WEIGHTS_NAME}]")
+    if (not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values())
+            or not (WEIGHTS_NAME in files or INDEX_NAME in files)):
+        problems.append(f"files must list {WEIGHTS_NAME} (or {INDEX_NAME} and its shards)")
+    elif weights_digest(files) != data.get("digest"):
+        problems.append("digest differs from the weights' digest in files")
     elif any(not isinstance(n, str) or not n or "/" in n or os.sep in n or n.startswith(".") or n == MARKER_NAME
              or not isinstance(d, str) or len(d) != 64 for n, d in files.items()):
         problems.append("files must map plain file names to sha256 hex digests")
+    source = data.get("source")
+    if source is not None and (not isinstance(source, str) or not os.path.isabs(source) or "\x00" in source):
+        problems.append("source must be an absolute path")
     if not isinstance(data.get("run_id"), str):
         problems.append("run_id missing")
     if problems:
@@ -212,23 +329,26 @@ def verify_checkpoint(directory: str | Path, roots: list[Path] | None = None) ->
     """`read_manifest` plus a sha256 check of every listed file; returns the manifest.
 
     With `roots`, every listed file must also lie inside them once symlinks are resolved
-    (a checkpoint may not point the worker at files elsewhere).
+    (a checkpoint may not point the worker at files elsewhere; an import record's source
+    files are checked the same way).
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
+    where = files_dir(directory, manifest)
     for name, want in sorted(manifest["files"].items()):
-        path = directory / name
+        path = where / name
         if os.sep in name or name.startswith("."):
             raise CheckpointError(f"{directory}: {MARKER_NAME} lists a file outside the directory: {name!r}")
         if roots is not None and within(path, roots) is None:
-            raise CheckpointError(f"{directory}: {name} resolves to {os.path.realpath(path)}, outside the "
-                                  "checkpoint roots; a symlink may not lead out of the roots")
+            raise CheckpointError(f"{directory}: {path} resolves to {os.path.realpath(path)}, outside the "
+                                  "checkpoint roots; a symlink may not lead out of the roots (an imported "
+                                  "drafter's directory must lie in a checkpoint root too)")
         if not path.is_file():
-            raise CheckpointError(f"{directory}: {name} listed in {MARKER_NAME} is missing")
+            raise CheckpointError(f"{directory}: {path} listed in {MARKER_NAME} is missing")
         got = sha256_file(path)
         if got != want:
-            raise CheckpointError(f"{directory}: {name} digest mismatch (manifest {str(want)[:12]}..., "
-                                  f"file {got[:12]}...): modified or corrupt")
+            raise CheckpointError(f"{directory}: {path if where != directory else name} digest mismatch "
+                                  f"(manifest {str(want)[:12]}..., file {got[:12]}...): modified or corrupt")
     return manifest
 
 
@@ -273,10 +393,13 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
         raise CheckpointError(f"{dest} is already published")
     if store.list_names(dest):  # an interrupted earlier upload
         store.remove(dest, recursive=True)
+    where = files_dir(directory, manifest)
+    if manifest.get("source"):  # an import record: in the store its files lie beside the marker
+        raw = json.dumps({k: v for k, v in manifest.items() if k != "source"}, indent=2).encode()
     for file_name in sorted(manifest["files"]):
         url = storage.join(dest, file_name)
-        store.put_file(directory / file_name, url)
-        want, got = (directory / file_name).stat().st_size, store.size(url)
+        store.put_file(where / file_name, url)
+        want, got = (where / file_name).stat().st_size, store.size(url)
         if got != want:
             raise storage.StoreUnavailable(f"{url}: the store holds {got} bytes after uploading {want}")
     store.write_bytes(marker, raw)

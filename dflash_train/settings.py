@@ -17,6 +17,7 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `DFLASH_CHECKPOINT_ROOTS` | `checkpoint_roots` (os.pathsep-separated) | none (the worker refuses to start) |
 | `DFLASH_TARGET_ROOTS` | `target_roots` | the checkpoint roots |
 | `DFLASH_SUITE_ROOTS` | `suite_roots` | the checkpoint roots |
+| `DFLASH_HF_DATASETS_DIR` | `hf_datasets_dir` (local copies of the `hf:` suites' dataset repos, `DIR/<owner>/<name>`) | none (the datasets cache, else the Hub) |
 | `DFLASH_TARGET` | `target` (the worker's preloaded target; `enqueue --target`) | none |
 | `DFLASH_DEVICE` | `device` (the worker's torch device) | the engine's |
 | `DFLASH_EVALUATOR_FACTORY` | `evaluator_factory` (`module:callable`) | `acceptance.Evaluator` |
@@ -68,6 +69,7 @@ class Settings:
     checkpoint_roots: tuple[Path, ...] | None = None
     target_roots: tuple[Path, ...] | None = None
     suite_roots: tuple[Path, ...] | None = None
+    hf_datasets_dir: Path | None = None
     target: str | None = None
     device: str | None = None
     evaluator_factory: str | None = None
@@ -119,6 +121,7 @@ class Settings:
             checkpoint_roots=parse_roots(get("DFLASH_CHECKPOINT_ROOTS")),
             target_roots=parse_roots(get("DFLASH_TARGET_ROOTS")),
             suite_roots=parse_roots(get("DFLASH_SUITE_ROOTS")),
+            hf_datasets_dir=Path(get("DFLASH_HF_DATASETS_DIR")).expanduser() if get("DFLASH_HF_DATASETS_DIR") else None,
             target=get("DFLASH_TARGET"),
             device=get("DFLASH_DEVICE"),
             evaluator_factory=get("DFLASH_EVALUATOR_FACTORY"),

@@ -108,7 +108,8 @@ class TrainConfig:
     eval_every: int | None = opt(None, "queue an acceptance eval of the published checkpoint every N steps "
                                        "(and the last one) for the eval worker; needs Redis (--redis-url, "
                                        "$REDIS_URL, else a local redis-server)")
-    eval_suite: list[str] = opt(help="suite(s) each eval runs, comma-separated: builtin:NAME, hf:NAME[?n=..&seed=..], "
+    eval_suite: list[str] = opt(help="suite(s) each eval runs, comma-separated: builtin:NAME, a standard benchmark "
+                                     "hf:NAME[:n=N][:seed=S] (gsm8k, math500, humaneval, mbpp, mt-bench, alpaca), "
                                      "or a .jsonl file the worker can read",
                                 factory=lambda: ["builtin:coding-v1"])
     eval_baseline: str | None = opt(None, "drafter every eval is compared with (Δτ): a published checkpoint or a "

@@ -17,6 +17,7 @@ COMMANDS = {
     "run": "eval_worker.commands.run",  # evaluate one checkpoint, no queue
     "worker": "eval_worker.commands.worker",  # serve the queue
     "enqueue": "eval_worker.commands.enqueue",
+    "import": "eval_worker.commands.import_drafter",  # record a drafter trained elsewhere
     "requeue": "eval_worker.commands.requeue",
     "status": "eval_worker.commands.status",
     "cancel": "eval_worker.commands.cancel",

@@ -14,6 +14,9 @@ TINY_TARGET = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing is downloaded in tests: `datasets` and `huggingface_hub` read these when imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 def _hypothesis_profiles() -> None:
@@ -67,6 +70,7 @@ def _isolated_dflash_home(tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("dflash_home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_HOME", str(home))
+        mp.setenv("HF_DATASETS_CACHE", str(home / "hf-datasets"))  # read when `datasets` is imported
         for var in ("REDIS_URL", "DFLASH_REDIS_PASSWORD"):
             mp.delenv(var, raising=False)
         yield home

@@ -186,3 +186,21 @@ def test_rq_dashboard_shows_our_queues_and_jobs(conn, ckpts, redis_url, monkeypa
     info = client.get(f"/0/data/job/{out.job_id}.json").get_json()
     assert info["status"] == "queued" and "eval run-q step 100" in info["description"]
     assert json.loads(info["metadata"])["run_id"] == "run-q"
+
+
+def test_cli_enqueue_several_suites_one_job_each(redis_url, ckpts, capsys):
+    """`--suite` repeats: one job per (checkpoint, suite), told apart by the suite's part of the id."""
+    root, (c100, _) = ckpts
+    conn = connect(redis_url)
+    argv = ["enqueue", str(c100), "--suite", "builtin:coding-v1", "--suite", "hf:gsm8k:n=4", "--suite",
+            "hf:mt-bench:n=4:seed=0", "--redis-url", redis_url, "--checkpoint-root", str(root), "--json"]
+    assert cli(argv) == 0
+    outcomes = json.loads(capsys.readouterr().out)["outcomes"]
+    assert [o["status"] for o in outcomes] == ["enqueued"] * 3
+    suites = [fetch_job(conn, o["job_id"]).meta["suite"] for o in outcomes]
+    assert suites == ["builtin:coding-v1", "hf:gsm8k:n=4", "hf:mt-bench:n=4"]  # no dataset needed to queue
+    assert len({o["job_id"] for o in outcomes}) == 3
+    assert cli(argv[:2] + ["--suite", "hf:gsm8k:n=4", "--redis-url", redis_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["outcomes"][0]["status"] == "duplicate"
+    assert cli(argv[:2] + ["--suite", "hf:nope", "--redis-url", redis_url]) == 2
+    assert "no standard benchmark 'nope'" in capsys.readouterr().out

@@ -27,6 +27,7 @@ from dflash_train.progress import format_duration
 from dflash_train.publication import unpin_checkpoint
 
 from eval_worker.engine.options import options_identity
+from eval_worker.engine.suite import HF_PREFIX, load_suite
 from eval_worker.results import sinks
 from eval_worker.results.ledger import Ledger, tau_of
 from eval_worker.service import evaluators
@@ -162,6 +163,8 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     if job["target"]:
         jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
     suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
+    if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
+        suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
     evaluator = evaluators.get_evaluator(target)
     result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
                                 train_metrics=job["train_metrics"], options=job["options"], verified=verified).to_dict()

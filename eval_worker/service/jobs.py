@@ -29,11 +29,11 @@ from typing import Annotated, Any, Literal, Sequence
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from dflash_train.errors import DFlashError
-from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, read_manifest,
-                                      valid_run_id, verify_checkpoint, within)
+from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, files_dir,
+                                      read_manifest, valid_run_id, verify_checkpoint, within)
 
 from eval_worker.engine.options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
-from eval_worker.engine.suite import load_suite
+from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
 
 SCHEMA = "dflash-eval-job/1"
 
@@ -227,7 +227,7 @@ def suite_fingerprint(suite: str, options: dict[str, Any] | None = None, target:
     (eval_worker.engine.suite), folded with the options that change a result (EvalOptions.identity:
     non-default, not performance-only) and the job's `target` when it has either."""
     try:
-        fp = load_suite(suite).fingerprint()
+        fp = request_fingerprint(suite)  # an hf: suite: its request, so no dataset is read here
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"unknown or unreadable suite {shorten(suite)}: {shorten(str(e), 300)}") from None
     try:
@@ -285,8 +285,9 @@ def check_target(target: str, default_target: str | None, target_roots: Sequence
 
 
 def check_suite(suite: str, suite_roots: Sequence[Path] | None, checkpoint_roots: Sequence[Path] | None) -> str:
-    """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), or a
-    file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
+    """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), a
+    standard benchmark `hf:NAME[:...]` (read from the worker's dataset copies or the datasets
+    cache, never from a path the job names), or a file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
     spec to load (a bare name gets its `builtin:` prefix; a file its real path).
 
     A job comes from whoever can reach the queue, and a suite is read and parsed on the
@@ -296,6 +297,11 @@ def check_suite(suite: str, suite_roots: Sequence[Path] | None, checkpoint_roots
     """
     if isinstance(suite, str) and suite.startswith("builtin:"):
         return suite
+    if isinstance(suite, str) and suite.startswith(HF_PREFIX):  # a standard benchmark: no path of the worker's
+        try:
+            return parse_hf_spec(suite).canonical
+        except SuiteError as e:
+            raise JobError(str(e)) from None
     if isinstance(suite, str) and suite and "/" not in suite and "\x00" not in suite and not suite.endswith(".jsonl"):
         return "builtin:" + suite  # a bare name: never looked up relative to the worker's working directory
     roots = suite_roots if suite_roots is not None else checkpoint_roots
@@ -350,7 +356,16 @@ def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, wha
     try:
         manifest = read_manifest(real)
     except CheckpointError as e:
-        raise JobError(f"{what}: checkpoint {path} is not published: {e}") from None
+        hint = ""
+        if not os.path.exists(os.path.join(real, MARKER_NAME)) and os.path.isfile(os.path.join(real, "config.json")):
+            hint = ("; a drafter trained elsewhere (a z-lab release, a SpecForge output, a Hugging Face snapshot) "
+                    f"is evaluated through an import record: `dflash-eval import {path}` (or `enqueue --external`)")
+        raise JobError(f"{what}: checkpoint {path} is not published: {e}{hint}") from None
+    if roots is not None and manifest.get("source"):  # an import record: its drafter is confined alike
+        try:
+            confine(files_dir(real, manifest), roots)
+        except JobError as e:
+            raise JobError(f"{what}: {path} records the drafter at {manifest['source']}: {e}") from None
     if verify_digest:
         try:
             verify_checkpoint(real, roots)
@@ -369,6 +384,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     checkpoint = os.path.abspath(os.fspath(checkpoint))
     if manifest is None:
         _, manifest = _check_one(checkpoint, roots, False, "checkpoint")
+    if baseline:  # refused here, not an hour later on the worker
+        _check_one(os.path.abspath(os.fspath(baseline)), roots, False, "baseline")
     run_id, step, digest = manifest["run_id"], manifest["step"], manifest["digest"]
     metrics = manifest.get("train_metrics") or None
     if not isinstance(metrics, dict):
@@ -376,7 +393,12 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     if metrics:
         metrics = {k: v for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    if not suite.startswith("builtin:") and (suite.endswith(".jsonl") or "/" in suite or os.path.exists(suite)):
+    if suite.startswith(HF_PREFIX):  # one spelling per request: one job id
+        try:
+            suite = parse_hf_spec(suite).canonical
+        except SuiteError as e:
+            raise JobError(str(e)) from None
+    elif not suite.startswith("builtin:") and (suite.endswith(".jsonl") or "/" in suite or os.path.exists(suite)):
         suite = os.path.abspath(suite)  # a suite file: the worker runs elsewhere (another cwd, another box)
     payload = {
         "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,

@@ -14,8 +14,11 @@ right place however late it is logged. Keys:
 - ``eval/prompts`` (``wandb.Table``: step, prompt, τ, baseline τ, verify steps,
   reference with ``⟦…⟧`` around each verify step's committed span, and the same as HTML).
 
-A suite other than the run's primary one is logged under ``eval/<suite>/...`` so two
-suites never share a curve.
+Every suite's result is logged under ``eval/<suite>/...`` (``eval/gsm8k/tau``, ``eval/coding/tau``:
+the suites side by side, as the published tables show them, and two suites never share a curve);
+the run's primary suite (``$DFLASH_WANDB_PRIMARY_SUITE``, else the first evaluated) is logged
+under plain ``eval/...`` too (its scalars also under its own prefix), which keeps the single-suite
+keys of earlier versions.
 """
 from __future__ import annotations
 
@@ -28,10 +31,26 @@ MARK_OPEN, MARK_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧: rare in code, unlike brac
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
+def suite_prefix(suite_name: str) -> str:
+    """``eval/<suite>/``: where every suite's numbers go."""
+    return f"eval/{_SAFE.sub('_', suite_name)}/"
+
+
 def prefix_for(suite_name: str, primary_suite: str | None) -> str:
+    """Where a result's full payload goes: plain ``eval/`` for the primary suite, else its own prefix."""
     if primary_suite is None or suite_name == primary_suite:
         return "eval/"
-    return f"eval/{_SAFE.sub('_', suite_name)}/"
+    return suite_prefix(suite_name)
+
+
+def run_log(result: dict, primary_suite: str | None, *, html_column: bool = True) -> dict:
+    """The ``run.log()`` payload of one result in a run of several suites: the full payload
+    under ``prefix_for``, and the suite's scalars under ``eval/<suite>/`` when that is not the same."""
+    name = result["suite"]["name"]
+    payload = log_dict(result, prefix_for(name, primary_suite), html_column=html_column)
+    if prefix_for(name, primary_suite) != suite_prefix(name):
+        payload.update(scalars(result, suite_prefix(name)))
+    return payload
 
 
 def _num(x) -> float | None:

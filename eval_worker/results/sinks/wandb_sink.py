@@ -46,7 +46,7 @@ from dflash_train.fsutil import atomic_write_text
 from dflash_train.settings import Settings
 from eval_worker.results.run_results import RunResult, load_run
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_payload import STEP_KEY, log_dict, prefix_for
+from eval_worker.results.sinks.wandb_payload import STEP_KEY, run_log, suite_prefix
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,8 @@ def _init(target: WandbTarget, run_id: str, run_dir: Path, results: list[RunResu
     # The full schema on every writer: a later writer's definitions replace earlier ones.
     run.define_metric(STEP_KEY)
     run.define_metric("eval/*", step_metric=STEP_KEY)
-    primary = primary_suite(results, target.primary_suite)
-    for r_prefix in sorted({prefix_for(r.result["suite"]["name"], primary) for r in results}):
+    prefixes = {"eval/"} | {suite_prefix(r.result["suite"]["name"]) for r in results}
+    for r_prefix in sorted(prefixes):
         run.define_metric(r_prefix + "tau", step_metric=STEP_KEY, summary="max")
     return run
 
@@ -164,7 +164,7 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) ->
     import wandb
 
     ck = res.result["checkpoint"]
-    ck_dir = Path(ck["path"]).resolve()
+    ck_dir = Path(ck.get("source") or ck["path"]).resolve()  # an import record's files are at its source
     files = [ck_dir / f for f in CHECKPOINT_FILES if (ck_dir / f).is_file()]
     if not files:
         log.warning("checkpoint %s is gone; logging step %d without its artifact", ck_dir, res.step)
@@ -184,7 +184,7 @@ def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunR
     best = _best(all_results, primary)
     logged_ckpts: set[str] = set()
     for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
-        run.log(log_dict(res.result, prefix_for(res.result["suite"]["name"], primary)))
+        run.log(run_log(res.result, primary))
         digest = res.result["checkpoint"].get("digest") or res.result["checkpoint"]["path"]
         if digest not in logged_ckpts:
             logged_ckpts.add(digest)
