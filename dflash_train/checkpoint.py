@@ -165,7 +165,38 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
         cfg = DrafterConfig.load(directory)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    tensors, notes = map_checkpoint_keys(read_drafter_tensors(directory), cfg, directory)
+    return drafter_from_tensors(read_drafter_tensors(directory), cfg, directory, device=device, dtype=dtype)
+
+
+def drafter_from_module(module: torch.nn.Module, config: DrafterConfig | dict | None = None, *,
+                        device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Our `DFlashDrafter` with the weights (copied) of another trainer's drafter module, e.g.
+    SpecForge's `DFlashDraftModel`: its `config` (a transformers config or a dict in the
+    published `config.json` layout, unless `config` is given) read like a published one, its
+    state dict mapped and checked as a checkpoint's would be. For publishing from a foreign
+    training loop (the HF callback's `drafter_getter`)."""
+    config = getattr(module, "config", None) if config is None else config
+    if not isinstance(config, DrafterConfig):
+        # a transformers config: what save_pretrained writes (config.json), not every default
+        raw = (config.to_diff_dict() if hasattr(config, "to_diff_dict") else config.to_dict()
+               if hasattr(config, "to_dict") else config)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{type(module).__name__} has no config to read the drafter's shape from; "
+                                  "pass config= (a DrafterConfig, or a dict in the published config.json layout)")
+        try:
+            config = DrafterConfig.from_dict(json.loads(json.dumps(raw, default=str)))
+        except ConfigError as e:
+            raise CheckpointError(f"{type(module).__name__}.config: {e}") from None
+    tensors = {k: v.detach() for k, v in module.state_dict().items()}
+    return drafter_from_tensors(tensors, config, type(module).__name__, device=device)
+
+
+def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, where: str | Path = "checkpoint", *,
+                         device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """A drafter built from `cfg` holding `tensors` (other layouts mapped), names, shapes and
+    values checked first; `where` names the source in errors."""
+    directory = where
+    tensors, notes = map_checkpoint_keys(tensors, cfg, directory)
     if notes:
         log.info("%s: other key layout mapped: %s", directory, "; ".join(notes))
     layers = {int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}
@@ -203,7 +234,7 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
         raise CheckpointError(f"{directory}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s): "
                               f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; refusing to load this drafter")
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(tensors, strict=True)
+    drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
     target_dtype = dtype or next(iter(tensors.values())).dtype
     return drafter.to(device=device, dtype=target_dtype)
 

@@ -2,8 +2,10 @@
 
 One self-contained page (inline CSS, figures embedded as data URIs, no JavaScript, no
 network) plus the same figures as PNG files next to it:
-τ vs training step with 95% CI bands, per-position acceptance for selected checkpoints,
-the acceptance-length histogram, the baseline comparison, a table of every evaluation,
+τ vs training step with 95% CI bands, τ beside the training metrics of each checkpoint
+(loss, accuracy, the trainer's accept length: the train/serve gap) on the same step axis,
+per-position acceptance for selected checkpoints, the acceptance-length histogram, the
+baseline comparison, τ per suite side by side, a table of every evaluation,
 and each prompt's reference text with the span committed by every verify step
 highlighted (shade = accepted length). All prompt and completion text is escaped by
 Jinja's autoescape; nothing from a result is ever inserted as markup.
@@ -88,8 +90,8 @@ def _fmt_ci(ci) -> str:
 
 
 def _summary_row(r: RunResult, best_key: str) -> dict:
-    res, base = r.result, r.result.get("baseline") or {}
-    return {"step": r.step, "suite": res["suite"]["name"], "attempt": r.attempt, "tau": res["tau"]["macro"],
+    res, base, train = r.result, r.result.get("baseline") or {}, r.train_metrics or {}
+    return {"train_loss": train.get("loss"), "train_streak": train.get("streak"), "step": r.step, "suite": res["suite"]["name"], "attempt": r.attempt, "tau": res["tau"]["macro"],
             "ci": _fmt_ci(res["tau"].get("ci95")), "pooled": res["tau"].get("pooled"),
             "tree": (res.get("tree") or {}).get("tau"), "streak": res.get("mean_streak_all_anchors"),
             "delta": base.get("delta_tau"), "delta_ci": _fmt_ci(base.get("delta_ci95")) if base else "–",
@@ -97,6 +99,19 @@ def _summary_row(r: RunResult, best_key: str) -> dict:
             "diag": len(res.get("diagnostics") or []), "best": r.key == best_key,
             # two checkpoints evaluated at one step are two rows: the digest tells them apart
             "digest": str((res.get("checkpoint") or {}).get("digest") or "")[:12]}
+
+
+def _side_by_side(by_suite: dict[str, list[RunResult]]) -> dict:
+    """τ [95% CI] per (checkpoint, suite), one row per checkpoint: the published tables' layout."""
+    suites = sorted(by_suite)
+    cells: dict[tuple[int, str], dict] = {}
+    for suite, rows in by_suite.items():
+        for r in rows:
+            digest = str((r.result.get("checkpoint") or {}).get("digest") or "")[:12]
+            cells.setdefault((r.step, digest), {})[suite] = {"tau": r.result["tau"]["macro"],
+                                                             "ci": _fmt_ci(r.result["tau"].get("ci95"))}
+    return {"suites": suites, "rows": [{"step": step, "digest": digest, "cells": [c.get(s) for s in suites]}
+                                       for (step, digest), c in sorted(cells.items())]}
 
 
 def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | None = None,
@@ -118,7 +133,8 @@ def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | N
     out = Path(out_dir) if out_dir else Path("reports") / run_id
     out.mkdir(parents=True, exist_ok=True)
     pngs = {"tau_vs_step": figs.tau_vs_step(by_suite), "per_position": figs.per_position(chosen),
-            "histogram": figs.histogram(chosen), "baseline": figs.baseline_delta(main)}
+            "histogram": figs.histogram(chosen), "baseline": figs.baseline_delta(main),
+            "train_vs_eval": figs.train_vs_eval(by_suite)}
     images = {}
     for name, png in pngs.items():
         if png is None:
@@ -148,6 +164,7 @@ def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | N
     html = env.get_template(TEMPLATE).render(
         run_id=run_id, suite=main_suite, suites=sorted(by_suite), images=images,
         rows=[_summary_row(r, best.key) for r in sorted(rows, key=lambda r: (r.step, r.result["suite"]["name"]))],
+        by_suite=_side_by_side(by_suite),
         best={"step": best.step, "tau": best.result["tau"]["macro"], "ci": _fmt_ci(best.result["tau"].get("ci95"))},
         details=details, target=first.get("target") or {}, settings=first.get("settings") or {},
         generated_from=str(rows[0].path.parents[2]))

@@ -105,3 +105,46 @@ def baseline_delta(rows: list[RunResult]) -> bytes | None:
     ax.set_ylabel("Δτ vs baseline")
     ax.grid(alpha=0.3)
     return _png(fig)
+
+
+def train_vs_eval(by_suite: dict[str, list[RunResult]]) -> bytes | None:
+    """The train/serve gap on one step axis: τ per suite beside the trainer's own accept length
+    (1 + leading correct slots on training blocks), and the training loss and accuracy below.
+    None when no evaluation carries training metrics (a checkpoint published without them)."""
+    train: dict[int, dict] = {}
+    for rows in by_suite.values():
+        for r in rows:
+            if r.train_metrics:
+                train.setdefault(r.step, r.train_metrics)
+    if not train:
+        return None
+    plt = _plt()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for i, (suite, rows) in enumerate(sorted(by_suite.items())):
+        top.plot([r.step for r in rows], [r.result["tau"]["macro"] for r in rows], "o-",
+                 color=COLORS[i % len(COLORS)], label=f"{suite}: τ (eval)")
+    steps = sorted(train)
+
+    def series(key):
+        pts = [(s, train[s][key]) for s in steps if train[s].get(key) is not None]
+        return list(zip(*pts)) if pts else None
+
+    if (streak := series("streak")) is not None:
+        top.plot(*streak, "s--", color="#333", label="train: 1 + leading correct slots (accept length)")
+    top.set_ylabel("accepted length")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=7, loc="best")
+    if (loss := series("loss")) is not None:
+        bottom.plot(*loss, "o-", color=COLORS[4], label="train loss")
+        bottom.set_ylabel("train loss")
+    if (acc := series("accuracy")) is not None:
+        right = bottom.twinx()
+        right.plot(*acc, "^:", color=COLORS[2], label="train accuracy (draft slots)")
+        right.set_ylabel("train accuracy")
+        right.set_ylim(0, 1.02)
+        right.legend(fontsize=7, loc="upper right")
+    bottom.set_xlabel("training step")
+    bottom.grid(alpha=0.3)
+    if loss is not None:
+        bottom.legend(fontsize=7, loc="upper left")
+    return _png(fig)

@@ -7,6 +7,7 @@ W&B and the report are both rebuilt from it.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ class RunResult:
     attempt: int
     path: Path
     result: dict
+    # the training run's metrics when the checkpoint was published (its COMPLETE.json, via the job):
+    # recent-window means of loss, accuracy and streak (1 + leading correct slots: the train-side accept length)
+    train_metrics: dict | None = None
 
     @property
     def key(self) -> str:
@@ -61,8 +65,20 @@ def load_run(run_id: str, results_dir: str | os.PathLike) -> list[RunResult]:
     out = []
     for e in entries:
         try:
-            result = result_of(e.read())
+            record = e.read()
+            result = result_of(record)
         except (LedgerError, ResultsError) as err:
             raise ResultsError(f"{e.path}: {err}") from None
-        out.append(RunResult(e.step, e.key, e.attempt, e.path, result))
+        out.append(RunResult(e.step, e.key, e.attempt, e.path, result, _train_metrics(record)))
     return out
+
+
+def _train_metrics(record: dict) -> dict | None:
+    """The finite numbers of the job's `train_metrics` (None when the record has none)."""
+    job = record.get("job") if isinstance(record, dict) else None
+    metrics = job.get("train_metrics") if isinstance(job, dict) else None
+    if not isinstance(metrics, dict):
+        return None
+    out = {k: float(v) for k, v in metrics.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return out or None

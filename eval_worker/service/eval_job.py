@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_train import storage
 from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
 from dflash_train.progress import format_duration
@@ -156,7 +157,7 @@ def _local_job_id(job: dict[str, Any]) -> str:
 
 def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check the job's files (checkpoint, target, suite: inside their roots), run the engine; (result, worker info)."""
-    verified = jobs_mod.check_checkpoint(job, s.roots, verify_digest=True)  # the one hashing pass of the job
+    jobs_mod.check_checkpoint(job, s.roots)  # confined and marked: cheap, before anything is loaded or pulled
     target = job["target"] or s.default_target
     if not target:
         raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
@@ -165,9 +166,18 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
     if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
         suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
-    evaluator = evaluators.get_evaluator(target)
-    result = evaluator.evaluate(job["checkpoint"], suite, baseline=job["baseline"],
-                                train_metrics=job["train_metrics"], options=job["options"], verified=verified).to_dict()
+    remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
+    # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
+    with jobs_mod.materialize(job, s.roots, evaluators.checkpoint_cache() if remote else None) as (checkpoint, baseline,
+                                                                                                 verified):
+        evaluator = evaluators.get_evaluator(target)
+        result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job["train_metrics"],
+                                    options=job["options"], verified=verified).to_dict()
+    # a result names what was asked for (the store URL), not the worker's cache entry
+    if storage.is_url(job["checkpoint"]) and isinstance(result.get("checkpoint"), dict):
+        result["checkpoint"] = {**result["checkpoint"], "path": job["checkpoint"]}
+    if storage.is_url(job.get("baseline")) and isinstance(result.get("baseline"), dict):
+        result["baseline"] = {**result["baseline"], "checkpoint": job["baseline"]}
     worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
                    "name": s.env.worker_id or (rq_job.worker_name if rq_job else None)}
     return result, worker_info

@@ -39,6 +39,8 @@ class WorkerSettings:
     evaluator_factory: str | None = None  # "module:callable(target, cache_dir=..., device=...)"
     spool_dir: Path | None = None  # computed results whose ledger write failed (default: next to the cache)
     env: Settings | None = None  # sinks and their Redis; None: read where the worker starts (a plain `rq worker`)
+    checkpoint_cache_dir: Path | None = None  # local copies of checkpoints pulled from a store
+    checkpoint_cache_gb: float = 20.0
 
     def __post_init__(self) -> None:
         if self.spool_dir is None:
@@ -52,20 +54,35 @@ class WorkerSettings:
         values = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
                       target_roots=settings.target_roots, suite_roots=settings.suite_roots,
                       cache_dir=settings.cache_dir, default_target=settings.target, device=settings.device,
-                      evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings)
+                      evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings,
+                      checkpoint_cache_dir=settings.checkpoint_cache_dir,
+                      checkpoint_cache_gb=settings.checkpoint_cache_gb)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
 
 _settings: WorkerSettings | None = None
+_checkpoint_cache = None
 _evaluators: "OrderedDict[str, Any]" = OrderedDict()
 _loads: dict[str, int] = {}
 _lock = threading.Lock()
 
 
 def configure(settings: WorkerSettings) -> None:
-    global _settings
-    _settings = settings
+    global _settings, _checkpoint_cache
+    _settings, _checkpoint_cache = settings, None
+
+
+def checkpoint_cache():
+    """This process's cache of checkpoints pulled from object stores (dflash_train.checkpoint_cache)."""
+    global _checkpoint_cache
+    s = settings()
+    if _checkpoint_cache is None:
+        from dflash_train.checkpoint_cache import CheckpointCache
+
+        root = s.checkpoint_cache_dir or s.env.checkpoint_cache_dir or Path(s.results_dir).parent / "checkpoint-cache"
+        _checkpoint_cache = CheckpointCache(root, max_bytes=int(s.checkpoint_cache_gb * 2**30))
+    return _checkpoint_cache
 
 
 def settings() -> WorkerSettings:
