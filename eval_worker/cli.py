@@ -24,6 +24,7 @@ COMMANDS = {
     "dismiss": "eval_worker.commands.dismiss",  # remove failed jobs
     "publish": "eval_worker.commands.publish",  # rebuild the W&B eval run from the ledger
     "report": "eval_worker.commands.report",  # local HTML report
+    "results": "eval_worker.commands.results",  # the ledger of runs as a table
     "demo": "eval_worker.commands.demo",  # the main job, end to end
 }
 
