@@ -28,7 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, DrafterConfig
 from .model import DFlashDrafter
-from .publication import CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory, read_manifest
+from . import storage
+from .publication import (CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory,
+                          read_manifest, upload_checkpoint)
 
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,38 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
         cfg = DrafterConfig.load(directory)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    tensors, notes = map_checkpoint_keys(read_drafter_tensors(directory), cfg, directory)
+    return drafter_from_tensors(read_drafter_tensors(directory), cfg, directory, device=device, dtype=dtype)
+
+
+def drafter_from_module(module: torch.nn.Module, config: DrafterConfig | dict | None = None, *,
+                        device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Our `DFlashDrafter` with the weights (copied) of another trainer's drafter module, e.g.
+    SpecForge's `DFlashDraftModel`: its `config` (a transformers config or a dict in the
+    published `config.json` layout, unless `config` is given) read like a published one, its
+    state dict mapped and checked as a checkpoint's would be. For publishing from a foreign
+    training loop (the HF callback's `drafter_getter`)."""
+    config = getattr(module, "config", None) if config is None else config
+    if not isinstance(config, DrafterConfig):
+        # a transformers config: what save_pretrained writes (config.json), not every default
+        raw = (config.to_diff_dict() if hasattr(config, "to_diff_dict") else config.to_dict()
+               if hasattr(config, "to_dict") else config)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{type(module).__name__} has no config to read the drafter's shape from; "
+                                  "pass config= (a DrafterConfig, or a dict in the published config.json layout)")
+        try:
+            config = DrafterConfig.from_dict(json.loads(json.dumps(raw, default=str)))
+        except ConfigError as e:
+            raise CheckpointError(f"{type(module).__name__}.config: {e}") from None
+    tensors = {k: v.detach() for k, v in module.state_dict().items()}
+    return drafter_from_tensors(tensors, config, type(module).__name__, device=device)
+
+
+def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, where: str | Path = "checkpoint", *,
+                         device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """A drafter built from `cfg` holding `tensors` (other layouts mapped), names, shapes and
+    values checked first; `where` names the source in errors."""
+    directory = where
+    tensors, notes = map_checkpoint_keys(tensors, cfg, directory)
     if notes:
         log.info("%s: other key layout mapped: %s", directory, "; ".join(notes))
     layers = {int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}
@@ -203,7 +236,7 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
         raise CheckpointError(f"{directory}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s): "
                               f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; refusing to load this drafter")
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(tensors, strict=True)
+    drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
     target_dtype = dtype or next(iter(tensors.values())).dtype
     return drafter.to(device=device, dtype=target_dtype)
 
@@ -227,13 +260,16 @@ class AsyncPublisher:
     `submit` snapshots the drafter's weights to CPU on the caller's (training) thread, so
     later optimizer steps cannot leak into the checkpoint; a background thread writes,
     fsyncs, renames, marks and then calls `on_published(step, path, manifest)` (from that
-    thread). At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
+    thread). With `publish_to` (an object-store prefix), the same thread then uploads the
+    checkpoint (`publication.upload_checkpoint`: files, then the marker) and `path` is its URL. At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
     publication is raised by the next `submit` or `wait`.
     """
 
     def __init__(self, checkpoint_root: str | Path, run_id: str, *, on_published=None,
-                 dtype: torch.dtype | None = None, max_pending: int = 1):
+                 dtype: torch.dtype | None = None, max_pending: int = 1, publish_to: str | None = None):
         self.checkpoint_root, self.run_id = Path(checkpoint_root), run_id
+        # an object-store prefix: each checkpoint is uploaded there on this thread too, and announced by its URL
+        self.store_run = storage.join(storage.check_url(publish_to), run_id) if publish_to else None
         self.on_published, self.dtype = on_published, dtype
         self._jobs: queue.Queue = queue.Queue(maxsize=max(max_pending, 1))
         self._error: BaseException | None = None
@@ -258,6 +294,15 @@ class AsyncPublisher:
             self._idle.clear()
         self._jobs.put((holder, snapshot, int(step), dict(train_metrics or {})))
 
+    def submit_upload(self, path: str | Path, step: int) -> None:
+        """Upload (and then announce) a checkpoint published locally whose upload did not happen
+        (a run resumed after a crash between the two)."""
+        self._raise_error()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._jobs.put((None, Path(path), int(step), {}))
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -265,8 +310,13 @@ class AsyncPublisher:
                 return
             holder, snapshot, step, metrics = job
             try:
-                path = publish_checkpoint(holder, self.checkpoint_root, self.run_id, step, state=snapshot,
-                                          train_metrics=metrics, dtype=self.dtype)
+                if holder is None:  # published locally before, its upload still owed
+                    path = snapshot
+                else:
+                    path = publish_checkpoint(holder, self.checkpoint_root, self.run_id, step, state=snapshot,
+                                              train_metrics=metrics, dtype=self.dtype)
+                if self.store_run is not None:
+                    path = upload_checkpoint(path, self.store_run)
                 if self.on_published is not None:
                     self.on_published(step, path, read_manifest(path))
             except BaseException as e:  # kept for the training thread

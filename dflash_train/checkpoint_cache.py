@@ -60,6 +60,9 @@ class CheckpointCache:
         if raw_marker is None:
             raw_marker = read_marker(url)
         manifest = parse_manifest(raw_marker, url)
+        if manifest.get("source"):  # it would point the worker at one of its own paths
+            raise CheckpointError(f"{storage.redact(url)}: a checkpoint in a store cannot be an import record "
+                                  "(its manifest names a local source directory)")
         key = self.key(raw_marker)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         entry = self.root / key

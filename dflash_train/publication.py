@@ -322,7 +322,8 @@ def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
 def within(path: str | os.PathLike, roots: Iterable[Path]) -> Path | None:
     """The real path of `path` (symlinks resolved) if it lies inside one of `roots`, else None."""
     real = Path(os.path.realpath(path))
-    return real if any(real == root or root in real.parents for root in roots) else None
+    local = [Path(r) for r in roots if not storage.is_url(r)]  # store prefixes never hold a local path
+    return real if any(real == root or root in real.parents for root in local) else None
 
 
 def verify_checkpoint(directory: str | Path, roots: list[Path] | None = None) -> dict:

@@ -24,6 +24,7 @@ COMMANDS = {
     "dismiss": "eval_worker.commands.dismiss",  # remove failed jobs
     "publish": "eval_worker.commands.publish",  # rebuild the W&B eval run from the ledger
     "report": "eval_worker.commands.report",  # local HTML report
+    "results": "eval_worker.commands.results",  # the ledger of runs as a table
     "suites": "eval_worker.commands.suites",  # list suites; load hf: benchmarks (fills the datasets cache)
     "demo": "eval_worker.commands.demo",  # the main job, end to end
 }
@@ -42,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.settings = settings or Settings.from_env()
+    try:
+        args.settings = settings or Settings.from_env()
+    except ValueError as e:  # a malformed variable (a bad store URL in DFLASH_CHECKPOINT_ROOTS, a non-number)
+        print(f"error: environment: {e}", file=sys.stderr)
+        return 2
     try:
         return int(args._main(args) or 0)
     except KeyboardInterrupt:

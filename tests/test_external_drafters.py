@@ -192,6 +192,12 @@ def test_external_drafter_queued_evaluated_and_used_as_baseline(tmp_path, redis_
         assert base["tau"] == pytest.approx(ext["result"]["tau"]["macro"])
         assert rec["result"]["tau"]["macro"] == pytest.approx(base["tau"])
         assert _tree(hub) == before
+        capsys.readouterr()
+        assert cli(["results", "--run", "specforge-out", "--run", "mine", "--results", str(tmp_path / "results")]) == 0
+        table = capsys.readouterr().out.splitlines()
+        [row] = [line for line in table if line.startswith("mine ")]
+        assert f"{ext['result']['tau']['macro']:10.3f}" in row and " 0.000 " in row  # Δτ against itself
+        assert f"baseline: {record}" in table
     finally:
         worker.stop()
         conn.close()

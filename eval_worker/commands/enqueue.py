@@ -22,7 +22,8 @@ def _option(text: str) -> tuple[str, object]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="*", metavar="CHECKPOINT_DIR",
-                        help="published checkpoint directories (with COMPLETE.json), or a run directory "
+                        help="published checkpoint directories (with COMPLETE.json) or store URLs "
+                             "(s3://bucket/runs/RUN/step-...), or a run directory or run URL "
                              "(all its published checkpoints)")
     parser.add_argument("--suite", action="append", default=None, metavar="SUITE",
                         help="builtin:NAME, a .jsonl file (under the worker's suite roots), or a standard benchmark "
@@ -42,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="evaluate again under a new attempt id")
     parser.add_argument("--priority", choices=["high", "default", "low"], default="default")
     parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
-                        help="refuse checkpoints outside these roots (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
+                        help="refuse checkpoints outside these roots: directories or store prefixes such as "
+                             "s3://bucket/runs (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--tree-budget", type=int, default=None)
     parser.add_argument("--counting", choices=["response", "published"], default=None,
@@ -88,7 +90,12 @@ def main(args: argparse.Namespace) -> int:
         config.job_timeout = args.job_timeout
     if args.retries is not None:
         config.retry_max = args.retries
-    roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
+    from dflash_train.storage import StoreError
+
+    try:
+        roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
+    except StoreError as e:
+        return fail(f"--checkpoint-root: {e}")
     target = args.target or args.settings.target
 
     outcomes, errors = [], []
@@ -112,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
                 jobs.append(make_job(path, suite=suite, target=target, baseline=baseline, wandb=wandb,
                                      requested_by="user", priority=args.priority, options=options or None,
                                      roots=roots))
-            except JobError as e:
+            except (JobError, StoreError, OSError) as e:  # OSError: StoreUnavailable, the store did not answer
                 errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
     try:
         conn, url = connect_from_args(args)
@@ -121,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
     for job in jobs:
         try:
             outcomes.append(enqueue(conn, job, force=args.force, config=config, roots=roots))
-        except JobError as e:
+        except (JobError, StoreError, OSError) as e:
             errors.append({"checkpoint": job["checkpoint"], "error": str(e)})
     delivered = []
     for directory in args.outbox:
@@ -149,8 +156,11 @@ def main(args: argparse.Namespace) -> int:
 def _published(path: str) -> bool:
     from pathlib import Path
 
+    from dflash_train import storage
     from dflash_train.publication import MARKER_NAME, list_checkpoints
 
+    if storage.is_url(path):  # never imported: a store URL is a published checkpoint or refused by make_job
+        return True
     return (Path(path) / MARKER_NAME).exists() or bool(list_checkpoints(path))
 
 
@@ -158,11 +168,20 @@ def _expand(paths: list[str]) -> list[str]:
     """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
     from pathlib import Path
 
+    from dflash_train import storage
     from dflash_train.publication import MARKER_NAME, list_checkpoints
 
     out = []
     for p in paths:
-        inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)
+        if storage.is_url(p):  # a run prefix in a store stands for its marked step prefixes
+            try:
+                url = storage.check_url(p)
+                store = storage.store_for(url)
+                inner = [] if store.exists(storage.join(url, MARKER_NAME)) else list_checkpoints(url)
+            except (storage.StoreError, OSError):
+                inner = []  # make_job says what is wrong with it
+        else:
+            inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)
         out.extend(str(c) for c in inner) if inner else out.append(p)
     return out
 

@@ -15,9 +15,15 @@ The same :func:`validate_job` (one pydantic schema, :class:`JobPayload`, with th
 takes it; :func:`check_checkpoint` then checks the directory itself (inside the
 configured roots after resolving symlinks, completion marker present, digest equal).
 Every failure raises :class:`JobError` whose message is the reason.
+
+`checkpoint` and `baseline` may be URLs of an object store (`s3://bucket/runs/<run>/step-…`,
+dflash_train/storage.py): confined to the store prefixes among the worker's checkpoint
+roots, their marker read from the store, and the worker evaluates a local copy pulled into
+its cache and verified file by file (:func:`materialize`).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -28,9 +34,11 @@ from typing import Annotated, Any, Literal, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from dflash_train import storage
 from dflash_train.errors import DFlashError
 from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, files_dir,
-                                      read_manifest, valid_run_id, verify_checkpoint, within)
+                                      parse_manifest, read_manifest, read_marker, valid_run_id, verify_checkpoint,
+                                      within)
 
 from eval_worker.engine.options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
@@ -72,6 +80,21 @@ def _abs_path(value: str) -> str:
 _AbsPath = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH), AfterValidator(_abs_path)]
 
 
+def _location(value: str) -> str:
+    if storage.is_url(value):
+        try:
+            if storage.check_url(value) != value:
+                raise ValueError("must be in canonical form (no trailing '/')")
+        except storage.StoreError as e:
+            raise ValueError(str(e)) from None
+        return value
+    return _abs_path(value)
+
+
+# a checkpoint: an absolute path, or an object-store URL (never one with credentials in it)
+_Location = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH), AfterValidator(_location)]
+
+
 def _run_id(value: str) -> str:
     if not valid_run_id(value):
         raise ValueError(RUN_ID_RULE)
@@ -99,11 +122,11 @@ class JobPayload(BaseModel):
     schema_: Literal["dflash-eval-job/1"] = Field(alias="schema")
     run_id: Annotated[str, StringConstraints(pattern=rf"^{RUN_ID_PATTERN}$"), AfterValidator(_run_id)]
     step: int = Field(ge=0, le=(1 << 53))
-    checkpoint: _AbsPath
+    checkpoint: _Location
     checkpoint_digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     target: _AbsPath | None = None
     suite: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH, pattern=r"\S")]
-    baseline: _AbsPath | None = None
+    baseline: _Location | None = None
     wandb: WandbSettings | None = None
     requested_by: Literal[REQUESTERS] = "user"  # type: ignore[valid-type]
     priority: Literal[PRIORITIES] = "default"  # type: ignore[valid-type]
@@ -122,9 +145,10 @@ WANDB_FIELDS = set(WandbSettings.model_fields)
 _FIELD_RULES = {
     "run_id": f"run_id must be {RUN_ID_RULE}",
     "step": "step must be a non-negative integer",
-    "checkpoint": f"checkpoint must be an absolute path of at most {MAX_PATH} characters without NUL bytes",
+    "checkpoint": (f"checkpoint must be an absolute path or a store URL (s3://bucket/prefix/..., no credentials, "
+                   f"no '..') of at most {MAX_PATH} characters without NUL bytes"),
     "target": f"target must be null or an absolute path of at most {MAX_PATH} characters without NUL bytes",
-    "baseline": f"baseline must be null or an absolute path of at most {MAX_PATH} characters without NUL bytes",
+    "baseline": f"baseline must be null, an absolute path or a store URL of at most {MAX_PATH} characters",
     "checkpoint_digest": "checkpoint_digest must be 64 lowercase hex characters (sha256)",
     "suite": f"suite must be a non-empty string of at most {MAX_PATH} characters",
     "requested_by": f"requested_by must be one of {list(REQUESTERS)}",
@@ -254,12 +278,21 @@ def strip_attempt(job_id: str) -> str:
 
 def confine(path: str | os.PathLike, roots: Sequence[Path], what: str = "checkpoint",
             how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> Path:
-    """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError."""
-    real = within(path, roots)
+    """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError.
+    A store URL must lie under one of the URL prefixes among `roots`."""
+    if storage.is_url(path):
+        url = storage.within_prefixes(str(path), roots)
+        if url is None:
+            prefixes = [str(r) for r in roots if storage.is_url(r)]
+            raise JobError(f"{storage.redact(str(path))} is outside the {what} prefixes this worker serves "
+                           f"({', '.join(prefixes) or 'none: only local roots are configured'}); add its prefix with "
+                           f"{how} (e.g. s3://bucket/runs)")
+        return url  # type: ignore[return-value]
+    real = within(path, [r for r in roots if isinstance(r, Path)])
     if real is not None:
         return real
     real = Path(os.path.realpath(path))
-    shown = os.pathsep.join(str(r) for r in roots)
+    shown = os.pathsep.join(str(r) for r in roots if isinstance(r, Path))
     if str(real) != os.path.abspath(path):
         raise JobError(f"{path} resolves to {real}, outside the {what} roots ({shown}); "
                        "a symlink may not lead out of the roots")
@@ -327,19 +360,11 @@ def check_checkpoint(job: dict[str, Any], roots: Sequence[Path] | None, *,
     - a directory with a valid COMPLETE.json whose digest, run and step match the job;
     - with `verify_digest`, every listed file hashed again, each inside the roots (the
       worker does this, once per job: the engine is handed the verified manifests).
-    The same is done for `baseline` when the job names one.
+    The same is done for `baseline` when the job names one. A store URL is checked by its
+    marker only (confined to the store prefixes); `materialize` pulls and verifies its files.
     """
     path, manifest = _check_one(job["checkpoint"], roots, verify_digest, "checkpoint")
-    digest = manifest.get("digest")
-    if digest != job["checkpoint_digest"]:
-        raise JobError(f"checkpoint {job['checkpoint']}: digest in {MARKER_NAME} ({str(digest)[:12]}...) "
-                       f"differs from the job's ({job['checkpoint_digest'][:12]}...): "
-                       "the checkpoint was replaced after the job was made")
-    if int(manifest["step"]) != int(job["step"]):
-        raise JobError(f"checkpoint {job['checkpoint']} is step {manifest['step']}, the job says step {job['step']}")
-    if manifest["run_id"] != job["run_id"]:
-        raise JobError(f"checkpoint {job['checkpoint']} belongs to run {manifest['run_id']!r}, "
-                       f"the job says {job['run_id']!r}")
+    _match_job(job, manifest)
     manifests = {path: manifest}
     if job.get("baseline"):
         base_path, base = _check_one(job["baseline"], roots, verify_digest, "baseline")
@@ -348,6 +373,9 @@ def check_checkpoint(job: dict[str, Any], roots: Sequence[Path] | None, *,
 
 
 def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
+    if storage.is_url(path):
+        url, _, manifest = _check_remote(path, roots, what)
+        return url, manifest
     if roots is not None:
         confine(path, roots)
     real = os.path.realpath(path)
@@ -374,18 +402,91 @@ def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, wha
     return real, manifest
 
 
+def _check_remote(url: str, roots: Sequence[Path] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
+    """(canonical url, marker bytes, manifest) of a checkpoint in a store, confined to the store
+    prefixes among `roots`. A store that cannot be reached raises StoreUnavailable (retryable)."""
+    url = confine(url, roots) if roots is not None else storage.check_url(url)
+    try:
+        raw = read_marker(url)
+        return str(url), raw, parse_manifest(raw, url)
+    except CheckpointError as e:
+        raise JobError(f"{what}: checkpoint {url} is not published: {e}") from None
+
+
+@contextlib.contextmanager
+def materialize(job: dict[str, Any], roots: Sequence[Path] | None, cache=None):
+    """What the worker evaluates: `(checkpoint dir, baseline dir or None, verified manifests)`.
+
+    Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
+    pass). Store URLs: confined, the marker read and compared with the job, then a local copy
+    from `cache` (a dflash_train.checkpoint_cache.CheckpointCache; downloaded once per
+    publication, every file's digest verified), held for the block so it is not evicted.
+    """
+    if not any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline")):
+        verified = check_checkpoint(job, roots, verify_digest=True)
+        yield job["checkpoint"], job.get("baseline"), verified
+        return
+    if cache is None:
+        raise JobError("this worker has no checkpoint cache to pull store checkpoints into")
+    with contextlib.ExitStack() as stack:
+        local: dict[str, str | None] = {"checkpoint": None, "baseline": None}
+        verified: dict[str, dict[str, Any]] = {}
+        for key in ("checkpoint", "baseline"):
+            where = job.get(key)
+            if not where:
+                continue
+            if not storage.is_url(where):
+                real, manifest = _check_one(where, roots, True, key)
+            else:
+                url, raw, manifest = _check_remote(where, roots, key)
+                if key == "checkpoint":
+                    _match_job(job, manifest)
+                try:
+                    entry, manifest = stack.enter_context(cache.checkout(url, raw))
+                except CheckpointError as e:
+                    raise JobError(f"{key}: {e}") from None
+                real = os.path.realpath(entry)
+            if key == "checkpoint" and not storage.is_url(where):
+                _match_job(job, manifest)
+            local[key], verified[real] = real, manifest
+        yield local["checkpoint"], local["baseline"], verified
+
+
+def _match_job(job: dict[str, Any], manifest: dict[str, Any]) -> None:
+    digest = manifest.get("digest")
+    if digest != job["checkpoint_digest"]:
+        raise JobError(f"checkpoint {job['checkpoint']}: digest in {MARKER_NAME} ({str(digest)[:12]}...) "
+                       f"differs from the job's ({job['checkpoint_digest'][:12]}...): "
+                       "the checkpoint was replaced after the job was made")
+    if int(manifest["step"]) != int(job["step"]):
+        raise JobError(f"checkpoint {job['checkpoint']} is step {manifest['step']}, the job says step {job['step']}")
+    if manifest["run_id"] != job["run_id"]:
+        raise JobError(f"checkpoint {job['checkpoint']} belongs to run {manifest['run_id']!r}, "
+                       f"the job says {job['run_id']!r}")
+
+
 # --------------------------------------------------------------------------- building jobs
+
+def _canonical(location: str | os.PathLike) -> str:
+    """A store URL in canonical form, or an absolute local path."""
+    if storage.is_url(location):
+        try:
+            return storage.check_url(str(location))
+        except storage.StoreError as e:
+            raise JobError(str(e)) from None
+    return os.path.abspath(os.fspath(location))
+
 
 def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.PathLike | None = None,
              baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
              requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
              manifest: dict[str, Any] | None = None, roots: Sequence[Path] | None = None) -> dict[str, Any]:
     """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
-    checkpoint = os.path.abspath(os.fspath(checkpoint))
+    checkpoint = _canonical(checkpoint)
     if manifest is None:
         _, manifest = _check_one(checkpoint, roots, False, "checkpoint")
     if baseline:  # refused here, not an hour later on the worker
-        _check_one(os.path.abspath(os.fspath(baseline)), roots, False, "baseline")
+        _check_one(_canonical(baseline), roots, False, "baseline")
     run_id, step, digest = manifest["run_id"], manifest["step"], manifest["digest"]
     metrics = manifest.get("train_metrics") or None
     if not isinstance(metrics, dict):
@@ -403,7 +504,7 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     payload = {
         "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,
         "checkpoint_digest": digest, "target": os.path.abspath(os.fspath(target)) if target else None,
-        "suite": suite, "baseline": os.path.abspath(os.fspath(baseline)) if baseline else None,
+        "suite": suite, "baseline": _canonical(baseline) if baseline else None,
         "wandb": wandb, "requested_by": requested_by, "priority": priority, "attempt": 0,
         "train_metrics": metrics or None, "options": options or None,
     }

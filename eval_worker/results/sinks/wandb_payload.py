@@ -1,6 +1,7 @@
 """One eval result -> the dict passed to one ``run.log()`` call.
 
-Everything for a checkpoint goes into a single dict together with ``train/step``, so
+Everything for a checkpoint goes into a single dict together with ``train/step`` (and
+``train/global_step``, the same number under the HF Trainer's name), so
 every W&B point (scalars, histogram, tables, plots) carries its x value and lands at the
 right place however late it is logged. Keys:
 
@@ -27,6 +28,9 @@ import math
 import re
 
 STEP_KEY = "train/step"
+# HF Trainer's x-axis: the same number (its state.global_step is the step the callback
+# publishes), logged too so a panel of an HF run's group plots both runs on one axis.
+HF_STEP_KEY = "train/global_step"
 MARK_OPEN, MARK_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧: rare in code, unlike brackets
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -127,7 +131,7 @@ def log_dict(result: dict, prefix: str = "eval/", *, html_column: bool = True) -
     import wandb
 
     step = int(result["checkpoint"]["step"])
-    payload: dict = {STEP_KEY: step, **scalars(result, prefix)}
+    payload: dict = {STEP_KEY: step, HF_STEP_KEY: step, **scalars(result, prefix)}
     block = int(result.get("settings", {}).get("block_size") or len(result.get("acceptance_histogram") or []))
 
     hist = [int(c) for c in result.get("acceptance_histogram") or []]

@@ -46,7 +46,7 @@ from dflash_train.fsutil import atomic_write_text
 from dflash_train.settings import Settings
 from eval_worker.results.run_results import RunResult, load_run
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_payload import STEP_KEY, run_log, suite_prefix
+from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log, suite_prefix
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ def _init(target: WandbTarget, run_id: str, run_dir: Path, results: list[RunResu
                      settings=_settings(target), **extra)
     # The full schema on every writer: a later writer's definitions replace earlier ones.
     run.define_metric(STEP_KEY)
+    run.define_metric(HF_STEP_KEY)  # an x-axis choice for panels shared with an HF run
     run.define_metric("eval/*", step_metric=STEP_KEY)
     prefixes = {"eval/"} | {suite_prefix(r.result["suite"]["name"]) for r in results}
     for r_prefix in sorted(prefixes):
