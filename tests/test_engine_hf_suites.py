@@ -189,3 +189,22 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
         make_job(ck, suite="hf:gsm9k")
     with pytest.raises(JobError, match="n must be"):
         check_suite("hf:gsm8k:n=-1", None, [tmp_path])
+
+
+def test_suites_command_lists_and_loads(hf_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    from eval_worker.cli import main
+
+    assert main(["suites"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"hf:{n}" in listing for n in HF_SUITES) and "builtin:coding" in listing
+    monkeypatch.setenv("DFLASH_HF_DATASETS_DIR", str(hf_dir))
+    assert main(["suites", "hf:gsm8k:n=3", "builtin:coding", "--show", "1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [d["name"] for d in shown] == ["gsm8k-n3", "coding"]
+    assert shown[0]["fingerprint"] == load_suite("hf:gsm8k:n=3", hf_datasets_dir=hf_dir).fingerprint()
+    assert shown[0]["origin"]["dataset"] == "openai/gsm8k" and len(shown[0]["prompts"]) == 1
+    assert main(["suites", "hf:math500", "hf:gsm8k"]) == 0  # both copies are there
+    monkeypatch.setenv("DFLASH_HF_DATASETS_DIR", str(tmp_path / "none"))
+    assert main(["suites", "hf:gsm8k"]) == 2 and "not available offline" in capsys.readouterr().err
