@@ -28,7 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, DrafterConfig
 from .model import DFlashDrafter
-from .publication import CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory, read_manifest
+from . import storage
+from .publication import (CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory,
+                          read_manifest, upload_checkpoint)
 
 
 log = logging.getLogger(__name__)
@@ -258,13 +260,16 @@ class AsyncPublisher:
     `submit` snapshots the drafter's weights to CPU on the caller's (training) thread, so
     later optimizer steps cannot leak into the checkpoint; a background thread writes,
     fsyncs, renames, marks and then calls `on_published(step, path, manifest)` (from that
-    thread). At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
+    thread). With `publish_to` (an object-store prefix), the same thread then uploads the
+    checkpoint (`publication.upload_checkpoint`: files, then the marker) and `path` is its URL. At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
     publication is raised by the next `submit` or `wait`.
     """
 
     def __init__(self, checkpoint_root: str | Path, run_id: str, *, on_published=None,
-                 dtype: torch.dtype | None = None, max_pending: int = 1):
+                 dtype: torch.dtype | None = None, max_pending: int = 1, publish_to: str | None = None):
         self.checkpoint_root, self.run_id = Path(checkpoint_root), run_id
+        # an object-store prefix: each checkpoint is uploaded there on this thread too, and announced by its URL
+        self.store_run = storage.join(storage.check_url(publish_to), run_id) if publish_to else None
         self.on_published, self.dtype = on_published, dtype
         self._jobs: queue.Queue = queue.Queue(maxsize=max(max_pending, 1))
         self._error: BaseException | None = None
@@ -289,6 +294,15 @@ class AsyncPublisher:
             self._idle.clear()
         self._jobs.put((holder, snapshot, int(step), dict(train_metrics or {})))
 
+    def submit_upload(self, path: str | Path, step: int) -> None:
+        """Upload (and then announce) a checkpoint published locally whose upload did not happen
+        (a run resumed after a crash between the two)."""
+        self._raise_error()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._jobs.put((None, Path(path), int(step), {}))
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -296,8 +310,13 @@ class AsyncPublisher:
                 return
             holder, snapshot, step, metrics = job
             try:
-                path = publish_checkpoint(holder, self.checkpoint_root, self.run_id, step, state=snapshot,
-                                          train_metrics=metrics, dtype=self.dtype)
+                if holder is None:  # published locally before, its upload still owed
+                    path = snapshot
+                else:
+                    path = publish_checkpoint(holder, self.checkpoint_root, self.run_id, step, state=snapshot,
+                                              train_metrics=metrics, dtype=self.dtype)
+                if self.store_run is not None:
+                    path = upload_checkpoint(path, self.store_run)
                 if self.on_published is not None:
                     self.on_published(step, path, read_manifest(path))
             except BaseException as e:  # kept for the training thread

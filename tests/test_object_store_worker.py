@@ -118,3 +118,57 @@ def test_s3_two_boxes_publish_enqueue_pull_verify_evaluate(tmp_path, redis_url, 
     texts += [json.dumps(fetch_job(conn, i).args) for i in ids.values()]
     assert not any(secret in t or CREDENTIALS["AWS_ACCESS_KEY_ID"] in t for t in texts)
     conn.close()
+
+
+def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, redis_url, s3_server, monkeypatch):
+    """`publish_to`: the trainer uploads each checkpoint on its publisher thread, the hook queues
+    the store URLs (pinned in the store), retention runs on the store, and a worker that sees
+    only the store evaluates them."""
+    import threading
+
+    from dflash_train import checkpoint as checkpoint_mod
+    from dflash_train.publication import is_pinned, list_checkpoints
+    from dflash_train.settings import Settings
+    from dflash_train.train_config import TrainConfig
+    from dflash_train.trainer import train
+    from hooks import EvalOnCheckpoint
+
+    target = _target()
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    s3_server.make_bucket(bucket)
+    prefix = f"s3://{bucket}/runs"
+    threads, real_upload = [], checkpoint_mod.upload_checkpoint
+    monkeypatch.setattr(checkpoint_mod, "upload_checkpoint",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real_upload(*a, **k))
+    (tmp_path / "suites").mkdir()
+    suite = write_suite(tmp_path / "suites" / "s.jsonl", n_prompts=1, max_new_tokens=8)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 3}) + "\n" for i in range(8)))
+    home = tmp_path / "trainer-home"
+    hook = EvalOnCheckpoint(every_n_steps=4, suite=str(suite), target=str(target), redis_url=redis_url,
+                            settings=Settings.from_env({"DFLASH_HOME": str(home)}))
+    summary = train(TrainConfig(target=str(target), data=str(data), regenerate=False, max_steps=6, publish_every=2,
+                                keep_last=1, batch_size=2, num_anchors=4, max_seq_len=64, seq_multiple=0, block_size=8,
+                                progress=False, checkpoint_root=str(tmp_path / "trainer-box"), run_id="st",
+                                publish_to=prefix, log_every=2), callbacks=[hook])
+    assert summary.step == 6 and not hook.errors, hook.errors
+    assert threads and set(threads) == {"checkpoint-publisher"}  # never the training thread
+    jobs = [o.job for o in hook.outcomes]
+    assert [j["checkpoint"] for j in jobs] == [f"{prefix}/st/step-00000004", f"{prefix}/st/step-00000006"]
+    assert (home / "outbox" / "st").is_dir()  # the hook's outbox is local, the checkpoints are not
+    # retention on the store: keep_last=1 plus the pinned ones (their jobs are queued)
+    assert list_checkpoints(f"{prefix}/st") == [j["checkpoint"] for j in jobs]
+    assert all(is_pinned(j["checkpoint"]) for j in jobs)
+
+    eval_box = tmp_path / "eval-box"
+    eval_box.mkdir()
+    worker = WorkerProcess(eval_box, redis_url, [prefix], name="w-s3-train", target=target, args=["--burst"],
+                           env={"DFLASH_SUITE_ROOTS": str(tmp_path / "suites"), "DFLASH_HOME": str(eval_box / "home")})
+    try:
+        assert worker.wait(600) == 0, worker.log()
+    finally:
+        worker.stop()
+    records = [e.read() for e in Ledger(eval_box / "results").entries("st")]
+    assert sorted(r["step"] for r in records) == [4, 6]
+    assert not any(is_pinned(j["checkpoint"]) for j in jobs)  # the worker released its pins in the store
+    assert (eval_box / "home" / "checkpoint-cache").is_dir()
