@@ -5,7 +5,7 @@
 
 τ = mean accept length (bonus included) of real greedy speculative decoding
 (`dflash_train.speculative.speculative_generate`), pooled over the prompts of a set:
-- `suite`: the built-in eval suite's coding requests (eval_worker/suites/coding.jsonl, chat template);
+- `suite`: the built-in eval suite's coding requests (eval_worker/engine/suites/coding.jsonl, chat template);
 - `heldout-code`: code prefixes from the stdlib files the tiny target never trained on;
 - `heldout-instruct`: coding requests made from those held-out files' docstrings.
 None of these prompts is in the training data. With --train the demo config is trained first

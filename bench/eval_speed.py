@@ -74,7 +74,7 @@ def make_checkpoint(target, path: Path, block_size: int = 16, layers: int = 1, f
 
 
 def suite_for(target, n: int, max_new: int):
-    from eval_worker.suite import Prompt, Suite, load_suite
+    from eval_worker.engine.suite import Prompt, Suite, load_suite
 
     if target.tokenizer is not None:
         s = load_suite("coding").head(n)
@@ -87,9 +87,9 @@ def suite_for(target, n: int, max_new: int):
 
 def time_per_block(args) -> dict:
     from dflash_train.checkpoint import load_drafter
-    from eval_worker.acceptance import Evaluator
-    from eval_worker.cache import CacheReport
-    from eval_worker.drafting import draft_one_block
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.cache import CacheReport
+    from eval_worker.engine.drafting import draft_one_block
 
     target = load_target(args.target)
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +157,7 @@ def time_per_block(args) -> dict:
 def context_sweep(args) -> list[dict]:
     """ms per block, engine drafting vs the one-block loop, as the context grows (same drafter)."""
     from dflash_train.checkpoint import load_drafter
-    from eval_worker.drafting import draft_anchors, draft_one_block
+    from eval_worker.engine.drafting import draft_anchors, draft_one_block
 
     target = load_target(args.target)
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,7 +192,7 @@ def memory_point(target_spec: str, n: int, mode: str, layers: int, features: int
     import ctypes
     import gc
 
-    from eval_worker.drafting import draft_anchors, head_topk
+    from eval_worker.engine.drafting import draft_anchors, head_topk
 
     torch.set_num_threads(1)
     target = load_target(target_spec)
@@ -300,7 +300,7 @@ def main() -> None:
             u = next((m for m in mem if m["anchors"] == n and m["mode"] == "unchunked"), None)
             print(f"{n:>6} {e['peak_extra_mb']:>10.1f} {('%.1f' % u['peak_extra_mb']) if u else '-':>13} "
                   f"{e['seconds']:>9.2f}")
-        from eval_worker.drafting import anchors_per_pass
+        from eval_worker.engine.drafting import anchors_per_pass
 
         chunk = anchors_per_pass(16, context_len=2100, heads=4, dense=True)
         eng = [m for m in mem if m["mode"] == "engine"]

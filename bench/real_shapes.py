@@ -92,9 +92,9 @@ def build(shape: str):
 def child_phases(args) -> dict:
     """One cold evaluation in this (fresh) process."""
     from dflash_train.checkpoint import save_drafter
-    from eval_worker import acceptance
-    from eval_worker.acceptance import Evaluator
-    from eval_worker.suite import load_suite
+    from eval_worker.engine import acceptance
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.suite import load_suite
 
     torch.set_num_threads(args.threads)
     target, drafter = build(args.child)

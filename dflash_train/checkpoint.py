@@ -2,7 +2,9 @@
 
 Loading never unpickles (safetensors only) and checks every tensor's name, shape and
 dtype against the config before building anything, so a truncated or mismatched file
-gives one clear error instead of a half-loaded model.
+gives one clear error instead of a half-loaded model. Other trainers' key layouts are
+mapped first (`map_checkpoint_keys`: wrapper prefixes, fused q/k/v and gate/up, derived
+rotary buffers); whatever is still not ours is named, every key of it.
 
 Publication: `publish_checkpoint` / `AsyncPublisher` save the drafter through the torch-free
 contract in `dflash_train.publication` (atomic directory, `COMPLETE.json` written last),
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import queue
 import re
@@ -25,7 +28,86 @@ from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, DrafterConfig
 from .model import DFlashDrafter
-from .publication import CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory, read_manifest
+from . import storage
+from .publication import (CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory,
+                          read_manifest, upload_checkpoint)
+
+
+log = logging.getLogger(__name__)
+
+# Prefixes other trainers put before the drafter's own names: SpecForge's training wrapper
+# (`draft_model.`), HF-style `*ForCausalLM` wrappers (`model.`), DDP/FSDP/accelerate
+# (`module.`), torch.compile (`_orig_mod.`), a wrapper holding it as `.drafter` (ours, HF).
+KNOWN_PREFIXES = ("draft_model.", "model.", "module.", "_orig_mod.", "drafter.")
+_OURS = re.compile(r"^(layers\.\d+\.|fc\.weight$|hidden_norm\.weight$|norm\.weight$)")
+_DERIVED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # recomputed from the config, never trained
+_FUSED_QKV = re.compile(r"^(layers\.\d+\.self_attn\.)qkv_proj\.weight$")      # vLLM/SGLang-style stacked q, k, v
+_FUSED_GATE_UP = re.compile(r"^(layers\.\d+\.mlp\.)gate_up_proj\.weight$")    # stacked gate, up (Phi-3, vLLM)
+
+
+def _strip_prefixes(key: str) -> str:
+    """`key` without the wrapper prefixes before one of our names; unchanged when it is not ours."""
+    k = key
+    while not _OURS.match(k):
+        p = next((p for p in KNOWN_PREFIXES if k.startswith(p)), None)
+        if p is None:
+            return key
+        k = k[len(p):]
+    return k
+
+
+def map_checkpoint_keys(tensors: dict[str, torch.Tensor], cfg: DrafterConfig,
+                        where: str | Path = "checkpoint") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Other trainers' key layouts in ours: (the tensors by our names, what was mapped).
+
+    Wrapper prefixes (`KNOWN_PREFIXES`, nested too: `module.draft_model.`) are stripped
+    from keys that are ours underneath; fused `qkv_proj` / `gate_up_proj` weights are split
+    into q/k/v (rows: heads*head_dim, kv_heads*head_dim twice) and gate/up (halves); rotary
+    `inv_freq` buffers are dropped. Anything else is left alone for the caller to name.
+    """
+    notes: list[str] = []
+    derived = [k for k in tensors if _DERIVED.search(k)]
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    stripped = 0
+    for key, t in tensors.items():
+        if key in derived:
+            continue
+        name = _strip_prefixes(key)
+        stripped += name != key
+        if name in out:
+            raise CheckpointError(f"{where}: tensors {origin[name]!r} and {key!r} both map to {name!r}")
+        out[name], origin[name] = t, key
+    if derived:
+        notes.append(f"dropped {len(derived)} rotary inv_freq buffer(s) (recomputed from config.json)")
+    if stripped:
+        prefixes = sorted({origin[n][: len(origin[n]) - len(n)] for n in out if origin[n] != n})
+        notes.append(f"stripped prefix(es) {prefixes} from {stripped} tensor(s)")
+    for label, pattern, parts in (("qkv_proj", _FUSED_QKV, ("q_proj", "k_proj", "v_proj")),
+                                  ("gate_up_proj", _FUSED_GATE_UP, ("gate_proj", "up_proj"))):
+        fused = [k for k in out if pattern.match(k)]
+        if not fused:
+            continue
+        try:  # read only when needed: a config this odd is refused by the drafter build that follows
+            sizes = ((cfg.num_attention_heads * cfg.head_dim,) + (cfg.num_key_value_heads * cfg.head_dim,) * 2
+                     if label == "qkv_proj" else (int(cfg.intermediate_size),) * 2)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{where}: config.json cannot size the fused {label} ({type(e).__name__}: {e})") from None
+        for key in fused:
+            t = out[key]
+            if t.dim() != 2 or t.shape[0] != sum(sizes) or min(sizes) <= 0:
+                raise CheckpointError(f"{where}: fused {origin[key]!r} has shape {tuple(t.shape)}; config.json "
+                                      f"implies {sum(sizes)} rows ({' + '.join(map(str, sizes))} for "
+                                      f"{'/'.join(parts)})")
+            base = pattern.match(key).group(1)
+            for part, piece in zip(parts, torch.split(t, list(sizes), dim=0)):
+                name = f"{base}{part}.weight"
+                if name in out:
+                    raise CheckpointError(f"{where}: both fused {origin[key]!r} and {origin[name]!r} are present")
+                out[name], origin[name] = piece.contiguous(), origin[key]
+            del out[key]
+        notes.append(f"split fused {label} into {'/'.join(parts)} in {len(fused)} layer(s)")
+    return out, notes
 
 
 def drafter_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
@@ -85,7 +167,40 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
         cfg = DrafterConfig.load(directory)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    tensors = read_drafter_tensors(directory)
+    return drafter_from_tensors(read_drafter_tensors(directory), cfg, directory, device=device, dtype=dtype)
+
+
+def drafter_from_module(module: torch.nn.Module, config: DrafterConfig | dict | None = None, *,
+                        device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Our `DFlashDrafter` with the weights (copied) of another trainer's drafter module, e.g.
+    SpecForge's `DFlashDraftModel`: its `config` (a transformers config or a dict in the
+    published `config.json` layout, unless `config` is given) read like a published one, its
+    state dict mapped and checked as a checkpoint's would be. For publishing from a foreign
+    training loop (the HF callback's `drafter_getter`)."""
+    config = getattr(module, "config", None) if config is None else config
+    if not isinstance(config, DrafterConfig):
+        # a transformers config: what save_pretrained writes (config.json), not every default
+        raw = (config.to_diff_dict() if hasattr(config, "to_diff_dict") else config.to_dict()
+               if hasattr(config, "to_dict") else config)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{type(module).__name__} has no config to read the drafter's shape from; "
+                                  "pass config= (a DrafterConfig, or a dict in the published config.json layout)")
+        try:
+            config = DrafterConfig.from_dict(json.loads(json.dumps(raw, default=str)))
+        except ConfigError as e:
+            raise CheckpointError(f"{type(module).__name__}.config: {e}") from None
+    tensors = {k: v.detach() for k, v in module.state_dict().items()}
+    return drafter_from_tensors(tensors, config, type(module).__name__, device=device)
+
+
+def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, where: str | Path = "checkpoint", *,
+                         device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """A drafter built from `cfg` holding `tensors` (other layouts mapped), names, shapes and
+    values checked first; `where` names the source in errors."""
+    directory = where
+    tensors, notes = map_checkpoint_keys(tensors, cfg, directory)
+    if notes:
+        log.info("%s: other key layout mapped: %s", directory, "; ".join(notes))
     layers = {int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}
     if len(layers) != cfg.num_hidden_layers:  # checked first: building a huge claimed depth would take forever
         raise CheckpointError(f"{directory}: config.json says {cfg.num_hidden_layers} layers, "
@@ -104,8 +219,11 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
     problems = []
     if missing:
         problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if unexpected:
-        problems.append(f"unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    if unexpected:  # named in full: the user has to map each of them (or learn the format is another)
+        shown = unexpected[:40]
+        problems.append(f"{len(unexpected)} unknown tensor(s) (not this drafter's layout once the prefixes "
+                        f"{list(KNOWN_PREFIXES)} and fused qkv_proj/gate_up_proj are mapped): {shown}"
+                        f"{f' and {len(unexpected) - 40} more' if len(unexpected) > 40 else ''}")
     if wrong:
         problems.append("wrong shapes: " + "; ".join(wrong[:5]))
     if not_float:
@@ -118,7 +236,7 @@ def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
         raise CheckpointError(f"{directory}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s): "
                               f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; refusing to load this drafter")
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(tensors, strict=True)
+    drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
     target_dtype = dtype or next(iter(tensors.values())).dtype
     return drafter.to(device=device, dtype=target_dtype)
 
@@ -142,13 +260,16 @@ class AsyncPublisher:
     `submit` snapshots the drafter's weights to CPU on the caller's (training) thread, so
     later optimizer steps cannot leak into the checkpoint; a background thread writes,
     fsyncs, renames, marks and then calls `on_published(step, path, manifest)` (from that
-    thread). At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
+    thread). With `publish_to` (an object-store prefix), the same thread then uploads the
+    checkpoint (`publication.upload_checkpoint`: files, then the marker) and `path` is its URL. At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
     publication is raised by the next `submit` or `wait`.
     """
 
     def __init__(self, checkpoint_root: str | Path, run_id: str, *, on_published=None,
-                 dtype: torch.dtype | None = None, max_pending: int = 1):
+                 dtype: torch.dtype | None = None, max_pending: int = 1, publish_to: str | None = None):
         self.checkpoint_root, self.run_id = Path(checkpoint_root), run_id
+        # an object-store prefix: each checkpoint is uploaded there on this thread too, and announced by its URL
+        self.store_run = storage.join(storage.check_url(publish_to), run_id) if publish_to else None
         self.on_published, self.dtype = on_published, dtype
         self._jobs: queue.Queue = queue.Queue(maxsize=max(max_pending, 1))
         self._error: BaseException | None = None
@@ -173,6 +294,15 @@ class AsyncPublisher:
             self._idle.clear()
         self._jobs.put((holder, snapshot, int(step), dict(train_metrics or {})))
 
+    def submit_upload(self, path: str | Path, step: int) -> None:
+        """Upload (and then announce) a checkpoint published locally whose upload did not happen
+        (a run resumed after a crash between the two)."""
+        self._raise_error()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._jobs.put((None, Path(path), int(step), {}))
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -180,8 +310,13 @@ class AsyncPublisher:
                 return
             holder, snapshot, step, metrics = job
             try:
-                path = publish_checkpoint(holder, self.checkpoint_root, self.run_id, step, state=snapshot,
-                                          train_metrics=metrics, dtype=self.dtype)
+                if holder is None:  # published locally before, its upload still owed
+                    path = snapshot
+                else:
+                    path = publish_checkpoint(holder, self.checkpoint_root, self.run_id, step, state=snapshot,
+                                              train_metrics=metrics, dtype=self.dtype)
+                if self.store_run is not None:
+                    path = upload_checkpoint(path, self.store_run)
                 if self.on_published is not None:
                     self.on_published(step, path, read_manifest(path))
             except BaseException as e:  # kept for the training thread

@@ -9,7 +9,10 @@ itself what that step needs (rank 0 only):
   training state is saved (`train_state.py`);
 - each publication that has landed is announced to the callbacks
   (`on_checkpoint_published`, on the training thread), then retention keeps the newest
-  `keep_last` plus every pinned or callback-protected one.
+  `keep_last` plus every pinned or callback-protected one;
+- with `publish_to` (an object-store prefix), each checkpoint is also uploaded there on the
+  publisher's thread and announced by its URL (jobs name it); retention and the cleanup of
+  interrupted uploads apply to the store's run prefix as well as to the local run directory.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import logging
 import queue
 from typing import TYPE_CHECKING, Callable
 
+from . import storage
 from .checkpoint import AsyncPublisher
 from .publication import MARKER_NAME, apply_retention, cleanup_incomplete, step_dir_name
 from .train_state import save_training_state
@@ -37,9 +41,11 @@ class Checkpointer:
         self.state_path: str | None = None     # the last training state saved
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        for p in cleanup_incomplete(trainer.run_dir):
-            log.info("removed half-written %s", p)
-        self.publisher = AsyncPublisher(c.checkpoint_root, trainer.run_id, dtype=dtype,
+        self.store_run = storage.join(c.publish_to, trainer.run_id) if c.publish_to else None
+        for where in filter(None, (trainer.run_dir, self.store_run)):
+            for p in cleanup_incomplete(where):
+                log.info("removed half-written %s", p)
+        self.publisher = AsyncPublisher(c.checkpoint_root, trainer.run_id, dtype=dtype, publish_to=c.publish_to,
                                         on_published=lambda *landed: self._landed.put(landed))
 
     def step(self, step: int, train_metrics: Callable[[], dict]) -> None:
@@ -61,8 +67,9 @@ class Checkpointer:
                 return
             self.published.append(str(path))
             t.callbacks.on_checkpoint_published(t, step, path, manifest)
-            for p in apply_retention(t.run_dir, self.config.keep_last, protect=t.callbacks.protects):
-                log.info("retention removed %s", p)
+            for where in filter(None, (t.run_dir, self.store_run)):
+                for p in apply_retention(where, self.config.keep_last, protect=t.callbacks.protects):
+                    log.info("retention removed %s", p)
 
     def close(self, failing: bool) -> None:
         """Wait for the last publication; its failure is raised unless training is failing already."""
@@ -75,8 +82,12 @@ class Checkpointer:
 
     def _publish(self, step: int, train_metrics: dict) -> None:
         t = self.trainer
-        if (t.run_dir / step_dir_name(step) / MARKER_NAME).exists():
+        local = t.run_dir / step_dir_name(step)
+        if (local / MARKER_NAME).exists():
             log.warning("step %d is already published in %s; keeping that one", step, t.run_dir)
+            remote = storage.join(self.store_run, step_dir_name(step)) if self.store_run else None
+            if remote and not storage.store_for(remote).exists(storage.join(remote, MARKER_NAME)):
+                self.publisher.submit_upload(local, step)  # a crash came between publishing and uploading
             return
         self.publisher.submit(t.drafter, step, train_metrics=train_metrics)
 

@@ -7,7 +7,8 @@ Sources:
 - `builtin:stdlib-code`: code prefixes cut from the Python standard library at function
   definitions (the files the bundled tiny target trained on, its held-out files excluded);
   `builtin:stdlib-instruct`: coding requests ("Write a Python function f(x) that ...") made
-  from the same files' docstrings, chat-templated like the built-in eval suite;
+  from the same files' functions, chat-templated like the built-in eval suite, from the
+  functions kept out of the target's own chat pairs (never the eval suite's prompts);
   `builtin:stdlib-mix`: half of each.
 
 Prompts without a response get one from the target itself (greedy regeneration, cached
@@ -143,50 +144,31 @@ def stdlib_code_prompts(tokenizer, num_prompts: int, prompt_tokens: int = 64, sp
     return out
 
 
-_DOC_DEF = re.compile(r'^[ \t]*def ([a-z][a-z0-9_]*)\(([^)\n]{0,80})\)[^:\n]*:[ \t]*\n[ \t]+(?:"""|\'\'\')'
-                      r'([A-Z][^\n.]{10,120})\.', re.M)
-_ASKS = ("Write a Python function {name}({args}) that {doc}.", "Implement {name}({args}) in Python: it should {doc}.",
-         "Define a Python function {name}({args}). It should {doc}.", "In Python, write {name}({args}), which should {doc}.")
-
-
-def _verb_phrase(doc: str) -> str:
-    """'Return the sum.' -> 'return the sum' (docstrings are imperative)."""
-    return doc[0].lower() + doc[1:]
-
-
 def stdlib_instruct_prompts(tokenizer, num_prompts: int, split: str = "train", chat_template: str = "auto",
                             stdlib_root: str | None = None) -> list[Example]:
-    """Coding requests like the built-in eval suite's, made from stdlib function docstrings.
+    """Coding requests like the built-in eval suite's, made from stdlib functions.
 
-    "Write a Python function parse_header(line) that parse a Content-type like header." The
-    names and one-line docstrings come from the target's training (or held-out) files; the
-    eval suite's own prompts are never used. Chat-templated when the tokenizer has one.
+    "Write a Python function parse_header(line) that parses a Content-type like header." The
+    requests are the tiny target builder's chat pairs (``collect_chat_pairs``): `split="train"`
+    takes the *spare* ones, functions in the target's training files whose pairs the target
+    never trained on (the demo drafter's prompts: the target writes a fresh answer, not one it
+    memorised); `"heldout"` those of its held-out files. The eval suite's own prompts are never
+    used. Deterministic (evenly spaced in file order); chat-templated when the tokenizer has one.
     """
-    from .assets.build_tiny_target import collect_corpus
+    from .assets.build_tiny_target import collect_chat_pairs
 
-    train, heldout, _ = collect_corpus(stdlib_root)
-    texts = {"train": train, "heldout": heldout}.get(split)
-    if texts is None:
+    pairs = {"train": "spare", "heldout": "heldout"}.get(split)
+    if pairs is None:
         raise DataError(f"unknown split {split!r} (train, heldout)")
-    seen, cands = set(), []
-    for text in texts:
-        for m in _DOC_DEF.finditer(text):
-            name, args, doc = m.group(1), m.group(2), m.group(3)
-            args = ", ".join(a.split("=")[0].split(":")[0].strip() for a in args.split(",")
-                             if a.strip() and a.strip() not in ("self", "cls"))
-            if name.startswith("_") or name in seen:
-                continue
-            seen.add(name)
-            cands.append((name, args, doc))
+    cands = collect_chat_pairs(stdlib_root)[pairs]
     if not cands:
         raise DataError(f"no documented functions found in the {split} stdlib files")
     step = max(len(cands) / max(num_prompts, 1), 1.0)
     out = []
     for i in range(min(num_prompts, len(cands))):
-        name, args, doc = cands[int(i * step)]
-        ask = _ASKS[i % len(_ASKS)].format(name=name, args=args, doc=_verb_phrase(doc))
-        prompt, _ = encode_record(tokenizer, {"prompt": ask}, chat_template)
-        out.append(Example(prompt, len(prompt), name=f"{split}-instruct-{name}"))
+        pair = cands[int(i * step)]
+        prompt, _ = encode_record(tokenizer, {"prompt": pair.ask}, chat_template)
+        out.append(Example(prompt, len(prompt), name=f"{split}-instruct-{pair.qualname}"))
     return out
 
 

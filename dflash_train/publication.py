@@ -11,6 +11,14 @@ Layout (docs/design.md, "Published eval checkpoint")::
         COMPLETE.json                      the manifest, written last
         .pins/<token>                      retention pins (one per eval job that may read it)
 
+An *import record* is a published checkpoint whose files live elsewhere: a drafter trained
+by another tool (a z-lab release, a SpecForge output directory, a Hugging Face cache
+snapshot) gets `<checkpoint_root>/<run_id>/step-<step:08d>/COMPLETE.json` alone, with
+`"source": "<real path of the drafter directory>"` and the digests of the source's files;
+nothing is written into the source (it may be read-only). Every reader resolves the files
+through `files_dir(directory, manifest)`, so verification, confinement (the source's files
+must lie inside the roots too), pins and retention treat both kinds alike.
+
 A checkpoint is published by writing a hidden temporary directory
 `.step-<step:08d>.tmp-<pid>`, fsyncing it, renaming it into place and only then writing
 COMPLETE.json (a fsynced temporary file and a rename). A directory without the marker is
@@ -18,6 +26,13 @@ never a checkpoint: never enqueued, never evaluated, removed by the next run's c
 
 Run ids name directories, Redis keys and job ids: `RUN_ID_PATTERN`, checked by the
 trainer's config, the job schema and the ledger alike.
+
+The same layout lives in an object store under a URL prefix (`s3://bucket/runs/<run_id>/
+step-<step:08d>/...`, see `storage.py`). A store has no atomic directory rename, so the
+marker is the commit point: `upload_checkpoint` uploads every file of a published local
+checkpoint, then COMPLETE.json last; a prefix without the marker is never a checkpoint
+(an interrupted upload is ignored by readers and removed by `cleanup_incomplete`). Reading
+the manifest, listing, pins and retention take a URL wherever they take a directory.
 """
 from __future__ import annotations
 
@@ -30,6 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable
 
+from . import storage
 from .errors import DFlashError
 from .fsutil import atomic_write_json, fsync_path, pid_alive
 
@@ -80,7 +96,8 @@ def step_dir_name(step: int) -> str:
 
 def checkpoint_step(directory: str | Path) -> int | None:
     """The step a `step-NNNNNNNN` directory name stands for, else None."""
-    m = _STEP_DIR.match(Path(directory).name)
+    base = storage.name(directory) if storage.is_url(directory) else Path(directory).name
+    m = _STEP_DIR.match(base)
     return int(m.group(1)) if m else None
 
 
@@ -92,21 +109,55 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def weights_digest(files: dict[str, str]) -> str:
+    """The checkpoint's digest from its files' digests: that of `model.safetensors`, or for a
+    sharded drafter (an index and shards) a sha256 over `name:digest` lines of the shards in
+    name order. One definition, for the manifest, `run` on a plain directory and the worker."""
+    if WEIGHTS_NAME in files:
+        return files[WEIGHTS_NAME]
+    h = hashlib.sha256()
+    for name in sorted(n for n in files if n.endswith(".safetensors")):
+        h.update(f"{name}:{files[name]}\n".encode())
+    return h.hexdigest()
+
+
+def drafter_files(directory: str | Path) -> list[str]:
+    """The files that make a drafter directory (config.json and its weights: one
+    `model.safetensors`, or an index and the shards it names); CheckpointError naming what is missing."""
+    directory = Path(directory)
+    if not (directory / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{directory} is not a drafter directory: missing {CONFIG_NAME}")
+    if (directory / WEIGHTS_NAME).is_file():
+        return [CONFIG_NAME, WEIGHTS_NAME]
+    index = directory / INDEX_NAME
+    if not index.is_file():
+        raise CheckpointError(f"{directory} is not a drafter directory: missing {WEIGHTS_NAME} (or {INDEX_NAME})")
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: unreadable ({e})") from None
+    bad = [s for s in shards if not isinstance(s, str) or os.sep in s or s.startswith(".")]
+    if bad:
+        raise CheckpointError(f"{index}: shard names {bad[:3]} leave the directory")
+    missing = [s for s in shards if not (directory / s).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: shards {missing[:3]} listed in {INDEX_NAME} are missing")
+    return [CONFIG_NAME, INDEX_NAME, *shards]
+
+
 # --------------------------------------------------------------------------- publishing
 
-def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
-                      train_metrics: dict | None = None) -> Path:
-    """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
-
-    `write_files(tmp_dir)` writes the checkpoint's files (config.json, the weights) into a
-    fresh temporary directory. Publishing a step that is already complete is an error; a
-    leftover without a marker is replaced.
-    """
+def _run_dir(checkpoint_root: str | Path, run_id: str) -> Path:
     check_run_id(run_id)
     run_dir = Path(checkpoint_root) / run_id
     if not run_dir.is_dir():
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, DIR_MODE)
+    return run_dir
+
+
+def _place(run_dir: Path, step: int, write_files: Callable[[Path], None]) -> tuple[Path, dict[str, str]]:
+    """Write into a fresh temporary directory, fsync, rename to `step-<step>`; (its path, digests of its files)."""
     final = run_dir / step_dir_name(step)
     if (final / MARKER_NAME).exists():
         raise CheckpointError(f"{final} is already published")
@@ -126,27 +177,121 @@ def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write
         shutil.rmtree(final)
     os.rename(tmp, final)
     fsync_path(run_dir)
-    manifest = {
-        "format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": files[WEIGHTS_NAME],
-        "files": files, "config": json.loads((final / CONFIG_NAME).read_text()),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "train_metrics": dict(train_metrics or {}),
-    }
+    return final, files
+
+
+def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train_metrics: dict | None,
+              **extra) -> dict:
+    return {"format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": weights_digest(files),
+            "files": files, "config": config, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "train_metrics": dict(train_metrics or {}), **extra}
+
+
+def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
+                      train_metrics: dict | None = None) -> Path:
+    """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
+
+    `write_files(tmp_dir)` writes the checkpoint's files (config.json, the weights) into a
+    fresh temporary directory. Publishing a step that is already complete is an error; a
+    leftover without a marker is replaced.
+    """
+    final, files = _place(_run_dir(checkpoint_root, run_id), step, write_files)
+    manifest = _manifest(run_id, step, files, json.loads((final / CONFIG_NAME).read_text()), train_metrics)
     atomic_write_json(final / MARKER_NAME, manifest, mode=FILE_MODE)
     return final
+
+
+def import_directory(checkpoint_root: str | Path, run_id: str, step: int, source: str | Path, *,
+                     train_metrics: dict | None = None) -> tuple[Path, bool]:
+    """Record a drafter directory trained elsewhere as `<root>/<run_id>/step-<step:08d>/`
+    (an import record: COMPLETE.json alone, `source` naming the directory, the digests of its
+    files); returns (the record's path, whether it was written now).
+
+    Nothing is written into `source` (it may be read-only). Importing the same files again
+    returns the existing record; a different drafter at a recorded (run, step) is an error.
+    """
+    src = Path(os.path.realpath(os.path.expanduser(str(source))))
+    if not src.is_dir():
+        raise CheckpointError(f"{source} is not a directory")
+    if (src / MARKER_NAME).exists():
+        raise CheckpointError(f"{source} is already a published checkpoint (it has {MARKER_NAME}); "
+                              "enqueue it as it is")
+    files = {name: sha256_file(src / name) for name in drafter_files(src)}
+    try:
+        config = json.loads((src / CONFIG_NAME).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{src / CONFIG_NAME}: unreadable ({e})") from None
+    run_dir = _run_dir(checkpoint_root, run_id)
+    existing = run_dir / step_dir_name(step)
+    if (existing / MARKER_NAME).exists():
+        old = read_manifest(existing)
+        if old.get("source") == str(src) and old["files"] == files:
+            return existing, False
+        raise CheckpointError(f"{existing} already records {old.get('source') or 'a published checkpoint'} "
+                              f"(digest {old['digest'][:12]}...); import this drafter under another run or step")
+    final, _ = _place(run_dir, step, lambda tmp: None)
+    atomic_write_json(final / MARKER_NAME, _manifest(run_id, step, files, config, train_metrics, source=str(src)),
+                      mode=FILE_MODE)
+    return final, True
+
+
+_STEP_IN_NAME = re.compile(r"(?:^|[_-])(?:step|checkpoint|ckpt|iter)[_-]?(\d+)$", re.IGNORECASE)
+
+
+def import_name(source: str | Path) -> tuple[str, int]:
+    """The (run id, step) an import record gets by default, read off the source's path: a
+    Hugging Face cache snapshot `.../models--ORG--NAME/snapshots/REV` -> (`ORG--NAME-REV[:8]`, 0);
+    a step directory of a trainer (`epoch_0_step_1000` (SpecForge), `checkpoint-500` (HF
+    Trainer)) -> (its parent's name, that step); anything else -> (its name, 0)."""
+    p = Path(os.path.abspath(os.path.expanduser(str(source))))
+    parts = p.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return run_id_from(f"{parts[-3][len('models--'):]}-{parts[-1][:8]}", default="import"), 0
+    m = _STEP_IN_NAME.search(p.name)
+    if m and p.parent.name:
+        return run_id_from(p.parent.name, default="import"), int(m.group(1))
+    return run_id_from(p.name, default="import"), 0
+
+
+def files_dir(directory: str | Path, manifest: dict) -> Path:
+    """Where a checkpoint's listed files are: the import record's `source`, else the directory itself."""
+    return Path(manifest["source"]) if manifest.get("source") else Path(directory)
 
 
 # --------------------------------------------------------------------------- reading and verifying
 
 def read_manifest(directory: str | Path) -> dict:
-    """The manifest of a published checkpoint; CheckpointError if it is not one."""
+    """The manifest of a published checkpoint (a directory or a URL); CheckpointError if it is not one."""
+    return parse_manifest(read_marker(directory), directory)
+
+
+def read_marker(directory: str | Path) -> bytes:
+    """The bytes of a checkpoint's COMPLETE.json (local or in a store); CheckpointError when there is none.
+
+    A store that cannot be reached raises storage.StoreUnavailable (retryable)."""
+    if storage.is_url(directory):
+        marker = storage.join(storage.check_url(directory), MARKER_NAME)
+        try:
+            return storage.store_for(marker).read_bytes(marker)
+        except FileNotFoundError:
+            raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
+                                  "(still being uploaded, or an interrupted upload)") from None
     marker = Path(directory) / MARKER_NAME
     try:
-        data = json.loads(marker.read_text())
+        return marker.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
                               "(still being written, or abandoned)") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
+
+
+def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
+    """The manifest in marker bytes `raw`, checked; CheckpointError naming `directory` if invalid."""
+    marker = storage.join(str(directory), MARKER_NAME) if storage.is_url(directory) else Path(directory) / MARKER_NAME
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
     problems = []
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
@@ -156,10 +301,17 @@ def read_manifest(directory: str | Path) -> dict:
     if not isinstance(data.get("digest"), str) or len(data["digest"]) != 64:
         problems.append("digest must be a sha256 hex string")
     files = data.get("files")
-    if not isinstance(files, dict) or WEIGHTS_NAME not in files:
-        problems.append(f"files must list {WEIGHTS_NAME}")
-    elif files[WEIGHTS_NAME] != data.get("digest"):
-        problems.append(f"digest differs from files[{WEIGHTS_NAME}]")
+    if (not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values())
+            or not (WEIGHTS_NAME in files or INDEX_NAME in files)):
+        problems.append(f"files must list {WEIGHTS_NAME} (or {INDEX_NAME} and its shards)")
+    elif weights_digest(files) != data.get("digest"):
+        problems.append("digest differs from the weights' digest in files")
+    elif any(not isinstance(n, str) or not n or "/" in n or os.sep in n or n.startswith(".") or n == MARKER_NAME
+             or not isinstance(d, str) or len(d) != 64 for n, d in files.items()):
+        problems.append("files must map plain file names to sha256 hex digests")
+    source = data.get("source")
+    if source is not None and (not isinstance(source, str) or not os.path.isabs(source) or "\x00" in source):
+        problems.append("source must be an absolute path")
     if not isinstance(data.get("run_id"), str):
         problems.append("run_id missing")
     if problems:
@@ -170,41 +322,89 @@ def read_manifest(directory: str | Path) -> dict:
 def within(path: str | os.PathLike, roots: Iterable[Path]) -> Path | None:
     """The real path of `path` (symlinks resolved) if it lies inside one of `roots`, else None."""
     real = Path(os.path.realpath(path))
-    return real if any(real == root or root in real.parents for root in roots) else None
+    local = [Path(r) for r in roots if not storage.is_url(r)]  # store prefixes never hold a local path
+    return real if any(real == root or root in real.parents for root in local) else None
 
 
 def verify_checkpoint(directory: str | Path, roots: list[Path] | None = None) -> dict:
     """`read_manifest` plus a sha256 check of every listed file; returns the manifest.
 
     With `roots`, every listed file must also lie inside them once symlinks are resolved
-    (a checkpoint may not point the worker at files elsewhere).
+    (a checkpoint may not point the worker at files elsewhere; an import record's source
+    files are checked the same way).
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
+    where = files_dir(directory, manifest)
     for name, want in sorted(manifest["files"].items()):
-        path = directory / name
+        path = where / name
         if os.sep in name or name.startswith("."):
             raise CheckpointError(f"{directory}: {MARKER_NAME} lists a file outside the directory: {name!r}")
         if roots is not None and within(path, roots) is None:
-            raise CheckpointError(f"{directory}: {name} resolves to {os.path.realpath(path)}, outside the "
-                                  "checkpoint roots; a symlink may not lead out of the roots")
+            raise CheckpointError(f"{directory}: {path} resolves to {os.path.realpath(path)}, outside the "
+                                  "checkpoint roots; a symlink may not lead out of the roots (an imported "
+                                  "drafter's directory must lie in a checkpoint root too)")
         if not path.is_file():
-            raise CheckpointError(f"{directory}: {name} listed in {MARKER_NAME} is missing")
+            raise CheckpointError(f"{directory}: {path} listed in {MARKER_NAME} is missing")
         got = sha256_file(path)
         if got != want:
-            raise CheckpointError(f"{directory}: {name} digest mismatch (manifest {str(want)[:12]}..., "
-                                  f"file {got[:12]}...): modified or corrupt")
+            raise CheckpointError(f"{directory}: {path if where != directory else name} digest mismatch "
+                                  f"(manifest {str(want)[:12]}..., file {got[:12]}...): modified or corrupt")
     return manifest
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Published (marked) checkpoints of a run directory, oldest step first."""
+def list_checkpoints(run_dir: str | Path) -> list:
+    """Published (marked) checkpoints of a run directory or run URL, oldest step first
+    (Paths for a directory, URLs for a store)."""
+    if storage.is_url(run_dir):
+        run_url = storage.check_url(run_dir)
+        store = storage.store_for(run_url)
+        steps = [storage.join(run_url, n) for n in store.list_names(run_url) if _STEP_DIR.match(n)]
+        found = [u for u in steps if MARKER_NAME in store.list_names(u)]
+        return sorted(found, key=checkpoint_step)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None
              and (p / MARKER_NAME).is_file()]
     return sorted(found, key=checkpoint_step)
+
+
+# --------------------------------------------------------------------------- object stores
+
+def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = True) -> str:
+    """Copy a published local checkpoint to `<run_url>/step-<step:08d>/`; returns that URL.
+
+    Every listed file is uploaded (and its size checked against the store), then
+    COMPLETE.json, byte for byte, last: the marker is the commit point, so a reader sees
+    the whole checkpoint or none. An earlier interrupted upload of the same step (objects
+    but no marker) is removed first; a step already marked in the store is an error.
+    """
+    directory = Path(directory)
+    raw = read_marker(directory)
+    manifest = parse_manifest(raw, directory)
+    if verify:
+        verify_checkpoint(directory)
+    run_url = storage.check_url(run_url)
+    check_run_id(storage.name(run_url))
+    dest = storage.join(run_url, step_dir_name(manifest["step"]))
+    store = storage.store_for(dest)
+    marker = storage.join(dest, MARKER_NAME)
+    if store.exists(marker):
+        raise CheckpointError(f"{dest} is already published")
+    if store.list_names(dest):  # an interrupted earlier upload
+        store.remove(dest, recursive=True)
+    where = files_dir(directory, manifest)
+    if manifest.get("source"):  # an import record: in the store its files lie beside the marker
+        raw = json.dumps({k: v for k, v in manifest.items() if k != "source"}, indent=2).encode()
+    for file_name in sorted(manifest["files"]):
+        url = storage.join(dest, file_name)
+        store.put_file(where / file_name, url)
+        want, got = (where / file_name).stat().st_size, store.size(url)
+        if got != want:
+            raise storage.StoreUnavailable(f"{url}: the store holds {got} bytes after uploading {want}")
+    store.write_bytes(marker, raw)
+    return dest
 
 
 # --------------------------------------------------------------------------- pins and retention
@@ -215,12 +415,27 @@ def _pin_path(directory: Path, token: str) -> Path:
     return Path(directory) / PINS_DIR / token
 
 
+def _pin_url(directory: str, token: str) -> str:
+    _pin_path(Path("."), token)  # the same token rule
+    return storage.join(storage.check_url(directory), PINS_DIR, token)
+
+
 def pin_checkpoint(directory: str | Path, token: str) -> bool:
     """Keep `directory` through retention until `unpin_checkpoint(directory, token)`.
 
-    Returns False when the pin cannot be written (no such checkpoint, a read-only mount):
-    the checkpoint is then only less protected, never refused.
+    Returns False when the pin cannot be written (no such checkpoint, a read-only mount or
+    store): the checkpoint is then only less protected, never refused.
     """
+    if storage.is_url(directory):
+        try:
+            url = _pin_url(directory, token)
+            store = storage.store_for(url)
+            if not store.exists(storage.join(storage.check_url(directory), MARKER_NAME)):
+                return False
+            store.write_bytes(url, b"")
+        except (storage.StoreError, OSError):
+            return False
+        return True
     p = _pin_path(Path(directory), token)
     try:
         if not Path(directory).is_dir():
@@ -242,6 +457,16 @@ def pin_checkpoint(directory: str | Path, token: str) -> bool:
 
 def unpin_checkpoint(directory: str | Path, token: str) -> bool:
     """Release pin `token` (True if one was removed); a missing pin or checkpoint is not an error."""
+    if storage.is_url(directory):
+        try:
+            url = _pin_url(directory, token)
+            store = storage.store_for(url)
+            if not store.exists(url):
+                return False
+            store.remove(url)
+        except (storage.StoreError, OSError):
+            return False
+        return True
     try:
         _pin_path(Path(directory), token).unlink()
     except OSError:
@@ -250,12 +475,21 @@ def unpin_checkpoint(directory: str | Path, token: str) -> bool:
 
 
 def is_pinned(directory: str | Path) -> bool:
+    if storage.is_url(directory):
+        url = storage.join(storage.check_url(directory), PINS_DIR)
+        return bool(storage.store_for(url).list_names(url))
     pins = Path(directory) / PINS_DIR
     return pins.is_dir() and any(pins.iterdir())
 
 
 def remove_checkpoint(directory: str | Path) -> None:
     """Invalidate first (marker gone), then delete: a reader never loads a half-deleted one."""
+    if storage.is_url(directory):
+        url = storage.check_url(directory)
+        store = storage.store_for(url)
+        store.remove(storage.join(url, MARKER_NAME))
+        store.remove(url, recursive=True)
+        return
     directory = Path(directory)
     try:
         (directory / MARKER_NAME).unlink()
@@ -264,11 +498,11 @@ def remove_checkpoint(directory: str | Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list[Path]:
-    """Delete published checkpoints beyond the newest `keep_last` (0 keeps all).
+def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list:
+    """Delete published checkpoints (of a run directory or run URL) beyond the newest `keep_last` (0 keeps all).
 
     Kept regardless: pinned ones and those for which `protect(path)` is True.
-    Returns the removed paths.
+    Returns the removed paths (URLs for a store).
     """
     if keep_last <= 0:
         return []
@@ -283,12 +517,23 @@ def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list[P
     return removed
 
 
-def cleanup_incomplete(run_dir: str | Path) -> list[Path]:
+def cleanup_incomplete(run_dir: str | Path) -> list:
     """Remove half-written publications of earlier runs (call before training starts).
 
     `.step-*.tmp-<pid>` directories of dead processes (or of this one: nothing is in
-    flight yet) and `step-*` directories that never got their marker.
+    flight yet) and `step-*` directories that never got their marker. For a run URL:
+    `step-*` prefixes without a marker (interrupted uploads).
     """
+    if storage.is_url(run_dir):
+        run_url = storage.check_url(run_dir)
+        store = storage.store_for(run_url)
+        removed = []
+        for n in store.list_names(run_url):
+            url = storage.join(run_url, n)
+            if _STEP_DIR.match(n) and MARKER_NAME not in store.list_names(url):
+                store.remove(url, recursive=True)
+                removed.append(url)
+        return removed
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []

@@ -14,9 +14,12 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `DFLASH_RESULTS_DIR` | `results_dir` (the ledger) | `<home>/results` |
 | `DFLASH_CACHE_DIR` | `cache_dir` (references, features: `run` and the worker) | `<home>/cache` |
 | `DFLASH_SPOOL_DIR` | `spool_dir` (results whose ledger write failed) | `<home>/spool` |
-| `DFLASH_CHECKPOINT_ROOTS` | `checkpoint_roots` (os.pathsep-separated) | none (the worker refuses to start) |
+| `DFLASH_CHECKPOINT_ROOTS` | `checkpoint_roots` (os.pathsep-separated; directories and store prefixes such as `s3://bucket/runs`) | none (the worker refuses to start) |
+| `DFLASH_CHECKPOINT_CACHE_DIR` | `checkpoint_cache_dir` (the worker's copies of checkpoints pulled from a store) | `<home>/checkpoint-cache` |
+| `DFLASH_CHECKPOINT_CACHE_GB` | `checkpoint_cache_gb` (evicted least recently used beyond this) | 20 |
 | `DFLASH_TARGET_ROOTS` | `target_roots` | the checkpoint roots |
 | `DFLASH_SUITE_ROOTS` | `suite_roots` | the checkpoint roots |
+| `DFLASH_HF_DATASETS_DIR` | `hf_datasets_dir` (local copies of the `hf:` suites' dataset repos, `DIR/<owner>/<name>`) | none (the datasets cache, else the Hub) |
 | `DFLASH_TARGET` | `target` (the worker's preloaded target; `enqueue --target`) | none |
 | `DFLASH_DEVICE` | `device` (the worker's torch device) | the engine's |
 | `DFLASH_EVALUATOR_FACTORY` | `evaluator_factory` (`module:callable`) | `acceptance.Evaluator` |
@@ -31,6 +34,10 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `DFLASH_WANDB_TIMEOUT_S` | `wandb_timeout_s` (a whole publication) | 300 |
 | `DFLASH_WANDB_PRIMARY_SUITE` | `wandb_primary_suite` (logged under plain `eval/...`) | the first suite evaluated |
 | `RQ_WORKER_ID` | `worker_id` (recorded in ledger records) | the RQ worker's name |
+
+Object-store credentials and endpoints are not settings of ours: s3fs/botocore read them
+(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `AWS_ENDPOINT_URL`, ~/.aws), as
+huggingface_hub reads `HF_TOKEN`; see dflash_train/storage.py.
 """
 from __future__ import annotations
 
@@ -46,15 +53,33 @@ KNOWN_SINKS = ("wandb",)
 SINKS_OFF = ("", "none", "off", "0")
 
 
-def parse_roots(roots) -> tuple[Path, ...] | None:
-    """Directories as the confinement checks compare them (user expanded, symlinks resolved);
-    `roots` is an iterable of paths or an os.pathsep-separated string; None when it names none."""
+def parse_roots(roots) -> tuple[Path | str, ...] | None:
+    """Roots as the confinement checks compare them: directories user expanded with symlinks
+    resolved (Path), object-store prefixes in canonical form (str, `s3://bucket/prefix`);
+    `roots` is an iterable or an os.pathsep-separated string (the ':' of `s3://` is no
+    separator); None when it names none. An invalid URL raises storage.StoreError."""
+    from .storage import check_url, is_url
+
     if roots is None:
         return None
     if isinstance(roots, str):
-        roots = roots.split(os.pathsep)
-    out = tuple(Path(os.path.realpath(os.path.expanduser(str(r)))) for r in roots if str(r).strip())
+        roots = _split_roots(roots)
+    out = tuple(check_url(str(r).strip()) if is_url(str(r).strip()) else Path(os.path.realpath(os.path.expanduser(str(r))))
+                for r in roots if str(r).strip())
     return out or None
+
+
+def _split_roots(text: str) -> list[str]:
+    """`text` split at os.pathsep, except the one in `PROTOCOL://` (a protocol fsspec knows)."""
+    from fsspec.registry import known_implementations
+
+    out: list[str] = []
+    for piece in text.split(os.pathsep):
+        if out and piece.startswith("//") and out[-1] in known_implementations:
+            out[-1] += os.pathsep + piece
+        else:
+            out.append(piece)
+    return out
 
 
 @dataclass(frozen=True)
@@ -65,9 +90,12 @@ class Settings:
     results_dir: Path
     cache_dir: Path
     spool_dir: Path
-    checkpoint_roots: tuple[Path, ...] | None = None
+    checkpoint_roots: tuple[Path | str, ...] | None = None
+    checkpoint_cache_dir: Path | None = None
+    checkpoint_cache_gb: float = 20.0
     target_roots: tuple[Path, ...] | None = None
     suite_roots: tuple[Path, ...] | None = None
+    hf_datasets_dir: Path | None = None
     target: str | None = None
     device: str | None = None
     evaluator_factory: str | None = None
@@ -117,8 +145,11 @@ class Settings:
             cache_dir=Path(get("DFLASH_CACHE_DIR") or home / "cache").expanduser(),
             spool_dir=Path(get("DFLASH_SPOOL_DIR") or home / "spool").expanduser(),
             checkpoint_roots=parse_roots(get("DFLASH_CHECKPOINT_ROOTS")),
+            checkpoint_cache_dir=Path(get("DFLASH_CHECKPOINT_CACHE_DIR") or home / "checkpoint-cache").expanduser(),
+            checkpoint_cache_gb=float(get("DFLASH_CHECKPOINT_CACHE_GB") or 20),
             target_roots=parse_roots(get("DFLASH_TARGET_ROOTS")),
             suite_roots=parse_roots(get("DFLASH_SUITE_ROOTS")),
+            hf_datasets_dir=Path(get("DFLASH_HF_DATASETS_DIR")).expanduser() if get("DFLASH_HF_DATASETS_DIR") else None,
             target=get("DFLASH_TARGET"),
             device=get("DFLASH_DEVICE"),
             evaluator_factory=get("DFLASH_EVALUATOR_FACTORY"),

@@ -87,6 +87,9 @@ class TrainConfig:
     # --- checkpoints --------------------------------------------------------------------------
     checkpoint_root: str = opt("runs", "directory the run's checkpoints are published under (<root>/<run_id>/)")
     run_id: str | None = opt(None, "name of the run (default train-<UTC time>)")
+    publish_to: str | None = opt(None, "object-store prefix (s3://bucket/runs) each published checkpoint is also "
+                                       "uploaded to, as <prefix>/<run_id>/step-N/ (files, then COMPLETE.json); eval "
+                                       "jobs then name the store URL, for workers that share no filesystem")
     publish_every: int = opt(100, "publish a checkpoint for evaluation every N steps (and at the last one)")
     keep_last: int = opt(3, "published checkpoints kept (plus pinned/queued ones); 0 keeps all")
     checkpoint_dtype: str | None = opt(None, "dtype of published weights, e.g. bfloat16 (default: the drafter's)")
@@ -108,7 +111,8 @@ class TrainConfig:
     eval_every: int | None = opt(None, "queue an acceptance eval of the published checkpoint every N steps "
                                        "(and the last one) for the eval worker; needs Redis (--redis-url, "
                                        "$REDIS_URL, else a local redis-server)")
-    eval_suite: list[str] = opt(help="suite(s) each eval runs, comma-separated: builtin:NAME, hf:NAME[?n=..&seed=..], "
+    eval_suite: list[str] = opt(help="suite(s) each eval runs, comma-separated: builtin:NAME, a standard benchmark "
+                                     "hf:NAME[:n=N][:seed=S] (gsm8k, math500, humaneval, mbpp, mt-bench, alpaca), "
                                      "or a .jsonl file the worker can read",
                                 factory=lambda: ["builtin:coding-v1"])
     eval_baseline: str | None = opt(None, "drafter every eval is compared with (Δτ): a published checkpoint or a "
@@ -139,6 +143,15 @@ class TrainConfig:
         if self.run_id is not None and not valid_run_id(self.run_id):
             # checked here, not at the first publication: every eval job of the run would be refused
             problems.append(f"run_id {self.run_id!r} must be {RUN_ID_RULE}")
+        if self.publish_to is not None:
+            from .storage import StoreError, check_url, is_url
+
+            try:
+                if not is_url(self.publish_to):
+                    raise StoreError("must be an object-store URL such as s3://bucket/runs")
+                check_url(self.publish_to)
+            except StoreError as e:
+                problems.append(f"publish_to {self.publish_to!r}: {e}")
         if problems:
             raise TrainConfigError("invalid train config: " + "; ".join(problems))
 

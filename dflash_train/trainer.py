@@ -301,6 +301,14 @@ class Trainer:
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         return metrics
 
+    def close(self) -> None:
+        """Drop the DDP wrapper before the process group goes. Its reducer holds the gloo group;
+        freed last, it would destroy the group holding the GIL while gloo's worker thread waits
+        for the GIL to free a finished work's tensors: a deadlock (or SIGABRT at exit) seen on a
+        busy 2-core box. Call before `distributed.shutdown`; the trainer cannot train after."""
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self.model = self.model.module
+
     def train(self) -> TrainSummary:
         """The loop: take a prepared batch, step, then let the logger and the checkpointer act on
         their own cadences (rank 0 publishes and calls the callbacks)."""
@@ -349,5 +357,6 @@ def train(config: TrainConfig, callbacks=(), **kwargs) -> TrainSummary:
     try:
         return trainer.train()
     finally:
+        trainer.close()
         if kwargs.get("dist_info") is None:
             dist_util.shutdown(trainer.dist)

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from eval_worker.cli import main
 
 sys.exit(main())

@@ -17,12 +17,15 @@ COMMANDS = {
     "run": "eval_worker.commands.run",  # evaluate one checkpoint, no queue
     "worker": "eval_worker.commands.worker",  # serve the queue
     "enqueue": "eval_worker.commands.enqueue",
+    "import": "eval_worker.commands.import_drafter",  # record a drafter trained elsewhere
     "requeue": "eval_worker.commands.requeue",
     "status": "eval_worker.commands.status",
     "cancel": "eval_worker.commands.cancel",
     "dismiss": "eval_worker.commands.dismiss",  # remove failed jobs
     "publish": "eval_worker.commands.publish",  # rebuild the W&B eval run from the ledger
     "report": "eval_worker.commands.report",  # local HTML report
+    "results": "eval_worker.commands.results",  # the ledger of runs as a table
+    "suites": "eval_worker.commands.suites",  # list suites; load hf: benchmarks (fills the datasets cache)
     "demo": "eval_worker.commands.demo",  # the main job, end to end
 }
 
@@ -40,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.settings = settings or Settings.from_env()
+    try:
+        args.settings = settings or Settings.from_env()
+    except ValueError as e:  # a malformed variable (a bad store URL in DFLASH_CHECKPOINT_ROOTS, a non-number)
+        print(f"error: environment: {e}", file=sys.stderr)
+        return 2
     try:
         return int(args._main(args) or 0)
     except KeyboardInterrupt:

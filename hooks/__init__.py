@@ -6,7 +6,7 @@
 - `Outbox`: the durable local job outbox next to the checkpoints.
 """
 from .eval_on_checkpoint import EvalOnCheckpoint
-from .outbox import Outbox
+from eval_worker.service.outbox import Outbox
 
 __all__ = ["EvalOnCheckpoint", "DFlashEvalCallback", "Outbox"]
 

@@ -6,8 +6,9 @@ Implements the trainer hook protocol (dflash_train/callbacks.py), rank 0 only:
   checkpoint reaches a new multiple of `every_n_steps` (the first published checkpoint at or
   after each multiple, so any publish interval works), the job is made from the manifest,
   the checkpoint is pinned against retention, the job is written to the durable outbox next
-  to the checkpoints, and the delivery thread is woken. Nothing here talks to Redis: the
-  training thread spends a file write, never a network timeout.
+  to the checkpoints (for checkpoints in an object store: `$DFLASH_HOME/outbox/<run>`), and
+  the delivery thread is woken. Nothing here talks to Redis: the training thread spends a
+  file write, never a network timeout.
 - the delivery thread enqueues (dedupe by deterministic id); while Redis is unreachable or
   refuses writes (out of memory, MISCONF, ...) the jobs wait in the outbox and go out on the
   next successful delivery, or at train end. Only a job refused for itself is set aside.
@@ -29,15 +30,16 @@ from typing import Any
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from dflash_train import storage
 from dflash_train.errors import retryable
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.settings import Settings
-from eval_worker import jobs as jobs_mod
-from eval_worker.ledger import Ledger
-from eval_worker.queue import QueueConfig, enqueue
-from eval_worker.redis_local import connect, resolve_redis_url
+from eval_worker.service import jobs as jobs_mod
+from eval_worker.results.ledger import Ledger
+from eval_worker.service.queue import QueueConfig, enqueue
+from eval_worker.service.redis_local import connect, resolve_redis_url
 
-from .outbox import Deliverer, Outbox, OUTBOX_DIRNAME
+from eval_worker.service.outbox import Deliverer, Outbox, OUTBOX_DIRNAME
 
 log = logging.getLogger("hooks.eval")
 
@@ -87,7 +89,7 @@ class EvalOnCheckpoint:
         self.outcomes: list[Any] = []          # EnqueueOutcome of every delivered job (for callers/tests)
         self.errors: list[str] = []            # what went wrong (also logged)
         self._last_bucket = 0                  # highest multiple of every_n_steps already evaluated
-        self._last_published: tuple[int, Path, dict] | None = None
+        self._last_published: tuple[int, str, dict] | None = None
         self._enqueued_steps: set[int] = set()
         self._deliverers: dict[Path, Deliverer] = {}
         self._pins: dict[str, str] = {}        # job id -> checkpoint, pinned until the job is done
@@ -99,7 +101,7 @@ class EvalOnCheckpoint:
         if not is_rank0():
             return
         try:
-            self._last_published = (int(step), Path(path), manifest)
+            self._last_published = (int(step), str(path), manifest)
             bucket = int(step) // self.every_n_steps
             if bucket > self._last_bucket:
                 self._last_bucket = bucket
@@ -122,8 +124,15 @@ class EvalOnCheckpoint:
         finally:
             self.close()
 
+    def _outbox_dir(self, path: str | os.PathLike) -> Path:
+        """The outbox beside the run's checkpoints; for checkpoints in an object store (which
+        has no local run directory), `$DFLASH_HOME/outbox/<run>`."""
+        if storage.is_url(path):
+            return self.settings.home / "outbox" / storage.name(storage.parent(str(path)))
+        return Path(path).parent / OUTBOX_DIRNAME
+
     def protects(self, path: Path) -> bool:
-        box = Outbox(Path(path).parent / OUTBOX_DIRNAME)
+        box = Outbox(self._outbox_dir(path))
         return box.holds(path)
 
     # ---- API -------------------------------------------------------------------------
@@ -140,8 +149,8 @@ class EvalOnCheckpoint:
     def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> list[Path]:
         """For each suite: pin the checkpoint, write the job to the outbox; then wake the delivery
         thread. Returns the job files."""
-        path = Path(os.path.abspath(path))
-        outbox = self._deliverer(path.parent / OUTBOX_DIRNAME)
+        path = storage.check_url(str(path)) if storage.is_url(path) else Path(os.path.abspath(path))
+        outbox = self._deliverer(self._outbox_dir(path))
         files = []
         for suite in self.suites:
             job = self.make_job(path, manifest, suite)

@@ -7,14 +7,27 @@ synchronous part), then a background thread writes and publishes it atomically a
 temporary dir, fsync, rename, COMPLETE.json last), and only then hands it to
 `EvalOnCheckpoint`, which queues the job (outbox first, so a Redis outage loses nothing).
 `on_train_end` waits for the publications in flight, queues the final checkpoint and
-flushes the outbox. Errors are logged, never raised into the HF training loop.
+flushes the outbox. A failed publication or delivery is logged (`errors`), never raised
+into the HF training loop; a drafter that cannot be found is raised, at `on_train_begin`
+(or the first `on_save`), before a step is spent on a run whose evals would never come.
 
     trainer = transformers.Trainer(model=wrapper, args=args, ...,
         callbacks=[DFlashEvalCallback(checkpoint_root="runs", target="/models/qwen", every_n_steps=500)])
 
-The drafter is found as: `drafter_getter(model)` if given, else the model itself if it is a
-`DFlashDrafter`, else its `.drafter` attribute, else the first `DFlashDrafter` submodule
-(DDP/accelerate `.module` wrappers are unwrapped first).
+Finding the drafter, `drafter_getter(model) -> DFlashDrafter`: without one, the model itself
+if it is a `DFlashDrafter`, else its `.drafter` attribute, else the first `DFlashDrafter`
+submodule (DDP/accelerate `.module` wrappers are unwrapped first). A model that holds another
+trainer's drafter module (SpecForge's `DFlashDraftModel` as `.draft_model`, ...) needs a
+getter; `drafter_from_module` converts such a module (the same weights under our names, its
+config.json-style config read like a published one):
+
+    DFlashEvalCallback("runs", drafter_getter=lambda m: drafter_from_module(m.draft_model), ...)
+
+W&B: with `report_to` including "wandb" and a live W&B run, the eval jobs go to that run's
+project and entity, in its group (`WANDB_RUN_GROUP`, or `group=` at `wandb.init`) or else in a
+group named after the callback's run id (the HF `run_name`); an explicit `wandb=` wins. The eval
+run's step axis `train/step` is HF's `state.global_step` at `on_save`; it is also logged as
+`train/global_step`, HF's own x-axis, so a panel of the group plots both runs on one axis.
 """
 from __future__ import annotations
 
@@ -25,13 +38,17 @@ from typing import Any, Callable
 
 from transformers import TrainerCallback
 
-from dflash_train.checkpoint import AsyncPublisher
+from dflash_train.checkpoint import AsyncPublisher, drafter_from_module
 from dflash_train.model import DFlashDrafter
 from dflash_train.publication import run_id_from
 
 from .eval_on_checkpoint import EvalOnCheckpoint
 
 log = logging.getLogger("hooks.hf")
+
+
+class DrafterNotFound(TypeError):
+    """The HF model holds no drafter the callback can publish; the message says what to pass."""
 
 
 def find_drafter(model: Any):
@@ -47,7 +64,12 @@ def find_drafter(model: Any):
         for m in model.modules():
             if isinstance(m, DFlashDrafter):
                 return m
-    raise TypeError(f"no DFlashDrafter found in {type(model).__name__}; pass drafter_getter=")
+    raise DrafterNotFound(
+        f"DFlashEvalCallback: no DFlashDrafter in the HF model ({type(model).__name__}): neither the model, nor its "
+        ".drafter, nor a submodule is one. Pass drafter_getter=, a callable(model) returning the "
+        "dflash_train.model.DFlashDrafter to publish; for another trainer's drafter module (SpecForge's "
+        "DFlashDraftModel, ...) convert it: drafter_getter=lambda m: drafter_from_module(m.draft_model) "
+        "(from hooks.hf_callback)")
 
 
 def _run_id_from(args) -> str:
@@ -81,8 +103,17 @@ class DFlashEvalCallback(TrainerCallback):
         self.publisher = None
         self.errors: list[str] = []
         self._last_bucket = 0
+        self._wandb_given = eval_kwargs.get("wandb") is not None
 
     # ---- HF events -----------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not getattr(state, "is_world_process_zero", True):
+            return control
+        self._drafter(model)  # raises: a run whose evals would never come should not start
+        self.run_id = self.run_id or _run_id_from(args)
+        self._join_hf_wandb(args)
+        return control
+
     def on_save(self, args, state, control, model=None, **kwargs):
         if not getattr(state, "is_world_process_zero", True):
             return control
@@ -91,11 +122,13 @@ class DFlashEvalCallback(TrainerCallback):
         if bucket <= self._last_bucket:
             return control
         try:
-            drafter = (self.drafter_getter or find_drafter)(model)
+            drafter = self._drafter(model)
             publisher = self._publisher(args)
             publisher.submit(drafter, step, train_metrics=_train_metrics(state))  # CPU snapshot, then async write
             self._last_bucket = bucket
-        except Exception as e:  # noqa: BLE001 - never break the HF loop
+        except DrafterNotFound:
+            raise  # set-up, not a passing fault: training on without evals is what must not happen
+        except Exception as e:  # noqa: BLE001 - never break the HF loop over a write or a queue
             self._note(f"DFlash eval checkpoint at step {step} not published: {type(e).__name__}: {e}")
         return control
 
@@ -118,6 +151,30 @@ class DFlashEvalCallback(TrainerCallback):
         return control
 
     # ---- internals -------------------------------------------------------------------
+    def _drafter(self, model):
+        drafter = (self.drafter_getter or find_drafter)(model)
+        if not isinstance(drafter, DFlashDrafter):
+            raise DrafterNotFound(
+                f"DFlashEvalCallback: drafter_getter returned {type(drafter).__name__}, not a "
+                "dflash_train.model.DFlashDrafter; wrap another trainer's module with "
+                "drafter_from_module(module) (from hooks.hf_callback)")
+        return drafter
+
+    def _join_hf_wandb(self, args) -> None:
+        """Send the evals to the HF run's W&B project/entity/group (unless `wandb=` was given)."""
+        if self._wandb_given or "wandb" not in (getattr(args, "report_to", None) or []):
+            return
+        try:
+            import wandb
+        except ImportError:
+            return
+        run = wandb.run
+        if run is None:
+            return
+        mode = "offline" if getattr(run, "offline", False) or getattr(run.settings, "mode", "") == "offline" else "online"
+        self.hook.wandb = {"project": run.project, "entity": run.entity or None, "mode": mode,
+                           "group": run.group or self.run_id or _run_id_from(args)}
+
     def _publisher(self, args):
         if self.publisher is None:
             self.run_id = self.run_id or _run_id_from(args)

@@ -14,6 +14,9 @@ TINY_TARGET = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing is downloaded in tests: `datasets` and `huggingface_hub` read these when imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 def _hypothesis_profiles() -> None:
@@ -67,11 +70,12 @@ def _isolated_dflash_home(tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("dflash_home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_HOME", str(home))
+        mp.setenv("HF_DATASETS_CACHE", str(home / "hf-datasets"))  # read when `datasets` is imported
         for var in ("REDIS_URL", "DFLASH_REDIS_PASSWORD"):
             mp.delenv(var, raising=False)
         yield home
     if (home / "redis").exists():
-        from eval_worker.redis_local import LocalRedis
+        from eval_worker.service.redis_local import LocalRedis
 
         LocalRedis(home / "redis").stop()
 
@@ -85,7 +89,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     tests can take Redis away and bring it back. ``appendfsync always`` makes
     every acknowledged write survive even a SIGKILL.
     """
-    from eval_worker.redis_local import LocalRedis
+    from eval_worker.service.redis_local import LocalRedis
 
     server = LocalRedis(tmp_path_factory.mktemp("redis_server"), appendfsync="always")
     server.start()
@@ -98,7 +102,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def redis_url(redis_server) -> str:
     """URL of the session Redis, flushed before the test (restarted if a test stopped it)."""
-    from eval_worker.redis_local import connect
+    from eval_worker.service.redis_local import connect
 
     if not redis_server.is_running():
         redis_server.start()
@@ -131,3 +135,24 @@ def wandb_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return wandb_dir
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real S3-compatible server (moto, subprocess) with this process pointed at it through
+    the standard AWS variables; `s3_server.make_bucket(name)` creates a bucket."""
+    pytest.importorskip("s3fs", reason="s3fs is in the dev extra (pip install -e '.[dev]')")
+    pytest.importorskip("moto.server", reason="moto[server] is in the dev extra (pip install -e '.[dev]')")
+    from dflash_train import storage
+    from tests.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in server.env().items():
+            mp.setenv(k, v)
+        storage._filesystem.cache_clear()
+        try:
+            yield server
+        finally:
+            storage._filesystem.cache_clear()
+            server.stop()

@@ -22,6 +22,7 @@ def main(out: str) -> None:
     torch.save({k: v.clone() for k, v in trainer.drafter.state_dict().items()}, Path(out) / f"rank{info.rank}.pt")
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps({"losses": summary.losses, "step": summary.step,
                                                                  "checkpoints": summary.checkpoints}))
+    trainer.close()  # before the group goes (see Trainer.close)
     dist_util.shutdown(info)
 
 

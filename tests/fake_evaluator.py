@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eval_worker.jobs import suite_fingerprint
+from eval_worker.service.jobs import suite_fingerprint
 from tests.eval_results import make_result
 
 
@@ -30,6 +30,8 @@ class FakeEvaluator:
     def evaluate(self, checkpoint_dir, suite, baseline=None, train_metrics=None, options=None, verified=None):
         marker = json.loads((Path(checkpoint_dir) / "COMPLETE.json").read_text())
         step = int(marker["step"])
+        loaded = hasattr(suite, "fingerprint")  # the worker hands hf: suites over loaded
         return FakeResult(make_result(marker["run_id"], step, p=0.3 + step / 2000, digest=marker["digest"],
                                       checkpoint_root=str(Path(checkpoint_dir).parents[1]),
-                                      suite_fp=suite_fingerprint(suite)))
+                                      suite=suite.name if loaded else "coding",
+                                      suite_fp=suite.fingerprint() if loaded else suite_fingerprint(suite)))

@@ -163,7 +163,7 @@ class _GatedEvaluator:
 
 
 def gated_evaluator(target, **kwargs):
-    from eval_worker.acceptance import Evaluator
+    from eval_worker.engine.acceptance import Evaluator
 
     return _GatedEvaluator(Evaluator(target, **kwargs))
 

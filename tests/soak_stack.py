@@ -145,7 +145,7 @@ def _hold_after_record() -> None:
     delay = float(os.environ.get("SOAK_RECORD_DELAY_S") or 0)
     if not delay:
         return
-    from eval_worker import ledger as ledger_mod
+    from eval_worker.results import ledger as ledger_mod
 
     if getattr(ledger_mod.Ledger.write, "_soak", False):
         return
@@ -163,7 +163,7 @@ def _hold_after_record() -> None:
 
 def soak_evaluator(target, **kwargs):
     """`--evaluator-factory tests.soak_stack:soak_evaluator`."""
-    from eval_worker.acceptance import Evaluator
+    from eval_worker.engine.acceptance import Evaluator
 
     _hold_after_record()
     return _SoakEvaluator(Evaluator(target, **kwargs))
@@ -176,8 +176,8 @@ import json, os, sys, threading, time, traceback, signal
 sys.path.insert(0, sys.argv[1])
 import torch, transformers, redis, rq                                   # the expensive imports, once
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-import eval_worker.acceptance, eval_worker.worker, eval_worker.cli, eval_worker.commands.worker
-import eval_worker.sinks, dflash_train.checkpoint, tests.soak
+import eval_worker.engine.acceptance, eval_worker.service.worker, eval_worker.cli, eval_worker.commands.worker
+import eval_worker.results.sinks, dflash_train.checkpoint, tests.soak
 children, lock = {}, threading.Lock()
 
 def reap():
@@ -402,7 +402,7 @@ class Stack:
     def __init__(self, base: Path, *, zygote: Zygote | None = None, target: Path | None = None,
                  password: str | None = None, redis_config: dict | None = None, appendfsync: str = "always",
                  redis_binary: str | None = None):
-        from eval_worker.redis_local import LocalRedis, connect
+        from eval_worker.service.redis_local import LocalRedis, connect
 
         self.base = Path(base)
         self.base.mkdir(parents=True, exist_ok=True)
@@ -481,13 +481,13 @@ class Stack:
         return publish(self.root, self.target, step, run=run, cfg=self.cfg)
 
     def job(self, checkpoint: Path, **kw) -> dict:
-        from eval_worker.jobs import make_job
+        from eval_worker.service.jobs import make_job
 
         kw.setdefault("options", dict(OPTIONS))
         return make_job(checkpoint, suite=str(self.suite), target=str(self.target), **kw)
 
     def enqueue(self, checkpoint: Path, *, config=None, force: bool = False, **kw) -> str:
-        from eval_worker.queue import enqueue
+        from eval_worker.service.queue import enqueue
 
         out = enqueue(self.conn, self.job(checkpoint, **kw), config=config, roots=[self.root], force=force)
         if out.status != "enqueued":
@@ -542,7 +542,7 @@ class Stack:
 
     def audit(self, ids: Iterable[str] | None = None, *, results: Path | None = None,
               extra_failed: dict[str, str] | None = None) -> Counts:
-        from eval_worker.queue import failure_reason, fetch_job
+        from eval_worker.service.queue import failure_reason, fetch_job
 
         ids = list(self.accepted if ids is None else ids)
         records = self.ledger_by_job(results)
@@ -575,7 +575,7 @@ class Stack:
         from rq.registry import FailedJobRegistry, FinishedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
         from rq.serializers import JSONSerializer
 
-        from eval_worker.queue import get_queue, queue_names
+        from eval_worker.service.queue import get_queue, queue_names
 
         out = {"queued": 0, "started": 0, "scheduled": 0, "finished": 0, "failed": 0}
         for name in queue_names():
@@ -631,7 +631,7 @@ class Row:
 
 
 def retry_now(retries: int):
-    from eval_worker.queue import QueueConfig
+    from eval_worker.service.queue import QueueConfig
 
     return QueueConfig(retry_max=retries, retry_intervals=[])
 

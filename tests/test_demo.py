@@ -109,3 +109,16 @@ def test_demo_ctrl_c_stops_everything_it_started(tmp_path, tiny_target_path):
     assert proc.returncode == 130, "".join(lines) + out
     assert "interrupted" in out
     assert _wait_gone(str(work)) == [], "processes left behind after Ctrl-C"
+
+
+def test_demo_fails_loudly_when_most_references_collapsed():
+    from eval_worker.commands.demo import _collapsed
+    from eval_worker.results.run_results import RunResult
+
+    def row(step, flags):
+        prompts = [{"name": f"p{i}", "degenerate": f} for i, f in enumerate(flags)]
+        return RunResult(step, "k", 0, Path("x"), {"prompts": prompts})
+
+    assert _collapsed([row(100, [None, "2 distinct line(s) in 128 tokens", None])]) is None
+    msg = _collapsed([row(100, [None, None]), row(200, ["1 distinct line(s) in 128 tokens", "x", None])])
+    assert msg and msg.startswith("2 of 3 references at step 200 are degenerate") and "p0, p1" in msg

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dflash_train.checkpoint import save_drafter
-from eval_worker.acceptance import Evaluator
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.suite import Prompt, Suite
 
 from .factories import drafter_for, qwen3_target
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
 from dflash_train.target import Target
-from eval_worker.drafting import draft_anchors, draft_one_block, head_topk
+from eval_worker.engine.drafting import draft_anchors, draft_one_block, head_topk
 
 from .factories import drafter_for, qwen3_target
 

@@ -9,8 +9,8 @@ from dflash_train.publication import CheckpointError
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
 from dflash_train.target import TargetError
-from eval_worker.acceptance import Evaluator
-from eval_worker.suite import Prompt, Suite, SuiteError
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.suite import Prompt, Suite, SuiteError
 
 from .factories import MASK_ID, drafter_for, qwen3_target
 

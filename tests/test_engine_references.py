@@ -5,9 +5,9 @@ import pytest
 
 from dflash_train.checkpoint import save_drafter
 from dflash_train.speculative import greedy_generate
-from eval_worker.acceptance import Evaluator
-from eval_worker.references import LocalReferences, ReferenceSourceError, ServerReferences, split_at_eos
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.references import LocalReferences, ReferenceSourceError, ServerReferences, split_at_eos
+from eval_worker.engine.suite import Prompt, Suite
 
 from .engine_helpers import CannedServer
 from .factories import drafter_for, qwen3_target

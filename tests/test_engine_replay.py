@@ -9,8 +9,8 @@ import torch
 
 from dflash_train.checkpoint import save_drafter
 from dflash_train.speculative import speculative_generate
-from eval_worker.acceptance import Evaluator
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.suite import Prompt, Suite
 
 from .engine_helpers import fit_drafter, references
 from .factories import drafter_for, qwen3_5_vlm_target, qwen3_target

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash_train.checkpoint import save_drafter
-from eval_worker.acceptance import Evaluator
-from eval_worker.result import SCHEMA, EvalResult, ResultSchemaError
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.result import SCHEMA, EvalResult, ResultSchemaError
+from eval_worker.engine.suite import Prompt, Suite
 
 from .engine_helpers import fit_drafter, references
 from .factories import drafter_for, qwen3_target
@@ -134,3 +134,71 @@ def test_layer_formula_fallback_is_named_in_the_result(tmp_path, ev):
     save_drafter(d, tmp_path / "explicit")
     plain = ev.evaluate(tmp_path / "explicit", SUITE, options=opts)
     assert plain.settings["layer_ids_origin"] == "config" and "LAYER_IDS_FROM_FALLBACK" not in plain.diagnostic_codes()
+
+
+# --- collapse: a degenerate reference is flagged (issue 17) ---------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from eval_worker.engine.diagnostics import (COLLAPSE_MAX_LINES, COLLAPSE_MIN_TOKENS, Facts, diagnose,  # noqa: E402
+                                     mostly_degenerate, reference_collapse)
+from eval_worker.engine.references import LocalReferences, Reference  # noqa: E402
+
+CODE = ("def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"
+        "        mid = (lo + hi) // 2\n        if items[mid] == target:\n            return mid\n"
+        "        if items[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n"
+        "    return -1\n")
+
+
+@settings(max_examples=60, deadline=None)
+@given(lines=st.lists(st.text("#ab ()=:", min_size=0, max_size=6), min_size=1, max_size=COLLAPSE_MAX_LINES,
+                      unique=True),
+       reps=st.integers(min_value=1, max_value=40))
+def test_few_distinct_lines_in_a_long_response_is_degenerate(lines, reps):
+    text = "\n".join(lines * reps)
+    tokens = list(range(max(COLLAPSE_MIN_TOKENS, len(text))))  # many distinct tokens: the lines alone decide
+    assert reference_collapse(tokens, text) is not None
+    assert reference_collapse(tokens[:COLLAPSE_MIN_TOKENS - 1], text) is None  # a short answer that ended
+
+
+def test_real_code_is_not_degenerate_and_repeated_tokens_are():
+    assert reference_collapse(list(range(60)), CODE) is None
+    assert "distinct token" in reference_collapse([7, 8] * 40, None)  # no tokenizer: tokens alone
+    assert reference_collapse(list(range(80)), None) is None
+    assert "1 distinct line" in reference_collapse([9] * 64, "import sys" * 64)
+    facts = Facts(tau=2.0, block_size=8, eval_top1=[], degenerate={"p0": "2 distinct line(s) in 128 tokens"},
+                  num_prompts=4)
+    d = [x for x in diagnose(facts) if x.code == "DEGENERATE_REFERENCE"]
+    assert d and d[0].severity == "warning" and "1 of 4" in d[0].message and "p0" in d[0].message
+    assert "DEGENERATE_REFERENCE" not in [x.code for x in diagnose(Facts(tau=2.0, block_size=8, eval_top1=[]))]
+    assert mostly_degenerate([{"name": "a", "degenerate": "x"}, {"name": "b", "degenerate": None}]) is None
+    assert mostly_degenerate([{"name": "a", "degenerate": "x"}, {"name": "b", "degenerate": "y"},
+                              {"name": "c"}]) == ["a", "b"]
+
+
+class _Collapsing(LocalReferences):
+    """The target's own references, except that p1's is constructed: one token repeated."""
+
+    name = "collapsing"
+
+    def identity(self):
+        return {"kind": "collapsing"}
+
+    def generate(self, name, prompt_ids, max_new_tokens, eos_token_id, lookahead):
+        ref = super().generate(name, prompt_ids, max_new_tokens, eos_token_id, lookahead)
+        if name == "p1":
+            ref = Reference(name, ref.prompt_ids, [ref.tokens[0]] * 40, [ref.tokens[0]] * lookahead, "length",
+                            "collapsing", lookahead)
+        return ref
+
+
+def test_collapse_diagnostic_fires_on_a_constructed_degenerate_reference(ckpts, tmp_path):
+    ev = Evaluator(TARGET, tmp_path / "cache", reference_source=_Collapsing(TARGET))
+    suite = Suite("r", "1", [Prompt(f"p{i}", ids=tuple(p)) for i, p in enumerate(PROMPTS[:3])], chat_template=False,
+                  max_new_tokens=40)
+    res = ev.evaluate(ckpts / "good", suite, options={"measure_speed": False, "reference_mismatch": "measure"})
+    flagged = {p.name: p.degenerate for p in res.prompts}
+    assert flagged["p1"] == "1 distinct token(s) in 40"
+    diag = [d for d in res.diagnostics if d.code == "DEGENERATE_REFERENCE"]
+    assert diag and "p1: 1 distinct token(s) in 40" in diag[0].message
+    again = EvalResult.from_json(res.to_json())
+    assert {p.name: p.degenerate for p in again.prompts} == flagged

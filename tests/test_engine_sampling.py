@@ -11,12 +11,12 @@ import torch
 from dflash_train.checkpoint import save_drafter
 from dflash_train.sampling import Sampler, SamplingParams
 from dflash_train.speculative import speculative_generate
-from eval_worker import metrics
-from eval_worker.acceptance import Evaluator
-from eval_worker.options import EvalOptions, OptionsError
-from eval_worker.references import sample_continuation
-from eval_worker.sinks.wandb_payload import scalars
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine import metrics
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.options import EvalOptions, OptionsError
+from eval_worker.engine.references import sample_continuation
+from eval_worker.results.sinks.wandb_payload import scalars
+from eval_worker.engine.suite import Prompt, Suite
 
 from .engine_helpers import fit_drafter
 from .test_engine_replay import _suite, fitted  # noqa: F401  (module fixture: random target + fitted drafter)

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from eval_worker.speed import _fastest_interleaved
+from eval_worker.engine.speed import _fastest_interleaved
 
 
 def test_a_slow_spell_does_not_skew_the_ratio():
@@ -27,9 +27,9 @@ def test_a_slow_spell_does_not_skew_the_ratio():
 def test_speed_is_measured_on_hybrid_targets_too(tmp_path):
     """Recurrent (linear-attention) layers: verify is timed with the rollback the loop does."""
     from dflash_train.checkpoint import save_drafter
-    from eval_worker.acceptance import Evaluator
-    from eval_worker.speed import measure_step_costs
-    from eval_worker.suite import Prompt, Suite
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.speed import measure_step_costs
+    from eval_worker.engine.suite import Prompt, Suite
 
     from .factories import drafter_for, qwen3_5_vlm_target
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from eval_worker.suite import Prompt, Suite, SuiteError, builtin_suites, load_suite, parse_suite
+from eval_worker.engine.suite import Prompt, Suite, SuiteError, builtin_suites, load_suite, parse_suite
 
 
 def test_builtin_coding_suite():

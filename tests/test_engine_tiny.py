@@ -9,8 +9,8 @@ from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
 from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
-from eval_worker.acceptance import Evaluator
-from eval_worker.suite import Prompt, Suite, load_suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.suite import Prompt, Suite, load_suite
 
 from .engine_helpers import fit_drafter
 

@@ -5,9 +5,9 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from eval_worker.drafting import draft_anchors
-from eval_worker.metrics import leading_true, matches
-from eval_worker.tree import build_tree, tree_streak
+from eval_worker.engine.drafting import draft_anchors
+from eval_worker.engine.metrics import leading_true, matches
+from eval_worker.engine.tree import build_tree, tree_streak
 
 from .engine_helpers import fit_drafter, references
 from .factories import drafter_for, qwen3_target

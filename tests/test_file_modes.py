@@ -14,8 +14,8 @@ import stat
 
 import pytest
 
-from eval_worker.jobs import make_job
-from hooks.outbox import Outbox
+from eval_worker.service.jobs import make_job
+from eval_worker.service.outbox import Outbox
 from tests.sidecar_support import publish_random
 
 

@@ -19,9 +19,10 @@ from tests import soak, soak_stack
 from dflash_train.checkpoint import load_drafter, publish_checkpoint
 from dflash_train.publication import CheckpointError, read_manifest
 from dflash_train.config import ConfigError, DrafterConfig
-from eval_worker import jobs
-from eval_worker.jobs import JobError
-from eval_worker.suite import SuiteError, load_suite, parse_suite
+from eval_worker.service import jobs
+from eval_worker.service.jobs import JobError
+from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
+from eval_worker.service.queue import JOB_FUNC
 
 FUZZ = settings(max_examples=150, deadline=5000, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -288,7 +289,7 @@ def _valid_job_runs(s) -> None:
 @settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(payloads(), min_size=12, max_size=12))
 def test_fuzzed_payloads_in_the_queue_never_crash_the_worker(live, batch):
-    from eval_worker.queue import failure_reason, fetch_job, get_queue
+    from eval_worker.service.queue import failure_reason, fetch_job, get_queue
 
     s, w = live
     q = get_queue(s.conn, "dflash-eval")
@@ -297,7 +298,7 @@ def test_fuzzed_payloads_in_the_queue_never_crash_the_worker(live, batch):
         s.counter[0] += 1
         jid = f"fuzz-{s.counter[0]}"
         try:
-            q.enqueue_call("eval_worker.worker.run_eval_job", args=(payload,), job_id=jid)
+            q.enqueue_call(JOB_FUNC, args=(payload,), job_id=jid)
         except (TypeError, ValueError):
             continue  # not JSON-serialisable: cannot even be queued
         ids.append(jid)
@@ -323,7 +324,7 @@ HASH_FIELDS = ["data", "status", "origin", "created_at", "enqueued_at", "started
 def test_garbage_job_hashes_never_crash_the_worker(live, hashes):
     """Raw job hashes with random fields: each is run and failed, set aside, or skipped; the worker
     stays up, `status` still works, and a real job afterwards finishes."""
-    from eval_worker.queue import status
+    from eval_worker.service.queue import status
 
     s, w = live
     for fields in hashes:

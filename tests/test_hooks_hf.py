@@ -6,10 +6,11 @@ from torch import nn
 
 from dflash_train.checkpoint import load_drafter
 from dflash_train.publication import list_checkpoints, read_manifest, verify_checkpoint
-from eval_worker.queue import get_queue
-from eval_worker.redis_local import connect
+from eval_worker.service.queue import get_queue
+from eval_worker.service.redis_local import connect
 from hooks import DFlashEvalCallback
 from tests.factories import drafter_for, qwen3_target
+from tests.sidecar_support import publish_random
 
 
 class DrafterWrapper(nn.Module):
@@ -60,3 +61,108 @@ def test_on_save_publishes_the_drafter_and_queues_its_eval(tmp_path, redis_url):
     assert sorted(j.args[0]["step"] for j in jobs) == [2, 4]
     assert {j.args[0]["requested_by"] for j in jobs} == {"hook"} and not cb.errors and not cb.hook.errors
     conn.close()
+
+
+class SpecForgeStyleDraft(nn.Module):
+    """Another trainer's drafter module: our tensor names, a transformers config, not our class."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        import copy
+
+        from transformers import Qwen3Config
+
+        self.config = Qwen3Config(**drafter.config.to_dict())
+        for name in ("layers", "fc", "hidden_norm", "norm"):
+            setattr(self, name, copy.deepcopy(getattr(drafter, name)))
+
+
+class SpecForgeStyleModel(nn.Module):
+    def __init__(self, drafter):
+        super().__init__()
+        self.draft_model = SpecForgeStyleDraft(drafter)
+
+    def forward(self, x=None, labels=None):
+        w = self.draft_model.fc.weight
+        return {"loss": ((w.sum(dim=1)[: x.shape[1]] * x).mean() - 1.0) ** 2}
+
+
+def _hf_args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**{**dict(output_dir=str(tmp_path / "hf"), max_steps=4, save_strategy="steps",
+                                       save_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, report_to=[],
+                                       use_cpu=True, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0),
+                                **kw})
+
+
+def test_a_model_without_our_drafter_fails_before_training(tmp_path, redis_url):
+    import pytest
+    from transformers import Trainer
+
+    from hooks.hf_callback import DrafterNotFound
+
+    model = SpecForgeStyleModel(drafter_for(qwen3_target(layers=6, hidden=32), layers=1, features=2))
+    before = model.draft_model.fc.weight.detach().clone()
+    cb = DFlashEvalCallback(tmp_path / "ckpts", run_id="sf", every_n_steps=2, redis_url=redis_url)
+    trainer = Trainer(model=model, args=_hf_args(tmp_path), train_dataset=Rows(), callbacks=[cb])
+    with pytest.raises(DrafterNotFound, match="drafter_getter"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and torch.equal(model.draft_model.fc.weight, before)  # not one step
+    assert not (tmp_path / "ckpts" / "sf").exists()
+    # the first on_save raises too (a callback that missed on_train_begin), not a logged warning
+    with pytest.raises(DrafterNotFound, match="drafter_getter"):
+        cb.on_save(trainer.args, type("S", (), {"global_step": 2, "is_world_process_zero": True})(), None,
+                   model=model)
+    assert not cb.errors
+    bad = DFlashEvalCallback(tmp_path / "ckpts", run_id="sf", drafter_getter=lambda m: m.draft_model,
+                             redis_url=redis_url)
+    with pytest.raises(DrafterNotFound, match="SpecForgeStyleDraft, not a dflash_train.model.DFlashDrafter"):
+        Trainer(model=model, args=_hf_args(tmp_path), train_dataset=Rows(), callbacks=[bad]).train()
+
+
+def test_another_trainers_module_is_published_through_drafter_from_module(tmp_path, redis_url):
+    from transformers import Trainer
+
+    from hooks.hf_callback import drafter_from_module
+
+    model = SpecForgeStyleModel(drafter_for(qwen3_target(layers=6, hidden=32), layers=1, features=2))
+    cb = DFlashEvalCallback(tmp_path / "ckpts", run_id="sf", every_n_steps=2, redis_url=redis_url,
+                            drafter_getter=lambda m: drafter_from_module(m.draft_model))
+    Trainer(model=model, args=_hf_args(tmp_path, max_steps=2), train_dataset=Rows(), callbacks=[cb]).train()
+    [published] = list_checkpoints(tmp_path / "ckpts" / "sf")
+    saved = load_drafter(published)
+    theirs = model.draft_model.state_dict()
+    assert saved.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in theirs.items())  # step 2 = the last step
+    assert not cb.errors and not cb.hook.errors
+
+
+def test_evals_join_the_hf_wandb_run(tmp_path, redis_url, wandb_offline):
+    import wandb
+
+    drafter = drafter_for(qwen3_target(layers=6, hidden=32), layers=1, features=2)
+    run = wandb.init(project="hf-proj", group="exp-7", mode="offline", dir=str(tmp_path))
+    try:
+        cb = DFlashEvalCallback(tmp_path / "ckpts", every_n_steps=1, redis_url=redis_url)
+        state = type("S", (), {"global_step": 0, "is_world_process_zero": True})()
+        cb.on_train_begin(_hf_args(tmp_path, report_to=["wandb"], run_name="my-run"), state, None,
+                          model=DrafterWrapper(drafter))
+        assert cb.run_id == "my-run"
+        assert cb.hook.wandb == {"project": "hf-proj", "entity": None, "mode": "offline", "group": "exp-7"}
+        job = cb.hook.make_job(publish_random(tmp_path / "ckpts", "my-run", 1), suite="builtin:coding-v1")
+        assert job["wandb"]["group"] == "exp-7" and job["wandb"]["project"] == "hf-proj"
+    finally:
+        run.finish()
+    # no W&B in report_to: the job's W&B settings are left alone
+    cb = DFlashEvalCallback(tmp_path / "ckpts", every_n_steps=1, redis_url=redis_url)
+    cb.on_train_begin(_hf_args(tmp_path), state, None, model=DrafterWrapper(drafter))
+    assert cb.hook.wandb is None
+
+
+def test_eval_points_carry_the_hf_step_axis():
+    from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, log_dict
+    from tests.eval_results import make_result
+
+    payload = log_dict(make_result(step=1234))
+    assert payload[STEP_KEY] == payload[HF_STEP_KEY] == 1234

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from eval_worker import jobs
-from eval_worker.jobs import JobError
+from eval_worker.service import jobs
+from eval_worker.service.jobs import JobError
 from tests.sidecar_support import publish_random
 
 

@@ -13,11 +13,11 @@ import torch
 
 import dflash_train.model as drafter_model
 from dflash_train.checkpoint import save_drafter
-from eval_worker.acceptance import Evaluator
-from eval_worker.diagnostics import expected_tau_from_accuracy
-from eval_worker.drafting import draft_anchors
-from eval_worker.leak_probe import LEAK_GAIN_ABS
-from eval_worker.suite import Prompt, Suite
+from eval_worker.engine.acceptance import Evaluator
+from eval_worker.engine.diagnostics import expected_tau_from_accuracy
+from eval_worker.engine.drafting import draft_anchors
+from eval_worker.engine.leak_probe import LEAK_GAIN_ABS
+from eval_worker.engine.suite import Prompt, Suite
 
 from .engine_helpers import fit_drafter, fit_on_target_predictions, references
 from .factories import drafter_for, qwen3_target

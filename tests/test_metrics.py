@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from eval_worker import metrics
-from eval_worker.drafting import AnchorDrafts
-from eval_worker.scoring import score_prompt
+from eval_worker.engine import metrics
+from eval_worker.engine.drafting import AnchorDrafts
+from eval_worker.engine.scoring import score_prompt
 
 
 def loop_like(ext, drafts, num_tokens, max_new, eos):

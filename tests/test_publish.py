@@ -199,8 +199,8 @@ def test_one_run_id_rule_for_trainer_jobs_and_ledger(text):
     """The trainer's config, the job schema and the ledger accept exactly the same run ids,
     and `run_id_from` turns any text into one of them."""
     from dflash_train.train_config import TrainConfig, TrainConfigError
-    from eval_worker.jobs import JobError, validate_job
-    from eval_worker.ledger import Ledger, LedgerError
+    from eval_worker.service.jobs import JobError, validate_job
+    from eval_worker.results.ledger import Ledger, LedgerError
 
     ok = valid_run_id(text)
     try:

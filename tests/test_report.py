@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import io
 import os
 import re
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.report import build_report, segments
-from eval_worker.run_results import ResultsError
+from eval_worker.results.report import build_report, segments
+from eval_worker.results.run_results import ResultsError
 from tests.eval_results import make_result, write_ledger
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,3 +132,93 @@ def test_report_renders_in_headless_chromium(run, tmp_path):
     top = img.crop((0, 0, 1200, 900))
     blue = sum(n for n, (r, g, b) in top.getcolors(maxcolors=1 << 20) if b > 150 and r < 80 and g < 160)
     assert blue > 500
+
+
+@pytest.fixture
+def two_suites(tmp_path):
+    """A run evaluated on two suites, each checkpoint carrying the trainer's metrics (as COMPLETE.json has them)."""
+    results = tmp_path / "results"
+    train = {}
+    for step, p in ((100, 0.3), (200, 0.5), (300, 0.6), (400, 0.65)):
+        train[step] = {"loss": round(3.0 - step / 200, 4), "accuracy": round(0.2 + step / 1000, 4),
+                       "streak": round(1.5 + step / 200, 4), "window_steps": 50}
+        for suite, q in (("coding", p), ("gsm8k-n128", p + 0.1)):
+            res = make_result("run-t", step, p=q, baseline_tau=2.0, suite=suite)
+            res["checkpoint"]["path"] = "/checkpoints/a-rather-long-directory-name/" * 3 + f"step-{step:08d}"
+            write_ledger(results, res, train_metrics=train[step])
+    return results, train
+
+
+def test_report_plots_training_metrics_beside_tau(two_suites, tmp_path):
+    from PIL import Image
+
+    results, train = two_suites
+    html = build_report("run-t", results_dir=results, out_dir=tmp_path / "out").read_text()
+    png = (tmp_path / "out" / "train_vs_eval.png").read_bytes()
+    assert f'src="data:image/png;base64,{base64.b64encode(png).decode()}"' in html
+    assert Image.open(io.BytesIO(png)).size[1] > 400  # two panels: τ beside train accept length; loss, accuracy
+    # every evaluation row shows its checkpoint's training loss and train-side accept length
+    evals = re.search(r'<table id="evals">(.*?)</table>', html, flags=re.S).group(1)
+    for step, m in train.items():
+        rows = re.findall(rf"<tr class=\"(?:best)?\"><td>{step}</td>(.*?)</tr>", evals, flags=re.S)
+        assert len(rows) == 2 and all(f"<td>{m['loss']:.3f}</td>" in r and f"<td>{m['streak']:.2f}</td>" in r
+                                      for r in rows)
+    # the figure is drawn from those metrics: other metrics, another figure
+    for res_dir in results.rglob("attempt-0.json"):
+        record = json.loads(res_dir.read_text())
+        record["job"]["train_metrics"]["loss"] += 1.0
+        res_dir.chmod(0o644)
+        res_dir.write_text(json.dumps(record))
+    build_report("run-t", results_dir=results, out_dir=tmp_path / "out2")
+    assert (tmp_path / "out2" / "train_vs_eval.png").read_bytes() != png
+    # τ per suite side by side: one row per checkpoint, one column per suite
+    table = re.search(r'<table id="suites">(.*?)</table>', html, flags=re.S).group(1)
+    assert re.findall(r"<th>([^<]+)</th>", table) == ["step", "coding", "gsm8k-n128"]
+    assert len(re.findall(r"<tr><td>\d+</td>", table)) == 4
+
+
+def test_report_without_training_metrics_says_so(run, tmp_path):
+    results, _ = run
+    html = build_report("run-r", results_dir=results, out_dir=tmp_path / "out").read_text()
+    assert "carries training metrics" in html and not (tmp_path / "out" / "train_vs_eval.png").exists()
+    assert '<table id="suites">' not in html  # one suite: nothing to put side by side
+
+
+MEASURE = """<script>
+const wide = [...document.querySelectorAll('table')].map(t => {
+  const box = t.closest('.scroll') || t.parentElement, r = box.getBoundingClientRect();
+  return {id: t.id, table: t.scrollWidth, box_right: Math.ceil(r.right), box: box.clientWidth,
+          scrolls: getComputedStyle(box).overflowX};
+});
+const out = document.createElement('pre');
+out.id = 'measured';
+out.textContent = JSON.stringify({page: document.documentElement.scrollWidth, window: window.innerWidth, tables: wide});
+document.body.appendChild(out);
+</script>"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_report_fits_a_1300px_window(two_suites, tmp_path):
+    """No horizontal overflow at 1300 px: the page is no wider than the window, and every table
+    either fits its box or scrolls inside it."""
+    from PIL import Image
+
+    results, _ = two_suites
+    page = build_report("run-t", results_dir=results, out_dir=tmp_path / "out")
+    probe = page.with_name("measure.html")
+    probe.write_text(page.read_text().replace("</body>", MEASURE + "</body>"))  # a copy: the report has no script
+    dom = _chromium(tmp_path, "--dump-dom", "--window-size=1300,900", probe.as_uri())
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    m = json.loads(unescape(re.search(r'<pre id="measured">(.*?)</pre>', dom.stdout, flags=re.S).group(1)))
+    assert m["window"] == 1300 and m["page"] <= 1300, m
+    assert {t["id"] for t in m["tables"]} == {"suites", "evals"}
+    for t in m["tables"]:
+        assert t["box_right"] <= 1300, t
+        assert t["table"] <= t["box"] or t["scrolls"] in ("auto", "scroll"), t
+    evals = next(t for t in m["tables"] if t["id"] == "evals")
+    assert evals["table"] <= evals["box"], evals  # the evaluations table fits: no sideways scrolling either
+
+    shot = tmp_path / "shot.png"
+    proc = _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1300,2400", page.resolve().as_uri())
+    assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
+    assert Image.open(shot).size == (1300, 2400)

@@ -13,7 +13,7 @@ from scipy import stats
 
 from dflash_train.sampling import Sampler, SamplingParams, filtered_probs, prompt_key, sample_tokens, uniform
 from dflash_train.speculative import greedy_generate, speculative_generate
-from eval_worker.references import sample_continuation
+from eval_worker.engine.references import sample_continuation
 
 from .engine_helpers import fit_on_target_predictions
 from .factories import drafter_for, qwen3_target

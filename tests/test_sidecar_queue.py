@@ -8,12 +8,12 @@ import zlib
 
 import pytest
 
-from eval_worker import jobs
+from eval_worker.service import jobs
 from eval_worker.cli import main as cli
-from eval_worker.jobs import JobError
-from eval_worker.ledger import Ledger
-from eval_worker.queue import QueueConfig, cancel, enqueue, fetch_job, get_queue, status
-from eval_worker.redis_local import connect
+from eval_worker.service.jobs import JobError
+from eval_worker.results.ledger import Ledger
+from eval_worker.service.queue import JOB_FUNC, QueueConfig, cancel, enqueue, fetch_job, get_queue, status
+from eval_worker.service.redis_local import connect
 from tests.sidecar_support import REPO_ROOT, publish_random
 
 
@@ -41,7 +41,7 @@ def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
     data = zlib.decompress(raw[b"data"])
     assert not data.startswith(b"\x80")  # a pickle would start with the PROTO opcode
     func, instance, args, kwargs = json.loads(data)
-    assert func == "eval_worker.worker.run_eval_job" and instance is None and kwargs == {}
+    assert func == JOB_FUNC and instance is None and kwargs == {}
     assert args[0]["schema"] == jobs.SCHEMA and args[0]["checkpoint"] == str(c100)
     assert json.loads(raw[b"meta"])["run_id"] == "run-q"
     assert int(raw[b"timeout"]) == QueueConfig().job_timeout
@@ -186,3 +186,47 @@ def test_rq_dashboard_shows_our_queues_and_jobs(conn, ckpts, redis_url, monkeypa
     info = client.get(f"/0/data/job/{out.job_id}.json").get_json()
     assert info["status"] == "queued" and "eval run-q step 100" in info["description"]
     assert json.loads(info["metadata"])["run_id"] == "run-q"
+
+
+def test_cli_enqueue_several_suites_one_job_each(redis_url, ckpts, capsys):
+    """`--suite` repeats: one job per (checkpoint, suite), told apart by the suite's part of the id."""
+    root, (c100, _) = ckpts
+    conn = connect(redis_url)
+    argv = ["enqueue", str(c100), "--suite", "builtin:coding-v1", "--suite", "hf:gsm8k:n=4", "--suite",
+            "hf:mt-bench:n=4:seed=0", "--redis-url", redis_url, "--checkpoint-root", str(root), "--json"]
+    assert cli(argv) == 0
+    outcomes = json.loads(capsys.readouterr().out)["outcomes"]
+    assert [o["status"] for o in outcomes] == ["enqueued"] * 3
+    suites = [fetch_job(conn, o["job_id"]).meta["suite"] for o in outcomes]
+    assert suites == ["builtin:coding-v1", "hf:gsm8k:n=4", "hf:mt-bench:n=4"]  # no dataset needed to queue
+    assert len({o["job_id"] for o in outcomes}) == 3
+    assert cli(argv[:2] + ["--suite", "hf:gsm8k:n=4", "--redis-url", redis_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["outcomes"][0]["status"] == "duplicate"
+    assert cli(argv[:2] + ["--suite", "hf:nope", "--redis-url", redis_url]) == 2
+    assert "no standard benchmark 'nope'" in capsys.readouterr().out
+
+
+def test_status_shows_tau_per_suite(redis_url, tmp_path, capsys):
+    """A run evaluated on two suites: latest and best τ per suite (one scale each), not one best across them."""
+    from tests.eval_results import make_result
+
+    conn = connect(redis_url)
+    ledger = Ledger(tmp_path / "results", connection=conn)
+    taus = {}
+    for step, p in ((100, 0.3), (200, 0.5)):
+        for suite, spec, q in (("coding", "builtin:coding-v1", p), ("gsm8k-n8", "hf:gsm8k:n=8", p + 0.3)):
+            res = make_result("run-s", step, p=q, suite=suite)
+            job = {"schema": "dflash-eval-job/1", "run_id": "run-s", "step": step, "checkpoint": "/x",
+                   "checkpoint_digest": res["checkpoint"]["digest"], "suite": spec, "attempt": 0}
+            path, record, _ = ledger.write(job=job, job_id=f"eval-run-s-{step}-{suite}", result=res)
+            ledger.index(record, path)
+            taus[(spec, step)] = res["tau"]["macro"]
+    suites = status(conn, run="run-s")["runs"]["run-s"]["suites"]
+    assert set(suites) == {"builtin:coding-v1", "hf:gsm8k:n=8"}
+    for spec, t in suites.items():
+        assert t["evaluated"] == 2 and t["latest"]["step"] == 200
+        assert t["best"]["tau"] == pytest.approx(max(taus[(spec, 100)], taus[(spec, 200)]))
+    assert cli(["status", "--run", "run-s", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "run-s: 4 evaluated on 2 suites" in out
+    assert f"hf:gsm8k:n=8: 2 evaluated; latest τ {taus[('hf:gsm8k:n=8', 200)]:.3f} @ step 200" in out

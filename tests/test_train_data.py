@@ -120,3 +120,26 @@ def test_builtin_sources_and_templates(tiny_target_path):
     assert tok.decode(prompt).endswith("assistant\n") and tok.decode(resp) == "ok"
     with pytest.raises(DataError, match="unknown split"):
         stdlib_code_prompts(tok, 1, 8, "test")
+
+
+def test_builtin_training_prompts_are_held_out_from_the_suite_and_the_targets_pairs(tiny_target_path):
+    """The demo drafter's requests (builtin:stdlib-mix) are not the eval suite's prompts, and
+    not chat pairs the target trained on: the target writes them a fresh answer (issue 17)."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.assets.build_tiny_target import collect_chat_pairs
+    from eval_worker.engine.suite import load_suite
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_path, local_files_only=True)
+    pairs = collect_chat_pairs()
+    ins = stdlib_instruct_prompts(tok, 192, "train")
+    names = {e.name.removeprefix("train-instruct-") for e in ins}
+    assert len(names) == 192 and names <= {p.qualname for p in pairs["spare"]}
+    assert names.isdisjoint({p.qualname for p in pairs["train"]})
+    suite = load_suite("coding")
+    suite_texts = {p.prompt for p in suite.prompts if p.prompt}
+    assert len(suite_texts) == len(suite.prompts)
+    asks = {tok.decode(e.ids) for e in ins}
+    assert not any(s in a for s in suite_texts for a in asks)
+    held = stdlib_instruct_prompts(tok, 5, "heldout")
+    assert {tuple(e.ids) for e in held}.isdisjoint({tuple(e.ids) for e in ins})

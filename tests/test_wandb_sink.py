@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.ledger import Ledger, read_record
+from eval_worker.results.ledger import Ledger, read_record
 from dflash_train.settings import Settings
-from eval_worker.sinks import publish_result
-from eval_worker.sinks.wandb_lock import LockTimeout, writer_lock
-from eval_worker.sinks.wandb_payload import marked_html, marked_text, scalars
+from eval_worker.results.sinks import publish_result
+from eval_worker.results.sinks.wandb_lock import LockTimeout, writer_lock
+from eval_worker.results.sinks.wandb_payload import marked_html, marked_text, scalars
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
 from tests.wandb_reader import read_run
 
@@ -174,9 +174,9 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
     The engine is replaced by tests.fake_evaluator (seconds, not minutes); queue, worker,
     ledger, sink child processes, Redis lock and W&B are all real.
     """
-    from eval_worker.jobs import make_job
-    from eval_worker.queue import enqueue
-    from eval_worker.redis_local import connect
+    from eval_worker.service.jobs import make_job
+    from eval_worker.service.queue import enqueue
+    from eval_worker.service.redis_local import connect
 
     target = tmp_path / "target"
     target.mkdir()
@@ -214,3 +214,29 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
         for key, value in scalars(r["result"]).items():
             assert log.points(key)[r["step"]] == pytest.approx(value), (key, r["step"])
     assert len(list((env["wandb"] / "builds" / "run-w-eval").iterdir())) == 1
+
+
+def test_several_suites_side_by_side_under_their_own_keys(env):
+    """eval/<suite>/tau for every suite at each train/step; the first suite also keeps plain eval/tau."""
+    expected: dict[str, dict[int, dict]] = {"coding": {}, "gsm8k": {}}
+    for step in (100, 200):
+        for suite, p, day in (("coding", 0.4, "01"), ("gsm8k", 0.7, "02")):
+            ck, digest = fake_checkpoint(env["ckpt"], "run-m", step)
+            res = make_result("run-m", step, p=p, checkpoint_root=str(env["ckpt"]), digest=digest, suite=suite)
+            res["provenance"]["created_at"] = f"2026-01-{day}T00:00:{step // 100:02d}+00:00"  # coding came first
+            record = read_record(write_ledger(env["results"], res))
+            assert publish_result(record, record["job"], Settings.from_env())["wandb"]["ok"]
+            expected[suite][step] = res
+    _, log = current_run(env["wandb"], "run-m")
+    for suite, by_step in expected.items():
+        points = log.points(f"eval/{suite}/tau")
+        assert points == {s: pytest.approx(r["tau"]["macro"]) for s, r in by_step.items()}
+        for step, res in by_step.items():
+            for key, value in scalars(res, f"eval/{suite}/").items():
+                assert log.points(key)[step] == pytest.approx(value), key
+        tau_def = next(m for m in log.metrics if m["name"] == f"eval/{suite}/tau")
+        assert tau_def["summary_max"] and tau_def["step_metric"] == "train/step"
+    # the single-suite keys stay: the primary (first evaluated) suite under plain eval/...
+    assert log.points("eval/tau") == {s: pytest.approx(r["tau"]["macro"]) for s, r in expected["coding"].items()}
+    rows = [r for r in log.history if "eval/gsm8k/prompts/_type" in r]
+    assert len(rows) == 2 and all("eval/tau" not in r for r in rows)  # gsm8k never lands on the primary's curve

@@ -13,16 +13,25 @@ count, the same ``--steps`` gives bit-identical weights):
    sorted order, test directories skipped, files > 200 KB skipped, capped at
    ``MAX_CORPUS_CHARS`` characters. ~2% of the files (chosen by a hash of their
    relative path) are held out for a held-out loss.
+   From the same files it makes chat pairs (``collect_chat_pairs``): a documented
+   function's name, arguments and first docstring sentence as a coding request
+   (the user turn, phrased like the built-in eval suite's), its source as the
+   answer, in the chat template. Without them the chat template is out of
+   distribution and the target answers every chat prompt with ``#\n`` repeats.
+   One function in ``PAIR_SPARE_MODULUS`` (by a hash of its qualified name) is
+   kept out of the target's pairs: the demo drafter's prompts come from those.
 2. Trains a byte-level BPE tokenizer (Qwen2-style pre-tokenizer regex, vocab 4096 incl. special tokens
    ``<|endoftext|>`` (eos/pad), ``<|MASK|>`` (DFlash mask), ``<|im_start|>``,
    ``<|im_end|>``) and wraps it in ``transformers.PreTrainedTokenizerFast`` with
    a Qwen-style chat template.
 3. Trains a small ``Qwen3ForCausalLM`` from scratch (AdamW, linear warmup +
    cosine decay, 256-token windows, bf16 autocast on CPU with fp32 master
-   weights) for a fixed number of steps.
+   weights) for a fixed number of steps; each batch is half raw-source windows,
+   half windows that start at a chat pair.
 4. Saves model (bfloat16 safetensors), tokenizer, greedy generation config and
-   ``build_info.json`` (held-out loss of the *saved* weights upcast to fp32,
-   build time, parameter count, on-disk size).
+   ``build_info.json`` (held-out losses of the *saved* weights upcast to fp32 on
+   raw source and on the held-out files' chat pairs, build time, parameter
+   count, on-disk size).
 
 ``--minutes M`` is an alternative to ``--steps``: the step count is calibrated
 from the speed of the first few steps so that training takes about M minutes.
@@ -33,15 +42,19 @@ reproduced exactly with ``--steps``.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import math
 import os
 import platform
 import random
+import re
 import sys
 import sysconfig
+import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "tiny_target"
@@ -62,6 +75,12 @@ SKIP_DIR_NAMES = {
 # output is code, not "0x00b -> LATIN CAPITAL LETTER" tables
 SKIP_TOP_DIRS = {"encodings", "pydoc_data"}
 SKIP_FILES = {"html/entities.py"}
+
+# ---- chat pairs ---------------------------------------------------------------
+PAIR_SPARE_MODULUS = 10  # sha1(rel:qualname) % 10 == 0 -> not in the target's pairs
+PAIR_MIN_LINES = 6  # short answers teach the model to stop after a line or two
+PAIR_MAX_CHARS = 2400  # longer answers are cut by the 256-token window anyway
+PAIR_FRACTION = 0.5  # of each training batch
 
 # ---- tokenizer ----------------------------------------------------------------
 VOCAB_SIZE = 4096
@@ -103,7 +122,7 @@ MODEL_KW = dict(
 )
 SEQ_LEN = 256
 # The bundled build (tiny_target/build_info.json) used exactly these defaults.
-DEFAULT_STEPS = 450
+DEFAULT_STEPS = 360
 DEFAULT_BATCH = 16
 DEFAULT_LR = 4e-3
 DEFAULT_WARMUP = 30
@@ -120,8 +139,8 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------
 # corpus
 # ------------------------------------------------------------------------------
-def collect_corpus(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_CHARS):
-    """Return (train_texts, heldout_texts, stats). Deterministic for a given stdlib."""
+def _corpus_files(stdlib_root: str | None, max_chars: int):
+    """(root, [(relpath, text, held_out)], skipped_big, skipped_undecodable), sorted by path."""
     root = Path(stdlib_root or sysconfig.get_paths()["stdlib"])
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -134,7 +153,7 @@ def collect_corpus(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_C
                 files.append(Path(dirpath) / fn)
     files.sort(key=lambda p: p.relative_to(root).as_posix())
 
-    train, heldout = [], []
+    out = []
     n_chars = 0
     skipped_big = skipped_decode = 0
     for p in files:
@@ -155,12 +174,20 @@ def collect_corpus(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_C
             break
         n_chars += len(text)
         h = int(hashlib.sha1(rel.encode()).hexdigest(), 16)
-        (heldout if h % HELDOUT_MODULUS == 0 else train).append((rel, text))
+        out.append((rel, text, h % HELDOUT_MODULUS == 0))
+    return root, out, skipped_big, skipped_decode
+
+
+def collect_corpus(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_CHARS):
+    """Return (train_texts, heldout_texts, stats). Deterministic for a given stdlib."""
+    root, files, skipped_big, skipped_decode = _corpus_files(stdlib_root, max_chars)
+    train = [(r, t) for r, t, held in files if not held]
+    heldout = [(r, t) for r, t, held in files if held]
     stats = dict(
         stdlib_root=str(root),
         n_train_files=len(train),
         n_heldout_files=len(heldout),
-        n_chars=n_chars,
+        n_chars=sum(len(t) for _, t, _ in files),
         n_train_chars=sum(len(t) for _, t in train),
         n_heldout_chars=sum(len(t) for _, t in heldout),
         skipped_big=skipped_big,
@@ -168,6 +195,111 @@ def collect_corpus(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_C
         heldout_files=[r for r, _ in heldout],
     )
     return [t for _, t in train], [t for _, t in heldout], stats
+
+
+# ------------------------------------------------------------------------------
+# chat pairs
+# ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatPair:
+    qualname: str  # relpath:Class.method
+    name: str
+    args: str
+    ask: str  # the user turn
+    answer: str  # the function's source, dedented
+
+
+# Requests phrased like the built-in eval suite's ("Write a Python function f(x) that ...").
+_ASKS_THAT = (
+    "Write a Python function {name}({args}) that {doc3}.",
+    "Implement {name}({args}) in Python: it should {doc}.",
+    "Define a Python function {name}({args}). It should {doc}.",
+    "In Python, write {name}({args}), which should {doc}.",
+)
+_ASKS_PLAIN = ("Write a Python function {name}({args}). {Doc}.", "Implement {name}({args}) in Python. {Doc}.")
+_ASKS_SIGNATURE = ("Write a Python function {name}({args}).", "Implement {name}({args}) in Python.")
+_NOT_VERBS = {"a", "an", "the", "this", "these", "that", "if", "for", "in", "on", "used", "called", "internal",
+              "helper", "private", "deprecated", "like", "same", "see", "note", "as", "when", "it", "true"}
+
+
+def _third_person(word: str) -> str:
+    """'Return' -> 'returns', 'Apply' -> 'applies', 'Fetch' -> 'fetches' (docstrings are imperative)."""
+    w = word.lower()
+    if w.endswith(("ss", "sh", "ch", "x", "z", "o")):
+        return w + "es"
+    if w.endswith("y") and len(w) > 1 and w[-2] not in "aeiou":
+        return w[:-1] + "ies"
+    return w if w.endswith("s") else w + "s"
+
+
+def _first_sentence(doc: str) -> str | None:
+    para = " ".join(doc.strip().split("\n\n")[0].split())
+    m = re.match(r"([A-Z][^.!?]{9,150})[.!?](\s|$)", para)
+    return m.group(1) if m and not re.search(r"[`>{}]|::", m.group(1)) else None
+
+
+def _ask(qualname: str, name: str, args: str, sentence: str | None) -> str:
+    k = int(hashlib.sha1(qualname.encode()).hexdigest(), 16)
+    if sentence is None:  # undocumented: the signature alone
+        return _ASKS_SIGNATURE[k % len(_ASKS_SIGNATURE)].format(name=name, args=args)
+    first, _, rest = sentence.partition(" ")
+    if first.lower() in _NOT_VERBS or not first.isalpha() or not rest:
+        return _ASKS_PLAIN[k % len(_ASKS_PLAIN)].format(name=name, args=args, Doc=sentence)
+    doc = sentence[0].lower() + sentence[1:]
+    return _ASKS_THAT[k % len(_ASKS_THAT)].format(name=name, args=args, doc=doc,
+                                                  doc3=f"{_third_person(first)} {rest}")
+
+
+def extract_pairs(rel: str, text: str) -> list[ChatPair]:
+    """Chat pairs from one file's documented public functions and methods (source order)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.splitlines(keepends=True)
+    out: list[ChatPair] = []
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if child.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(child)
+                sentence = _first_sentence(doc) if doc else None
+                src = textwrap.dedent("".join(lines[child.lineno - 1 : child.end_lineno])).rstrip()
+                if (len(src) > PAIR_MAX_CHARS or src.count("\n") + 1 < PAIR_MIN_LINES
+                        or not src.startswith(("def ", "async def "))):
+                    continue
+                a = child.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                names += [f"*{a.vararg.arg}"] if a.vararg else []
+                names += [f"**{a.kwarg.arg}"] if a.kwarg else []
+                args = ", ".join(names)
+                qual = f"{rel}:{prefix}{child.name}"
+                out.append(ChatPair(qual, child.name, args, _ask(qual, child.name, args, sentence), src))
+
+    visit(tree, "")
+    return out
+
+
+def collect_chat_pairs(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_CHARS) -> dict[str, list[ChatPair]]:
+    """Chat pairs by split: "train" (the target trains on them), "spare" (from the target's
+    training files but kept out of its pairs: the demo drafter's requests), "heldout" (from
+    the held-out files). Deterministic for a given stdlib."""
+    _, files, _, _ = _corpus_files(stdlib_root, max_chars)
+    out: dict[str, list[ChatPair]] = {"train": [], "spare": [], "heldout": []}
+    for rel, text, held in files:
+        for pair in extract_pairs(rel, text):
+            spare = int(hashlib.sha1(pair.qualname.encode()).hexdigest(), 16) % PAIR_SPARE_MODULUS == 0
+            out["heldout" if held else "spare" if spare else "train"].append(pair)
+    return out
+
+
+def chat_text(pair: ChatPair) -> str:
+    """The pair as the chat template renders it (same string as ``CHAT_TEMPLATE``)."""
+    return f"{IM_START}user\n{pair.ask}{IM_END}\n{IM_START}assistant\n{pair.answer}\n{IM_END}\n"
 
 
 # ------------------------------------------------------------------------------
@@ -225,16 +357,20 @@ def _make_tokenizer_config_portable(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def encode_stream(tokenizer, texts: list[str], eos_id: int):
-    """Encode documents and join them into one stream, eos after each document."""
+def encode_stream(tokenizer, texts: list[str], eos_id: int, with_starts: bool = False):
+    """Encode documents and join them into one stream, eos after each document
+    (with ``with_starts``: also each document's start offset)."""
     import torch
 
     encs = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     ids: list[int] = []
+    starts: list[int] = []
     for e in encs:
+        starts.append(len(ids))
         ids.extend(e.ids)
         ids.append(eos_id)
-    return torch.tensor(ids, dtype=torch.long)
+    stream = torch.tensor(ids, dtype=torch.long)
+    return (stream, torch.tensor(starts, dtype=torch.long)) if with_starts else stream
 
 
 # ------------------------------------------------------------------------------
@@ -330,14 +466,18 @@ def build(
 
     # 1. corpus
     train_texts, heldout_texts, cstats = collect_corpus(max_chars=max_chars)
+    pairs = collect_chat_pairs(max_chars=max_chars)
+    train_chats = [chat_text(p) for p in pairs["train"]]
+    heldout_chats = [chat_text(p) for p in pairs["heldout"]]
     log(
         f"[corpus] {cstats['n_train_files']} train files ({cstats['n_train_chars']:,} chars), "
-        f"{cstats['n_heldout_files']} held-out files ({cstats['n_heldout_chars']:,} chars)"
+        f"{cstats['n_heldout_files']} held-out files ({cstats['n_heldout_chars']:,} chars); chat pairs "
+        + ", ".join(f"{k} {len(v)}" for k, v in pairs.items())
     )
 
     # 2. tokenizer
     t_tok = time.time()
-    tokenizer = train_tokenizer(train_texts)
+    tokenizer = train_tokenizer(train_texts + train_chats)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     special_ids = {
         "eos": eos_id,
@@ -348,10 +488,14 @@ def build(
     }
     train_stream = encode_stream(tokenizer, train_texts, eos_id)
     heldout_stream = encode_stream(tokenizer, heldout_texts, eos_id)
+    chat_stream, chat_starts = encode_stream(tokenizer, train_chats, eos_id, with_starts=True)
+    chat_starts = chat_starts[chat_starts < len(chat_stream) - SEQ_LEN]
+    heldout_chat_stream = encode_stream(tokenizer, heldout_chats, eos_id)
     log(
         f"[tokenizer] vocab {len(tokenizer)} specials {special_ids} | train tokens "
         f"{len(train_stream):,} ({cstats['n_train_chars'] / len(train_stream):.2f} chars/tok), "
-        f"held-out tokens {len(heldout_stream):,} | {time.time() - t_tok:.1f}s"
+        f"held-out tokens {len(heldout_stream):,} | chat tokens {len(chat_stream):,} (held-out "
+        f"{len(heldout_chat_stream):,}) | {time.time() - t_tok:.1f}s"
     )
 
     # 3. model
@@ -386,8 +530,13 @@ def build(
         cur_lr = lr_at(step, total, lr, warmup)
         for g in opt.param_groups:
             g["lr"] = cur_lr
-        starts = torch.randint(0, n_tok - SEQ_LEN, (batch,), generator=gen)
-        x = train_stream[starts[:, None] + offs_range[None, :]]
+        # half raw-source windows anywhere, half windows that open at a chat pair (the
+        # position a real chat prompt has: its <|im_start|> is the first token)
+        n_chat = int(batch * PAIR_FRACTION)
+        starts = torch.randint(0, n_tok - SEQ_LEN, (batch - n_chat,), generator=gen)
+        chat_rows = chat_starts[torch.randint(0, len(chat_starts), (n_chat,), generator=gen)]
+        x = torch.cat([train_stream[starts[:, None] + offs_range[None, :]],
+                       chat_stream[chat_rows[:, None] + offs_range[None, :]]])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -411,6 +560,7 @@ def build(
     train_time = time.time() - t_train
     fp32_heldout = heldout_loss(model, heldout_stream)
     log(f"[eval] held-out loss (fp32 weights) {fp32_heldout:.4f}")
+    train_chat_loss = heldout_loss(model, chat_stream[: len(heldout_chat_stream)])  # memorisation check
 
     # 4. save
     for p in out.glob("*"):
@@ -430,6 +580,8 @@ def build(
     # held-out loss of what ships: bf16 weights reloaded and upcast to fp32
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     loss_saved = heldout_loss(reloaded, heldout_stream)
+    chat_loss_saved = heldout_loss(reloaded, heldout_chat_stream)
+    log(f"[eval] held-out chat-pair loss {chat_loss_saved:.4f} (first training pairs: {train_chat_loss:.4f})")
     log(f"[eval] held-out loss (saved bf16 -> fp32) {loss_saved:.4f} (ln V = {math.log(config.vocab_size):.3f})")
 
     info = dict(
@@ -447,6 +599,12 @@ def build(
         num_threads=NUM_THREADS,
         heldout_loss=loss_saved,
         heldout_loss_fp32_before_save=fp32_heldout,
+        heldout_chat_loss=chat_loss_saved,
+        train_chat_loss_fp32=train_chat_loss,
+        chat_pairs={k: len(v) for k, v in pairs.items()},
+        pair_fraction=PAIR_FRACTION,
+        chat_tokens=int(len(chat_stream)),
+        heldout_chat_tokens=int(len(heldout_chat_stream)),
         heldout_tokens=int(len(heldout_stream)),
         train_tokens=int(len(train_stream)),
         ln_vocab=math.log(config.vocab_size),

@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.jobs import JobError
-    from eval_worker.queue import cancel
+    from eval_worker.service.jobs import JobError
+    from eval_worker.service.queue import cancel
 
     try:
         conn, _ = connect_from_args(args)

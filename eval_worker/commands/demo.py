@@ -44,7 +44,7 @@ def _threads() -> tuple[int, int]:
 
 
 def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float) -> dict[str, str]:
-    from eval_worker.queue import fetch_job
+    from eval_worker.service.queue import fetch_job
 
     deadline, status = time.monotonic() + timeout_s, {}
     while True:
@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
                         datefmt="%H:%M:%S")
     for name in ("dflash_train", "hooks.eval"):  # training progress and the hook's enqueue lines
         logging.getLogger(name).setLevel(logging.INFO)
-    from eval_worker.demo_stack import DemoStack, tail
+    from eval_worker.service.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
     paths = {k: work / k for k in ("runs", "results", "wandb", "report", "cache", "logs")}
@@ -122,13 +122,13 @@ def main(args: argparse.Namespace) -> int:
 def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     from datetime import datetime, timezone
 
+    from dflash_train.cli import eval_hook  # the trainer's eval wiring builds the hook: eval_worker never imports hooks
     from dflash_train.train_config import load_config
     from dflash_train.trainer import resolve_target_path, train
-    from eval_worker.redis_local import connect, redact_url
-    from eval_worker.report import build_report
-    from eval_worker.run_results import load_run
-    from eval_worker.sinks.wandb_sink import publish_run, target_from
-    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+    from eval_worker.service.redis_local import connect, redact_url
+    from eval_worker.results.report import build_report
+    from eval_worker.results.run_results import load_run
+    from eval_worker.results.sinks.wandb_sink import publish_run, target_from
 
     run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
     trainer_threads, worker_threads = _threads()
@@ -159,8 +159,8 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     wandb_cfg = {"project": args.wandb_project or settings.wandb_project or "dflash-eval", "group": run_id,
                  "entity": settings.wandb_entity, "mode": mode}
     options = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else None
-    hook = EvalOnCheckpoint(every_n_steps=every, suite=args.suite, target=target_dir, wandb=wandb_cfg,
-                            redis_url=url, options=options, train_end_timeout=60, settings=settings)
+    config = config.replace(eval_every=every, eval_suite=[args.suite], eval_target=str(target_dir))
+    hook = eval_hook(config, settings, url, wandb=wandb_cfg, options=options, train_end_timeout=60)
     print(f"[demo] training {run_id}: {config.max_steps} steps on {config.target}, eval every {every} steps "
           f"(trainer {trainer_threads} thread(s), worker {worker_threads})", flush=True)
     t_train = time.monotonic()
@@ -185,6 +185,9 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     rows = [r for r in load_run(run_id, paths["results"])]
     _print_table(rows)
     failed = [j for j, s in status.items() if s != "finished"]
+    collapsed = _collapsed(rows)
+    if collapsed:
+        print(f"\n  ERROR: {collapsed}", file=sys.stderr)
     print(f"\n  evaluations: {len(job_ids) - len(failed)} finished, {len(failed)} failed"
           + (f" ({', '.join(failed)}; see `dflash-eval status`)" if failed else ""))
     print(f"  report:      {report}")
@@ -195,4 +198,19 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         print(f"  W&B online:  project {wandb_cfg['project']}, run {info['eval_run_id']}")
     print(f"  ledger:      {paths['results'] / run_id}")
     print(f"  total time:  {time.monotonic() - t0:.0f}s")
-    return 0 if not failed else 1
+    return 0 if not failed and not collapsed else 1
+
+
+def _collapsed(rows) -> str | None:
+    """A loud line when most references of an evaluation are degenerate: τ would then say that a
+    drafter learns to repeat the target's collapse, not how well it drafts (issue 17)."""
+    from eval_worker.engine.diagnostics import mostly_degenerate
+
+    for r in rows:
+        prompts = r.result.get("prompts") or []
+        bad = mostly_degenerate(prompts)
+        if bad:
+            return (f"{len(bad)} of {len(prompts)} references at step {r.step} are degenerate (the target repeats "
+                    f"a line or a few tokens: {', '.join(bad[:5])}); τ measures repetition, not drafting. "
+                    "Check the target and the prompt format (see DEGENERATE_REFERENCE in the report)")
+    return None

@@ -5,6 +5,7 @@ import argparse
 import json
 
 from ._common import add_redis_args, add_sampling_args, connect_from_args, fail, print_json, sampling_options
+from .import_drafter import add_import_arguments, import_drafters
 
 HELP = "queue evaluations of published checkpoints (deduplicated; --force evaluates again)"
 
@@ -21,17 +22,29 @@ def _option(text: str) -> tuple[str, object]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="*", metavar="CHECKPOINT_DIR",
-                        help="published checkpoint directories (with COMPLETE.json), or a run directory "
+                        help="published checkpoint directories (with COMPLETE.json) or store URLs "
+                             "(s3://bucket/runs/RUN/step-...), or a run directory or run URL "
                              "(all its published checkpoints)")
-    parser.add_argument("--suite", default="builtin:coding-v1", help="suite: builtin:NAME or a .jsonl file")
+    parser.add_argument("--suite", action="append", default=None, metavar="SUITE",
+                        help="builtin:NAME, a .jsonl file (under the worker's suite roots), or a standard benchmark "
+                             "hf:NAME[:n=N][:seed=S][:thinking=on] (gsm8k, math500, humaneval, mbpp, mt-bench, alpaca); "
+                             "repeatable: one job per suite, each logged as eval/<suite>/... "
+                             "(default builtin:coding-v1)")
     parser.add_argument("--target", default=None,
                         help="target model directory as the worker sees it (default $DFLASH_TARGET, "
                              "else the worker's own --target)")
-    parser.add_argument("--baseline", default=None, help="a published checkpoint to compare against")
+    parser.add_argument("--baseline", default=None,
+                        help="a published checkpoint (or import record) to compare against; with --external also a "
+                             "drafter directory trained elsewhere")
+    parser.add_argument("--external", action="store_true",
+                        help="CHECKPOINT_DIRs (and --baseline) without COMPLETE.json are drafters trained elsewhere "
+                             "(z-lab release, SpecForge output, HF snapshot): record each with `dflash-eval import`'s "
+                             "default names (nothing is written into them), then queue the record")
     parser.add_argument("--force", action="store_true", help="evaluate again under a new attempt id")
     parser.add_argument("--priority", choices=["high", "default", "low"], default="default")
     parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
-                        help="refuse checkpoints outside these roots (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
+                        help="refuse checkpoints outside these roots: directories or store prefixes such as "
+                             "s3://bucket/runs (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--tree-budget", type=int, default=None)
     parser.add_argument("--counting", choices=["response", "published"], default=None,
@@ -50,13 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --outbox: also deliver the jobs set aside in DIR/rejected (after fixing "
                              "what made the queue refuse them)")
     parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    add_import_arguments(parser, roots=False)
     add_redis_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     from dflash_train.settings import parse_roots
-    from eval_worker.jobs import JobError, make_job
-    from eval_worker.queue import QueueConfig, enqueue
+    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.queue import QueueConfig, enqueue
+    from eval_worker.engine.suite import DEFAULT_SUITE
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -77,17 +92,37 @@ def main(args: argparse.Namespace) -> int:
         config.job_timeout = args.job_timeout
     if args.retries is not None:
         config.retry_max = args.retries
-    roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
+    from dflash_train.storage import StoreError
+
+    try:
+        roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
+    except StoreError as e:
+        return fail(f"--checkpoint-root: {e}")
     target = args.target or args.settings.target
 
     outcomes, errors = [], []
+    paths, baseline, records = _expand(args.checkpoints), args.baseline, []
+    if args.external:  # drafters trained elsewhere: queue their import records instead
+        external = [p for p in paths + ([baseline] if baseline else []) if not _published(p)]
+        records, import_errors = import_drafters(args, external)
+        errors += [{"checkpoint": e["given"], "error": e["error"]} for e in import_errors]
+        record_of = {r["given"]: r["record"] for r in records}
+        for r in records:
+            if not args.json:
+                print(f"{'imported' if r['created'] else 'recorded'}  {r['given']} as {r['record']}")
+        if baseline in external and baseline not in record_of:
+            paths = []  # the comparison was asked for: nothing is queued without its baseline
+        paths = [record_of.get(p, p) for p in paths if p not in external or p in record_of]
+        baseline = record_of.get(baseline, baseline)
     jobs = []
-    for path in _expand(args.checkpoints):
-        try:
-            jobs.append(make_job(path, suite=args.suite, target=target, baseline=args.baseline, wandb=wandb,
-                                 requested_by="user", priority=args.priority, options=options or None, roots=roots))
-        except JobError as e:
-            errors.append({"checkpoint": path, "error": str(e)})
+    for path in paths:
+        for suite in dict.fromkeys(args.suite or [DEFAULT_SUITE]):
+            try:
+                jobs.append(make_job(path, suite=suite, target=target, baseline=baseline, wandb=wandb,
+                                     requested_by="user", priority=args.priority, options=options or None,
+                                     roots=roots))
+            except (JobError, StoreError, OSError) as e:  # OSError: StoreUnavailable, the store did not answer
+                errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
     try:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost
@@ -95,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
     for job in jobs:
         try:
             outcomes.append(enqueue(conn, job, force=args.force, config=config, roots=roots))
-        except JobError as e:
+        except (JobError, StoreError, OSError) as e:
             errors.append({"checkpoint": job["checkpoint"], "error": str(e)})
     delivered = []
     for directory in args.outbox:
@@ -103,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.json:
         print_json({"redis": url, "outcomes": [o.to_dict() for o in outcomes], "errors": errors,
-                    "outboxes": delivered})
+                    "outboxes": delivered, "imports": records})
     else:
         for o in outcomes:
             print(f"{o.status:9s} {o.job_id}  {o.message}")
@@ -120,22 +155,42 @@ def main(args: argparse.Namespace) -> int:
     return 2 if errors or any(d["remaining"] or d["rejected"] or d["set_aside"] for d in delivered) else 0
 
 
+def _published(path: str) -> bool:
+    from pathlib import Path
+
+    from dflash_train import storage
+    from dflash_train.publication import MARKER_NAME, list_checkpoints
+
+    if storage.is_url(path):  # never imported: a store URL is a published checkpoint or refused by make_job
+        return True
+    return (Path(path) / MARKER_NAME).exists() or bool(list_checkpoints(path))
+
+
 def _expand(paths: list[str]) -> list[str]:
     """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
     from pathlib import Path
 
+    from dflash_train import storage
     from dflash_train.publication import MARKER_NAME, list_checkpoints
 
     out = []
     for p in paths:
-        inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)
+        if storage.is_url(p):  # a run prefix in a store stands for its marked step prefixes
+            try:
+                url = storage.check_url(p)
+                store = storage.store_for(url)
+                inner = [] if store.exists(storage.join(url, MARKER_NAME)) else list_checkpoints(url)
+            except (storage.StoreError, OSError):
+                inner = []  # make_job says what is wrong with it
+        else:
+            inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)
         out.extend(str(c) for c in inner) if inner else out.append(p)
     return out
 
 
 def _deliver_outbox(directory: str, conn, config, *, retry_rejected: bool = False) -> dict:
-    from eval_worker.queue import enqueue
-    from hooks.outbox import Outbox
+    from eval_worker.service.queue import enqueue
+    from eval_worker.service.outbox import Outbox
 
     box = Outbox(directory)
     restored = box.restore_rejected() if retry_rejected else []

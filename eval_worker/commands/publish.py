@@ -25,10 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.redis_local import redact_url
-    from eval_worker.run_results import ResultsError
-    from eval_worker.sinks.wandb_lock import LockTimeout
-    from eval_worker.sinks.wandb_sink import SinkError, publish_run, saved_identity, target_from
+    from eval_worker.service.redis_local import redact_url
+    from eval_worker.results.run_results import ResultsError
+    from eval_worker.results.sinks.wandb_lock import LockTimeout
+    from eval_worker.results.sinks.wandb_sink import SinkError, publish_run, saved_identity, target_from
 
     settings = args.settings
     target_root = Path(args.wandb_dir).expanduser().resolve() if args.wandb_dir else settings.wandb_dir

@@ -24,8 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.report import build_report
-    from eval_worker.run_results import ResultsError
+    from eval_worker.results.report import build_report
+    from eval_worker.results.run_results import ResultsError
 
     try:
         path = build_report(args.run, results_dir=args.results or args.settings.results_dir, out_dir=args.out, steps=args.steps, suite=args.suite)

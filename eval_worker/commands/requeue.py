@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.jobs import JobError
-    from eval_worker.queue import EnqueueOutcome, QueueConfig, requeue_failed, requeue_run
+    from eval_worker.service.jobs import JobError
+    from eval_worker.service.queue import EnqueueOutcome, QueueConfig, requeue_failed, requeue_run
 
     if not args.failed and not args.run:
         return fail("give --failed, or --run RUN with --steps or --all")

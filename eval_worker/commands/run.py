@@ -10,6 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+from eval_worker.engine.suite import DEFAULT_SUITE, hf_suites
+
+MULTI_SCHEMA = "dflash-eval-suites/1"
 HELP = "evaluate one drafter checkpoint (acceptance length τ and friends), no queue"
 
 
@@ -17,8 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="published checkpoint dir or plain drafter dir")
     p.add_argument("--target", required=True, help="local target model directory")
     p.add_argument("--baseline", help="baseline drafter dir (paired Δτ per prompt)")
-    p.add_argument("--suite", default="builtin:coding-v1", help="builtin:NAME[-vN] or a .jsonl file")
-    p.add_argument("--json", dest="json_out", help="write the full result JSON here")
+    p.add_argument("--suite", action="append", default=None, metavar="SUITE",
+                   help="builtin:NAME[-vN], a .jsonl file, or a standard benchmark hf:NAME[:n=N][:seed=S][:thinking=on] "
+                        f"(NAME one of {', '.join(hf_suites())}; local copies: $DFLASH_HF_DATASETS_DIR); repeatable: "
+                        "every suite is evaluated and their τ shown side by side (default builtin:coding-v1)")
+    p.add_argument("--json", dest="json_out", help="write the full result JSON here (several suites: "
+                                                     "{schema: dflash-eval-suites/1, tau: {suite: τ}, results: [...]})")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--num-prompts", type=int, help="only the first N prompts of the suite")
     p.add_argument("--max-blocks", type=int, help="at most N blocks (verify steps) per prompt")
@@ -60,9 +67,9 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.config import ConfigError
     from dflash_train.target import TargetError
 
-    from ..acceptance import Evaluator
-    from ..references import ReferenceSourceError, ServerReferences
-    from ..suite import SuiteError
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.references import ReferenceSourceError, ServerReferences
+    from eval_worker.engine.suite import SuiteError, load_suite
 
     import logging
 
@@ -82,26 +89,51 @@ def main(args: argparse.Namespace) -> int:
         options["reference_mismatch"] = "measure"
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
     try:
-        from ..checkpoint_source import check_drafter_config
+        from eval_worker.engine.checkpoint_source import check_drafter_config
 
         for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
             check_drafter_config(drafter_dir)  # before the target: its load can take minutes
+        specs = list(dict.fromkeys(args.suite or [DEFAULT_SUITE]))
+        suites = [load_suite(spec, hf_datasets_dir=args.settings.hf_datasets_dir) for spec in specs]  # same: early
+        names = [s.name for s in suites]
+        if len(set(names)) != len(names):
+            raise SuiteError(f"two suites share a name ({names}); their results could not be told apart")
         evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
                               progress=not args.no_progress, dtype=args.dtype,
                               device=args.device)
         if args.reference_server:
             evaluator.reference_source = ServerReferences(args.reference_server, args.reference_model)
-        result = evaluator.evaluate(args.checkpoint, args.suite, baseline=args.baseline,
-                                    train_metrics=train_metrics, options=options)
+        results = [evaluator.evaluate(args.checkpoint, suite, baseline=args.baseline, train_metrics=train_metrics,
+                                      options=options) for suite in suites]
     except (CheckpointError, ConfigError, TargetError, SuiteError, ReferenceSourceError, ValueError) as e:
         print(f"dflash-eval run: error: {e}", file=sys.stderr)
         return 2
+    dicts = [r.to_dict() for r in results]
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    print(format_table(result.to_dict()))
-    return 1 if result.errors() else 0
+        doc = dicts[0] if len(dicts) == 1 else {"schema": MULTI_SCHEMA, "tau": {d["suite"]["name"]: d["tau"]["macro"]
+                                                                             for d in dicts}, "results": dicts}
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+    print("\n\n".join(format_table(d) for d in dicts))
+    if len(dicts) > 1:
+        print("\n" + format_suites(dicts))
+    return 1 if any(r.errors() for r in results) else 0
+
+
+def format_suites(results: list[dict]) -> str:
+    """τ of every suite side by side (the published tables' layout), one row per suite."""
+    lines = [f"{'suite':<24} {'prompts':>7} {'τ':>6} {'95% CI':>15} {'pooled':>6} {'tree τ':>6} {'Δτ':>7} "
+             f"{'steps':>6}"]
+    for r in results:
+        tau, b = r["tau"], r.get("baseline") or {}
+        ci = tau.get("ci95") or [None, None]
+        delta = b.get("delta_tau")
+        lines.append(f"{r['suite']['name'][:24]:<24} {r['suite']['num_prompts']:>7} {_f(tau['macro']):>6} "
+                     f"{'[' + _f(ci[0], 2) + ', ' + _f(ci[1], 2) + ']':>15} {_f(tau.get('pooled')):>6} "
+                     f"{_f((r.get('tree') or {}).get('tau')):>6} {('-' if delta is None else f'{delta:+.3f}'):>7} "
+                     f"{tau.get('num_steps') or 0:>6}")
+    return "\n".join(lines)
 
 
 def _f(x, nd=3) -> str:

@@ -29,8 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default $DFLASH_SUITE_ROOTS, else the checkpoint roots)")
     parser.add_argument("--no-preload", action="store_true", help="load the target on the first job instead")
     parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
-                        help="only evaluate checkpoints under these roots (repeatable; default "
-                             "$DFLASH_CHECKPOINT_ROOTS; required)")
+                        help="only evaluate checkpoints under these roots: directories, or store prefixes "
+                             "such as s3://bucket/runs whose checkpoints are pulled into the checkpoint cache "
+                             "(repeatable; default $DFLASH_CHECKPOINT_ROOTS; required)")
+    parser.add_argument("--checkpoint-cache-dir", default=None,
+                        help="where checkpoints pulled from a store are kept (default $DFLASH_CHECKPOINT_CACHE_DIR, "
+                             "else $DFLASH_HOME/checkpoint-cache)")
+    parser.add_argument("--checkpoint-cache-gb", type=float, default=None,
+                        help="evict pulled checkpoints, least recently used first, beyond this size "
+                             "(default $DFLASH_CHECKPOINT_CACHE_GB, else 20)")
     parser.add_argument("--results-dir", default=None, help="ledger directory (default $DFLASH_RESULTS_DIR, "
                                                             "else $DFLASH_HOME/results)")
     parser.add_argument("--cache-dir", default=None,
@@ -55,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not run RQ's scheduler here (retry back-off needs one somewhere)")
     parser.add_argument("--max-jobs", type=int, default=None, help="exit after this many jobs")
     parser.add_argument("--evaluator-factory", default=None, metavar="MODULE:CALLABLE",
-                        help="build evaluators with this instead of eval_worker.acceptance.Evaluator "
+                        help="build evaluators with this instead of eval_worker.engine.acceptance.Evaluator "
                              "(default $DFLASH_EVALUATOR_FACTORY)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -63,15 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from eval_worker.queue import queue_name
-    from eval_worker.worker import WorkerSettings, serve, worker_name
+    from eval_worker.service.queue import queue_name
+    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.worker import serve, worker_name
+
+    from dflash_train.storage import StoreError
 
     path = lambda p: Path(p).expanduser() if p else None  # noqa: E731
+    try:
+        roots = parse_roots(args.checkpoint_root)
+    except StoreError as e:
+        return fail(f"--checkpoint-root: {e}")
     settings = WorkerSettings.from_settings(
-        args.settings, results_dir=path(args.results_dir), roots=parse_roots(args.checkpoint_root),
+        args.settings, results_dir=path(args.results_dir), roots=roots,
         target_roots=parse_roots(args.target_root), suite_roots=parse_roots(args.suite_root),
         cache_dir=path(args.cache_dir), default_target=args.target, device=args.device, max_targets=args.max_targets,
-        evaluator_factory=args.evaluator_factory, spool_dir=path(args.spool_dir))
+        evaluator_factory=args.evaluator_factory, spool_dir=path(args.spool_dir),
+        checkpoint_cache_dir=path(args.checkpoint_cache_dir), checkpoint_cache_gb=args.checkpoint_cache_gb)
     if settings.roots is None:
         return fail("no checkpoint roots configured: pass --checkpoint-root DIR (repeatable) or set "
                     "DFLASH_CHECKPOINT_ROOTS; the worker only reads checkpoints under them")

@@ -1,0 +1,90 @@
+"""`dflash-eval import DRAFTER_DIR...`: record drafters trained elsewhere so the queue can evaluate them."""
+from __future__ import annotations
+
+import argparse
+
+from ._common import fail, print_json
+
+HELP = ("record drafter directories trained elsewhere (z-lab release, SpecForge output, Hugging Face snapshot) "
+        "as checkpoints the queue can evaluate (and use as --baseline); nothing is written into them")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("drafters", nargs="+", metavar="DRAFTER_DIR",
+                        help="drafter directories: config.json + model.safetensors (or an index and shards)")
+    add_import_arguments(parser)
+    parser.add_argument("--run", default=None,
+                        help="run id of the record (default: read off the path: a HF snapshot's repo name, a "
+                             "trainer step directory's parent, else the directory's name)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="step of the record (default: the number in `..step_N` / `checkpoint-N`, else 0)")
+    parser.add_argument("--json", action="store_true", help="print the records as JSON")
+
+
+def add_import_arguments(parser: argparse.ArgumentParser, *, roots: bool = True) -> None:
+    """Where records go and which roots confine them (shared with `enqueue --external`)."""
+    parser.add_argument("--into", default=None, metavar="ROOT",
+                        help="checkpoint root that holds the import records (default: the first of "
+                             "--checkpoint-root / $DFLASH_CHECKPOINT_ROOTS); the worker must have it as a root")
+    if roots:
+        parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
+                            help="refuse drafters outside these roots, as the worker will (repeatable; default "
+                                 "$DFLASH_CHECKPOINT_ROOTS); a drafter's directory must lie in one of them")
+
+
+def import_drafters(args: argparse.Namespace, sources: list[str], run: str | None = None,
+                    step: int | None = None) -> tuple[list[dict], list[dict]]:
+    """Import each source; ([{source, record, run_id, step, digest, created, given}], [{source, error, given}]),
+    `given` being the path as passed."""
+    import os
+    from pathlib import Path
+
+    from dflash_train.publication import CheckpointError, import_directory, import_name, valid_run_id, within
+    from dflash_train.settings import parse_roots
+
+    roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
+    into = args.into or (str(roots[0]) if roots else None)
+    if into is None:
+        return [], [{"source": s, "given": s, "error": "no place for the import record: give --into ROOT (a checkpoint root "
+                                           "of the worker) or set $DFLASH_CHECKPOINT_ROOTS"} for s in sources]
+    records, errors = [], []
+    for source in sources:
+        default_run, default_step = import_name(source)
+        run_id, at = run or default_run, default_step if step is None else step
+        try:
+            if not valid_run_id(run_id):
+                raise CheckpointError(f"invalid run id {run_id!r}")
+            if roots is not None:
+                for what, path in (("drafter directory", source), ("record root --into", into)):
+                    if within(path, roots) is None:
+                        raise CheckpointError(
+                            f"{what} {path} is outside the checkpoint roots ({os.pathsep.join(map(str, roots))}); "
+                            "the worker would refuse it: add its root with --checkpoint-root / "
+                            "$DFLASH_CHECKPOINT_ROOTS (for a Hugging Face snapshot, the cache's hub directory)")
+            path, created = import_directory(Path(into), run_id, at, source)
+        except (CheckpointError, OSError) as e:
+            errors.append({"source": source, "error": str(e), "given": source})
+            continue
+        from dflash_train.publication import read_manifest
+
+        m = read_manifest(path)
+        records.append({"source": m["source"], "record": str(path), "run_id": m["run_id"], "step": m["step"],
+                        "digest": m["digest"], "created": created, "given": source})
+    return records, errors
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.run is not None and args.step is not None and len(args.drafters) > 1:
+        return fail("--run and --step together name one record; import one DRAFTER_DIR at a time with both")
+    records, errors = import_drafters(args, args.drafters, args.run, args.step)
+    if args.json:
+        print_json({"records": records, "errors": errors})
+    else:
+        for r in records:
+            print(f"{'imported' if r['created'] else 'exists  '} {r['record']}  <- {r['source']} "
+                  f"(run {r['run_id']}, step {r['step']}, digest {r['digest'][:12]})")
+        if records:
+            print("queue it with `dflash-eval enqueue RECORD`, or compare against it with `--baseline RECORD`")
+    for e in errors:
+        fail(f"{e['source']}: {e['error']}")
+    return 2 if errors else 0

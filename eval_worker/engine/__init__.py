@@ -1,0 +1,1 @@
+"""The measurement engine: suites, references, drafting, scoring, metrics, diagnostics, speed -> one EvalResult."""

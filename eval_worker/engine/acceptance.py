@@ -1,0 +1,533 @@
+"""The acceptance evaluation engine: exact greedy τ from one cached target pass per prompt.
+
+One evaluation:
+  1. encode the suite's prompts; get the target's greedy reference for each (cached);
+  2. run the target once over prompt + reference for the drafter's feature layers (cached);
+  3. draft a block at every response position in a few batched multi-block passes;
+  4. replay the online greedy walk along the reference (what speculative decoding with
+     this drafter would do) and derive every metric from the same per-anchor drafts.
+With `options.temperatures`, steps 1-4 run again per temperature on K keyed samples of the
+target per prompt (`dflash_train.sampling`): τ under sampling, exact per sample.
+`Evaluator` keeps the target, the caches and baseline scores loaded across jobs.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_train.model import DFlashDrafter
+from dflash_train.progress import DEFAULT_EVERY_S, track
+from dflash_train.sampling import Sampler, SamplingParams
+from dflash_train.speculative import speculative_generate
+from dflash_train.target import Target
+from dflash_train.tau import tau
+
+from eval_worker.engine import metrics
+from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
+from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
+from eval_worker.engine.diagnostics import Facts, diagnose, reference_collapse
+from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, draft_anchors
+from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
+from eval_worker.engine.options import EvalOptions, temperature_key
+from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError
+from eval_worker.engine.result import EvalResult, PromptResult
+from eval_worker.engine.scoring import PromptScore, Summary, score_prompt, summarize
+from eval_worker.engine.speed import measure_step_costs
+from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
+
+log = logging.getLogger("eval_worker.engine")
+
+@dataclass
+class DrafterRun:
+    """One drafter scored on the references (kept for the baseline across jobs)."""
+
+    scores: list[PromptScore]
+    summary: Summary
+    block_size: int
+    layer_ids: list[int]
+    leak_probe: dict | None = None
+
+
+def software_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dflash-eval")
+    except Exception:
+        return "0.1.0"
+
+
+class Evaluator:
+    """Target + caches, loaded once; `evaluate(...)` per checkpoint."""
+
+    def __init__(self, target: Target | str | Path, cache_dir: str | Path | None = None, *,
+                 reference_source=None, progress: bool = True, progress_every_s: float = DEFAULT_EVERY_S,
+                 memory_cache_bytes: int = 1 << 30, dtype: str = "float32", device: str | None = None):
+        if not isinstance(target, Target):
+            target = Target.load(target, dtype=dtype, device=device)
+        self.target = target
+        self.disk = DiskCache(cache_dir)
+        self.memory = MemoryLRU(memory_cache_bytes)
+        self.reference_source = reference_source or LocalReferences(target)
+        self.progress, self.progress_every_s = progress, progress_every_s
+        self._baselines: dict[str, DrafterRun] = {}
+        self._costs: dict[str, dict | None] = {}
+
+    # --- public -----------------------------------------------------------------------
+    def evaluate(self, checkpoint_dir: str | Path, suite: Suite | str = "builtin:coding-v1",
+                 baseline: str | Path | None = None, train_metrics: dict | None = None,
+                 options: dict | EvalOptions | None = None, verified: dict | None = None) -> EvalResult:
+        """Evaluate one drafter directory. `verified`: manifests of published checkpoints the
+        caller has just verified, keyed by real path (the worker's; they are not hashed again)."""
+        opts = options if isinstance(options, EvalOptions) else EvalOptions.from_dict(options)
+        timings: dict[str, float] = {}
+        report = CacheReport()
+        t_start = time.perf_counter()
+        with _timer(timings, "load"):
+            drafter, info = open_drafter(checkpoint_dir, self.target, verified=verified)
+            base = open_drafter(baseline, self.target, verified=verified) if baseline is not None else None
+            suite = load_suite(suite) if isinstance(suite, (str, Path)) else suite
+            suite = suite.head(opts.num_prompts)
+            prompts = self._encode(suite, opts, [drafter] + ([base[0]] if base else []))
+        max_new = opts.max_new_tokens or suite.max_new_tokens
+        eos = self._eos(opts)
+        B_max = max(drafter.config.block_size, base[0].config.block_size if base else 0)
+        lookahead = B_max - 1  # what the last verify step of the real loop can look at
+        with _timer(timings, "references"):
+            refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report)
+        # a server's reference must be the target's own greedy output (checked on the features
+        # pass, which computes that argmax anyway); a local one is by construction, up to numerics
+        check = opts.reference_mismatch == "fail" and getattr(self.reference_source, "name", "local") != "local"
+        written: list[tuple[str, str]] = []
+        try:
+            main = self._run(drafter, refs, suite, opts, report, timings, check=check, written=written, probe=True)
+        except ReferenceSourceError:
+            for kind, slot in written:  # a failed job leaves nothing behind
+                self.disk.remove(kind, slot)
+            raise
+        for slot, key, ref in pending:  # only references that passed the check are kept
+            self.disk.put_json("references", slot, key, ref.to_dict())
+        base_run = None
+        if base is not None:
+            with _timer(timings, "baseline"):
+                base_run = self._baseline_run(base, refs, suite, opts, report)
+        validation = None
+        if opts.validate:
+            with _timer(timings, "validation"):
+                full = [sc.full_walk().accept_lengths for sc in main.scores]
+                validation = self.validate(drafter, refs, full, max_new, eos, counting=opts.counting)
+        sampled = self._sampled(drafter, suite, prompts, opts, max_new, eos, lookahead, report, timings)
+        with _timer(timings, "speed"):
+            speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
+        timings["total"] = time.perf_counter() - t_start
+        result = self._assemble(info, drafter, suite, opts, refs, main, base, base_run, validation, speed, report,
+                                train_metrics if train_metrics is not None else info.train_metrics, timings,
+                                max_new, eos, lookahead)
+        result.sampling = sampled
+        return result
+
+    def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
+                 eos: int | None, counting: str = "response", sampling: tuple[SamplingParams, int] | None = None) -> dict:
+        """Run the real draft-verify loop on every prompt and compare step by step with the replay.
+
+        `sampling` (params, seed): the loop samples with each reference's keyed draws (its sample index)."""
+        mismatched, token_mismatch, steps = [], [], 0
+        for ref, replay in zip(refs, replays):
+            sampler = None if sampling is None else Sampler.for_prompt(sampling[0], sampling[1], ref.prompt_ids,
+                                                                       ref.sample or 0)
+            real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos,
+                                        counting=counting, sampler=sampler)
+            steps += len(real.accept_lengths)
+            if real.accept_lengths != replay:
+                first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay)) if a != b),
+                             min(len(real.accept_lengths), len(replay)))
+                mismatched.append({"name": ref.name, "sample": ref.sample, "first_step": first,
+                                   "real": real.accept_lengths, "replay": replay})
+            if real.tokens != ref.tokens:
+                token_mismatch.append(ref.name if ref.sample is None else f"{ref.name}#{ref.sample}")
+        return {"prompts_checked": len(refs), "steps_checked": steps, "mismatched_prompts": mismatched,
+                "reference_differs_from_loop": token_mismatch, "ok": not mismatched}
+
+    # --- steps --------------------------------------------------------------------------
+    def _encode(self, suite: Suite, opts: EvalOptions, drafters: list[DFlashDrafter]) -> list[EncodedPrompt]:
+        prompts = suite.encode(self.target.tokenizer, opts.chat_template)
+        vocab = min([self.target.vocab_size] + [d.config.vocab_size for d in drafters])
+        for p in prompts:
+            bad = [i for i in p.ids if i >= vocab]
+            if bad:
+                raise SuiteError(f"prompt {p.name!r} has token ids {bad[:5]} outside the vocabulary ({vocab})")
+        return prompts
+
+    def _eos(self, opts: EvalOptions) -> int | None:
+        if opts.eos_token_id is not None:
+            return opts.eos_token_id
+        tok = self.target.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            return int(tok.eos_token_id)
+        eos = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return None if eos is None else int(eos)
+
+    def _target_slot(self) -> str:
+        return self.target.source or self.target.fingerprint()
+
+    def _references(self, suite: Suite, prompts: list[EncodedPrompt], max_new: int, eos: int | None,
+                    lookahead: int, report: CacheReport,
+                    sampling: tuple[SamplingParams, int, int] | None = None) -> tuple[list[Reference], list[tuple]]:
+        """References (cached or fetched) and the cache writes of the fetched ones, which the
+        caller makes once they are known to be the target's greedy output.
+
+        `sampling` (params, seed, K): K keyed samples per prompt instead, prompt by prompt."""
+        src = self.reference_source
+        refs, pending = [], []
+        jobs = [(p, None) for p in prompts] if sampling is None else [(p, k) for p in prompts for k in range(sampling[2])]
+        what = "references" if sampling is None else f"sampled references (t={sampling[0].temperature:g})"
+        for p, k in self._bar(jobs, f"{suite.name}: {what}"):
+            sampler = None if k is None else Sampler.for_prompt(sampling[0], sampling[1], p.ids, k)
+            variant = {} if sampler is None else {"sampling": sampler.params.to_dict(), "seed": sampler.seed,
+                                                  "sample": k}  # greedy slots and keys stay as they were
+            slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity(),
+                           **variant})
+            key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
+                   "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity(), **variant}
+            look = self.disk.get_json("references", slot, key)
+            ref = None
+            if look.status == "hit":
+                try:
+                    ref = Reference.from_dict(look.value)
+                except (KeyError, TypeError, ValueError) as e:
+                    look.status, look.note = "corrupt", f"bad reference record ({e})"
+                else:
+                    if ref.lookahead_requested < lookahead:  # a longer lookahead serves any shorter need
+                        look.status, look.note = "mismatch", f"lookahead {ref.lookahead_requested} -> {lookahead}"
+                        ref = None
+                    else:
+                        ref.lookahead = ref.lookahead[:lookahead]
+            if ref is None:
+                ref = src.generate(p.name, p.ids, max_new, eos, lookahead, **({} if sampler is None else
+                                                                            {"sampler": sampler}))
+                if not ref.tokens:
+                    raise ReferenceSourceError(f"reference for {p.name!r} is empty")
+                pending.append((slot, key, ref))
+            report.record("references", look, p.name if k is None else f"{p.name}#{k}")
+            refs.append(ref)
+        return refs, pending
+
+    def _features(self, ref: Reference, suite: Suite, layer_ids: list[int], report: CacheReport,
+                  check: bool = False, written: list | None = None, sampling_id: dict | None = None) -> dict:
+        """Target features over prompt + response (and the target's argmax there), cached.
+
+        With `check`, a reference that differs from that argmax raises ReferenceSourceError
+        before anything is cached for it."""
+        ids = ref.prompt_ids + ref.tokens
+        # a sampled reference has its own slot (its key, the tokens' digest, tells the samples apart)
+        variant = {} if sampling_id is None else {"sampling": sampling_id}
+        slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids,
+                       **variant})
+        key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
+               "num_tokens": len(ids), "dtype": str(self.target.dtype).removeprefix("torch.")}
+        mkey = digest({"slot": slot, "key": key})
+        cached = self.memory.get(mkey)  # host RAM: device memory is the drafter's
+        if cached is not None:
+            if check:
+                self._check_reference(ref, cached["greedy"])
+            report.record("features", Lookup(None, "hit"), _label(ref))
+            return _on(cached, self.target.device)
+        look = self.disk.get_tensors("features", slot, key)
+        value = look.value
+        if value is not None and (tuple(value.get("features", torch.empty(0)).shape[:1]) != (len(ids),)
+                                  or "greedy" not in value):
+            look.status, look.note, value = "corrupt", "tensor shapes do not match the key", None
+        if value is None:
+            out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids)
+            value = {"features": out.features[0].contiguous().cpu(),
+                     "greedy": self.target.greedy_tokens(out.last_hidden[0, len(ref.prompt_ids) - 1:]).cpu()}
+            if check:
+                self._check_reference(ref, value["greedy"])
+            self.disk.put_tensors("features", slot, key, value)
+            if written is not None:
+                written.append(("features", slot))
+        elif check:
+            self._check_reference(ref, value["greedy"])
+        report.record("features", look, _label(ref))
+        self.memory.put(mkey, value)
+        return _on(value, self.target.device)
+
+    def _check_reference(self, ref: Reference, greedy: torch.Tensor) -> None:
+        first = _first_divergence(greedy.tolist(), ref.ext)
+        if first is None:
+            return
+        raise ReferenceSourceError(
+            f"the reference for prompt {ref.name!r} from {ref.source} is not the target's greedy output: at response "
+            f"token {first} it has id {ref.ext[first]}, the target's argmax is {int(greedy[first])}; nothing was "
+            "measured or cached. Usual causes: the server re-tokenizes text, serves another checkpoint or dtype, or "
+            "applies the chat template twice. Use local references (no reference server), or measure on this text "
+            "anyway with option reference_mismatch='measure' (dflash-eval run --measure-mismatched-references)")
+
+    def _run(self, drafter: DFlashDrafter, refs: list[Reference], suite: Suite, opts: EvalOptions,
+             report: CacheReport, timings: dict[str, float], check: bool = False,
+             written: list | None = None, probe: bool = False, sampling_id: dict | None = None) -> DrafterRun:
+        cfg = drafter.config
+        B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
+        topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
+        scores = []
+        leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
+        for ref in self._bar(refs, f"{suite.name}: features + drafting (B={B})"):
+            with _timer(timings, "features"):
+                feats = self._features(ref, suite, cfg.target_layer_ids, report, check, written,
+                                       None if sampling_id is None else {**sampling_id, "sample": ref.sample})
+            P, n = len(ref.prompt_ids), len(ref.tokens)
+            with _timer(timings, "draft"):
+                ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
+                drafts = draft_anchors(drafter, embed, head, ids, feats["features"], np.arange(P, P + n),
+                                       topk=topk, topk_slots=opts.tree_budget, anchors_per_chunk=opts.anchors_per_chunk,
+                                       head_rows=opts.head_rows or DEFAULT_HEAD_ROWS, backend=opts.backend)
+            with _timer(timings, "score"):
+                sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
+                                  tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
+                                  ends_with_stop=ref.finish == "eos")
+                sc.greedy = feats["greedy"].numpy()
+            if leak is not None:
+                with _timer(timings, "leak_probe"):
+                    rows = probe_offsets(n, leak.quota)
+                    kw = {"head_rows": opts.head_rows or DEFAULT_HEAD_ROWS, "backend": opts.backend}
+                    seen = draft_anchors(drafter, embed, head, ids, feats["features"], P + rows, see_anchor_state=True,
+                                         anchors_per_chunk=opts.anchors_per_chunk, **kw)
+                    leak.add(ref.ext, rows, drafts.argmax[rows], seen.argmax)
+                    leak.check_contract(ref.name, drafter, embed, head, ids, feats["features"], P, rows, **kw)
+            scores.append(sc)
+        with _timer(timings, "score"):
+            summary = summarize(scores, B, opts.mode, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
+                                max_blocks=opts.max_blocks, n_resamples=opts.bootstrap, seed=opts.seed)
+        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids), leak.to_dict() if leak else None)
+
+    def _baseline_run(self, base: tuple[DFlashDrafter, CheckpointInfo], refs, suite, opts, report) -> DrafterRun:
+        drafter, info = base
+        key = digest({"digest": info.digest, "refs": [digest(r.to_dict()) for r in refs],
+                      "opts": {k: getattr(opts, k) for k in ("mode", "counting", "tree_budget", "tree_spine",
+                                                             "max_blocks", "bootstrap", "seed")},
+                      "target": self.target.fingerprint()})
+        if key not in self._baselines:  # a baseline is re-scored only when something it depends on changes
+            if len(self._baselines) > 8:
+                self._baselines.pop(next(iter(self._baselines)))
+            self._baselines[key] = self._run(drafter, refs, suite, opts, report, {})  # timed as "baseline"
+        return self._baselines[key]
+
+    def _sampled(self, drafter: DFlashDrafter, suite: Suite, prompts: list[EncodedPrompt], opts: EvalOptions,
+                 max_new: int, eos: int | None, lookahead: int, report: CacheReport,
+                 timings: dict[str, float]) -> dict | None:
+        """τ at each of `opts.temperatures`: K keyed samples of the target per prompt, each one
+        drafted at every anchor and replayed like a greedy reference (docs/design.md, "Sampling")."""
+        if not opts.temperatures:
+            return None
+        src = self.reference_source
+        coupled = bool(getattr(src, "couples_sampling", False))
+        sopts = opts.model_copy(update={"tree_budget": 0})  # the tree walk is greedy verification only
+        out: dict[str, Any] = {
+            "temperatures": list(opts.temperatures), "top_p": opts.top_p, "top_k": opts.top_k,
+            "num_samples": opts.num_samples, "seed": opts.seed, "reference_source": getattr(src, "name", "local"),
+            "coupling": "keyed" if coupled else "none", "by_temperature": {}}
+        if not coupled:
+            out["coupling_note"] = (
+                f"references from {out['reference_source']} are drawn by the server's own generator (seeded per "
+                "prompt and sample): τ is measured on samples of the target, but not on the keyed draws the real "
+                "loop makes, so they are not checked against the target and validation cannot replay them")
+        for T in opts.temperatures:
+            params = SamplingParams(T, opts.top_p, opts.top_k)
+            sub: dict[str, float] = {}
+            with _timer(sub, "references"):
+                refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report,
+                                                 sampling=(params, opts.seed, opts.num_samples))
+            run = self._run(drafter, refs, suite, sopts, report, sub,
+                            sampling_id={"sampling": params.to_dict(), "seed": opts.seed})
+            for slot, key, ref in pending:
+                self.disk.put_json("references", slot, key, ref.to_dict())
+            entry = _sampled_entry(T, refs, run, opts)
+            if opts.validate and coupled:
+                with _timer(sub, "validation"):
+                    full = [sc.full_walk().accept_lengths for sc in run.scores]
+                    entry["validation"] = self.validate(drafter, refs, full, max_new, eos, counting=opts.counting,
+                                                        sampling=(params, opts.seed))
+            out["by_temperature"][temperature_key(T)] = entry
+            for k, v in sub.items():
+                timings[f"sampled_{k}"] = timings.get(f"sampled_{k}", 0.0) + v
+        return out
+
+    def _speedup(self, drafter: DFlashDrafter, refs: list[Reference], tau: float | None, opts: EvalOptions) -> dict:
+        out: dict[str, Any] = {"draft_verify_cost_ratio": None, "estimated": None, "source": None}
+        if opts.draft_verify_cost_ratio is not None:
+            out.update(draft_verify_cost_ratio=opts.draft_verify_cost_ratio, source="given",
+                       estimated=metrics.estimated_speedup(tau, cost_ratio=opts.draft_verify_cost_ratio))
+            return out
+        if not opts.measure_speed:
+            return out
+        ctx = int(np.median([len(r.prompt_ids) + len(r.tokens) for r in refs]))
+        committed = max(1, round(tau or 1))  # hybrid targets re-run the accepted tokens after a rejection
+        ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx,
+                       "committed": committed})
+        if ckey not in self._costs:
+            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8),
+                                                   committed=committed)
+        costs = self._costs[ckey]
+        if costs is None:
+            out["source"] = "not measurable on this target (sliding-window target layers)"
+            return out
+        out.update(draft_verify_cost_ratio=costs["draft_s"] / costs["verify_s"],
+                   verify_decode_cost_ratio=costs["verify_s"] / costs["decode_s"],
+                   estimated=metrics.estimated_speedup(tau, draft_s=costs["draft_s"], verify_s=costs["verify_s"],
+                                                       ar_s=costs["decode_s"]),
+                   measured=costs, source=f"measured on {self.target.device}")
+        return out
+
+    # --- result --------------------------------------------------------------------------
+    def _assemble(self, info: CheckpointInfo, drafter, suite: Suite, opts: EvalOptions, refs, main: DrafterRun,
+                  base, base_run: DrafterRun | None, validation, speed, report: CacheReport, train_metrics,
+                  timings, max_new, eos, lookahead) -> EvalResult:
+        s = main.summary
+        decode = self._decoder()
+        base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
+        prompts, divergence, empty, degenerate = [], {}, [], {}
+        for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus):
+            walk_spans = sc.online.spans if opts.mode == "online" else [
+                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride)]
+            text, spans = _char_spans(decode, ref.tokens, walk_spans)
+            first = _first_divergence(sc.greedy.tolist(), ref.ext)
+            if first is not None:
+                divergence[ref.name] = first
+            if not sc.accepts(opts.mode):
+                empty.append(ref.name)
+            tree_acc = sc.tree_accepts(opts.mode)
+            collapse = reference_collapse(ref.tokens, text if self.target.tokenizer is not None else None)
+            if collapse:
+                degenerate[ref.name] = collapse
+            prompts.append(PromptResult(
+                name=ref.name, tau=prompt_tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
+                reference_text=text, accepted_spans=spans, num_tokens=len(ref.tokens), finish=ref.finish,
+                tree_tau=tau(tree_acc),
+                mean_streak=float(sc.streaks.mean()) if sc.num_tokens else None,
+                reference_agrees_with_target=first is None, degenerate=collapse))
+        baseline = None
+        if base_run is not None:
+            d = metrics.paired_delta(s.per_prompt_tau, base_run.summary.per_prompt_tau, n_resamples=opts.bootstrap,
+                                     seed=opts.seed)
+            binfo = base[1]
+            baseline = {"checkpoint": binfo.path, "digest": binfo.digest, "tau": base_run.summary.tau["macro"],
+                        "tau_pooled": base_run.summary.tau["pooled"], "ci95": base_run.summary.tau["ci95"],
+                        "delta_tau": d["delta"], "delta_ci95": d["ci95"], "num_pairs": d["num_pairs"],
+                        "tree_tau": base_run.summary.tree["tau"], "block_size": base_run.block_size}
+        facts = Facts(tau=s.tau["macro"], block_size=main.block_size, eval_top1=s.per_position["top1_accuracy"],
+                      train_metrics=train_metrics, cache_notes=report.notes,
+                      drafter_dtype=str(drafter.fc.weight.dtype).removeprefix("torch."),
+                      target_dtype=str(self.target.dtype).removeprefix("torch."), layer_ids=main.layer_ids,
+                      target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
+                      tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
+                      empty_prompts=empty, degenerate=degenerate, num_prompts=len(refs), validation=validation,
+                      baseline_layer_ids=base_run.layer_ids if base_run else None,
+                      reference_source=getattr(self.reference_source, "name", "local"),
+                      layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe)
+        return EvalResult(
+            checkpoint=info.to_dict(),
+            target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
+                    "num_layers": self.target.num_layers, "dtype": str(self.target.dtype).removeprefix("torch.")},
+            suite=suite.to_dict(),
+            settings={"block_size": main.block_size, "max_new_tokens": max_new, "mode": opts.mode,
+                      "counting": opts.counting, "layer_ids_origin": drafter.config.layer_ids_origin,
+                      "tree_budget": opts.tree_budget, "tree_spine": opts.tree_spine, "max_blocks": opts.max_blocks,
+                      "chat_template": suite.chat_template if opts.chat_template is None else opts.chat_template,
+                      "eos_token_id": eos, "lookahead": lookahead, "layer_ids": main.layer_ids,
+                      "reference_source": getattr(self.reference_source, "name", "local")},
+            tau=s.tau, acceptance_histogram=s.histogram, per_position=s.per_position,
+            mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=speed, baseline=baseline,
+            prompts=prompts, diagnostics=diagnose(facts), cache=report.to_dict(),
+            provenance={"software_version": software_version(),
+                        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "timings_s": {k: round(v, 4) for k, v in timings.items()},
+                        "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
+            stride=s.stride, validation=validation, leak_probe=main.leak_probe)
+
+    def _decoder(self):
+        tok = self.target.tokenizer
+        if tok is None:
+            return lambda ids: "".join(f"<{i}>" for i in ids)
+        return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _bar(self, items, desc: str):
+        """Progress of a per-prompt phase: a bar on a terminal, else a log line with counts and ETA
+        every `progress_every_s` (a worker's log shows a long first job moving)."""
+        if not self.progress:
+            return items
+        return track(items, desc, unit="prompts", every_s=self.progress_every_s, logger=log)
+
+
+def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, opts: EvalOptions) -> dict:
+    """One temperature's block of the result: τ over prompts of the mean over their K samples,
+    its interval resampling prompts and then samples within each, histogram and per-slot
+    figures over every (prompt, sample) step."""
+    s, K = run.summary, opts.num_samples
+    groups = [s.per_prompt_tau[i:i + K] for i in range(0, len(refs), K)]
+    per_prompt = [None if all(t is None for t in g) else float(np.mean([t for t in g if t is not None])) for g in groups]
+    macro = [t for t in per_prompt if t is not None]
+    ci = metrics.nested_bootstrap_ci(groups, n_resamples=opts.bootstrap, seed=opts.seed)
+    return {
+        "temperature": temperature,
+        "tau": {"macro": float(np.mean(macro)) if macro else None, "pooled": s.tau["pooled"],
+                "ci95": list(ci) if ci else None, "num_steps": s.tau["num_steps"],
+                "num_pairs": sum(t is not None for t in s.per_prompt_tau)},
+        "acceptance_histogram": s.histogram, "per_position": s.per_position,
+        "mean_streak_all_anchors": s.mean_streak_all_anchors,
+        "prompts": [{"name": refs[i * K].name, "tau": t, "sample_taus": g,
+                     "num_tokens": [len(r.tokens) for r in refs[i * K:(i + 1) * K]]}
+                    for i, (t, g) in enumerate(zip(per_prompt, groups))],
+        "validation": None}
+
+
+def _label(ref: Reference) -> str:
+    return ref.name if ref.sample is None else f"{ref.name}#{ref.sample}"
+
+
+def _on(value: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if k == "features" else v for k, v in value.items()}
+
+
+def _first_divergence(greedy: list[int], ext: list[int]) -> int | None:
+    """First response offset where the target's own argmax differs from the reference."""
+    for i, (g, r) in enumerate(zip(greedy, ext)):
+        if g != r:
+            return i
+    return None
+
+
+def _char_spans(decode, tokens: list[int], token_spans: list[tuple[int, int]]) -> tuple[str, list[list[int]]]:
+    """The reference text and each step's [start, end) character span in it."""
+    text = decode(tokens)
+    cuts = sorted({0, len(tokens)} | {a for a, _ in token_spans} | {b for _, b in token_spans})
+    offset = {c: min(len(decode(tokens[:c])), len(text)) for c in cuts}
+    spans, last = [], 0
+    for a, b in token_spans:
+        lo = max(offset[a], last)  # byte-level BPE: partial characters can shift a prefix's length
+        hi = max(offset[b], lo)
+        spans.append([lo, hi])
+        last = hi
+    return text, spans
+
+
+@contextmanager
+def _timer(timings: dict[str, float], name: str):
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+
+
+__all__ = ["Evaluator", "EvalOptions", "EvalResult"]

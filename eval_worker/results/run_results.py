@@ -1,0 +1,84 @@
+"""The evaluations of one training run, as the W&B sink and the report see them.
+
+Read from the results ledger (docs/design.md "Results and W&B"): for every
+(step, record key) — one checkpoint, suite, target and set of options — only the latest
+attempt counts; two checkpoints evaluated at one step are two results. The ledger is the source of truth;
+W&B and the report are both rebuilt from it.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.errors import DFlashError
+
+RESULT_SCHEMA = "dflash-eval-result/1"
+
+
+class ResultsError(DFlashError, ValueError):
+    """Results that cannot be read; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One ledger record: where it lies, which attempt, and the result dict."""
+
+    step: int
+    record_key: str  # the ledger record's key (eval_worker.results.ledger.record_key)
+    attempt: int
+    path: Path
+    result: dict
+    # the training run's metrics when the checkpoint was published (its COMPLETE.json, via the job):
+    # recent-window means of loss, accuracy and streak (1 + leading correct slots: the train-side accept length)
+    train_metrics: dict | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.step}:{self.record_key}:{self.attempt}"
+
+
+def result_of(record: dict) -> dict:
+    """The `dflash-eval-result/1` dict inside a ledger record (or the record itself)."""
+    if not isinstance(record, dict):
+        raise ResultsError(f"ledger record must be a JSON object, got {type(record).__name__}")
+    if record.get("schema") == RESULT_SCHEMA:
+        return record
+    inner = record.get("result")
+    if isinstance(inner, dict) and inner.get("schema") == RESULT_SCHEMA:
+        return inner
+    raise ResultsError(f"not a {RESULT_SCHEMA} record (schema={record.get('schema')!r})")
+
+
+def load_run(run_id: str, results_dir: str | os.PathLike) -> list[RunResult]:
+    """Latest attempt of every (step, record key) of ``run_id``, in that order."""
+    from eval_worker.results.ledger import Ledger, LedgerError
+
+    ledger = Ledger(results_dir)
+    try:
+        entries = ledger.entries(run_id)
+    except LedgerError as e:
+        raise ResultsError(str(e)) from None
+    if not entries:
+        raise ResultsError(f"no results for run {run_id!r} under {ledger.root}")
+    out = []
+    for e in entries:
+        try:
+            record = e.read()
+            result = result_of(record)
+        except (LedgerError, ResultsError) as err:
+            raise ResultsError(f"{e.path}: {err}") from None
+        out.append(RunResult(e.step, e.key, e.attempt, e.path, result, _train_metrics(record)))
+    return out
+
+
+def _train_metrics(record: dict) -> dict | None:
+    """The finite numbers of the job's `train_metrics` (None when the record has none)."""
+    job = record.get("job") if isinstance(record, dict) else None
+    metrics = job.get("train_metrics") if isinstance(job, dict) else None
+    if not isinstance(metrics, dict):
+        return None
+    out = {k: float(v) for k, v in metrics.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return out or None

@@ -1,0 +1,83 @@
+"""Result sinks: where a finished evaluation goes after the ledger has it.
+
+The worker calls :func:`publish_result` right after the ledger record is written. A sink
+failure must never fail the job: the ledger already holds the result, and
+``dflash-eval publish --run RUN`` fills any gap later. So every sink runs inside a
+try/except here and the outcome is returned (and logged), never raised.
+
+Which sinks run: ``settings.sinks`` (``$DFLASH_SINKS``, comma-separated; default ``wandb``;
+``none`` turns publication off). W&B settings come from the job's ``wandb`` block,
+overridden by the worker's settings (``WANDB_MODE``, ``DFLASH_WANDB_DIR``; dflash_train.settings).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from urllib.parse import quote
+
+from dflash_train.settings import KNOWN_SINKS, Settings
+
+log = logging.getLogger(__name__)
+
+
+def _results_dir(record: dict, settings: Settings) -> Path:
+    """The ledger root the record was written to, from its own path when the worker gives it
+    (not the settings' default: a worker may write elsewhere with --results-dir)."""
+    from eval_worker.results.ledger import Ledger
+
+    path = record.get("path")
+    return Ledger.root_of(path) if path else settings.results_dir
+
+
+def _redis_url(settings: Settings) -> str | None:
+    """The Redis the worker uses: ``settings.redis_url``, else the current RQ job's connection."""
+    if settings.redis_url:
+        return settings.redis_url
+    try:
+        from rq import get_current_job
+
+        job = get_current_job()
+        if job is None:
+            return None
+        kw = job.connection.connection_pool.connection_kwargs
+        if kw.get("path"):
+            return f"unix://{kw['path']}?db={kw.get('db', 0)}"
+        auth = f":{quote(kw['password'], safe='')}@" if kw.get("password") else ""
+        return f"redis://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+    except Exception:  # no RQ context: the local file lock still applies
+        return None
+
+
+def _publish_wandb(record: dict, job: dict, settings: Settings) -> dict:
+    from eval_worker.results.run_results import result_of
+    from eval_worker.results.sinks.wandb_sink import publish_in_child, target_from
+
+    result = result_of(record)
+    run_id = (job or {}).get("run_id") or result["checkpoint"]["run_id"]
+    target = target_from((job or {}).get("wandb"), settings)
+    if target.mode == "disabled":
+        return {"mode": "disabled"}
+    return publish_in_child(run_id, target, results_dir=_results_dir(record, settings), redis_url=_redis_url(settings),
+                            timeout_s=settings.wandb_timeout_s)
+
+
+_SINKS = {"wandb": _publish_wandb}
+
+
+def publish_result(record: dict, job: dict | None, settings: Settings) -> dict[str, dict]:
+    """Publish one ledger record to every enabled sink; never raises.
+
+    Returns ``{sink: {"ok": bool, ...}}`` so the caller can log or show it.
+    """
+    if settings.unknown_sinks:
+        log.warning("ignoring unknown sink(s) %s in $DFLASH_SINKS (known: %s)", list(settings.unknown_sinks),
+                    ", ".join(KNOWN_SINKS))
+    outcome: dict[str, dict] = {}
+    for name in settings.sinks:
+        try:
+            info = _SINKS[name](record, job or {}, settings)
+            outcome[name] = {"ok": True, **(info or {})}
+        except Exception as e:  # noqa: BLE001 - a sink must never fail the job
+            log.warning("sink %s failed (the ledger keeps the result; `dflash-eval publish` retries): %s", name, e)
+            outcome[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return outcome

@@ -1,0 +1,412 @@
+"""The eval queue on RQ: enqueue (dedupe, force, priorities, timeouts, retries), status, requeue, cancel.
+
+Queues: `<base>-high`, `<base>`, `<base>-low` (base `dflash-eval`); workers take them in that
+order. Every RQ job stores JSON only (`JSONSerializer`: the function is named by its
+dotted path, the argument is the job payload), so `rq info`, rq-dashboard and any
+language can read them, and no pickle is ever loaded.
+
+Dedupe: the job id is deterministic (see jobs.job_id_for) and enqueued with RQ's
+`unique=True`, so a second enqueue of the same evaluation is refused atomically while the
+first job exists (queued, running, finished within its result TTL, failed within its
+failure TTL); after that, the ledger index still knows the evaluation was done. `force`
+takes a new attempt number (`-r<n>` id) from a Redis counter.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from rq import Queue, Retry
+from rq.command import send_stop_job_command
+from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+
+from eval_worker.service import jobs as jobs_mod
+from eval_worker.service.jobs import JobError
+from eval_worker.results.ledger import Ledger
+
+JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an eval job may name (job_guard.EvalJob)
+DEFAULT_BASE = "dflash-eval"
+# Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
+JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
+ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
+PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
+           JobStatus.CREATED, JobStatus.READY_TO_ENQUEUE}
+
+
+@dataclass
+class QueueConfig:
+    """How jobs are enqueued. Durations in seconds."""
+
+    base: str = DEFAULT_BASE
+    job_timeout: int = 2 * 3600          # one evaluation, worst case
+    retry_max: int = 2                   # also covers jobs abandoned by a crashed worker
+    retry_intervals: list[int] = field(default_factory=lambda: [30, 300])  # back-off
+    result_ttl: int = 7 * 86400          # finished jobs stay visible (and deduped) a week
+    failure_ttl: int = 30 * 86400        # failed jobs stay re-queueable a month
+    ttl: int | None = None               # max time waiting in the queue (None: forever)
+
+    def retry(self) -> Retry | None:
+        return Retry(max=self.retry_max, interval=list(self.retry_intervals) or 0) if self.retry_max > 0 else None
+
+
+def queue_name(base: str, priority: str) -> str:
+    if priority not in jobs_mod.PRIORITIES:
+        raise JobError(f"unknown priority {priority!r} (one of {list(jobs_mod.PRIORITIES)})")
+    return base if priority == "default" else f"{base}-{priority}"
+
+
+def queue_names(base: str = DEFAULT_BASE) -> list[str]:
+    """All queues of a base, highest priority first (the order workers listen in)."""
+    return [queue_name(base, p) for p in jobs_mod.PRIORITIES]
+
+
+def get_queue(connection, name: str) -> Queue:
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def fetch_job(connection, job_id: str) -> Job:
+    try:
+        return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+    except NoSuchJobError:
+        raise JobError(f"no job {job_id!r} (never enqueued, or its result/failure TTL expired)") from None
+
+
+def failure_reason(job: Job) -> str:
+    """The last meaningful line of a failed job's traceback: the reason it failed."""
+    result = None
+    try:
+        result = job.latest_result()
+    except Exception:  # noqa: BLE001 - an unreadable result must not break status
+        pass
+    text = (getattr(result, "exc_string", None) or "").strip()
+    if not text:
+        return "(no reason recorded)"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if not ln.startswith(("File ", "^", "~")) and not ln.startswith("During handling"):
+            return _cut(ln)
+    return _cut(lines[-1])
+
+
+MAX_REASON = 400  # characters of a failure reason shown by `status` (the full text stays in RQ)
+
+
+def _cut(reason: str) -> str:
+    if len(reason) <= MAX_REASON:
+        return reason
+    return f"{reason[:MAX_REASON]}... ({len(reason)} characters; `rq info` or the job's result has all of it)"
+
+
+@dataclass
+class EnqueueOutcome:
+    """What `enqueue` did: status is `enqueued`, `duplicate` (job exists) or `evaluated` (in ledger)."""
+
+    status: str
+    job_id: str
+    queue: str
+    message: str
+    job: dict[str, Any]
+
+    @property
+    def enqueued(self) -> bool:
+        return self.status == "enqueued"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "job_id": self.job_id, "queue": self.queue, "message": self.message}
+
+
+def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config: QueueConfig | None = None,
+            roots: list[Path] | None = None, check: bool = True, suite_fp: str | None = None) -> EnqueueOutcome:
+    """Validate `payload` and put it on its priority queue (or say why not).
+
+    - validation: schema, then (with `check`) the checkpoint: inside `roots` when given,
+      completion marker present, digest equal to the job's;
+    - dedupe: the same evaluation already queued/running/finished/failed, or recorded in
+      the ledger index, is not enqueued again (status `duplicate` / `evaluated`);
+    - `force`: a new attempt with its own id, whatever exists.
+    Raises JobError for an invalid job; Redis errors propagate (the hook's outbox catches them).
+    """
+    config = config or QueueConfig()
+    job = jobs_mod.validate_job(payload)
+    if check:
+        jobs_mod.check_checkpoint(job, roots)
+    suite_fp = suite_fp or jobs_mod.job_fingerprint(job)
+    base_id = jobs_mod.base_job_id(job["run_id"], job["step"], job["checkpoint_digest"], suite_fp)
+    if force:
+        job["attempt"] = int(connection.incr(ATTEMPT_PREFIX + base_id))
+    job_id = jobs_mod.job_id_for(job, suite_fp)
+    qname = queue_name(config.base, job["priority"])
+
+    if not force:
+        done = Ledger(connection=connection).lookup_job(base_id)
+        if done:
+            unpin_checkpoint(job["checkpoint"], job_id)
+            return EnqueueOutcome(
+                "evaluated", done.get("job_id") or job_id, qname,
+                f"already evaluated: run {job['run_id']} step {job['step']} τ={_fmt(done.get('tau'))} "
+                f"(attempt {done.get('attempt')}, {done.get('path')}); use --force to evaluate again", job)
+
+    queue = get_queue(connection, qname)
+    meta = {"run_id": job["run_id"], "step": job["step"], "suite": job["suite"], "suite_fingerprint": suite_fp,
+            "checkpoint": job["checkpoint"], "attempt": job["attempt"], "requested_by": job["requested_by"]}
+    try:
+        queue.enqueue_call(
+            JOB_FUNC, args=(job,), job_id=job_id, unique=True, timeout=config.job_timeout,
+            result_ttl=config.result_ttl, failure_ttl=config.failure_ttl, ttl=config.ttl, retry=config.retry(),
+            meta=meta, description=f"eval {job['run_id']} step {job['step']} suite {job['suite']}"
+                                   + (f" attempt {job['attempt']}" if job["attempt"] else ""),
+            at_front=False)
+    except DuplicateJobError:
+        outcome, state = _duplicate(connection, job_id, qname, job)
+        if state in (JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED):
+            unpin_checkpoint(job["checkpoint"], job_id)  # nothing will read it for this job any more
+        return outcome
+    pin_checkpoint(job["checkpoint"], job_id)  # retention keeps it until the worker has recorded the result
+    others = other_checkpoints_at_step(connection, job)
+    _remember(connection, job, job_id, suite_fp)
+    note = ""
+    if others:
+        note = (f"; note: run {job['run_id']} step {job['step']} already has checkpoint(s) "
+                f"{', '.join(d[:12] + '...' for d in others)} and this one is {job['checkpoint_digest'][:12]}...: "
+                "each is recorded and shown on its own (docs/design.md)")
+    return EnqueueOutcome("enqueued", job_id, qname, f"enqueued {job_id} on {qname}{note}", job)
+
+
+def other_checkpoints_at_step(connection, job: dict[str, Any]) -> list[str]:
+    """Digests of other checkpoints queued or recorded at the job's (run, step)."""
+    found = {s.get("checkpoint_digest") for s in Ledger(connection=connection).at_step(job["run_id"], job["step"])}
+    for _, raw in connection.hscan_iter(JOBS_PREFIX + job["run_id"], match=f"{int(job['step'])}:*"):
+        try:
+            found.add(json.loads(raw)["job"]["checkpoint_digest"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return sorted(d for d in found if isinstance(d, str) and d != job["checkpoint_digest"])
+
+
+def _fmt(tau) -> str:
+    return f"{tau:.3f}" if isinstance(tau, (int, float)) else "?"
+
+
+def _duplicate(connection, job_id: str, qname: str, job: dict[str, Any]):
+    try:
+        existing = fetch_job(connection, job_id)
+        status = existing.get_status()
+    except JobError:
+        status = None
+    if status == JobStatus.FAILED:
+        msg = (f"already failed: {job_id} ({failure_reason(existing)}); "
+               "re-run it with `dflash-eval requeue --failed` or evaluate anew with --force")
+    elif status == JobStatus.FINISHED:
+        msg = f"already evaluated: {job_id} finished; use --force to evaluate again"
+    elif status in (JobStatus.STOPPED, JobStatus.CANCELED):
+        msg = f"{job_id} was {status.value}; use --force to evaluate again"
+    else:
+        msg = f"already {status.value if status else 'present'}: {job_id} is not enqueued twice"
+    return EnqueueOutcome("duplicate", job_id, qname, msg, job), status
+
+
+def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> None:
+    """Index the payload by run/step so `requeue --run` can find it later."""
+    entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": job}, sort_keys=True)
+    with connection.pipeline() as pipe:
+        pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{job['checkpoint_digest'][:12]}:{suite_fp}", entry)
+        pipe.execute()
+
+
+# --------------------------------------------------------------------------- status
+
+def _job_brief(job: Job) -> dict[str, Any]:
+    meta = job.meta or {}
+    return {"job_id": job.id, "run_id": meta.get("run_id"), "step": meta.get("step"), "suite": meta.get("suite"),
+            "attempt": meta.get("attempt"), "origin": job.origin, "worker": job.worker_name,
+            "spooled_result": meta.get("spooled_result"),  # computed; only its ledger write is retried
+            "enqueued_at": job.enqueued_at.isoformat() if job.enqueued_at else None,
+            "started_at": job.started_at.isoformat() if job.started_at else None}
+
+
+def _jobs(connection, ids: Iterable[str]) -> list[Job]:
+    return [j for j in Job.fetch_many(list(ids), connection=connection, serializer=JSONSerializer) if j is not None]
+
+
+def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict[str, Any]:
+    """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run."""
+    out: dict[str, Any] = {"queues": {}, "queued": [], "running": [], "scheduled": [], "failed": [], "workers": [],
+                           "runs": {}}
+    for name in queue_names(base):
+        q = get_queue(connection, name)
+        out["queues"][name] = q.count
+        out["queued"] += [_job_brief(j) for j in _jobs(connection, q.get_job_ids())]  # in the order served
+        started = StartedJobRegistry(name, connection=connection, serializer=JSONSerializer)
+        out["running"] += [_job_brief(j) for j in _jobs(connection, started.get_job_ids(cleanup=False))]
+        sched = ScheduledJobRegistry(name, connection=connection, serializer=JSONSerializer)
+        out["scheduled"] += [_job_brief(j) for j in _jobs(connection, sched.get_job_ids())]
+        failed = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
+        for j in _jobs(connection, failed.get_job_ids()):
+            out["failed"].append({**_job_brief(j), "reason": failure_reason(j),
+                                  "ended_at": j.ended_at.isoformat() if j.ended_at else None})
+    names = set(queue_names(base))
+    for w in Worker.all(connection=connection, serializer=JSONSerializer):
+        if not names.intersection(w.queue_names()):
+            continue
+        out["workers"].append({"name": w.name, "state": str(w.get_state()), "host": w.hostname, "pid": w.pid,
+                               "current_job": w.get_current_job_id(), "queues": w.queue_names(),
+                               "successful": w.successful_job_count, "failed": w.failed_job_count})
+    if run:
+        for section in ("queued", "running", "scheduled", "failed"):
+            out[section] = [j for j in out[section] if j["run_id"] == run]
+    summaries = Ledger(connection=connection).indexed(run)
+    for s in summaries:
+        r = out["runs"].setdefault(s["run_id"], {"evaluated": 0, "latest": None, "best": None, "suites": {}})
+        # per suite too: τ on gsm8k and on a coding suite are not one scale, a best across them means little
+        for tally in (r, r["suites"].setdefault(str(s.get("suite")), {"evaluated": 0, "latest": None, "best": None})):
+            tally["evaluated"] += 1
+            if tally["latest"] is None or (s["step"], s["attempt"]) >= (tally["latest"]["step"],
+                                                                        tally["latest"]["attempt"]):
+                tally["latest"] = s
+            if isinstance(s.get("tau"), (int, float)) and (tally["best"] is None or s["tau"] > tally["best"]["tau"]):
+                tally["best"] = s
+    return out
+
+
+# --------------------------------------------------------------------------- requeue
+
+def requeue_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] | None = None,
+                   run: str | None = None) -> list[str]:
+    """Put failed jobs back on their queues under the same id (RQ's FailedJobRegistry.requeue)."""
+    wanted = set(job_ids) if job_ids else None
+    done = []
+    for name in queue_names(base):
+        registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
+        for job in _jobs(connection, registry.get_job_ids()):
+            if wanted is not None and job.id not in wanted:
+                continue
+            if run is not None and (job.meta or {}).get("run_id") != run:
+                continue
+            try:
+                registry.requeue(job)
+            except InvalidJobOperation:
+                continue  # someone else requeued it meanwhile
+            done.append(job.id)
+    return done
+
+
+def remembered(connection, run: str) -> list[dict[str, Any]]:
+    """The last job payload enqueued for each (step, checkpoint, suite) of `run`."""
+    out = []
+    for raw in connection.hvals(JOBS_PREFIX + run):
+        try:
+            out.append(json.loads(raw))
+        except ValueError:
+            continue
+    return sorted(out, key=lambda e: (e["job"]["step"], e["suite_fingerprint"]))
+
+
+@dataclass
+class RequeueReport:
+    """What `requeue_run` did: one outcome per job it found, and the asked-for steps it has no job for."""
+
+    outcomes: list[EnqueueOutcome | tuple[str, str]]
+    missing_steps: list[int]
+
+
+def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, config: QueueConfig | None = None,
+                roots: list[Path] | None = None) -> RequeueReport:
+    """Evaluate steps of a run again: failed jobs are re-queued as they are, finished ones get a new
+    attempt, pending ones are left alone. `steps=None` means every step the queue has seen.
+
+    Steps the queue has never seen for `run` are reported in `missing_steps`; the others are
+    requeued all the same. JobError only when nothing at all matches."""
+    config = config or QueueConfig()
+    wanted = None if steps is None else {int(s) for s in steps}
+    entries = [e for e in remembered(connection, run) if wanted is None or e["job"]["step"] in wanted]
+    missing = sorted(wanted - {e["job"]["step"] for e in entries}) if wanted is not None else []
+    if not entries:
+        raise JobError(f"run {run!r} has no enqueued job" + (f" for step(s) {missing}" if missing else "s")
+                       + " to requeue; enqueue checkpoints with `dflash-eval enqueue DIR`")
+    results: list[EnqueueOutcome | tuple[str, str]] = []
+    for entry in entries:
+        job_id = entry["job_id"]
+        try:
+            current = fetch_job(connection, job_id)
+            state = current.get_status()
+        except JobError:
+            current, state = None, None
+        if state in PENDING:
+            results.append((job_id, f"{job_id} is {state.value}; left as it is"))
+            continue
+        if state == JobStatus.FAILED:
+            requeued = requeue_failed(connection, config.base, [job_id])
+            results.append((job_id, f"re-queued failed job {job_id}" if requeued else f"{job_id}: not in failed registry"))
+            continue
+        payload = {**entry["job"], "requested_by": "requeue", "attempt": 0}
+        results.append(enqueue(connection, payload, force=True, config=config, roots=roots,
+                               suite_fp=entry["suite_fingerprint"]))
+    return RequeueReport(results, missing)
+
+
+# --------------------------------------------------------------------------- cancel
+
+def cancel(connection, job_id: str) -> str:
+    """Cancel a queued job, or stop a running one; release its retention pin. Returns what happened."""
+    job = fetch_job(connection, job_id)
+    state = job.get_status()
+    checkpoint = (job.meta or {}).get("checkpoint")
+    if state == JobStatus.STARTED:
+        try:
+            send_stop_job_command(connection, job_id, serializer=JSONSerializer)
+        except InvalidJobOperation as e:
+            raise JobError(f"cannot stop {job_id}: {e}") from None
+        msg = f"asked worker {job.worker_name} to stop {job_id}"
+    elif state in PENDING:
+        job.cancel()
+        msg = f"canceled {job_id} (was {state.value})"
+    elif state == JobStatus.FAILED:
+        raise JobError(f"{job_id} is failed; nothing to cancel (`dflash-eval dismiss {job_id}` removes a failure, "
+                       "`dflash-eval requeue --failed --job ...` runs it again)")
+    else:
+        raise JobError(f"{job_id} is {state.value if state else 'gone'}; nothing to cancel")
+    if checkpoint:
+        unpin_checkpoint(checkpoint, job_id)
+    return msg
+
+
+# --------------------------------------------------------------------------- dismiss
+
+def dismiss_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] | None = None,
+                   run: str | None = None) -> tuple[list[str], list[str]]:
+    """Remove failed jobs for good (all of `base`'s, those of `run`, or `job_ids`): out of the failed
+    registry, the job deleted, its retention pin released. The ledger is not touched (a failure
+    never wrote to it). Returns (dismissed ids, problems: ids that are not failed jobs here)."""
+    wanted = None if job_ids is None else list(dict.fromkeys(job_ids))
+    found: dict[str, Job] = {}
+    for name in queue_names(base):
+        registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
+        for job in _jobs(connection, registry.get_job_ids()):
+            if (wanted is None or job.id in wanted) and (run is None or (job.meta or {}).get("run_id") == run):
+                found[job.id] = job
+    problems = []
+    for job_id in wanted or []:
+        if job_id in found:
+            continue
+        try:
+            state = fetch_job(connection, job_id).get_status()
+            problems.append(f"{job_id} is {state.value if state else 'gone'}, not failed; nothing to dismiss"
+                            + (" (`dflash-eval cancel` stops a queued or running job)" if state in PENDING else ""))
+        except JobError as e:
+            problems.append(str(e))
+    dismissed = []
+    for job_id, job in found.items():
+        checkpoint = (job.meta or {}).get("checkpoint")
+        job.delete(remove_from_queue=True)  # also leaves the failed registry
+        if checkpoint:
+            unpin_checkpoint(checkpoint, job_id)
+        dismissed.append(job_id)
+    return dismissed, problems
