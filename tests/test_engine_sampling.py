@@ -143,3 +143,38 @@ def test_sampling_flags_in_run_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--temperature", "--top-p", "--top-k", "--num-samples", "--seed"):
         assert flag in out
+
+
+def test_sampling_from_a_server_says_the_coupling_is_not_guaranteed(tmp_path):
+    """A server samples with its own generator: the request carries the sampling settings and a
+    seed per (seed, prompt, sample); the result measures τ on its samples and says they are not the
+    keyed draws (no step-by-step validation is claimed for them)."""
+    from eval_worker.engine.references import ServerReferences
+
+    from .engine_helpers import CannedServer
+    from .factories import drafter_for, qwen3_target
+
+    target = qwen3_target(seed=6)
+
+    def respond(body):
+        if body["temperature"] == 0:
+            return 200, {"choices": [{"token_ids": speculative_generate(target, drafter, body["prompt"],
+                                                                        body["max_tokens"]).tokens}]}
+        g = torch.Generator().manual_seed(body["seed"])  # the server's own generator
+        return 200, {"choices": [{"token_ids": torch.randint(0, 90, (body["max_tokens"],), generator=g).tolist()}]}
+
+    drafter = drafter_for(target, block_size=4)
+    save_drafter(drafter, tmp_path / "ck")
+    suite = Suite("srv", "1", [Prompt("a", ids=(4, 8, 15, 16)), Prompt("b", ids=(9, 9, 2, 31))],
+                  chat_template=False, max_new_tokens=12)
+    with CannedServer(respond) as srv:
+        ev = Evaluator(target, tmp_path / "cache", reference_source=ServerReferences(srv.url), progress=False)
+        res = ev.evaluate(tmp_path / "ck", suite, options={**FAST, "validate": True, "temperatures": [0.7],
+                                                         "num_samples": 2, "top_p": 0.9, "top_k": 5})
+    sampled = [b for _, b in srv.requests if b["temperature"] > 0]
+    assert len(sampled) == 4 and {(b["top_p"], b["top_k"]) for b in sampled} == {(0.9, 5)}
+    assert len({b["seed"] for b in sampled}) == 4  # one seed per (prompt, sample)
+    assert res.sampling["coupling"] == "none" and "not on the keyed draws" in res.sampling["coupling_note"]
+    entry = res.sampling["by_temperature"]["0.7"]
+    assert entry["validation"] is None and entry["tau"]["num_pairs"] == 4
+    assert res.validation["ok"]  # the greedy part is checked as before
