@@ -25,6 +25,7 @@ COMMANDS = {
     "publish": "eval_worker.commands.publish",  # rebuild the W&B eval run from the ledger
     "report": "eval_worker.commands.report",  # local HTML report
     "results": "eval_worker.commands.results",  # the ledger of runs as a table
+    "suites": "eval_worker.commands.suites",  # list suites; load hf: benchmarks (fills the datasets cache)
     "demo": "eval_worker.commands.demo",  # the main job, end to end
 }
 

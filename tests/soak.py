@@ -45,6 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from eval_worker.service.queue import JOB_FUNC
 from tests.soak_stack import (HIDDEN, OPTIONS, REPO, RUN, Row, Stack, Zygote, build_micro_target, drafter_config,
                               publish, retry_now, shared_zygote, wait_for)
 
@@ -902,34 +903,34 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
             "function builtins.exec": lambda jid: q.enqueue_call(
                 "builtins.exec", args=(f"open({str(proof / jid)!r}, 'w')",), job_id=jid),
             "failure callback": lambda jid: q.enqueue_call(
-                "eval_worker.service.worker.run_eval_job", args=({"schema": "nope"},), job_id=jid,
+                JOB_FUNC, args=({"schema": "nope"},), job_id=jid,
                 on_failure=Callback("os.system")),
             "success callback": lambda jid: q.enqueue_call(
-                "eval_worker.service.worker.run_eval_job", args=(good_job,), job_id=jid, on_success=Callback("os.system")),
+                JOB_FUNC, args=(good_job,), job_id=jid, on_success=Callback("os.system")),
             "extra kwargs": lambda jid: q.enqueue_call(
-                "eval_worker.service.worker.run_eval_job", args=(good_job,), kwargs={"x": 1}, job_id=jid),
+                JOB_FUNC, args=(good_job,), kwargs={"x": 1}, job_id=jid),
             "pickled data": lambda jid: plant(s.conn, jid, {
                 "data": zlib.compress(pickle.dumps(_Pwn(proof / jid))), "status": "queued", "origin": "dflash-eval",
                 "created_at": "2026-01-01T00:00:00.000000Z"}),
             "pickled meta": lambda jid: plant(s.conn, jid, {
-                "data": _data("eval_worker.service.worker.run_eval_job", [{"schema": "nope"}]),
+                "data": _data(JOB_FUNC, [{"schema": "nope"}]),
                 "meta": pickle.dumps(_Pwn(proof / jid)), "status": "queued", "origin": "dflash-eval"}),
             "unreadable hash (status)": lambda jid: plant(s.conn, jid, {
-                "data": _data("eval_worker.service.worker.run_eval_job", [good_job]), "status": "bogus",
+                "data": _data(JOB_FUNC, [good_job]), "status": "bogus",
                 "origin": "dflash-eval"}),
             "unreadable hash (date)": lambda jid: plant(s.conn, jid, {
-                "data": _data("eval_worker.service.worker.run_eval_job", [good_job]), "status": "queued",
+                "data": _data(JOB_FUNC, [good_job]), "status": "queued",
                 "origin": "dflash-eval", "created_at": "yesterday"}),
-            "path with ..": lambda jid: q.enqueue_call("eval_worker.service.worker.run_eval_job", job_id=jid, args=(
+            "path with ..": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "checkpoint": str(s.root / ".." / "outside" / RUN / "step-00000007")},)),
-            "symlinked directory": lambda jid: q.enqueue_call("eval_worker.service.worker.run_eval_job", job_id=jid, args=(
+            "symlinked directory": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "checkpoint": str(s.root / "escape-link")},)),
-            "symlinked weights file": lambda jid: q.enqueue_call("eval_worker.service.worker.run_eval_job", job_id=jid, args=(
+            "symlinked weights file": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "checkpoint": str(inner), "step": 2,
                  "checkpoint_digest": json.loads((inner / "COMPLETE.json").read_text())["digest"]},)),
-            "baseline outside": lambda jid: q.enqueue_call("eval_worker.service.worker.run_eval_job", job_id=jid, args=(
+            "baseline outside": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "baseline": str(outside_ck)},)),
-            "pickled target weights": lambda jid: q.enqueue_call("eval_worker.service.worker.run_eval_job", job_id=jid, args=(
+            "pickled target weights": lambda jid: q.enqueue_call(JOB_FUNC, job_id=jid, args=(
                 {**good_job, "target": str(evil_target)},)),
         }
         planted = {}
@@ -976,7 +977,7 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
 def random_payload(rng: random.Random, valid: dict) -> Any:
     """A mutated job payload (for the bench; the tests use hypothesis)."""
     junk = [None, True, -1, 0, 2**63, 1.5, float("inf"), "", "x" * 5000, "../../etc/passwd", "/etc/passwd",
-            "\x00", [], {}, [1, "a"], {"a": {"b": []}}, "💥", "builtin:coding-v1", "eval_worker.service.worker.run_eval_job"]
+            "\x00", [], {}, [1, "a"], {"a": {"b": []}}, "💥", "builtin:coding-v1", JOB_FUNC]
     kind = rng.randrange(6)
     if kind == 0:
         return rng.choice(junk)
@@ -1005,7 +1006,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
         for i in range(n):
             payload = random_payload(rng, valid)
             with contextlib.suppress(TypeError, ValueError):  # not JSON at all: enqueue itself refuses
-                q.enqueue_call("eval_worker.service.worker.run_eval_job", args=(payload,), job_id=f"fuzz-{i}")
+                q.enqueue_call(JOB_FUNC, args=(payload,), job_id=f"fuzz-{i}")
                 fuzzed.append(f"fuzz-{i}")
         good = [s.enqueue(s.publish(2)), s.enqueue(s.publish(3))]
         w = s.start_worker()

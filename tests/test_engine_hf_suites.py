@@ -158,10 +158,11 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
     """A queued `hf:` job: canonical spec in the job, the worker reads its own dataset copy, the
     record carries the suite's dataset identity; a bad spec is refused at enqueue."""
     from dflash_train.settings import Settings
-    from eval_worker.service import worker as worker_mod
+    from eval_worker.service import evaluators
     from eval_worker.service.jobs import JobError, check_suite, job_fingerprint, make_job
     from eval_worker.results.ledger import read_record
-    from eval_worker.service.worker import WorkerSettings, run_eval_job
+    from eval_worker.service.eval_job import run_eval_job
+    from eval_worker.service.evaluators import WorkerSettings
     from tests.sidecar_support import publish_random, tiny_target_drafter_config
     from tests.test_sidecar_worker import _target
 
@@ -171,9 +172,9 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
     settings = WorkerSettings(results_dir=tmp_path / "results", roots=[tmp_path / "ckpts"],
                               cache_dir=tmp_path / "cache", default_target=str(target),
                               env=Settings.from_env().replace(hf_datasets_dir=hf_dir))
-    monkeypatch.setattr(worker_mod, "_settings", settings)
-    monkeypatch.setattr(worker_mod, "_evaluators", type(worker_mod._evaluators)())
-    monkeypatch.setattr(worker_mod, "_loads", {})
+    monkeypatch.setattr(evaluators, "_settings", settings)
+    monkeypatch.setattr(evaluators, "_evaluators", type(evaluators._evaluators)())
+    monkeypatch.setattr(evaluators, "_loads", {})
     opts = {"max_new_tokens": 8, "tree_budget": 0, "measure_speed": False}
     job = make_job(ck, suite="hf:gsm8k:n=2:seed=0", options=opts)
     assert job["suite"] == "hf:gsm8k:n=2"  # one spelling, one job id
@@ -188,3 +189,22 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
         make_job(ck, suite="hf:gsm9k")
     with pytest.raises(JobError, match="n must be"):
         check_suite("hf:gsm8k:n=-1", None, [tmp_path])
+
+
+def test_suites_command_lists_and_loads(hf_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    from eval_worker.cli import main
+
+    assert main(["suites"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"hf:{n}" in listing for n in HF_SUITES) and "builtin:coding" in listing
+    monkeypatch.setenv("DFLASH_HF_DATASETS_DIR", str(hf_dir))
+    assert main(["suites", "hf:gsm8k:n=3", "builtin:coding", "--show", "1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [d["name"] for d in shown] == ["gsm8k-n3", "coding"]
+    assert shown[0]["fingerprint"] == load_suite("hf:gsm8k:n=3", hf_datasets_dir=hf_dir).fingerprint()
+    assert shown[0]["origin"]["dataset"] == "openai/gsm8k" and len(shown[0]["prompts"]) == 1
+    assert main(["suites", "hf:math500", "hf:gsm8k"]) == 0  # both copies are there
+    monkeypatch.setenv("DFLASH_HF_DATASETS_DIR", str(tmp_path / "none"))
+    assert main(["suites", "hf:gsm8k"]) == 2 and "not available offline" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from dflash_train.config import ConfigError, DrafterConfig
 from eval_worker.service import jobs
 from eval_worker.service.jobs import JobError
 from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
+from eval_worker.service.queue import JOB_FUNC
 
 FUZZ = settings(max_examples=150, deadline=5000, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -297,7 +298,7 @@ def test_fuzzed_payloads_in_the_queue_never_crash_the_worker(live, batch):
         s.counter[0] += 1
         jid = f"fuzz-{s.counter[0]}"
         try:
-            q.enqueue_call("eval_worker.service.worker.run_eval_job", args=(payload,), job_id=jid)
+            q.enqueue_call(JOB_FUNC, args=(payload,), job_id=jid)
         except (TypeError, ValueError):
             continue  # not JSON-serialisable: cannot even be queued
         ids.append(jid)

@@ -53,3 +53,32 @@ def test_one_run_id_pattern():
     found = [p.relative_to(REPO).as_posix() for d in PACKAGES for p in (REPO / d).rglob("*.py")
              if pattern.search(p.read_text())]
     assert found == ["dflash_train/publication.py"]
+
+
+def test_each_redis_key_belongs_to_one_module():
+    """Our Redis keys (besides RQ's) are named in exactly one module each: the one that reads and writes them."""
+    key = re.compile(r"^dflash(-eval)?:[\w-]+:?$")
+    owners: dict[str, set[str]] = {}
+    for rel, tree in _sources(*PACKAGES):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and key.match(node.value):
+                owners.setdefault(node.value, set()).add(rel)
+    assert len(owners) >= 7, owners  # jobs, attempt, ledger x3, quarantine, probe, wandb lock
+    assert {k: m for k, m in owners.items() if len(m) > 1} == {}
+    runs = {k for k in owners if "runs" in k}
+    assert runs == {"dflash:ledger-runs"}  # one RUNS_KEY
+
+
+def test_job_func_is_defined_once_and_names_the_job_function():
+    from importlib import import_module
+
+    from eval_worker.service.eval_job import run_eval_job
+    from eval_worker.service.queue import JOB_FUNC
+
+    defined = [rel for rel, tree in _sources(*PACKAGES) for node in ast.walk(tree)
+               if isinstance(node, (ast.Assign, ast.AnnAssign))
+               and any(isinstance(t, ast.Name) and t.id == "JOB_FUNC"
+                       for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))]
+    assert defined == ["eval_worker/service/queue.py"]
+    module, _, name = JOB_FUNC.rpartition(".")
+    assert getattr(import_module(module), name) is run_eval_job

@@ -107,11 +107,12 @@ def test_options_schema_oversized_fields_fail_once_at_the_worker_and_status_stay
                                                                                         capsys):
     """Hand-pushed payloads with a 10 MB suite / option: a non-retryable job error (ValueError) at the
     worker, before any file is touched; `status` shows a short reason."""
-    from eval_worker.service import worker as worker_mod
-    from eval_worker.service.worker import WorkerSettings, run_eval_job
+    from eval_worker.service import evaluators
+    from eval_worker.service.eval_job import run_eval_job
+    from eval_worker.service.evaluators import WorkerSettings
 
     job = make_job(ckpt, suite="builtin:coding-v1")
-    worker_mod.configure(WorkerSettings(results_dir=tmp_path / "results", roots=[ckpt.parents[1]]))
+    evaluators.configure(WorkerSettings(results_dir=tmp_path / "results", roots=[ckpt.parents[1]]))
     try:
         for bad in ({**job, "suite": BIG}, {**job, "options": {"chat_template": BIG}}):
             with pytest.raises(JobError) as err:  # a ValueError: run_eval_job stops RQ's retries for it
@@ -120,7 +121,7 @@ def test_options_schema_oversized_fields_fail_once_at_the_worker_and_status_stay
             assert "File name too long" not in str(err.value)
         assert not (tmp_path / "results").exists()
     finally:
-        worker_mod.configure(None)
+        evaluators.configure(None)
 
     # a failure whose text is huge anyway (any exception): `status` shows the start of it
     conn = connect(redis_url)

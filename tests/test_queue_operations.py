@@ -10,7 +10,8 @@ from eval_worker.service import jobs
 from eval_worker.cli import main as cli
 from eval_worker.service.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
 from eval_worker.service.redis_local import connect
-from eval_worker.service.worker import WorkerSettings, serve
+from eval_worker.service.evaluators import WorkerSettings
+from eval_worker.service.worker import serve
 from tests.sidecar_support import publish_random
 
 
@@ -111,7 +112,7 @@ def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, m
     root = tmp_path / "ck"
     path = publish_random(root, "run-l", 100, seed=3)
     job_id = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path))).job_id
-    caplog.set_level(logging.INFO, logger="eval_worker.service.worker")
+    caplog.set_level(logging.INFO, logger="eval_worker.service.eval_job")
     serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path],
                                                 default_target=str(tmp_path),
                                                 evaluator_factory="tests.fake_evaluator:FakeEvaluator"),

@@ -6,6 +6,8 @@ processes (bench/soak.py's zygote), the real Evaluator on a micro target, the re
 """
 from __future__ import annotations
 
+from eval_worker.service.queue import JOB_FUNC
+
 import base64
 import binascii
 import contextlib
@@ -35,7 +37,7 @@ def test_hostile_queue_entries_run_no_code_and_read_nothing_outside_the_roots(tm
     planted = row.details["planted"]
     assert row.details["executed"] == []  # no proof file: no shell command, no unpickling
     for name in ("function os.system", "function builtins.exec"):
-        assert planted[name]["outcome"] == "failed" and "only runs eval_worker.service.worker.run_eval_job" in \
+        assert planted[name]["outcome"] == "failed" and f"only runs {JOB_FUNC}" in \
             planted[name]["reason"], planted[name]
     for name in ("failure callback", "success callback"):
         assert "callbacks" in planted[name]["reason"], planted[name]
@@ -114,7 +116,7 @@ def test_everything_in_redis_is_json_never_pickle(tmp_path, zygote, target):
         for jid in ids:
             h = s.conn.hgetall(f"rq:job:{jid}")
             func, instance, args, kwargs = json.loads(zlib.decompress(h[b"data"]))
-            assert func == "eval_worker.service.worker.run_eval_job" and instance is None and kwargs == {}
+            assert func == JOB_FUNC and instance is None and kwargs == {}
             assert json.loads(h[b"meta"])["run_id"] == soak_stack.RUN
             for _, fields in s.conn.xrange(f"rq:results:{jid}"):
                 if fields.get(b"return_value"):

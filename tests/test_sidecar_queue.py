@@ -12,7 +12,7 @@ from eval_worker.service import jobs
 from eval_worker.cli import main as cli
 from eval_worker.service.jobs import JobError
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.queue import QueueConfig, cancel, enqueue, fetch_job, get_queue, status
+from eval_worker.service.queue import JOB_FUNC, QueueConfig, cancel, enqueue, fetch_job, get_queue, status
 from eval_worker.service.redis_local import connect
 from tests.sidecar_support import REPO_ROOT, publish_random
 
@@ -41,7 +41,7 @@ def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
     data = zlib.decompress(raw[b"data"])
     assert not data.startswith(b"\x80")  # a pickle would start with the PROTO opcode
     func, instance, args, kwargs = json.loads(data)
-    assert func == "eval_worker.service.worker.run_eval_job" and instance is None and kwargs == {}
+    assert func == JOB_FUNC and instance is None and kwargs == {}
     assert args[0]["schema"] == jobs.SCHEMA and args[0]["checkpoint"] == str(c100)
     assert json.loads(raw[b"meta"])["run_id"] == "run-q"
     assert int(raw[b"timeout"]) == QueueConfig().job_timeout

@@ -27,6 +27,9 @@ def _imported_after(code: str) -> list[str]:
     "import eval_worker.service.jobs",
     "import eval_worker.service.queue, eval_worker.results.ledger, eval_worker.service.redis_local",
     "import eval_worker.commands.enqueue",
+    "import eval_worker.service.outbox, hooks",  # the hook's job building and delivery
+    # a plain `rq worker` imports the job function: torch comes with the first evaluator, not before
+    "import eval_worker.service.eval_job, eval_worker.service.job_guard, eval_worker.service.worker",
     "from eval_worker.cli import build_parser; build_parser()",
 ])
 def test_module_imports_no_torch(code):
@@ -49,3 +52,30 @@ check_checkpoint(job, None, verify_digest=True)
 assert pin_checkpoint(ck, job_id_for(job, job_fingerprint(job)))
 """
     assert _imported_after(code) == []
+
+
+def test_enqueue_command_imports_no_torch(tmp_path, redis_url):
+    """`dflash-eval enqueue` for a published checkpoint, into a real Redis: queued, and no torch loaded."""
+    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.redis_local import connect
+
+    root = tmp_path / "ck"
+    code = f"""
+import contextlib, io, json, sys
+from dflash_train.publication import publish_directory
+from eval_worker.cli import main
+
+def write(tmp):
+    (tmp / "config.json").write_text("{{}}")
+    (tmp / "model.safetensors").write_bytes(b"weights")
+ck = publish_directory({str(root)!r}, "run-a", 5, write)
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = main(["enqueue", str(ck), "--json", "--redis-url", {redis_url!r}, "--checkpoint-root", {str(root)!r}])
+ids = [o["job_id"] for o in json.loads(out.getvalue())["outcomes"]]
+print(json.dumps({{"rc": rc, "ids": ids, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["rc"] == 0 and len(seen["ids"]) == 1 and seen["heavy"] == []
+    assert fetch_job(connect(redis_url), seen["ids"][0]) is not None  # really queued

@@ -71,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
     import logging
 
     from eval_worker.service.queue import queue_name
-    from eval_worker.service.worker import WorkerSettings, serve, worker_name
+    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.worker import serve, worker_name
 
     from dflash_train.storage import StoreError
 

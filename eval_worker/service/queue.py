@@ -32,7 +32,7 @@ from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.jobs import JobError
 from eval_worker.results.ledger import Ledger
 
-JOB_FUNC = "eval_worker.service.worker.run_eval_job"  # the only function an eval job may name (worker.EvalJob)
+JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an eval job may name (job_guard.EvalJob)
 DEFAULT_BASE = "dflash-eval"
 # Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}

@@ -1,14 +1,7 @@
-"""The eval worker: the RQ job function and a worker process that keeps the target loaded.
+"""The eval worker process: an RQ worker that keeps the target loaded and rides out Redis outages.
 
-Job processing order (run_eval_job):
-  validate payload -> checkpoint inside the roots, COMPLETE.json present, digests match ->
-  evaluate (a cached Evaluator) -> write the ledger record (durable, first) -> result sinks
-  (W&B; a sink failure is logged, never fails the job) -> return a small JSON summary.
-A failure raises an exception whose message is the reason (shown by `status` and `rq info`).
-A ledger write that fails (disk full, read-only results) keeps the computed result in the
-worker's spool (`<spool_dir>/<job id>.json`) and fails the job with a retryable error that
-says so; the retry (RQ's back-off, or `requeue --failed`) writes the spooled result
-without evaluating again.
+The job it runs is eval_worker.service.eval_job.run_eval_job (settings and the evaluator
+cache: eval_worker.service.evaluators; the allow-list check: eval_worker.service.job_guard).
 
 Why jobs run in the worker process (EvalWorker, a SimpleWorker with a heartbeat thread)
 rather than in RQ's forked work-horse:
@@ -29,424 +22,31 @@ SIGTERM/SIGINT, the current job is put back at the front of its queue and the wo
 from __future__ import annotations
 
 import contextlib
-import gc
-import hashlib
-import json
-import logging
 import os
 import signal
 import socket
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Sequence
 
 import redis
-from rq.exceptions import DeserializationError
-from rq.job import Job, JobStatus
+from rq.job import JobStatus
 from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
-from dflash_train import storage
-from dflash_train.errors import DFlashError, retryable
-from dflash_train.fsutil import atomic_write_bytes
-from dflash_train.progress import format_duration
-from dflash_train.publication import unpin_checkpoint
-from dflash_train.settings import Settings
-
-from eval_worker.service import jobs as jobs_mod
-from eval_worker.results import sinks
-from eval_worker.service.jobs import JobError
-from eval_worker.engine.suite import HF_PREFIX, load_suite
-from eval_worker.results.ledger import Ledger, tau_of
-from eval_worker.engine.options import options_identity
-from eval_worker.service.queue import JOB_FUNC, get_queue
+from eval_worker.service.evaluators import WorkerSettings, configure, get_evaluator
+from eval_worker.service.job_guard import EvalJob
+from eval_worker.service.queue import get_queue
 from eval_worker.service.redis_local import server_unavailable
 
-log = logging.getLogger("eval_worker.service.worker")
-
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
-SPOOL_SCHEMA = "dflash-eval-spool/1"
+PROBE_PREFIX = "dflash:probe:"  # a write that tells whether Redis takes writes again (per worker, 60 s)
 
 
 class JobInterrupted(Exception):
     """Raised inside a running job when it is stopped (cancel) or handed back (shutdown)."""
 
-
-class LedgerWriteFailed(DFlashError, OSError):
-    """The evaluation finished but its ledger record could not be written."""
-
-    retryable = True  # the retry only writes the spooled result
-
-
-@dataclass
-class WorkerSettings:
-    """What a worker process needs besides Redis: the environment's settings (`env`), with the
-    command line's choices applied (`from_settings`)."""
-
-    results_dir: Path
-    roots: Sequence[Path] | None
-    cache_dir: Path | None = None
-    target_roots: Sequence[Path] | None = None  # where a job's own `target` may lie (see jobs.check_target)
-    suite_roots: Sequence[Path] | None = None   # where a job's suite file may lie (see jobs.check_suite)
-    default_target: str | None = None
-    device: str | None = None
-    max_targets: int = 1
-    evaluator_factory: str | None = None  # "module:callable(target, cache_dir=..., device=...)"
-    spool_dir: Path | None = None  # computed results whose ledger write failed (default: next to the cache)
-    env: Settings | None = None  # sinks and their Redis; None: read where the worker starts (a plain `rq worker`)
-    checkpoint_cache_dir: Path | None = None  # local copies of checkpoints pulled from a store
-    checkpoint_cache_gb: float = 20.0
-
-    def __post_init__(self) -> None:
-        if self.spool_dir is None:
-            self.spool_dir = (self.cache_dir or self.results_dir).parent / "spool"
-        if self.env is None:
-            self.env = Settings.from_env()
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides) -> "WorkerSettings":
-        """The worker's settings: `settings` (the environment), with `overrides` (flags given) applied."""
-        values = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
-                      target_roots=settings.target_roots, suite_roots=settings.suite_roots,
-                      cache_dir=settings.cache_dir, default_target=settings.target, device=settings.device,
-                      evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings,
-                      checkpoint_cache_dir=settings.checkpoint_cache_dir,
-                      checkpoint_cache_gb=settings.checkpoint_cache_gb)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-
-# --------------------------------------------------------------------------- per-process state
-
-_settings: WorkerSettings | None = None
-_checkpoint_cache = None
-_evaluators: "OrderedDict[str, Any]" = OrderedDict()
-_loads: dict[str, int] = {}
-_lock = threading.Lock()
-
-
-def configure(settings: WorkerSettings) -> None:
-    global _settings, _checkpoint_cache
-    _settings, _checkpoint_cache = settings, None
-
-
-def checkpoint_cache():
-    """This process's cache of checkpoints pulled from object stores (dflash_train.checkpoint_cache)."""
-    global _checkpoint_cache
-    s = settings()
-    if _checkpoint_cache is None:
-        from dflash_train.checkpoint_cache import CheckpointCache
-
-        root = s.checkpoint_cache_dir or s.env.checkpoint_cache_dir or Path(s.results_dir).parent / "checkpoint-cache"
-        _checkpoint_cache = CheckpointCache(root, max_bytes=int(s.checkpoint_cache_gb * 2**30))
-    return _checkpoint_cache
-
-
-def settings() -> WorkerSettings:
-    global _settings
-    if _settings is None:  # a plain `rq worker` running our jobs: its process is the edge
-        _settings = WorkerSettings.from_settings(Settings.from_env())
-    return _settings
-
-
-def target_loads(target: str | None = None) -> int:
-    """How many times this process has loaded `target` (or any target)."""
-    if target is None:
-        return sum(_loads.values())
-    return _loads.get(os.path.realpath(target), 0)
-
-
-def _new_evaluator(target: str, s: WorkerSettings):
-    if s.evaluator_factory:
-        from importlib import import_module
-
-        module, _, name = s.evaluator_factory.partition(":")
-        factory = getattr(import_module(module), name)
-    else:
-        from eval_worker.engine.acceptance import Evaluator as factory
-    kwargs: dict[str, Any] = {"cache_dir": str(s.cache_dir) if s.cache_dir else None}
-    if s.device:
-        kwargs["device"] = s.device
-    return factory(target, **kwargs)
-
-
-def get_evaluator(target: str):
-    """The Evaluator for `target`, loaded once per process and kept (LRU of `max_targets`)."""
-    s = settings()
-    key = os.path.realpath(target)
-    with _lock:
-        ev = _evaluators.get(key)
-        if ev is not None:
-            _evaluators.move_to_end(key)
-            return ev
-        if not os.path.isdir(key):
-            raise JobError(f"target {target} is not a directory on this worker")
-        while len(_evaluators) >= max(1, s.max_targets):
-            old, _ = _evaluators.popitem(last=False)
-            log.info("unloading target %s to make room for %s", old, key)
-            gc.collect()
-            _empty_device_cache()
-        t0 = time.monotonic()
-        ev = _new_evaluator(key, s)
-        _evaluators[key] = ev
-        _loads[key] = _loads.get(key, 0) + 1
-        log.info("loaded target %s in %.1fs (load #%d in pid %d)", key, time.monotonic() - t0, _loads[key], os.getpid())
-        return ev
-
-
-def _empty_device_cache() -> None:
-    import torch  # loaded already (an evaluator was); not at import: `rq worker` imports this module
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# --------------------------------------------------------------------------- the job
-
-def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None:
-    """Tell the result sinks (W&B). Returns their errors as text instead of raising."""
-    try:
-        outcome = sinks.publish_result(record, job, settings().env)
-    except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
-        log.warning("result sink failed for %s (kept in the ledger; `dflash-eval publish` can retry): %s",
-                    record.get("job_id"), e, exc_info=True)
-        return f"{type(e).__name__}: {e}"
-    bad = [f"{name}: {info.get('error')}" for name, info in outcome.items() if not info["ok"]]
-    return "; ".join(bad) or None
-
-
-def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
-    """RQ job function: evaluate one checkpoint and record the result once. JSON in, JSON out.
-
-    An error that is not `retryable` (dflash_train.errors: a bad payload, a checkpoint outside
-    the roots, no marker, a digest mismatch, a drafter that does not fit the target, an unknown
-    option, ...) fails the job at once, without retries: trying again cannot fix it; once the
-    cause is fixed, `dflash-eval requeue --failed` runs it again. Other errors (I/O, out of
-    memory, a crashed worker) are retried with back-off.
-    """
-    from rq import get_current_job
-
-    try:
-        return _run(payload, get_current_job())
-    except Exception as e:
-        if retryable(e):
-            raise
-        rq_job = get_current_job()
-        if rq_job is not None:
-            rq_job.retries_left = 0  # the worker reads this (same object) when it handles the failure
-            try:
-                rq_job.connection.hset(rq_job.key, "retries_left", 0)
-            except Exception:  # noqa: BLE001 - the in-memory value already stops the retry
-                pass
-        raise
-
-
-def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
-    t0 = time.monotonic()
-    job = jobs_mod.validate_job(payload)
-    s = settings()
-    if s.roots is None:
-        raise JobError("this worker has no checkpoint roots configured: start it with --checkpoint-root DIR "
-                       "or set $DFLASH_CHECKPOINT_ROOTS; refusing to read checkpoints from arbitrary paths")
-    connection = rq_job.connection if rq_job is not None else None
-    job_id = rq_job.id if rq_job is not None else _local_job_id(job)
-    ledger = Ledger(s.results_dir, connection=connection)
-
-    existing = ledger.find_job(job, job_id)
-    sink_error, spooled = None, None
-    if existing is not None:  # an earlier execution recorded it, then died: do not evaluate twice
-        path, record = existing
-        created = False
-        ledger.index(record, path)
-        _drop_spool(s, job_id)
-        log.info("job %s already recorded at %s; not evaluating again", job_id, path)
-    else:
-        spooled = _read_spool(s, job, job_id)
-        if spooled is not None:  # evaluated before, only the ledger write failed: write it now
-            result, worker_info = spooled["result"], spooled["worker"]
-            log.info("job %s: writing the result spooled at %s (not evaluating again)", job_id, _spool_path(s, job_id))
-        else:
-            result, worker_info = _evaluate(job, s, rq_job)
-        try:
-            path, record, created = ledger.write(job=job, job_id=job_id, result=result, worker=worker_info)
-        except OSError as e:
-            raise _spool(s, job, job_id, result, worker_info, e, rq_job) from e
-        _drop_spool(s, job_id)
-        if spooled is not None:
-            _note(rq_job, spooled_result=None)
-        if created:
-            sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
-    unpin_checkpoint(job["checkpoint"], job_id)
-    tau = tau_of(record)
-    _log_outcome(job_id, job, record, path, time.monotonic() - t0, created)
-    return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": record.get("attempt"),
-            "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
-            "from_spool": existing is None and spooled is not None,
-            "worker_pid": os.getpid(), "target_loads": target_loads(), "seconds": round(time.monotonic() - t0, 3)}
-
-
-def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path, seconds: float,
-                 created: bool) -> None:
-    """One line per job in the worker's log: what was measured, how sure, how long it took."""
-    result = record.get("result") or {}
-    tau = result.get("tau") or {}
-    ci = tau.get("ci95") or [None, None]
-    base = result.get("baseline") or {}
-
-    def f(x):
-        return "?" if not isinstance(x, (int, float)) else f"{x:.3f}"
-    extra = f", Δτ vs baseline {f(base.get('delta_tau'))}" if base else ""
-    errors = [d.get("code") for d in result.get("diagnostics") or [] if d.get("severity") == "error"]
-    log.info("job %s: run %s step %s suite %s: τ %s (95%% CI [%s, %s], %s verify steps%s)%s in %s; %s %s",
-             job_id, job["run_id"], job["step"], (result.get("suite") or {}).get("name", job["suite"]),
-             f(tau.get("macro")), f(ci[0]), f(ci[1]), tau.get("num_steps", "?"), extra,
-             f"; diagnostics: {', '.join(errors)}" if errors else "", format_duration(seconds),
-             "recorded at" if created else "already recorded at", path)
-
-
-def _local_job_id(job: dict[str, Any]) -> str:
-    """A job run outside RQ: an id from the request itself (suite spec, options, target), nothing read."""
-    spec = json.dumps({"suite": job["suite"], "options": options_identity(job["options"]), "target": job["target"]},
-                      sort_keys=True)
-    return jobs_mod.job_id_for(job, "local-" + hashlib.sha256(spec.encode()).hexdigest()[:10])
-
-
-def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Check the job's files (checkpoint, target, suite: inside their roots), run the engine; (result, worker info)."""
-    jobs_mod.check_checkpoint(job, s.roots)  # confined and marked: cheap, before anything is loaded or pulled
-    target = job["target"] or s.default_target
-    if not target:
-        raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
-    if job["target"]:
-        jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
-    suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
-    if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
-        suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
-    remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
-    # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
-    with jobs_mod.materialize(job, s.roots, checkpoint_cache() if remote else None) as (checkpoint, baseline, verified):
-        evaluator = get_evaluator(target)
-        result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job["train_metrics"],
-                                    options=job["options"], verified=verified).to_dict()
-    # a result names what was asked for (the store URL), not the worker's cache entry
-    if storage.is_url(job["checkpoint"]) and isinstance(result.get("checkpoint"), dict):
-        result["checkpoint"] = {**result["checkpoint"], "path": job["checkpoint"]}
-    if storage.is_url(job.get("baseline")) and isinstance(result.get("baseline"), dict):
-        result["baseline"] = {**result["baseline"], "checkpoint": job["baseline"]}
-    worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
-                   "name": s.env.worker_id or (rq_job.worker_name if rq_job else None)}
-    return result, worker_info
-
-
-# --------------------------------------------------------------------------- the spool
-
-def _spool_path(s: WorkerSettings, job_id: str) -> Path:
-    return Path(s.spool_dir) / f"{job_id}.json"
-
-
-def _spool(s: WorkerSettings, job: dict[str, Any], job_id: str, result: dict[str, Any],
-           worker_info: dict[str, Any], error: OSError, rq_job) -> LedgerWriteFailed:
-    """Keep a computed result whose ledger write failed; the error to fail the job with."""
-    path = _spool_path(s, job_id)
-    entry = {"schema": SPOOL_SCHEMA, "job_id": job_id, "job": job, "results_dir": str(s.results_dir),
-             "worker": worker_info, "error": f"{type(error).__name__}: {error}", "result": result}
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        atomic_write_bytes(path, json.dumps(entry, sort_keys=True, allow_nan=False).encode(), mode=0o600)
-    except (OSError, ValueError) as e2:
-        log.error("job %s: ledger write failed (%s) and the result could not be spooled either (%s)", job_id, error, e2)
-        return LedgerWriteFailed(f"ledger write failed ({error}); the result could not be kept in the spool "
-                                 f"({e2}): a retry evaluates again")
-    _note(rq_job, spooled_result=str(path))
-    log.error("job %s: ledger write failed (%s); result kept in %s, a retry only writes it", job_id, error, path)
-    return LedgerWriteFailed(f"ledger write failed ({error}); the computed result is kept in {path}: "
-                             "a retry only writes it (no re-evaluation)")
-
-
-def _read_spool(s: WorkerSettings, job: dict[str, Any], job_id: str) -> dict[str, Any] | None:
-    """The spooled result of exactly this job for this ledger, or None."""
-    path = _spool_path(s, job_id)
-    try:
-        entry = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("ignoring unreadable spool file %s: %s", path, e)
-        return None
-    ok = (isinstance(entry, dict) and entry.get("schema") == SPOOL_SCHEMA and entry.get("job_id") == job_id
-          and entry.get("results_dir") == str(s.results_dir) and isinstance(entry.get("result"), dict)
-          and (entry.get("job") or {}).get("checkpoint_digest") == job["checkpoint_digest"])
-    return entry if ok else None
-
-
-def _drop_spool(s: WorkerSettings, job_id: str) -> None:
-    try:
-        _spool_path(s, job_id).unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.warning("could not remove spool file of %s: %s", job_id, e)
-
-
-def _note(rq_job, **meta) -> None:
-    """Record facts about the job in its RQ meta (shown by `status`); best effort."""
-    if rq_job is None:
-        return
-    try:
-        rq_job.meta.update(meta)
-        rq_job.save_meta()
-    except Exception as e:  # noqa: BLE001 - Redis hiccup: the job's own error still says it
-        log.debug("could not save meta of %s: %s", rq_job.id, e)
-
-
-# --------------------------------------------------------------------------- the one job we run
-
-
-class EvalJob(Job):
-    """A job as the eval worker reads it: only `run_eval_job(<one JSON payload>)` ever runs.
-
-    RQ resolves and calls whatever function, success/failure/stopped callback (and webhook)
-    a job hash names, so anyone who can write to Redis could make a plain RQ worker run code.
-    This class refuses every job that is not exactly our function with one positional
-    argument, before importing or calling anything it names; callbacks and webhooks are
-    dropped on load. Job data that is not JSON is refused without being unpickled (the
-    worker's serializer is JSON).
-    """
-
-    def restore(self, raw_data):
-        super().restore(raw_data)
-        self._foreign = [n for n in (self._success_callback_name, self._failure_callback_name,
-                                     self._stopped_callback_name) if n]
-        if self.webhooks:
-            self._foreign.append(f"{len(self.webhooks)} webhook(s)")
-        self._success_callback_name = self._failure_callback_name = self._stopped_callback_name = None
-        self.webhooks = []
-
-    def _deserialize_data(self):
-        try:
-            super()._deserialize_data()
-        except DeserializationError as e:
-            raise DeserializationError(f"job {self.id}: data is not JSON (pickled or corrupt); refused, "
-                                       "never unpickled") from e.__cause__
-
-    @property
-    def func(self):
-        reason = None
-        if getattr(self, "_foreign", None):
-            reason = f"names callbacks/webhooks {self._foreign}"
-        elif self.func_name != JOB_FUNC or self.instance is not None:
-            reason = f"names the function {self.func_name!r}"
-        elif len(self.args or ()) != 1 or self.kwargs:
-            reason = "does not carry exactly one payload argument"
-        if reason:
-            self.retries_left = 0  # refused for good
-            raise JobError(f"refusing job {self.id}: it {reason}; this worker only runs {JOB_FUNC}(payload)")
-        return run_eval_job
 
 
 @contextlib.contextmanager
@@ -635,7 +235,7 @@ class EvalWorker(SimpleWorker):
         delay, last_log = 0.5, 0.0
         while not self._stop_requested:
             try:  # a write, not a PING: a server out of memory or unable to persist answers PING
-                self.connection.set(f"dflash:probe:{self.name}", 1, ex=60)
+                self.connection.set(PROBE_PREFIX + self.name, 1, ex=60)
                 return True
             except redis.exceptions.RedisError as e:
                 if not server_unavailable(e):
