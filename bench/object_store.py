@@ -85,9 +85,9 @@ def transfer(tmp: Path, mb: int, repeats: int) -> dict:
 
 def jobs(tmp: Path, n: int) -> dict:
     from dflash_train.publication import upload_checkpoint
-    from eval_worker.service import worker as worker_mod
+    from eval_worker.service.eval_job import run_eval_job
+    from eval_worker.service.evaluators import WorkerSettings, configure
     from eval_worker.service.jobs import make_job
-    from eval_worker.service.worker import WorkerSettings, run_eval_job
     from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
     target = REPO / "dflash_train" / "assets" / "tiny_target"
@@ -103,9 +103,9 @@ def jobs(tmp: Path, n: int) -> dict:
         if clear:
             shutil.rmtree(cache_dir, ignore_errors=True)
         # a fresh ledger each time: the same job recorded once is not evaluated again
-        worker_mod.configure(WorkerSettings(results_dir=tmp / f"results-{next(runs)}", roots=[root, "s3://bench-bucket/jobs"],
-                                            cache_dir=tmp / "eval-cache", default_target=str(target),
-                                            checkpoint_cache_dir=cache_dir))
+        configure(WorkerSettings(results_dir=tmp / f"results-{next(runs)}", roots=[root, "s3://bench-bucket/jobs"],
+                                 cache_dir=tmp / "eval-cache", default_target=str(target),
+                                 checkpoint_cache_dir=cache_dir))
         r = run_eval_job(make_job(checkpoint, suite=str(suite)))
         assert r["recorded_now"], r
 
