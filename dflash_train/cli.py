@@ -106,17 +106,19 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     return 0
 
 
-def eval_hook(config: TrainConfig, settings: Settings, redis_url: str | None):
+def eval_hook(config: TrainConfig, settings: Settings, redis_url: str | None, **hook_options):
     """The `EvalOnCheckpoint` hook the eval flags describe (imported only when asked for: the
-    trainer itself never imports the eval side)."""
+    trainer itself never imports the eval side); `hook_options`: further or overriding
+    EvalOnCheckpoint arguments (the demo's options, W&B group, train-end timeout). The one place
+    that builds the hook for a training run, so `eval_worker` (the demo) never imports `hooks`."""
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
 
     wandb = None
     if config.wandb:  # the eval run lands next to the training run: same project and entity
         wandb = {"project": config.wandb_project, "entity": config.wandb_entity, "mode": config.wandb_mode}
-    return EvalOnCheckpoint(every_n_steps=config.eval_every, suite=list(config.eval_suite), target=config.eval_target,
-                            baseline=config.eval_baseline, wandb=wandb,
-                            redis_url=redis_url, settings=settings)
+    kwargs = dict(every_n_steps=config.eval_every, suite=list(config.eval_suite), target=config.eval_target,
+                  baseline=config.eval_baseline, wandb=wandb, redis_url=redis_url, settings=settings)
+    return EvalOnCheckpoint(**{**kwargs, **hook_options})
 
 
 if __name__ == "__main__":

@@ -63,9 +63,18 @@ def test_fingerprint_covers_data_selection_and_thinking(tmp_path, hf_dir):
     fps = {spec: load_suite(spec, hf_datasets_dir=hf_dir).fingerprint()
            for spec in ("hf:gsm8k", "hf:gsm8k:n=4", "hf:gsm8k:n=4:seed=1", "hf:gsm8k:thinking=on")}
     assert len(set(fps.values())) == 4
-    # an identical copy elsewhere: the same suite; a changed copy: another one (not datasets' stale cache)
+    # an identical copy elsewhere: the same suite; a changed copy: another one (not datasets' stale cache),
+    # even when the change is in a row the selection leaves out
     write_repo(tmp_path, "openai/gsm8k")
     assert load_suite("hf:gsm8k", hf_datasets_dir=tmp_path).fingerprint() == fps["hf:gsm8k"]
+    first = load_suite("hf:gsm8k:n=4", hf_datasets_dir=hf_dir)
+    left_out = next(i for i in range(len(ROWS["openai/gsm8k"])) if f"gsm8k-{i:05d}" not in
+                    {p.name for p in first.prompts})
+    edited = [dict(r) for r in ROWS["openai/gsm8k"]]
+    edited[left_out]["question"] = "An edited row the selection leaves out?"
+    write_repo(tmp_path / "c", "openai/gsm8k", edited)
+    picked = load_suite("hf:gsm8k:n=4", hf_datasets_dir=tmp_path / "c")
+    assert picked.prompts == first.prompts and picked.fingerprint() != first.fingerprint()
     changed = [dict(r) for r in ROWS["openai/gsm8k"]]
     changed[3]["question"] += " Explain."
     write_repo(tmp_path / "b", "openai/gsm8k", changed)

@@ -82,3 +82,33 @@ def test_job_func_is_defined_once_and_names_the_job_function():
     assert defined == ["eval_worker/service/queue.py"]
     module, _, name = JOB_FUNC.rpartition(".")
     assert getattr(import_module(module), name) is run_eval_job
+
+
+def test_eval_worker_does_not_import_hooks():
+    """`hooks` uses the job service; the service, the engine and the results never use `hooks` (no cycle)."""
+    found = [(rel, name) for rel, tree in _sources("eval_worker") for node in ast.walk(tree)
+             for name in _imported(node) if name == "hooks" or name.startswith("hooks.")]
+    assert found == []
+
+
+def test_readme_layout_table_names_every_eval_worker_module():
+    """The README's layout table is the map of eval_worker/: every module and folder in it, nothing that is gone."""
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| **`eval_worker/`**"):readme.index("| **`hooks/`**")]
+    listed, sub = set(), ""
+    for row in table.splitlines():
+        first = row.split("|")[1]
+        head = re.fullmatch(r"\s*\*\*`(\w+)/`\*\*\s*", first)
+        if head:
+            sub = "" if head.group(1) == "eval_worker" else head.group(1) + "/"
+            continue
+        if first.strip().startswith("`cli.py`"):
+            sub = ""
+        listed |= {sub + name for name in re.findall(r"`([\w.]+/?)`", first)}
+    root = REPO / "eval_worker"
+    present = {p.relative_to(root).as_posix() + ("/" if p.is_dir() else "")
+               for pattern in ("*", "*/*") for p in root.glob(pattern)
+               if not p.name.startswith(("_", ".")) and (p.suffix == ".py" or p.is_dir())
+               and p.relative_to(root).parts[0] != "commands" or p.name == "commands"}
+    present -= {"engine/", "service/", "results/"}
+    assert listed == present

@@ -204,3 +204,29 @@ def test_cli_enqueue_several_suites_one_job_each(redis_url, ckpts, capsys):
     assert json.loads(capsys.readouterr().out)["outcomes"][0]["status"] == "duplicate"
     assert cli(argv[:2] + ["--suite", "hf:nope", "--redis-url", redis_url]) == 2
     assert "no standard benchmark 'nope'" in capsys.readouterr().out
+
+
+def test_status_shows_tau_per_suite(redis_url, tmp_path, capsys):
+    """A run evaluated on two suites: latest and best τ per suite (one scale each), not one best across them."""
+    from tests.eval_results import make_result
+
+    conn = connect(redis_url)
+    ledger = Ledger(tmp_path / "results", connection=conn)
+    taus = {}
+    for step, p in ((100, 0.3), (200, 0.5)):
+        for suite, spec, q in (("coding", "builtin:coding-v1", p), ("gsm8k-n8", "hf:gsm8k:n=8", p + 0.3)):
+            res = make_result("run-s", step, p=q, suite=suite)
+            job = {"schema": "dflash-eval-job/1", "run_id": "run-s", "step": step, "checkpoint": "/x",
+                   "checkpoint_digest": res["checkpoint"]["digest"], "suite": spec, "attempt": 0}
+            path, record, _ = ledger.write(job=job, job_id=f"eval-run-s-{step}-{suite}", result=res)
+            ledger.index(record, path)
+            taus[(spec, step)] = res["tau"]["macro"]
+    suites = status(conn, run="run-s")["runs"]["run-s"]["suites"]
+    assert set(suites) == {"builtin:coding-v1", "hf:gsm8k:n=8"}
+    for spec, t in suites.items():
+        assert t["evaluated"] == 2 and t["latest"]["step"] == 200
+        assert t["best"]["tau"] == pytest.approx(max(taus[(spec, 100)], taus[(spec, 200)]))
+    assert cli(["status", "--run", "run-s", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "run-s: 4 evaluated on 2 suites" in out
+    assert f"hf:gsm8k:n=8: 2 evaluated; latest τ {taus[('hf:gsm8k:n=8', 200)]:.3f} @ step 200" in out

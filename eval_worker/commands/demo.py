@@ -122,13 +122,13 @@ def main(args: argparse.Namespace) -> int:
 def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     from datetime import datetime, timezone
 
+    from dflash_train.cli import eval_hook  # the trainer's eval wiring builds the hook: eval_worker never imports hooks
     from dflash_train.train_config import load_config
     from dflash_train.trainer import resolve_target_path, train
     from eval_worker.service.redis_local import connect, redact_url
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import load_run
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
-    from hooks.eval_on_checkpoint import EvalOnCheckpoint
 
     run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
     trainer_threads, worker_threads = _threads()
@@ -159,8 +159,8 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     wandb_cfg = {"project": args.wandb_project or settings.wandb_project or "dflash-eval", "group": run_id,
                  "entity": settings.wandb_entity, "mode": mode}
     options = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else None
-    hook = EvalOnCheckpoint(every_n_steps=every, suite=args.suite, target=target_dir, wandb=wandb_cfg,
-                            redis_url=url, options=options, train_end_timeout=60, settings=settings)
+    config = config.replace(eval_every=every, eval_suite=[args.suite], eval_target=str(target_dir))
+    hook = eval_hook(config, settings, url, wandb=wandb_cfg, options=options, train_end_timeout=60)
     print(f"[demo] training {run_id}: {config.max_steps} steps on {config.target}, eval every {every} steps "
           f"(trainer {trainer_threads} thread(s), worker {worker_threads})", flush=True)
     t_train = time.monotonic()

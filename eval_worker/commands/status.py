@@ -71,5 +71,11 @@ def main(args: argparse.Namespace) -> int:
     if not st["runs"]:
         print("  (no results recorded yet)")
     for run, r in sorted(st["runs"].items()):
-        print(f"  {run}: {r['evaluated']} evaluated; latest τ {_tau(r['latest'])}; best τ {_tau(r['best'])}")
+        suites = r.get("suites") or {}
+        if len(suites) <= 1:
+            print(f"  {run}: {r['evaluated']} evaluated; latest τ {_tau(r['latest'])}; best τ {_tau(r['best'])}")
+            continue
+        print(f"  {run}: {r['evaluated']} evaluated on {len(suites)} suites")
+        for suite, t in sorted(suites.items()):
+            print(f"    {suite}: {t['evaluated']} evaluated; latest τ {_tau(t['latest'])}; best τ {_tau(t['best'])}")
     return 0

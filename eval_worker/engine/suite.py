@@ -14,8 +14,10 @@ reads, formatted as it formats them, rendered with the target's chat template.
 
 The fingerprint covers everything that changes the token ids fed to the target, so a
 reference or feature cache keyed by it can never be reused for a different suite; for an
-`hf:` suite it also covers the dataset's identity (repository, config, split, revision and
-the fingerprint `datasets` gives the prepared data) and the selection (n, seed).
+`hf:` suite it also covers the dataset's identity (repository, config, split, and a digest
+of the columns read over the whole split, so a revision that changes them is another suite)
+and the selection (n, seed). Where the rows came from (Hub commit, local copy) is recorded
+in `origin` but does not split the caches of identical data.
 """
 from __future__ import annotations
 
@@ -96,8 +98,8 @@ class Suite:
         body = {"name": self.name, "version": self.version, "chat_template": bool(self.chat_template),
                 "max_new_tokens": int(self.max_new_tokens), "chat_template_kwargs": self.chat_template_kwargs,
                 "prompts": [p.to_dict() for p in self.prompts]}
-        if self.origin is not None:
-            body["origin"] = self.origin
+        if self.origin is not None:  # what the data is, not where it was read from
+            body["origin"] = {k: self.origin.get(k) for k in ORIGIN_IDENTITY}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def head(self, n: int | None) -> "Suite":
@@ -257,6 +259,9 @@ def request_fingerprint(spec: str | Path) -> str:
 
 # --- standard benchmarks from Hugging Face datasets ------------------------------
 HF_PREFIX = "hf:"
+# the parts of an hf: suite's origin that are its identity (in the fingerprint); the rest
+# (revision, local, copy_digest, spec) says where the rows were read from
+ORIGIN_IDENTITY = ("dataset", "config", "split", "data_fingerprint", "rows", "n", "seed")
 HF_MAX_NEW_TOKENS = 2048  # the published benchmark's --max-new-tokens default
 _BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
@@ -407,9 +412,21 @@ def _load_rows(bench: HFBenchmark, req: HFRequest, datasets_dir: str | Path | No
     if where == bench.repo and ds.cache_files:  # a Hub download sits in a folder named by its commit
         revision = revision or Path(ds.cache_files[0]["filename"]).parent.name
     origin = {"dataset": bench.repo, "config": bench.config, "split": bench.split, "revision": revision,
-              "data_fingerprint": digest or getattr(ds, "_fingerprint", None), "rows": len(ds), "local": where != bench.repo,
-              "n": req.n, "seed": req.seed if req.n is not None else None, "spec": req.canonical}
+              "data_fingerprint": _content_digest(ds, bench.fields), "rows": len(ds), "local": where != bench.repo,
+              "copy_digest": digest, "n": req.n, "seed": req.seed if req.n is not None else None,
+              "spec": req.canonical}
     return ds, origin
+
+
+def _content_digest(ds, fields: tuple[str, ...]) -> str:
+    """xxh3-128 of the columns a benchmark reads, every row of the split in order: a dataset
+    revision that changes them is another suite, wherever the rows were read from (Hub, cache, copy)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for batch in ds.select_columns(list(fields)).iter(batch_size=1024):
+        h.update(json.dumps(batch, sort_keys=True, default=str).encode())
+    return h.hexdigest()
 
 
 def _tree_digest(root: Path) -> str:

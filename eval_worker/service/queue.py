@@ -264,12 +264,15 @@ def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict
             out[section] = [j for j in out[section] if j["run_id"] == run]
     summaries = Ledger(connection=connection).indexed(run)
     for s in summaries:
-        r = out["runs"].setdefault(s["run_id"], {"evaluated": 0, "latest": None, "best": None})
-        r["evaluated"] += 1
-        if r["latest"] is None or (s["step"], s["attempt"]) >= (r["latest"]["step"], r["latest"]["attempt"]):
-            r["latest"] = s
-        if isinstance(s.get("tau"), (int, float)) and (r["best"] is None or s["tau"] > r["best"]["tau"]):
-            r["best"] = s
+        r = out["runs"].setdefault(s["run_id"], {"evaluated": 0, "latest": None, "best": None, "suites": {}})
+        # per suite too: τ on gsm8k and on a coding suite are not one scale, a best across them means little
+        for tally in (r, r["suites"].setdefault(str(s.get("suite")), {"evaluated": 0, "latest": None, "best": None})):
+            tally["evaluated"] += 1
+            if tally["latest"] is None or (s["step"], s["attempt"]) >= (tally["latest"]["step"],
+                                                                        tally["latest"]["attempt"]):
+                tally["latest"] = s
+            if isinstance(s.get("tau"), (int, float)) and (tally["best"] is None or s["tau"] > tally["best"]["tau"]):
+                tally["best"] = s
     return out
 
 
