@@ -178,3 +178,33 @@ def test_sampling_from_a_server_says_the_coupling_is_not_guaranteed(tmp_path):
     entry = res.sampling["by_temperature"]["0.7"]
     assert entry["validation"] is None and entry["tau"]["num_pairs"] == 4
     assert res.validation["ok"]  # the greedy part is checked as before
+
+
+def test_sampling_validation_catches_references_that_are_not_the_keyed_draws(fitted, tmp_path):  # noqa: F811
+    """Validation under sampling is a real check: sampled references swapped between samples 0 and 1
+    of each prompt (planted in the cache under valid keys) are samples of the target, but not the
+    draws the real loop makes with those keys: the loop disagrees and the result says so."""
+    import json
+
+    target, drafter, ckpt, prompts = fitted
+    suite = _suite(prompts[:2], 30)
+    opts = {**FAST, "validate": True, "temperatures": [0.7], "num_samples": 2}
+    good = Evaluator(target, tmp_path / "cache", progress=False).evaluate(ckpt, suite, options=opts)
+    assert good.sampling["by_temperature"]["0.7"]["validation"]["ok"] and not good.errors()
+    files = {}
+    for f in (tmp_path / "cache" / "references").glob("*.json"):
+        data = json.loads(f.read_text())
+        if data["value"].get("sample") is not None:
+            files[(data["value"]["name"], data["value"]["sample"])] = (f, data)
+    assert len(files) == 4
+    for name in ("p0", "p1"):
+        (f0, d0), (f1, d1) = files[(name, 0)], files[(name, 1)]
+        for k in ("tokens", "lookahead", "finish"):
+            d0["value"][k], d1["value"][k] = d1["value"][k], d0["value"][k]
+        f0.write_text(json.dumps(d0))
+        f1.write_text(json.dumps(d1))
+    bad = Evaluator(target, tmp_path / "cache", progress=False).evaluate(ckpt, suite, options=opts)
+    assert bad.cache["references"] == "hit"  # the keys matched: only validation can notice
+    val = bad.sampling["by_temperature"]["0.7"]["validation"]
+    assert not val["ok"] and set(val["reference_differs_from_loop"]) == {"p0#0", "p0#1", "p1#0", "p1#1"}
+    assert any(d.code == "VALIDATION_MISMATCH" and "temperature 0.7" in d.message for d in bad.errors())

@@ -131,8 +131,7 @@ class Evaluator:
         timings["total"] = time.perf_counter() - t_start
         result = self._assemble(info, drafter, suite, opts, refs, main, base, base_run, validation, speed, report,
                                 train_metrics if train_metrics is not None else info.train_metrics, timings,
-                                max_new, eos, lookahead)
-        result.sampling = sampled
+                                max_new, eos, lookahead, sampled)
         return result
 
     def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
@@ -392,7 +391,7 @@ class Evaluator:
     # --- result --------------------------------------------------------------------------
     def _assemble(self, info: CheckpointInfo, drafter, suite: Suite, opts: EvalOptions, refs, main: DrafterRun,
                   base, base_run: DrafterRun | None, validation, speed, report: CacheReport, train_metrics,
-                  timings, max_new, eos, lookahead) -> EvalResult:
+                  timings, max_new, eos, lookahead, sampled: dict | None = None) -> EvalResult:
         s = main.summary
         decode = self._decoder()
         base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
@@ -432,6 +431,8 @@ class Evaluator:
                       target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
                       tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
                       empty_prompts=empty, degenerate=degenerate, num_prompts=len(refs), validation=validation,
+                      sampled_validation={k: e["validation"] for k, e in (sampled or {}).get("by_temperature", {}).items()
+                                          if e.get("validation")},
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
                       layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe)
@@ -453,7 +454,7 @@ class Evaluator:
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in timings.items()},
                         "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
-            stride=s.stride, validation=validation, leak_probe=main.leak_probe)
+            stride=s.stride, validation=validation, leak_probe=main.leak_probe, sampling=sampled)
 
     def _decoder(self):
         tok = self.target.tokenizer
