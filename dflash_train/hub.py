@@ -20,7 +20,7 @@ from pathlib import Path
 from .publication import MANIFEST_FORMAT, CheckpointError, drafter_files, run_id_from, sha256_file, weights_digest
 from .storage import StoreError, StoreUnavailable, check_url
 
-_REPO = re.compile(r"^hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([A-Za-z0-9._-]+))?(?:/(.*))?$")
+_REPO = re.compile(r"^hf://(\w[\w.-]*)/(\w[\w.-]*)(?:@([\w.-]+))?(?:/(.*))?$", re.ASCII)  # Hub names, not run ids
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
