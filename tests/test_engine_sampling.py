@@ -208,3 +208,30 @@ def test_sampling_validation_catches_references_that_are_not_the_keyed_draws(fit
     val = bad.sampling["by_temperature"]["0.7"]["validation"]
     assert not val["ok"] and set(val["reference_differs_from_loop"]) == {"p0#0", "p0#1", "p1#0", "p1#1"}
     assert any(d.code == "VALIDATION_MISMATCH" and "temperature 0.7" in d.message for d in bad.errors())
+
+
+def test_sampling_report_plots_tau_vs_step_per_temperature(tmp_path):
+    """Results with a `sampling` block get the τ-per-temperature figure (greedy plus each temperature);
+    a run without one does not."""
+    import re
+
+    from eval_worker.results.report import build_report
+
+    from .eval_results import make_result, write_ledger
+
+    for step, p in ((100, 0.4), (200, 0.6)):
+        res = make_result("run-s", step, p=p)
+        t = res["tau"]["macro"]
+        res["sampling"] = {"temperatures": [0.6, 1.0], "top_p": 1.0, "top_k": 0, "num_samples": 2, "seed": 0,
+                           "coupling": "keyed", "by_temperature": {
+                               k: {"temperature": float(k), "tau": {"macro": t - d, "pooled": t - d,
+                                                                   "ci95": [t - d - 0.2, t - d + 0.2], "num_steps": 9}}
+                               for k, d in (("0.6", 0.5), ("1", 1.0))}}
+        write_ledger(tmp_path / "results", res)
+    html = build_report("run-s", results_dir=tmp_path / "results", out_dir=tmp_path / "out").read_text()
+    assert "τ under sampling" in html and (tmp_path / "out" / "tau_by_temperature.png").stat().st_size > 5000
+    write_ledger(tmp_path / "plain", make_result("run-g", 100))
+    plain = build_report("run-g", results_dir=tmp_path / "plain", out_dir=tmp_path / "out2").read_text()
+    assert "τ under sampling" not in plain and not (tmp_path / "out2" / "tau_by_temperature.png").exists()
+    figures = lambda page: len(re.findall(r'src="data:image/png;base64,', page))  # noqa: E731
+    assert figures(html) == figures(plain) + 1
