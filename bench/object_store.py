@@ -12,11 +12,11 @@ Part 1, a synthetic checkpoint of `--mb` MB (config.json + random weights bytes)
 - cold pull: `CheckpointCache.checkout` on an empty cache (download + sha256 of every file);
 - warm pull: the same on the filled cache (the second job for that checkpoint).
 
-Part 2, whole jobs with the real engine on the bundled tiny target (in-process `run_eval_job`,
-target resident and references cached, the worker's warm state; no speed estimate, whose
-timing rounds are noise here): a job reading its
-checkpoint from a local root vs one naming the store URL (empty cache, then cached).
-Prints medians (part 1) and fastest of interleaved rounds (part 2), and the pull / local ratios.
+Part 2, a job: the checkpoint phase of the worker's job (`jobs.materialize`) for a local path,
+a store URL with an empty cache and one cached, fastest of interleaved rounds, for the tiny
+target's drafter and the part-1 checkpoint; a whole job with the real engine on the bundled tiny
+target (in-process `run_eval_job`, target resident, references cached, no speed estimate)
+puts them in proportion: a pulling job = that job - local phase + pull phase.
 """
 from __future__ import annotations
 
@@ -78,13 +78,37 @@ def transfer(tmp: Path, mb: int, repeats: int) -> dict:
             pass
 
     t_warm = _median_time(warm, repeats)
-    storage.store_for(url).remove("s3://bench-bucket/runs", recursive=True)
     return {"mb": round(size, 1), "local_verify_s": t_local, "upload_s": t_up, "upload_mb_s": size / t_up,
             "cold_pull_s": t_cold, "download_mb_s": size / t_cold, "warm_pull_s": t_warm,
             "cold_over_local": t_cold / t_local, "warm_over_local": t_warm / t_local}
 
 
-def jobs(tmp: Path, n: int) -> dict:
+def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
+    """The checkpoint part of a worker's job (`jobs.materialize`: confine, read the marker, then
+    verify in place, or pull into the cache and verify, or find it cached), fastest of `n`
+    interleaved rounds: local path, store URL with an empty cache, store URL cached."""
+    from dflash_train.checkpoint_cache import CheckpointCache
+    from eval_worker.service.jobs import check_checkpoint, materialize
+
+    def phase(j: dict, clear: bool) -> float:
+        if clear:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        t0 = time.perf_counter()
+        check_checkpoint(j, roots)  # the worker's cheap check before anything is loaded
+        with materialize(j, roots, CheckpointCache(cache_dir, max_bytes=1 << 40)):
+            pass
+        return time.perf_counter() - t0
+
+    local_job, url_job = job["local"], job["url"]
+    phase(url_job, True)
+    times = {"local": [], "cold": [], "cached": []}
+    for _ in range(n):
+        for kind, j, clear in (("local", local_job, False), ("cold", url_job, True), ("cached", url_job, False)):
+            times[kind].append(phase(j, clear))
+    return {k: min(v) for k, v in times.items()}
+
+
+def jobs(tmp: Path, n: int, big: Path | None) -> dict:
     from dflash_train.publication import upload_checkpoint
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings, configure
@@ -97,32 +121,33 @@ def jobs(tmp: Path, n: int) -> dict:
     ckpt = publish_random(root, "jobs", 1, target_config=cfg, mask_token_id=mask)
     url = upload_checkpoint(ckpt, "s3://bench-bucket/jobs/jobs")
     suite = write_suite(root / "suite.jsonl", n_prompts=2, max_new_tokens=32)
-    cache_dir = tmp / "job-cache"
+    roots = [root, tmp / "local", "s3://bench-bucket/jobs", "s3://bench-bucket/runs"]
     runs = iter(range(10_000))
 
-    def run(checkpoint: str, clear: bool) -> None:
-        if clear:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+    def run(checkpoint: str) -> float:
         # a fresh ledger each time: the same job recorded once is not evaluated again
-        configure(WorkerSettings(results_dir=tmp / f"results-{next(runs)}", roots=[root, "s3://bench-bucket/jobs"],
-                                 cache_dir=tmp / "eval-cache", default_target=str(target),
-                                 checkpoint_cache_dir=cache_dir))
+        configure(WorkerSettings(results_dir=tmp / f"results-{next(runs)}", roots=roots, cache_dir=tmp / "eval-cache",
+                                 default_target=str(target), checkpoint_cache_dir=tmp / "job-cache"))
+        t0 = time.perf_counter()
         # no speed estimate: it times target and drafter rounds, noise that has nothing to do with the checkpoint
         r = run_eval_job(make_job(checkpoint, suite=str(suite), options={"measure_speed": False}))
         assert r["recorded_now"], r
+        return time.perf_counter() - t0
 
-    run(str(ckpt), False)  # warm-up: target loaded, references built and cached
-    run(url, False)
-    times = {"local": [], "cold": [], "warm": []}
-    for _ in range(n):  # interleaved rounds, fastest of each kept: a busy spell hits all three alike
-        for kind, checkpoint, clear in (("local", str(ckpt), False), ("cold", url, True), ("warm", url, False)):
-            t0 = time.perf_counter()
-            run(checkpoint, clear)
-            times[kind].append(time.perf_counter() - t0)
-    t_local, t_cold, t_warm = (min(times[k]) for k in ("local", "cold", "warm"))
-    return {"checkpoint_mb": round(sum(p.stat().st_size for p in ckpt.iterdir()) / 1e6, 2), "local_job_s": t_local,
-            "s3_cold_job_s": t_cold, "s3_cached_job_s": t_warm, "cold_over_local": t_cold / t_local,
-            "cached_over_local": t_warm / t_local}
+    run(str(ckpt))  # warm-up: target loaded, references built and cached
+    t_job = min(run(str(ckpt)) for _ in range(n))
+    out = {"checkpoint_mb": round(sum(p.stat().st_size for p in ckpt.iterdir()) / 1e6, 2), "local_job_s": t_job}
+    sizes = [("tiny", ckpt, url)]
+    if big is not None:
+        sizes.append(("big", big, upload_checkpoint(big, "s3://bench-bucket/runs/big", verify=False)))
+    for name, local, remote in sizes:
+        ph = checkpoint_phase({"local": make_job(local, suite=str(suite)), "url": make_job(remote, suite=str(suite))},
+                              roots, tmp / f"phase-cache-{name}", n)
+        out[name] = {"mb": round(sum(p.stat().st_size for p in local.iterdir() if p.is_file()) / 1e6, 1), **ph,
+                     # the same job with its checkpoint pulled instead of read locally
+                     "job_cold_over_local": (t_job - ph["local"] + ph["cold"]) / t_job,
+                     "job_cached_over_local": (t_job - ph["local"] + ph["cached"]) / t_job}
+    return out
 
 
 def main():
@@ -153,11 +178,18 @@ def main():
                       f"  = {t['cold_over_local']:.1f}x the local read")
                 print(f"  warm pull (cache hit)      {t['warm_pull_s']:.3f} s  = {t['warm_over_local']:.3f}x the local read")
             if args.jobs:
-                out["jobs"] = j = jobs(tmp, args.jobs)
-                print(f"whole job, real engine, tiny target (checkpoint {j['checkpoint_mb']} MB), fastest of {args.jobs}:")
-                print(f"  local root        {j['local_job_s']:.3f} s")
-                print(f"  store, cold cache {j['s3_cold_job_s']:.3f} s  = {j['cold_over_local']:.2f}x")
-                print(f"  store, cached     {j['s3_cached_job_s']:.3f} s  = {j['cached_over_local']:.2f}x")
+                big = None if args.no_transfer else next((tmp / "local" / "bench").glob("step-*"))
+                out["jobs"] = j = jobs(tmp, args.jobs, big)
+                print(f"a job's checkpoint phase (confine, marker, verify or pull), fastest of {args.jobs}; "
+                      f"whole job, real engine, tiny target: {j['local_job_s']:.2f} s")
+                for name in ("tiny", "big"):
+                    if name in j:
+                        x = j[name]
+                        print(f"  {x['mb']:7.1f} MB: local {x['local']:.3f} s, pulled {x['cold']:.3f} s "
+                              f"({x['cold'] / x['local']:.1f}x), cached {x['cached']:.3f} s "
+                              f"({x['cached'] / x['local']:.2f}x); a job pulling it takes "
+                              f"{x['job_cold_over_local']:.2f}x one reading it locally "
+                              f"({x['job_cached_over_local']:.2f}x once cached)")
         finally:
             server.stop()
     if args.json:
