@@ -27,7 +27,7 @@ FAST = {"tree_budget": 0, "measure_speed": False, "leak_probe_anchors": 0}
 def test_sampling_at_temperature_near_zero_reproduces_greedy_tau_exactly(fitted, tmp_path):  # noqa: F811
     target, drafter, ckpt, prompts = fitted
     res = Evaluator(target, tmp_path / "cache").evaluate(ckpt, _suite(prompts, 40), options={
-        **FAST, "temperatures": [1e-6, 0.8], "num_samples": 2})
+        **FAST, "temperatures": [1e-6, 0.8], "num_samples": 2, "draft_verify_cost_ratio": 0.25})
     near = res.sampling["by_temperature"]["1e-06"]
     assert near["tau"]["macro"] == res.tau["macro"] and near["tau"]["pooled"] == res.tau["pooled"]
     assert near["tau"]["num_steps"] == 2 * res.tau["num_steps"]  # each sample is the greedy reference
@@ -37,6 +37,8 @@ def test_sampling_at_temperature_near_zero_reproduces_greedy_tau_exactly(fitted,
     # not vacuous: at 0.8 the samples differ from greedy and from each other
     hot = res.sampling["by_temperature"]["0.8"]
     assert hot["tau"]["macro"] != res.tau["macro"]
+    assert near["speedup_estimated"] == res.speedup["estimated"]  # the same step costs at τ_T
+    assert hot["speedup_estimated"] == pytest.approx(hot["tau"]["macro"] / 1.25)
     assert any(len(set(p["sample_taus"])) > 1 for p in hot["prompts"])
     assert res.sampling["coupling"] == "keyed" and res.sampling["temperatures"] == [1e-6, 0.8]
 

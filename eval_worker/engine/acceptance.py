@@ -128,6 +128,8 @@ class Evaluator:
         sampled = self._sampled(drafter, suite, prompts, opts, max_new, eos, lookahead, report, timings)
         with _timer(timings, "speed"):
             speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
+        for entry in (sampled or {}).get("by_temperature", {}).values():  # the same step costs, τ at T
+            entry["speedup_estimated"] = _estimate_at(speed, entry["tau"]["macro"])
         timings["total"] = time.perf_counter() - t_start
         result = self._assemble(info, drafter, suite, opts, refs, main, base, base_run, validation, speed, report,
                                 train_metrics if train_metrics is not None else info.train_metrics, timings,
@@ -468,6 +470,17 @@ class Evaluator:
         if not self.progress:
             return items
         return track(items, desc, unit="prompts", every_s=self.progress_every_s, logger=log)
+
+
+def _estimate_at(speed: dict, tau: float | None) -> float | None:
+    """The speed-up estimate of `speed` (measured step costs or a given cost ratio) at another τ."""
+    costs = speed.get("measured")
+    if costs:
+        return metrics.estimated_speedup(tau, draft_s=costs["draft_s"], verify_s=costs["verify_s"],
+                                         ar_s=costs["decode_s"])
+    if speed.get("source") == "given":
+        return metrics.estimated_speedup(tau, cost_ratio=speed["draft_verify_cost_ratio"])
+    return None
 
 
 def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, opts: EvalOptions) -> dict:

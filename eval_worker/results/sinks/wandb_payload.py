@@ -16,7 +16,7 @@ right place however late it is logged. Keys:
   reference with ``⟦…⟧`` around each verify step's committed span, and the same as HTML);
 - under sampling (result ``sampling``), per temperature T (``options.temperature_key``: ``t0.7``):
   ``eval/t<T>/tau``, ``tau_pooled``, ``tau_ci_low``, ``tau_ci_high``, ``num_verify_steps``,
-  ``mean_streak``, ``pos_accept/<k>``, ``pos_top1/<k>`` and ``eval/t<T>/accept_hist``.
+  ``mean_streak``, ``speedup_est``, ``pos_accept/<k>``, ``pos_top1/<k>`` and ``eval/t<T>/accept_hist``.
 
 Every suite's result is logged under ``eval/<suite>/...`` (``eval/gsm8k/tau``, ``eval/coding/tau``:
 the suites side by side, as the published tables show them, and two suites never share a curve);
@@ -90,7 +90,8 @@ def scalars(result: dict, prefix: str = "eval/") -> dict[str, float]:
         ci = tau.get("ci95") or [None, None]
         block = {"tau": tau.get("macro"), "tau_pooled": tau.get("pooled"), "tau_ci_low": ci[0],
                  "tau_ci_high": ci[1], "num_verify_steps": tau.get("num_steps"),
-                 "mean_streak": entry.get("mean_streak_all_anchors"), **_per_position(entry.get("per_position"))}
+                 "mean_streak": entry.get("mean_streak_all_anchors"), "speedup_est": entry.get("speedup_estimated"),
+                 **_per_position(entry.get("per_position"))}
         out.update({f"t{tkey}/{k}": v for k, v in block.items()})
     return {prefix + k: n for k, v in out.items() if (n := _num(v)) is not None}
 
