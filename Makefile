@@ -36,7 +36,7 @@ test: install
 demo: install
 	$(VENV)/bin/dflash-eval demo $(DEMO_ARGS)
 
-BENCHES ?= eval_speed train_throughput hook_overhead job_latency
+BENCHES ?= eval_speed train_throughput hook_overhead job_latency object_store
 bench: install
 	@set -e; for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py $(BENCH_ARGS); done
 

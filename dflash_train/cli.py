@@ -1,7 +1,7 @@
 """`dflash-train --config FILE [--option value ...]`: every TrainConfig field is a flag.
 
 `--config` takes a YAML/JSON file or a bundled config name (`demo`, `long`). Flags win
-over the environment (`WANDB_MODE`, dflash_train.settings), which wins over the file. Every
+over the environment (`WANDB_MODE`, `DFLASH_PUBLISH_TO`, dflash_train.settings), which wins over the file. Every
 flag's help text is the field's own (`train_config.opt`).
 
 Evaluation is a flag away: `--eval-every N` attaches the `EvalOnCheckpoint` hook, which
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
 
         hf_logging.disable_progress_bar()
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    env = {"wandb_mode": settings.wandb_mode}
+    env = {"wandb_mode": settings.wandb_mode, "publish_to": settings.publish_to}
     overrides = {**{k: v for k, v in env.items() if v is not None},
                  **{k: v for k, v in vars(args).items() if k in names and v is not None}}
     for k, v in overrides.items():

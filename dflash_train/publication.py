@@ -270,6 +270,10 @@ def read_marker(directory: str | Path) -> bytes:
 
     A store that cannot be reached raises storage.StoreUnavailable (retryable)."""
     if storage.is_url(directory):
+        if storage.check_url(directory).startswith("hf://"):  # a Hub repo: its manifest is derived
+            from . import hub
+
+            return hub.marker_bytes(str(directory))
         marker = storage.join(storage.check_url(directory), MARKER_NAME)
         try:
             return storage.store_for(marker).read_bytes(marker)
@@ -427,6 +431,8 @@ def pin_checkpoint(directory: str | Path, token: str) -> bool:
     store): the checkpoint is then only less protected, never refused.
     """
     if storage.is_url(directory):
+        if storage.read_only(directory):
+            return False  # nothing to protect: the Hub keeps every commit
         try:
             url = _pin_url(directory, token)
             store = storage.store_for(url)
@@ -458,6 +464,8 @@ def pin_checkpoint(directory: str | Path, token: str) -> bool:
 def unpin_checkpoint(directory: str | Path, token: str) -> bool:
     """Release pin `token` (True if one was removed); a missing pin or checkpoint is not an error."""
     if storage.is_url(directory):
+        if storage.read_only(directory):
+            return False
         try:
             url = _pin_url(directory, token)
             store = storage.store_for(url)
@@ -476,6 +484,8 @@ def unpin_checkpoint(directory: str | Path, token: str) -> bool:
 
 def is_pinned(directory: str | Path) -> bool:
     if storage.is_url(directory):
+        if storage.read_only(directory):
+            return False
         url = storage.join(storage.check_url(directory), PINS_DIR)
         return bool(storage.store_for(url).list_names(url))
     pins = Path(directory) / PINS_DIR

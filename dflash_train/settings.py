@@ -15,6 +15,7 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `DFLASH_CACHE_DIR` | `cache_dir` (references, features: `run` and the worker) | `<home>/cache` |
 | `DFLASH_SPOOL_DIR` | `spool_dir` (results whose ledger write failed) | `<home>/spool` |
 | `DFLASH_CHECKPOINT_ROOTS` | `checkpoint_roots` (os.pathsep-separated; directories and store prefixes such as `s3://bucket/runs`) | none (the worker refuses to start) |
+| `DFLASH_PUBLISH_TO` | `publish_to` (`dflash-train`: also upload each checkpoint to this store prefix) | none |
 | `DFLASH_CHECKPOINT_CACHE_DIR` | `checkpoint_cache_dir` (the worker's copies of checkpoints pulled from a store) | `<home>/checkpoint-cache` |
 | `DFLASH_CHECKPOINT_CACHE_GB` | `checkpoint_cache_gb` (evicted least recently used beyond this) | 20 |
 | `DFLASH_TARGET_ROOTS` | `target_roots` | the checkpoint roots |
@@ -92,6 +93,7 @@ class Settings:
     spool_dir: Path
     checkpoint_roots: tuple[Path | str, ...] | None = None
     checkpoint_cache_dir: Path | None = None
+    publish_to: str | None = None
     checkpoint_cache_gb: float = 20.0
     target_roots: tuple[Path, ...] | None = None
     suite_roots: tuple[Path, ...] | None = None
@@ -147,6 +149,7 @@ class Settings:
             checkpoint_roots=parse_roots(get("DFLASH_CHECKPOINT_ROOTS")),
             checkpoint_cache_dir=Path(get("DFLASH_CHECKPOINT_CACHE_DIR") or home / "checkpoint-cache").expanduser(),
             checkpoint_cache_gb=float(get("DFLASH_CHECKPOINT_CACHE_GB") or 20),
+            publish_to=get("DFLASH_PUBLISH_TO"),
             target_roots=parse_roots(get("DFLASH_TARGET_ROOTS")),
             suite_roots=parse_roots(get("DFLASH_SUITE_ROOTS")),
             hf_datasets_dir=Path(get("DFLASH_HF_DATASETS_DIR")).expanduser() if get("DFLASH_HF_DATASETS_DIR") else None,

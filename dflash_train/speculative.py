@@ -1,14 +1,16 @@
 """Reference DFlash speculative decoding: draft a block, verify it in one target pass.
 
-Greedy and lossless: the committed tokens are exactly the target's greedy decode; what
-the drafter changes is only how many tokens each verify step commits (its acceptance
+Lossless: the committed tokens are exactly the target's greedy decode, or with a
+`sampler` (`dflash_train.sampling`) exactly the target's own keyed samples; what the
+drafter changes is only how many tokens each verify step commits (its acceptance
 length, 1..B, bonus token included). Batch size 1, written to be read, not to be fast.
 
 One round, with `start` the position of the last committed token (the anchor):
   1. draft: block `[seq[start], MASK x (B-1)]` at positions start..start+B-1, context =
      target features of positions < start;
   2. verify: the target runs over the block tokens `[seq[start], d_1 .. d_{B-1}]`,
-     giving its greedy choice p_i for position start+i+1;
+     giving its choice p_i for position start+i+1 (greedy: argmax; sampling: the token
+     drawn with the key of position start+i+1, the draft d_i playing no part in it);
   3. accept the longest prefix with d_i == p_{i-1}, then the bonus p_n; the target's
      features for positions start..start+n become context, and its cache is rewound to
      start+n+1 (`VerifyCache`: attention layers cropped; the recurrent states of hybrid
@@ -20,6 +22,13 @@ max_new_tokens tokens (or eos) are committed; "published" repeats z-lab's
 and looks for eos only after a step, so it can run one step whose tokens are all cut
 off (when the steps so far sum to max_new_tokens - 1) and one step after an eos first
 token. Both commit the same tokens; only the counted steps differ.
+
+Sampling (DFlash's reference loop at temperature > 0): the drafter still proposes its
+top-1 block; the target samples a token at every block position and the drafts are
+accepted while they equal those samples, the first differing sample being the bonus.
+Each committed token is the target's sample at its position given the committed prefix,
+so the output is a plain sample from the target, and with keyed draws it is the very
+sample the engine's sampled reference holds (docs/design.md, "Sampling").
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import DFlashDrafter, DraftCache, mask_blocks
+from .sampling import Sampler
 from .target import Target, VerifyCache
 from .tau import check_counting, tau
 
@@ -61,9 +71,10 @@ def _more_steps(result: SpecResult, max_new_tokens: int, eos_token_id: int | Non
 @torch.no_grad()
 def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int,
                          eos_token_id: int | None = None, use_cache: bool | None = None,
-                         counting: str = "response") -> SpecResult:
+                         counting: str = "response", sampler: Sampler | None = None) -> SpecResult:
     """`use_cache=False` re-runs the target over the whole sequence at every verify step
-    (the slow path the tests hold the cached one equal to)."""
+    (the slow path the tests hold the cached one equal to). `sampler`: the target samples
+    with keyed draws instead of taking its argmax (None: greedy)."""
     check_counting(counting)
     cfg = drafter.config
     B, layer_ids = cfg.block_size, cfg.target_layer_ids
@@ -77,7 +88,13 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
     out = target.forward(torch.tensor([seq], device=dev), layer_ids, past_key_values=cache.kv if use_cache else None,
                          use_cache=use_cache)
     ctx_feats = out.features  # features of positions [draft_cache.length, start)
-    seq.append(int(head(out.last_hidden[:, -1]).argmax(-1)))
+
+    def choose(last_hidden: torch.Tensor, first_position: int) -> torch.Tensor:
+        """The target's tokens for `[n, H]` final hiddens predicting positions first_position.."""
+        logits = head(last_hidden)
+        return logits.argmax(-1) if sampler is None else sampler.tokens(logits, first_position)
+
+    seq.append(int(choose(out.last_hidden[0, -1:], len(seq))[0]))
     result = SpecResult(tokens=[seq[-1]])
     dcache = DraftCache(cfg.num_hidden_layers)
     # drafter weights may be bf16 while the target runs fp32 (or vice versa)
@@ -100,7 +117,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
             full = torch.tensor([seq[:start]], device=dev)
             vout = target.forward(torch.cat([full, block], dim=1), layer_ids)
             feats, last = vout.features[:, start:], vout.last_hidden[:, start:]
-        posterior = head(last).argmax(-1)[0]  # posterior[i]: target's token for position start+i+1
+        posterior = choose(last[0], start + 1)  # posterior[i]: target's token for position start+i+1
         n = int(torch.cumprod((drafts == posterior[:-1]).int(), 0).sum())
         new = drafts[:n].tolist() + [int(posterior[n])]
         if use_cache:

@@ -29,10 +29,11 @@ from typing import Iterable
 from .errors import DFlashError
 
 __all__ = ["StoreError", "StoreUnavailable", "Store", "is_url", "check_url", "join", "parent", "name",
-           "within_prefixes", "store_for", "redact"]
+           "within_prefixes", "store_for", "redact", "read_only"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 LOCAL_PROTOCOLS = ("file", "local")
+READ_ONLY = ("hf",)  # the Hugging Face Hub (dflash_train/hub.py): read, never uploaded to, pinned or pruned
 
 
 class StoreError(DFlashError, ValueError):
@@ -186,5 +187,15 @@ def _filesystem(protocol: str):
 
 
 def store_for(url: str) -> Store:
-    """The Store that serves `url`'s protocol (one filesystem per protocol and process)."""
-    return Store(_filesystem(check_url(url).split("://", 1)[0]))
+    """The Store that serves `url`'s protocol (one filesystem per protocol and process);
+    `hf://` is served by dflash_train.hub (read-only, through huggingface_hub's cache)."""
+    protocol = check_url(url).split("://", 1)[0]
+    if protocol == "hf":
+        from .hub import HubStore
+
+        return HubStore()  # type: ignore[return-value]
+    return Store(_filesystem(protocol))
+
+
+def read_only(url: object) -> bool:
+    return is_url(url) and str(url).split("://", 1)[0].lower() in READ_ONLY

@@ -230,3 +230,27 @@ def test_compose_config_validates():
     out = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
                          env=env, cwd=REPO_ROOT, timeout=60)
     assert out.returncode != 0 and "REDIS_PASSWORD" in out.stderr
+
+
+def test_s3_profile_runs_without_a_shared_volume(compose):
+    """The `s3` profile: MinIO, a bucket made once, a worker with no checkpoints volume that pulls
+    from the store, a trainer that uploads to it; credentials only as the standard AWS variables."""
+    services = compose["services"]
+    for name in ("minio", "minio-init", "worker-s3", "trainer-s3"):
+        assert "s3" in services[name]["profiles"], name
+    for name in ("worker", "redis", "rq-dashboard"):
+        assert "s3" not in services[name].get("profiles", []), name  # the default stack is unchanged
+    worker, trainer = services["worker-s3"], services["trainer-s3"]
+    assert not any(v.split(":")[0] == "checkpoints" for v in worker["volumes"])
+    assert not any(v.split(":")[0] == "checkpoints" for v in trainer["volumes"])  # nothing shared but the store
+    wenv, tenv = _env_text(worker), _env_text(trainer)
+    assert wenv["DFLASH_CHECKPOINT_ROOTS"].startswith("s3://") and tenv["DFLASH_PUBLISH_TO"].startswith("s3://")
+    assert wenv["DFLASH_CHECKPOINT_ROOTS"] == tenv["DFLASH_PUBLISH_TO"]  # the worker serves what the trainer writes
+    for env in (wenv, tenv):
+        assert env["AWS_ENDPOINT_URL"].endswith("minio:9000}")
+        assert env["AWS_ACCESS_KEY_ID"].startswith("${S3_ACCESS_KEY") and env["AWS_SECRET_ACCESS_KEY"].startswith("${S3_SECRET_KEY")
+        assert env["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
+    assert worker["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+    assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert "minio-data" in compose["volumes"]
+    assert all(p.startswith("127.0.0.1:") for p in services["minio"]["ports"])

@@ -23,7 +23,7 @@ def _imported_after(code: str) -> list[str]:
 
 @pytest.mark.parametrize("code", [
     "import dflash_train.publication",
-    "import dflash_train.storage, dflash_train.checkpoint_cache",
+    "import dflash_train.storage, dflash_train.checkpoint_cache, dflash_train.hub",
     "import eval_worker.service.jobs",
     "import eval_worker.service.queue, eval_worker.results.ledger, eval_worker.service.redis_local",
     "import eval_worker.commands.enqueue",

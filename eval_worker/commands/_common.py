@@ -1,4 +1,5 @@
-"""Options and helpers shared by the queue commands (worker, enqueue, requeue, status, cancel).
+"""Options and helpers shared by the commands (worker, enqueue, requeue, status, cancel; run and enqueue
+share the sampling flags).
 
 Redis URL: `--redis-url` > `$REDIS_URL` (`args.settings`) > the embedded local redis-server
 (eval_worker.service.redis_local.resolve_redis_url). Passwords are never printed (redact_url).
@@ -34,3 +35,26 @@ def fail(message: str, code: int = 2) -> int:
 
 def print_json(obj) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """τ under sampling (docs/design.md "Sampling"); each flag is the eval option of the same name."""
+    g = parser.add_argument_group("sampling", "τ at temperature > 0 besides greedy τ (eval options temperatures, "
+                                              "top_p, top_k, num_samples, seed)")
+    g.add_argument("--temperature", type=float, action="append", default=None, metavar="T", dest="temperatures",
+                   help="also measure τ when the target samples at temperature T > 0 (repeatable: "
+                        "--temperature 0.6 --temperature 1.0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus cut of the sampled target (0 < p <= 1; default 1)")
+    g.add_argument("--top-k", type=int, default=None, help="top-k cut of the sampled target (default 0: off)")
+    g.add_argument("--num-samples", type=int, default=None, metavar="K",
+                   help="sampled references per prompt and temperature (default 1); τ and its interval "
+                        "average over prompts and samples")
+    g.add_argument("--seed", type=int, default=None,
+                   help="keys the sampled references' draws and the bootstrap (default 0)")
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The eval options the sampling flags set (only those given)."""
+    names = {"temperatures": "temperatures", "top_p": "top_p", "top_k": "top_k", "num_samples": "num_samples",
+             "seed": "seed"}
+    return {opt: getattr(args, attr) for attr, opt in names.items() if getattr(args, attr, None) is not None}

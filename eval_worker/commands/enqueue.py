@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ._common import add_redis_args, connect_from_args, fail, print_json
+from ._common import add_redis_args, add_sampling_args, connect_from_args, fail, print_json, sampling_options
 from .import_drafter import add_import_arguments, import_drafters
 
 HELP = "queue evaluations of published checkpoints (deduplicated; --force evaluates again)"
@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step-counting rule of the online walk (default: the engine's, response)")
     parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="extra evaluator option (JSON value), repeatable")
+    add_sampling_args(parser)
     parser.add_argument("--wandb-project", default=None)
     parser.add_argument("--wandb-entity", default=None)
     parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
@@ -81,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
         options["tree_budget"] = args.tree_budget
     if args.counting is not None:
         options["counting"] = args.counting
+    options.update(sampling_options(args))
     wandb = None
     if args.wandb_project or args.wandb_entity or args.wandb_mode:
         wandb = {"project": args.wandb_project or "dflash-eval", "entity": args.wandb_entity,

@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16)")
     p.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from ._common import add_sampling_args
+
+    add_sampling_args(p)
     p.add_argument("--no-progress", action="store_true",
                    help="no progress output (default: a bar on a terminal, else a line with counts and ETA "
                         "every 15 s)")
@@ -77,6 +80,9 @@ def main(args: argparse.Namespace) -> int:
                "counting": args.counting,
                "validate": args.validate, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
                "max_blocks": args.max_blocks, "draft_verify_cost_ratio": args.cost_ratio}
+    from ._common import sampling_options
+
+    options.update(sampling_options(args))
     if args.no_chat_template:
         options["chat_template"] = False
     if args.measure_mismatched_references:
@@ -171,6 +177,21 @@ def format_table(r: dict) -> str:
     pp = r["per_position"]
     lines.append("slot conditional accept: " + " ".join(f"{x:.2f}" for x in pp["conditional_accept"]))
     lines.append("slot top-1 accuracy:     " + " ".join(f"{x:.2f}" for x in pp["top1_accuracy"]))
+    smp = r.get("sampling")
+    if smp:
+        lines += ["", f"sampling    top_p {smp['top_p']}  top_k {smp['top_k'] or 'off'}  K={smp['num_samples']} "
+                      f"samples/prompt  seed {smp['seed']}  coupling {smp['coupling']}"]
+        lines.append(f"{'temperature':<12} {'τ':>6} {'95% CI':>17} {'pooled':>7} {'steps':>6}  validation")
+        lines.append(f"{'0 (greedy)':<12} {_f(tau['macro']):>6} {'[' + _f(ci[0]) + ', ' + _f(ci[1]) + ']':>17} "
+                     f"{_f(tau['pooled']):>7} {tau['num_steps']:>6}")
+        for key, e in smp["by_temperature"].items():
+            t, tci = e["tau"], e["tau"].get("ci95") or [None, None]
+            v = e.get("validation")
+            check = "-" if not v else ("OK" if v["ok"] else f"{len(v['mismatched_prompts'])} MISMATCHED")
+            lines.append(f"{key:<12} {_f(t['macro']):>6} {'[' + _f(tci[0]) + ', ' + _f(tci[1]) + ']':>17} "
+                         f"{_f(t['pooled']):>7} {t['num_steps']:>6}  {check}")
+        if smp.get("coupling_note"):
+            lines.append(f"note: {smp['coupling_note']}")
     val = r.get("validation")
     if val:
         lines.append(f"validation: {val['prompts_checked']} prompts, {val['steps_checked']} steps, "

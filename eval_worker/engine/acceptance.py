@@ -6,6 +6,8 @@ One evaluation:
   3. draft a block at every response position in a few batched multi-block passes;
   4. replay the online greedy walk along the reference (what speculative decoding with
      this drafter would do) and derive every metric from the same per-anchor drafts.
+With `options.temperatures`, steps 1-4 run again per temperature on K keyed samples of the
+target per prompt (`dflash_train.sampling`): τ under sampling, exact per sample.
 `Evaluator` keeps the target, the caches and baseline scores loaded across jobs.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from dflash_train.model import DFlashDrafter
 from dflash_train.progress import DEFAULT_EVERY_S, track
+from dflash_train.sampling import Sampler, SamplingParams
 from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
 from dflash_train.tau import tau
@@ -34,7 +37,7 @@ from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
 from eval_worker.engine.diagnostics import Facts, diagnose, reference_collapse
 from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, draft_anchors
 from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
-from eval_worker.engine.options import EvalOptions
+from eval_worker.engine.options import EvalOptions, temperature_key
 from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError
 from eval_worker.engine.result import EvalResult, PromptResult
 from eval_worker.engine.scoring import PromptScore, Summary, score_prompt, summarize
@@ -122,28 +125,36 @@ class Evaluator:
             with _timer(timings, "validation"):
                 full = [sc.full_walk().accept_lengths for sc in main.scores]
                 validation = self.validate(drafter, refs, full, max_new, eos, counting=opts.counting)
+        sampled = self._sampled(drafter, suite, prompts, opts, max_new, eos, lookahead, report, timings)
         with _timer(timings, "speed"):
             speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
+        for entry in (sampled or {}).get("by_temperature", {}).values():  # the same step costs, τ at T
+            entry["speedup_estimated"] = _estimate_at(speed, entry["tau"]["macro"])
         timings["total"] = time.perf_counter() - t_start
-        return self._assemble(info, drafter, suite, opts, refs, main, base, base_run, validation, speed, report,
-                              train_metrics if train_metrics is not None else info.train_metrics, timings,
-                              max_new, eos, lookahead)
+        result = self._assemble(info, drafter, suite, opts, refs, main, base, base_run, validation, speed, report,
+                                train_metrics if train_metrics is not None else info.train_metrics, timings,
+                                max_new, eos, lookahead, sampled)
+        return result
 
     def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
-                 eos: int | None, counting: str = "response") -> dict:
-        """Run the real draft-verify loop on every prompt and compare step by step with the replay."""
+                 eos: int | None, counting: str = "response", sampling: tuple[SamplingParams, int] | None = None) -> dict:
+        """Run the real draft-verify loop on every prompt and compare step by step with the replay.
+
+        `sampling` (params, seed): the loop samples with each reference's keyed draws (its sample index)."""
         mismatched, token_mismatch, steps = [], [], 0
         for ref, replay in zip(refs, replays):
+            sampler = None if sampling is None else Sampler.for_prompt(sampling[0], sampling[1], ref.prompt_ids,
+                                                                       ref.sample or 0)
             real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos,
-                                        counting=counting)
+                                        counting=counting, sampler=sampler)
             steps += len(real.accept_lengths)
             if real.accept_lengths != replay:
                 first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay)) if a != b),
                              min(len(real.accept_lengths), len(replay)))
-                mismatched.append({"name": ref.name, "first_step": first, "real": real.accept_lengths,
-                                   "replay": replay})
+                mismatched.append({"name": ref.name, "sample": ref.sample, "first_step": first,
+                                   "real": real.accept_lengths, "replay": replay})
             if real.tokens != ref.tokens:
-                token_mismatch.append(ref.name)
+                token_mismatch.append(ref.name if ref.sample is None else f"{ref.name}#{ref.sample}")
         return {"prompts_checked": len(refs), "steps_checked": steps, "mismatched_prompts": mismatched,
                 "reference_differs_from_loop": token_mismatch, "ok": not mismatched}
 
@@ -172,15 +183,24 @@ class Evaluator:
         return self.target.source or self.target.fingerprint()
 
     def _references(self, suite: Suite, prompts: list[EncodedPrompt], max_new: int, eos: int | None,
-                    lookahead: int, report: CacheReport) -> tuple[list[Reference], list[tuple]]:
+                    lookahead: int, report: CacheReport,
+                    sampling: tuple[SamplingParams, int, int] | None = None) -> tuple[list[Reference], list[tuple]]:
         """References (cached or fetched) and the cache writes of the fetched ones, which the
-        caller makes once they are known to be the target's greedy output."""
+        caller makes once they are known to be the target's greedy output.
+
+        `sampling` (params, seed, K): K keyed samples per prompt instead, prompt by prompt."""
         src = self.reference_source
         refs, pending = [], []
-        for p in self._bar(prompts, f"{suite.name}: references"):
-            slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity()})
+        jobs = [(p, None) for p in prompts] if sampling is None else [(p, k) for p in prompts for k in range(sampling[2])]
+        what = "references" if sampling is None else f"sampled references (t={sampling[0].temperature:g})"
+        for p, k in self._bar(jobs, f"{suite.name}: {what}"):
+            sampler = None if k is None else Sampler.for_prompt(sampling[0], sampling[1], p.ids, k)
+            variant = {} if sampler is None else {"sampling": sampler.params.to_dict(), "seed": sampler.seed,
+                                                  "sample": k}  # greedy slots and keys stay as they were
+            slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity(),
+                           **variant})
             key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
-                   "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity()}
+                   "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity(), **variant}
             look = self.disk.get_json("references", slot, key)
             ref = None
             if look.status == "hit":
@@ -195,22 +215,26 @@ class Evaluator:
                     else:
                         ref.lookahead = ref.lookahead[:lookahead]
             if ref is None:
-                ref = src.generate(p.name, p.ids, max_new, eos, lookahead)
+                ref = src.generate(p.name, p.ids, max_new, eos, lookahead, **({} if sampler is None else
+                                                                            {"sampler": sampler}))
                 if not ref.tokens:
                     raise ReferenceSourceError(f"reference for {p.name!r} is empty")
                 pending.append((slot, key, ref))
-            report.record("references", look, p.name)
+            report.record("references", look, p.name if k is None else f"{p.name}#{k}")
             refs.append(ref)
         return refs, pending
 
     def _features(self, ref: Reference, suite: Suite, layer_ids: list[int], report: CacheReport,
-                  check: bool = False, written: list | None = None) -> dict:
+                  check: bool = False, written: list | None = None, sampling_id: dict | None = None) -> dict:
         """Target features over prompt + response (and the target's argmax there), cached.
 
         With `check`, a reference that differs from that argmax raises ReferenceSourceError
         before anything is cached for it."""
         ids = ref.prompt_ids + ref.tokens
-        slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids})
+        # a sampled reference has its own slot (its key, the tokens' digest, tells the samples apart)
+        variant = {} if sampling_id is None else {"sampling": sampling_id}
+        slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids,
+                       **variant})
         key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
                "num_tokens": len(ids), "dtype": str(self.target.dtype).removeprefix("torch.")}
         mkey = digest({"slot": slot, "key": key})
@@ -218,7 +242,7 @@ class Evaluator:
         if cached is not None:
             if check:
                 self._check_reference(ref, cached["greedy"])
-            report.record("features", Lookup(None, "hit"), ref.name)
+            report.record("features", Lookup(None, "hit"), _label(ref))
             return _on(cached, self.target.device)
         look = self.disk.get_tensors("features", slot, key)
         value = look.value
@@ -236,7 +260,7 @@ class Evaluator:
                 written.append(("features", slot))
         elif check:
             self._check_reference(ref, value["greedy"])
-        report.record("features", look, ref.name)
+        report.record("features", look, _label(ref))
         self.memory.put(mkey, value)
         return _on(value, self.target.device)
 
@@ -253,7 +277,7 @@ class Evaluator:
 
     def _run(self, drafter: DFlashDrafter, refs: list[Reference], suite: Suite, opts: EvalOptions,
              report: CacheReport, timings: dict[str, float], check: bool = False,
-             written: list | None = None, probe: bool = False) -> DrafterRun:
+             written: list | None = None, probe: bool = False, sampling_id: dict | None = None) -> DrafterRun:
         cfg = drafter.config
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
@@ -261,7 +285,8 @@ class Evaluator:
         leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
         for ref in self._bar(refs, f"{suite.name}: features + drafting (B={B})"):
             with _timer(timings, "features"):
-                feats = self._features(ref, suite, cfg.target_layer_ids, report, check, written)
+                feats = self._features(ref, suite, cfg.target_layer_ids, report, check, written,
+                                       None if sampling_id is None else {**sampling_id, "sample": ref.sample})
             P, n = len(ref.prompt_ids), len(ref.tokens)
             with _timer(timings, "draft"):
                 ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
@@ -299,6 +324,46 @@ class Evaluator:
             self._baselines[key] = self._run(drafter, refs, suite, opts, report, {})  # timed as "baseline"
         return self._baselines[key]
 
+    def _sampled(self, drafter: DFlashDrafter, suite: Suite, prompts: list[EncodedPrompt], opts: EvalOptions,
+                 max_new: int, eos: int | None, lookahead: int, report: CacheReport,
+                 timings: dict[str, float]) -> dict | None:
+        """τ at each of `opts.temperatures`: K keyed samples of the target per prompt, each one
+        drafted at every anchor and replayed like a greedy reference (docs/design.md, "Sampling")."""
+        if not opts.temperatures:
+            return None
+        src = self.reference_source
+        coupled = bool(getattr(src, "couples_sampling", False))
+        sopts = opts.model_copy(update={"tree_budget": 0})  # the tree walk is greedy verification only
+        out: dict[str, Any] = {
+            "temperatures": list(opts.temperatures), "top_p": opts.top_p, "top_k": opts.top_k,
+            "num_samples": opts.num_samples, "seed": opts.seed, "reference_source": getattr(src, "name", "local"),
+            "coupling": "keyed" if coupled else "none", "by_temperature": {}}
+        if not coupled:
+            out["coupling_note"] = (
+                f"references from {out['reference_source']} are drawn by the server's own generator (seeded per "
+                "prompt and sample): τ is measured on samples of the target, but not on the keyed draws the real "
+                "loop makes, so they are not checked against the target and validation cannot replay them")
+        for T in opts.temperatures:
+            params = SamplingParams(T, opts.top_p, opts.top_k)
+            sub: dict[str, float] = {}
+            with _timer(sub, "references"):
+                refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report,
+                                                 sampling=(params, opts.seed, opts.num_samples))
+            run = self._run(drafter, refs, suite, sopts, report, sub,
+                            sampling_id={"sampling": params.to_dict(), "seed": opts.seed})
+            for slot, key, ref in pending:
+                self.disk.put_json("references", slot, key, ref.to_dict())
+            entry = _sampled_entry(T, refs, run, opts)
+            if opts.validate and coupled:
+                with _timer(sub, "validation"):
+                    full = [sc.full_walk().accept_lengths for sc in run.scores]
+                    entry["validation"] = self.validate(drafter, refs, full, max_new, eos, counting=opts.counting,
+                                                        sampling=(params, opts.seed))
+            out["by_temperature"][temperature_key(T)] = entry
+            for k, v in sub.items():
+                timings[f"sampled_{k}"] = timings.get(f"sampled_{k}", 0.0) + v
+        return out
+
     def _speedup(self, drafter: DFlashDrafter, refs: list[Reference], tau: float | None, opts: EvalOptions) -> dict:
         out: dict[str, Any] = {"draft_verify_cost_ratio": None, "estimated": None, "source": None}
         if opts.draft_verify_cost_ratio is not None:
@@ -328,7 +393,7 @@ class Evaluator:
     # --- result --------------------------------------------------------------------------
     def _assemble(self, info: CheckpointInfo, drafter, suite: Suite, opts: EvalOptions, refs, main: DrafterRun,
                   base, base_run: DrafterRun | None, validation, speed, report: CacheReport, train_metrics,
-                  timings, max_new, eos, lookahead) -> EvalResult:
+                  timings, max_new, eos, lookahead, sampled: dict | None = None) -> EvalResult:
         s = main.summary
         decode = self._decoder()
         base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
@@ -368,6 +433,8 @@ class Evaluator:
                       target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
                       tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
                       empty_prompts=empty, degenerate=degenerate, num_prompts=len(refs), validation=validation,
+                      sampled_validation={k: e["validation"] for k, e in (sampled or {}).get("by_temperature", {}).items()
+                                          if e.get("validation")},
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
                       layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe)
@@ -389,7 +456,7 @@ class Evaluator:
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in timings.items()},
                         "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
-            stride=s.stride, validation=validation, leak_probe=main.leak_probe)
+            stride=s.stride, validation=validation, leak_probe=main.leak_probe, sampling=sampled)
 
     def _decoder(self):
         tok = self.target.tokenizer
@@ -403,6 +470,43 @@ class Evaluator:
         if not self.progress:
             return items
         return track(items, desc, unit="prompts", every_s=self.progress_every_s, logger=log)
+
+
+def _estimate_at(speed: dict, tau: float | None) -> float | None:
+    """The speed-up estimate of `speed` (measured step costs or a given cost ratio) at another τ."""
+    costs = speed.get("measured")
+    if costs:
+        return metrics.estimated_speedup(tau, draft_s=costs["draft_s"], verify_s=costs["verify_s"],
+                                         ar_s=costs["decode_s"])
+    if speed.get("source") == "given":
+        return metrics.estimated_speedup(tau, cost_ratio=speed["draft_verify_cost_ratio"])
+    return None
+
+
+def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, opts: EvalOptions) -> dict:
+    """One temperature's block of the result: τ over prompts of the mean over their K samples,
+    its interval resampling prompts and then samples within each, histogram and per-slot
+    figures over every (prompt, sample) step."""
+    s, K = run.summary, opts.num_samples
+    groups = [s.per_prompt_tau[i:i + K] for i in range(0, len(refs), K)]
+    per_prompt = [None if all(t is None for t in g) else float(np.mean([t for t in g if t is not None])) for g in groups]
+    macro = [t for t in per_prompt if t is not None]
+    ci = metrics.nested_bootstrap_ci(groups, n_resamples=opts.bootstrap, seed=opts.seed)
+    return {
+        "temperature": temperature,
+        "tau": {"macro": float(np.mean(macro)) if macro else None, "pooled": s.tau["pooled"],
+                "ci95": list(ci) if ci else None, "num_steps": s.tau["num_steps"],
+                "num_pairs": sum(t is not None for t in s.per_prompt_tau)},
+        "acceptance_histogram": s.histogram, "per_position": s.per_position,
+        "mean_streak_all_anchors": s.mean_streak_all_anchors,
+        "prompts": [{"name": refs[i * K].name, "tau": t, "sample_taus": g,
+                     "num_tokens": [len(r.tokens) for r in refs[i * K:(i + 1) * K]]}
+                    for i, (t, g) in enumerate(zip(per_prompt, groups))],
+        "validation": None}
+
+
+def _label(ref: Reference) -> str:
+    return ref.name if ref.sample is None else f"{ref.name}#{ref.sample}"
 
 
 def _on(value: dict, device: torch.device) -> dict:

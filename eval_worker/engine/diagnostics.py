@@ -67,6 +67,7 @@ class Facts:
     degenerate: dict[str, str] = field(default_factory=dict)  # prompt -> reference_collapse reason
     num_prompts: int = 0
     validation: dict | None = None
+    sampled_validation: dict[str, dict] | None = None  # temperature key -> the real loop vs replay under sampling
     baseline_layer_ids: list[int] | None = None
     reference_source: str = "local"
     layer_ids_origin: str = "config"
@@ -176,4 +177,10 @@ def diagnose(f: Facts) -> list[Diagnostic]:
         out.append(Diagnostic("VALIDATION_MISMATCH", "error",
                               f"replayed acceptance differs from the real draft-verify loop on {len(bad)} prompt(s), "
                               f"first: {bad[0]}"))
+    for key, val in (f.sampled_validation or {}).items():
+        if val.get("mismatched_prompts"):
+            bad = val["mismatched_prompts"]
+            out.append(Diagnostic("VALIDATION_MISMATCH", "error",
+                                  f"at temperature {key}, replayed acceptance differs from the real loop sampling with "
+                                  f"the same keyed draws on {len(bad)} (prompt, sample) pair(s), first: {bad[0]}"))
     return out

@@ -130,6 +130,37 @@ def bootstrap_ci(values: Sequence[float], *, n_resamples: int = 2000, level: flo
     return float(lo), float(hi)
 
 
+def nested_bootstrap_ci(groups: Sequence[Sequence[float | None]], *, n_resamples: int = 2000, level: float = 0.95,
+                        seed: int = 0, chunk: int = 256) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean over groups of each group's mean (prompts and their
+    K samples): each resample draws groups with replacement, then items within each drawn group."""
+    rows = [[x for x in g if x is not None] for g in groups]
+    rows = [r for r in rows if r]
+    if not rows:
+        return None
+    width = max(len(r) for r in rows)
+    v = np.full((len(rows), width), np.nan)
+    for i, r in enumerate(rows):
+        v[i, : len(r)] = r
+    sizes = np.array([len(r) for r in rows])
+    if len(rows) == 1 and sizes[0] == 1:
+        return float(v[0, 0]), float(v[0, 0])
+    rng = np.random.default_rng(seed)
+    means = []
+    for start in range(0, n_resamples, chunk):  # [chunk, groups, width] at a time: memory flat in n_resamples
+        n = min(chunk, n_resamples - start)
+        g = rng.integers(0, len(rows), size=(n, len(rows)))
+        size = sizes[g][..., None]
+        within = (rng.random((n, len(rows), width)) * size).astype(np.int64)  # indices < the group's size
+        keep = np.arange(width) < size  # a group of s items resamples s items
+        picked = np.where(keep, v[g[..., None], within], 0.0)
+        means.append((picked.sum(axis=2) / size[..., 0]).mean(axis=1))
+    means = np.concatenate(means)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
 def paired_delta(a: Sequence[float | None], b: Sequence[float | None], **kw) -> dict:
     """Mean of per-item differences a - b (items where both exist) with its bootstrap interval."""
     pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]

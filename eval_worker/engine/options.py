@@ -12,7 +12,7 @@ options equal to their default, so `{}` and `{"tree_budget": 8}` name the same e
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,6 +23,13 @@ from dflash_train.tau import COUNTING_RULES
 PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend"})
 MAX_SHOWN = 80  # characters of an offending value quoted in an error
 DEFAULT_LEAK_PROBE_ANCHORS = 256  # anchors over the whole suite the leak probe drafts again
+MAX_TEMPERATURES = 16
+SAMPLING_ONLY = ("top_p", "top_k", "num_samples")  # meaningless without temperatures
+
+
+def temperature_key(temperature: float) -> str:
+    """How a temperature names its block of the result, its W&B keys and report series: `0.7`, `1`."""
+    return f"{temperature:g}"
 
 
 class OptionsError(DFlashError, ValueError):
@@ -87,6 +94,12 @@ class EvalOptions(BaseModel):
     # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
     reference_mismatch: Literal["fail", "measure"] = "fail"
     leak_probe_anchors: int = _int(0, 1 << 20, DEFAULT_LEAK_PROBE_ANCHORS)  # eval_worker.engine.leak_probe; 0: off
+    # τ under sampling (docs/design.md "Sampling"): per temperature, `num_samples` keyed samples of the
+    # target per prompt (draws keyed by `seed`, prompt, sample, position); greedy τ is always measured
+    temperatures: list[Annotated[float, Field(gt=0, le=100)]] = Field(default_factory=list, max_length=MAX_TEMPERATURES)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = _int(0, 1 << 24, 0)                       # 0: off
+    num_samples: int = _int(1, 1024, 1)
 
     @field_validator("counting")
     @classmethod
@@ -99,6 +112,17 @@ class EvalOptions(BaseModel):
     def _counting_is_for_the_online_walk(self) -> "EvalOptions":
         if self.counting != "response" and self.mode == "stride":
             raise ValueError("counting applies to the online walk; stride mode drafts fixed blocks")
+        return self
+
+    @model_validator(mode="after")
+    def _sampling_needs_temperatures(self) -> "EvalOptions":
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise ValueError("temperatures must not repeat")
+        if not self.temperatures:
+            given = [k for k in SAMPLING_ONLY if getattr(self, k) != type(self).model_fields[k].default]
+            if given:
+                raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to sampled "
+                                 "evaluation: give temperatures too (greedy τ is always measured)")
         return self
 
     @property

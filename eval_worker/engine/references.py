@@ -1,9 +1,14 @@
-"""Reference completions: the target's greedy continuation of each prompt, as token ids.
+"""Reference completions: the target's greedy (or sampled) continuation of each prompt, as token ids.
 
 A reference is `tokens` (the response: greedy until eos, included, or max_new_tokens)
 plus `lookahead` (the greedy tokens after it, eos or not). The real draft-verify loop
 compares the last step's drafts with target tokens past the response end, so replaying
 it exactly needs B-1 tokens of lookahead.
+
+A sampled reference (`sampler`, `dflash_train.sampling`) takes the target's keyed sample
+at every position instead, lookahead included: the real loop given the same sampler
+verifies with the same draws, so it emits this very sequence and the replay along it is
+exact (docs/design.md, "Sampling").
 
 Sources: local greedy decoding with the target (default), or an OpenAI-compatible server
 (SGLang / vLLM) asked for token ids. A server that is down, or answers with text only,
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 
 from dflash_train.errors import DFlashError
+from dflash_train.sampling import Sampler
 from dflash_train.speculative import greedy_generate
 from dflash_train.target import Target
 
@@ -39,6 +45,7 @@ class Reference:
     finish: str  # "eos" | "length"
     source: str  # "local" | "server:<url>"
     lookahead_requested: int = 0  # a server may return fewer; this many serve any block size up to it + 1
+    sample: int | None = None  # sampled references: the sample index (None: greedy)
 
     @property
     def ext(self) -> list[int]:
@@ -52,7 +59,8 @@ class Reference:
         return cls(name=str(d["name"]), prompt_ids=[int(i) for i in d["prompt_ids"]],
                    tokens=[int(i) for i in d["tokens"]], lookahead=[int(i) for i in d["lookahead"]],
                    finish=str(d["finish"]), source=str(d["source"]),
-                   lookahead_requested=int(d.get("lookahead_requested", len(d["lookahead"]))))
+                   lookahead_requested=int(d.get("lookahead_requested", len(d["lookahead"]))),
+                   sample=None if d.get("sample") is None else int(d["sample"]))
 
 
 def split_at_eos(ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], list[int], str]:
@@ -66,9 +74,10 @@ def split_at_eos(ids: list[int], max_new_tokens: int, eos_token_id: int | None) 
 
 
 class LocalReferences:
-    """Greedy decoding with the loaded target (no logits processors: plain argmax)."""
+    """Greedy decoding with the loaded target (no logits processors: plain argmax), or keyed sampling."""
 
     name = "local"
+    couples_sampling = True  # the same keyed draws as the real loop's
 
     def __init__(self, target: Target):
         self.target = target
@@ -77,7 +86,12 @@ class LocalReferences:
         return {"kind": "local"}
 
     def generate(self, name: str, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
-                 lookahead: int) -> Reference:
+                 lookahead: int, sampler: Sampler | None = None) -> Reference:
+        if sampler is not None:
+            ids = sample_continuation(self.target, prompt_ids, sampler, max_new_tokens, eos_token_id, lookahead)
+            tokens, more, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
+            return Reference(name, list(prompt_ids), tokens, more[:lookahead], finish, "local", lookahead,
+                             sample=sampler.sample)
         tokens = greedy_generate(self.target, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)
         tokens, _, finish = split_at_eos(tokens, max_new_tokens, eos_token_id)
         more = greedy_extend(self.target, prompt_ids + tokens, lookahead)
@@ -109,6 +123,30 @@ def greedy_extend(target: Target, ids: list[int], n: int) -> list[int]:
     return out
 
 
+@torch.no_grad()
+def sample_continuation(target: Target, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
+                        eos_token_id: int | None, lookahead: int) -> list[int]:
+    """The target's keyed samples after the prompt: the response (up to eos or max_new_tokens)
+    and `lookahead` tokens more, eos or not. One token per forward, KV cached; the LM head runs
+    on the last position only (memory flat in the vocabulary, as `greedy_extend`)."""
+    from transformers import DynamicCache
+
+    dev = target.device
+    cache = DynamicCache(config=target.model.config)
+    inp = torch.tensor([prompt_ids], device=dev)
+    out: list[int] = []
+    pos, end = 0, None  # end: length of the response once it is complete
+    while end is None or len(out) < end + lookahead:
+        last = target.forward(inp, [], past_key_values=cache, use_cache=True,
+                              position_ids=torch.arange(pos, pos + inp.shape[1], device=dev)[None]).last_hidden
+        pos += inp.shape[1]
+        out.append(int(sampler.tokens(target.logits(last[0, -1:]), len(prompt_ids) + len(out))[0]))
+        if end is None and (out[-1] == eos_token_id or len(out) == max_new_tokens):
+            end = len(out)
+        inp = torch.tensor([[out[-1]]], device=dev)
+    return out
+
+
 class ServerReferences:
     """`POST {url}/v1/completions` with the prompt as token ids, greedy, asking for ids back.
 
@@ -127,17 +165,25 @@ class ServerReferences:
     def identity(self) -> dict[str, Any]:
         return {"kind": "server", "url": self.url, "model": self.model}
 
+    # a server draws with its own generator: its samples are the target's, not the keyed ones
+    couples_sampling = False
+
     def generate(self, name: str, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
-                 lookahead: int) -> Reference:
+                 lookahead: int, sampler: Sampler | None = None) -> Reference:
         body = {"prompt": list(prompt_ids), "max_tokens": max_new_tokens + lookahead, "temperature": 0.0,
                 "top_p": 1.0, "n": 1, "stream": False, "ignore_eos": True, "skip_special_tokens": False,
                 "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
+        if sampler is not None:  # seeded per (seed, prompt, sample): repeatable where the server honours `seed`
+            p = sampler.params
+            body.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
+                        seed=int(sampler.uniform_at(-1) * (1 << 31)))
         if self.model:
             body["model"] = self.model
         data = self._post("/v1/completions", body)
         ids = token_ids_from_response(data, where=f"{self.url}/v1/completions ({name})")
         tokens, rest, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
-        return Reference(name, list(prompt_ids), tokens, rest[:lookahead], finish, self.name, lookahead)
+        return Reference(name, list(prompt_ids), tokens, rest[:lookahead], finish, self.name, lookahead,
+                         sample=None if sampler is None else sampler.sample)
 
     def _post(self, path: str, body: dict) -> dict:
         headers = {"Content-Type": "application/json"}

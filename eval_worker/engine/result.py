@@ -68,6 +68,7 @@ class EvalResult:
     stride: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] | None = None
     leak_probe: dict[str, Any] | None = None  # eval_worker.engine.leak_probe: per-slot top-1 of the three views
+    sampling: dict[str, Any] | None = None  # τ at options.temperatures (docs/design.md, "Sampling")
     schema: str = SCHEMA
 
     # --- views ----------------------------------------------------------------

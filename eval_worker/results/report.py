@@ -132,7 +132,8 @@ def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | N
 
     out = Path(out_dir) if out_dir else Path("reports") / run_id
     out.mkdir(parents=True, exist_ok=True)
-    pngs = {"tau_vs_step": figs.tau_vs_step(by_suite), "per_position": figs.per_position(chosen),
+    pngs = {"tau_vs_step": figs.tau_vs_step(by_suite), "tau_by_temperature": figs.tau_vs_step_by_temperature(main),
+            "per_position": figs.per_position(chosen),
             "histogram": figs.histogram(chosen), "baseline": figs.baseline_delta(main),
             "train_vs_eval": figs.train_vs_eval(by_suite)}
     images = {}

@@ -51,6 +51,34 @@ def tau_vs_step(by_suite: dict[str, list[RunResult]]) -> bytes:
     return _png(fig)
 
 
+def tau_vs_step_by_temperature(rows: list[RunResult]) -> bytes | None:
+    """τ per training step at each sampled temperature next to greedy (temperature 0), with 95% CI
+    bands; None when no result of the suite was sampled."""
+    series: dict[str, list[tuple[int, float, list | None]]] = {}
+    for r in rows:
+        t = r.result["tau"]
+        series.setdefault("0", []).append((r.step, t["macro"], t.get("ci95")))
+        for key, e in ((r.result.get("sampling") or {}).get("by_temperature") or {}).items():
+            if (e.get("tau") or {}).get("macro") is not None:
+                series.setdefault(str(key), []).append((r.step, e["tau"]["macro"], e["tau"].get("ci95")))
+    if len(series) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    for i, (key, pts) in enumerate(sorted(series.items(), key=lambda kv: float(kv[0]))):
+        c = COLORS[i % len(COLORS)]
+        pts = [(x, y, ci) for x, y, ci in pts if y is not None]
+        xs, ys = [x for x, _, _ in pts], [y for _, y, _ in pts]
+        ax.fill_between(xs, [(ci or [y, y])[0] for _, y, ci in pts], [(ci or [y, y])[1] for _, y, ci in pts],
+                        color=c, alpha=0.15)
+        ax.plot(xs, ys, "o-", color=c, label="greedy (t=0)" if key == "0" else f"t={key}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("τ (mean accepted length)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best", title="target temperature", title_fontsize=7)
+    return _png(fig)
+
+
 def per_position(rows: list[RunResult]) -> bytes:
     """Conditional acceptance per draft slot (solid) and top-1 accuracy (dashed), selected checkpoints."""
     plt = _plt()

@@ -140,6 +140,9 @@ def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path,
     def f(x):
         return "?" if not isinstance(x, (int, float)) else f"{x:.3f}"
     extra = f", Δτ vs baseline {f(base.get('delta_tau'))}" if base else ""
+    by_t = (result.get("sampling") or {}).get("by_temperature") or {}
+    if by_t:  # τ under sampling, one figure per temperature
+        extra += "; " + ", ".join(f"τ@t={k} {f((e.get('tau') or {}).get('macro'))}" for k, e in by_t.items())
     errors = [d.get("code") for d in result.get("diagnostics") or [] if d.get("severity") == "error"]
     log.info("job %s: run %s step %s suite %s: τ %s (95%% CI [%s, %s], %s verify steps%s)%s in %s; %s %s",
              job_id, job["run_id"], job["step"], (result.get("suite") or {}).get("name", job["suite"]),

@@ -87,6 +87,8 @@ def _location(value: str) -> str:
                 raise ValueError("must be in canonical form (no trailing '/')")
         except storage.StoreError as e:
             raise ValueError(str(e)) from None
+        if value.startswith("hf://") and not re.fullmatch(r"hf://[^/@]+/[^/@]+@[0-9a-f]{40}", value):
+            raise ValueError("a Hub checkpoint must name a commit: hf://ORG/REPO@<40-hex sha>")
         return value
     return _abs_path(value)
 
@@ -146,7 +148,7 @@ _FIELD_RULES = {
     "run_id": f"run_id must be {RUN_ID_RULE}",
     "step": "step must be a non-negative integer",
     "checkpoint": (f"checkpoint must be an absolute path or a store URL (s3://bucket/prefix/..., no credentials, "
-                   f"no '..') of at most {MAX_PATH} characters without NUL bytes"),
+                   f"no '..'; hf://ORG/REPO@<commit>) of at most {MAX_PATH} characters without NUL bytes"),
     "target": f"target must be null or an absolute path of at most {MAX_PATH} characters without NUL bytes",
     "baseline": f"baseline must be null, an absolute path or a store URL of at most {MAX_PATH} characters",
     "checkpoint_digest": "checkpoint_digest must be 64 lowercase hex characters (sha256)",
@@ -471,8 +473,13 @@ def _canonical(location: str | os.PathLike) -> str:
     """A store URL in canonical form, or an absolute local path."""
     if storage.is_url(location):
         try:
-            return storage.check_url(str(location))
-        except storage.StoreError as e:
+            url = storage.check_url(str(location))
+            if url.startswith("hf://"):  # a branch or tag becomes its commit: the job means fixed bytes
+                from dflash_train import hub
+
+                url = hub.resolve(url)
+            return url
+        except (storage.StoreError, CheckpointError) as e:
             raise JobError(str(e)) from None
     return os.path.abspath(os.fspath(location))
 

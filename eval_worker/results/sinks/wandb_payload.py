@@ -13,7 +13,10 @@ right place however late it is logged. Keys:
 - ``eval/accept_hist`` (``wandb.Histogram`` over accept length 1..B),
   ``eval/accept_len_bar`` (``wandb.plot.bar``), ``eval/pos_curve`` (``wandb.plot.line_series``);
 - ``eval/prompts`` (``wandb.Table``: step, prompt, τ, baseline τ, verify steps,
-  reference with ``⟦…⟧`` around each verify step's committed span, and the same as HTML).
+  reference with ``⟦…⟧`` around each verify step's committed span, and the same as HTML);
+- under sampling (result ``sampling``), per temperature T (``options.temperature_key``: ``t0.7``):
+  ``eval/t<T>/tau``, ``tau_pooled``, ``tau_ci_low``, ``tau_ci_high``, ``num_verify_steps``,
+  ``mean_streak``, ``speedup_est``, ``pos_accept/<k>``, ``pos_top1/<k>`` and ``eval/t<T>/accept_hist``.
 
 Every suite's result is logged under ``eval/<suite>/...`` (``eval/gsm8k/tau``, ``eval/coding/tau``:
 the suites side by side, as the published tables show them, and two suites never share a curve);
@@ -81,11 +84,30 @@ def scalars(result: dict, prefix: str = "eval/") -> dict[str, float]:
         dci = base.get("delta_ci95") or [None, None]
         out.update(baseline_tau=base.get("tau"), delta_tau_vs_baseline=base.get("delta_tau"),
                    delta_tau_ci_low=dci[0], delta_tau_ci_high=dci[1])
-    per = result.get("per_position") or {}
-    for name, key in (("conditional_accept", "pos_accept"), ("top1_accuracy", "pos_top1")):
-        for k, v in enumerate(per.get(name) or [], start=1):
-            out[f"{key}/{k}"] = v
+    out.update(_per_position(result.get("per_position")))
+    for tkey, entry in sampled(result):
+        tau = entry.get("tau") or {}
+        ci = tau.get("ci95") or [None, None]
+        block = {"tau": tau.get("macro"), "tau_pooled": tau.get("pooled"), "tau_ci_low": ci[0],
+                 "tau_ci_high": ci[1], "num_verify_steps": tau.get("num_steps"),
+                 "mean_streak": entry.get("mean_streak_all_anchors"), "speedup_est": entry.get("speedup_estimated"),
+                 **_per_position(entry.get("per_position"))}
+        out.update({f"t{tkey}/{k}": v for k, v in block.items()})
     return {prefix + k: n for k, v in out.items() if (n := _num(v)) is not None}
+
+
+def sampled(result: dict) -> list[tuple[str, dict]]:
+    """(temperature key, block) per sampled temperature of a result, in the job's order."""
+    by = ((result.get("sampling") or {}).get("by_temperature")) or {}
+    return [(str(k), v) for k, v in by.items() if isinstance(v, dict)]
+
+
+def _per_position(per: dict | None) -> dict:
+    out = {}
+    for name, key in (("conditional_accept", "pos_accept"), ("top1_accuracy", "pos_top1")):
+        for k, v in enumerate((per or {}).get(name) or [], start=1):
+            out[f"{key}/{k}"] = v
+    return out
 
 
 def marked_text(text: str, spans: list) -> str:
@@ -135,6 +157,11 @@ def log_dict(result: dict, prefix: str = "eval/", *, html_column: bool = True) -
     block = int(result.get("settings", {}).get("block_size") or len(result.get("acceptance_histogram") or []))
 
     hist = [int(c) for c in result.get("acceptance_histogram") or []]
+    for tkey, entry in sampled(result):
+        thist = [int(c) for c in entry.get("acceptance_histogram") or []]
+        if thist:
+            edges = [k + 0.5 for k in range(len(thist) + 1)]
+            payload[f"{prefix}t{tkey}/accept_hist"] = wandb.Histogram(np_histogram=(thist, edges))
     if hist:
         edges = [k + 0.5 for k in range(len(hist) + 1)]  # bins centred on accept lengths 1..B
         payload[prefix + "accept_hist"] = wandb.Histogram(np_histogram=(hist, edges))

@@ -1,0 +1,116 @@
+"""Drafters published on the Hugging Face Hub as read-only checkpoint locations: `hf://ORG/REPO[@REVISION]`.
+
+A Hub repository has no COMPLETE.json, so one is derived (`marker_bytes`): the drafter's
+files (config.json and its weights, `publication.drafter_files`) fetched through
+huggingface_hub (its cache, `HF_TOKEN` / the stored login, `HF_HUB_OFFLINE`: all its own
+settings) at one commit, each with its sha256, the run id `ORG--REPO-<commit[:8]>` and step 0.
+The URL a job carries names the commit (`resolve`: a branch or tag becomes its commit sha),
+so the same job always means the same bytes; the digest recorded is the weights' sha256
+like any checkpoint's. The worker's cache (checkpoint_cache) then treats it like a store
+checkpoint: keyed by that manifest, every file copied and verified. The Hub is never written
+to: pins, retention and uploads refuse `hf://` (`storage.READ_ONLY`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from .publication import MANIFEST_FORMAT, CheckpointError, drafter_files, run_id_from, sha256_file, weights_digest
+from .storage import StoreError, StoreUnavailable, check_url
+
+_REPO = re.compile(r"^hf://(\w[\w.-]*)/(\w[\w.-]*)(?:@([\w.-]+))?(?:/(.*))?$", re.ASCII)  # Hub names, not run ids
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def parse(url: str) -> tuple[str, str | None, str | None]:
+    """(repo id, revision or None, file path inside the repo or None) of an `hf://` URL."""
+    m = _REPO.match(check_url(url))
+    if m is None:
+        raise StoreError(f"{url}: a Hub location is hf://ORG/REPO or hf://ORG/REPO@REVISION (a model repository)")
+    return f"{m.group(1)}/{m.group(2)}", m.group(3), m.group(4)
+
+
+def _snapshot(repo_id: str, revision: str | None) -> Path:
+    """The drafter's files at `revision`, in huggingface_hub's cache (downloaded when missing)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, repo_type="model",
+                                      allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"]))
+    except RepositoryNotFoundError as e:
+        raise CheckpointError(f"hf://{repo_id}: no such model repository, or no access to it "
+                              f"(a gated or private repo needs HF_TOKEN): {e}") from None
+    except LocalEntryNotFoundError as e:  # offline, and not in the cache
+        raise StoreUnavailable(f"hf://{repo_id}@{revision or 'main'}: not in the Hugging Face cache and the Hub "
+                               f"is not reachable (HF_HUB_OFFLINE?): {e}") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise StoreUnavailable(f"hf://{repo_id}@{revision or 'main'}: {e}") from None
+
+
+def resolve(url: str) -> str:
+    """`hf://ORG/REPO@<commit sha>` for `url` (a branch, a tag or nothing becomes the commit)."""
+    repo_id, revision, path = parse(url)
+    if path:
+        raise StoreError(f"{url}: name the repository (hf://ORG/REPO[@REVISION]), not a file in it")
+    if revision and _COMMIT.match(revision):
+        return f"hf://{repo_id}@{revision}"
+    commit = _snapshot(repo_id, revision).name  # snapshots/<commit>
+    if not _COMMIT.match(commit):
+        raise StoreError(f"{url}: could not resolve the revision to a commit (got {commit!r})")
+    return f"hf://{repo_id}@{commit}"
+
+
+def marker_bytes(url: str) -> bytes:
+    """The COMPLETE.json bytes standing for the drafter at `url` (which must name a commit)."""
+    repo_id, revision, path = parse(url)
+    if path or not revision or not _COMMIT.match(revision):
+        raise CheckpointError(f"{url}: a Hub checkpoint must name a commit (hf://ORG/REPO@<40-hex sha>); "
+                              "`dflash-eval enqueue` resolves a branch or tag")
+    snap = _snapshot(repo_id, revision)
+    files = {name: sha256_file(snap / name) for name in drafter_files(snap)}
+    try:
+        config = json.loads((snap / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{url}: config.json unreadable ({e})") from None
+    manifest = {"format": MANIFEST_FORMAT, "run_id": run_id_from(f"{repo_id.replace('/', '--')}-{revision[:8]}"),
+                "step": 0, "digest": weights_digest(files), "files": files, "config": config, "train_metrics": {},
+                "hub": {"repo": repo_id, "revision": revision}}
+    return json.dumps(manifest, sort_keys=True, indent=2).encode()
+
+
+class HubStore:
+    """The read side of `storage.Store` for `hf://ORG/REPO@COMMIT/FILE`, through huggingface_hub."""
+
+    def _file(self, url: str) -> Path:
+        repo_id, revision, path = parse(url)
+        if not path or "/" in path:
+            raise FileNotFoundError(url)
+        f = _snapshot(repo_id, revision) / path
+        if not f.is_file():
+            raise FileNotFoundError(url)
+        return f
+
+    def read_bytes(self, url: str) -> bytes:
+        return self._file(url).read_bytes()
+
+    def get_file(self, url: str, local: str | Path) -> None:
+        shutil.copyfile(self._file(url), local)
+
+    def exists(self, url: str) -> bool:
+        try:
+            self._file(url)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list_names(self, url: str) -> list[str]:
+        repo_id, revision, path = parse(url)
+        return [] if path else sorted(p.name for p in _snapshot(repo_id, revision).iterdir())
+
+    def _refuse(self, url, *_a, **_k):
+        raise StoreError(f"{url}: the Hugging Face Hub is read-only here (nothing is uploaded, pinned or removed)")
+
+    write_bytes = put_file = remove = _refuse
