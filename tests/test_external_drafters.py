@@ -257,3 +257,24 @@ def test_an_import_record_uploads_as_a_self_contained_checkpoint(tmp_path, s3_se
     with CheckpointCache(tmp_path / "cache").checkout(url) as (local, manifest):  # verified file by file
         assert manifest["digest"] == read_manifest(record)["digest"]
         assert all(torch.equal(load_drafter(local).state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+
+
+def test_import_command_names_records_and_refuses_what_a_worker_would(tmp_path, capsys):
+    from dflash_train.settings import Settings
+
+    settings = Settings.from_env().replace(checkpoint_roots=(tmp_path / "ckpts", tmp_path / "hub"))
+    src = tmp_path / "hub" / "qwen3-dflash" / "epoch_1_step_700"
+    save_drafter(_DRAFTER, src)
+    assert cli(["import", str(src)], settings=settings) == 0
+    out = capsys.readouterr().out
+    assert f"imported {tmp_path / 'ckpts' / 'qwen3-dflash' / 'step-00000700'}  <- {src}" in out
+    assert cli(["import", str(src)], settings=settings) == 0
+    assert capsys.readouterr().out.startswith("exists")
+    elsewhere = tmp_path / "elsewhere"
+    save_drafter(_DRAFTER, elsewhere)
+    assert cli(["import", str(elsewhere), "--run", "x"], settings=settings) == 2
+    assert "outside the checkpoint roots" in capsys.readouterr().err
+    assert not (tmp_path / "ckpts" / "x").exists()
+    no_roots = Settings.from_env().replace(checkpoint_roots=None)
+    assert cli(["import", str(src)], settings=no_roots) == 2
+    assert "give --into ROOT" in capsys.readouterr().err
