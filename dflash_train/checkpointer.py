@@ -12,7 +12,9 @@ itself what that step needs (rank 0 only):
   `keep_last` plus every pinned or callback-protected one;
 - with `publish_to` (an object-store prefix), each checkpoint is also uploaded there on the
   publisher's thread and announced by its URL (jobs name it); retention and the cleanup of
-  interrupted uploads apply to the store's run prefix as well as to the local run directory.
+  interrupted uploads apply to the store's run prefix as well as to the local run directory;
+  a checkpoint published locally but not uploaded when the run stopped is uploaded (and
+  announced) when the run starts again.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import TYPE_CHECKING, Callable
 
 from . import storage
 from .checkpoint import AsyncPublisher
-from .publication import MARKER_NAME, apply_retention, cleanup_incomplete, step_dir_name
+from .publication import (MARKER_NAME, apply_retention, checkpoint_step, cleanup_incomplete, list_checkpoints,
+                          step_dir_name)
 from .train_state import save_training_state
 
 if TYPE_CHECKING:
@@ -47,6 +50,12 @@ class Checkpointer:
                 log.info("removed half-written %s", p)
         self.publisher = AsyncPublisher(c.checkpoint_root, trainer.run_id, dtype=dtype, publish_to=c.publish_to,
                                         on_published=lambda *landed: self._landed.put(landed))
+        if self.store_run:  # published here but never uploaded (the run stopped in between): upload now
+            uploaded = {checkpoint_step(u) for u in list_checkpoints(self.store_run)}
+            for p in list_checkpoints(trainer.run_dir):
+                if checkpoint_step(p) not in uploaded:
+                    log.info("uploading %s, published before the run stopped", p)
+                    self.publisher.submit_upload(p, checkpoint_step(p))
 
     def step(self, step: int, train_metrics: Callable[[], dict]) -> None:
         """After optimizer step `step`: publish and/or save as the cadences say, then announce what landed."""
@@ -82,12 +91,8 @@ class Checkpointer:
 
     def _publish(self, step: int, train_metrics: dict) -> None:
         t = self.trainer
-        local = t.run_dir / step_dir_name(step)
-        if (local / MARKER_NAME).exists():
+        if (t.run_dir / step_dir_name(step) / MARKER_NAME).exists():
             log.warning("step %d is already published in %s; keeping that one", step, t.run_dir)
-            remote = storage.join(self.store_run, step_dir_name(step)) if self.store_run else None
-            if remote and not storage.store_for(remote).exists(storage.join(remote, MARKER_NAME)):
-                self.publisher.submit_upload(local, step)  # a crash came between publishing and uploading
             return
         self.publisher.submit(t.drafter, step, train_metrics=train_metrics)
 

@@ -201,3 +201,80 @@ def test_external_drafter_queued_evaluated_and_used_as_baseline(tmp_path, redis_
     finally:
         worker.stop()
         conn.close()
+
+
+def _shard(directory: Path) -> None:
+    """Rewrite a drafter directory as a sharded release: two shards and an index."""
+    tensors = load_file(str(directory / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(directory / shard))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+    (directory / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_one_digest_for_a_drafter_directory_whatever_reads_it(tmp_path, sharded):
+    """`run` on the plain directory, its import record and the worker's check agree on the digest."""
+    from eval_worker.engine.checkpoint_source import identify
+
+    src = tmp_path / "release"
+    save_drafter(_DRAFTER, src)
+    if sharded:
+        _shard(src)
+    record, _ = import_directory(tmp_path / "ckpts", "rel", 0, src)
+    m = verify_checkpoint(record, [tmp_path])
+    assert identify(src).digest == m["digest"] == identify(record).digest
+    assert identify(record).source == str(src)
+    assert ("model.safetensors.index.json" in m["files"]) == sharded
+    loaded = load_drafter(src)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+    if sharded:  # a shard changed after the import is caught like any file
+        shard = src / "model-00002-of-00002.safetensors"
+        save_file({k: v + 1 for k, v in load_file(str(shard)).items()}, str(shard))
+        with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors digest mismatch"):
+            verify_checkpoint(record)
+
+
+def test_an_import_record_uploads_as_a_self_contained_checkpoint(tmp_path, s3_server):
+    """In a store the record's files lie beside its marker: uploaded from the source, `source` dropped."""
+    import uuid
+
+    from dflash_train.checkpoint_cache import CheckpointCache
+    from dflash_train.publication import upload_checkpoint
+
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    s3_server.make_bucket(bucket)
+    src = tmp_path / "release"
+    save_drafter(_DRAFTER, src)
+    _read_only(src)
+    record, _ = import_directory(tmp_path / "ckpts", "rel", 0, src)
+    url = upload_checkpoint(record, f"s3://{bucket}/runs/rel")
+    remote = read_manifest(url)
+    assert "source" not in remote and remote["files"] == read_manifest(record)["files"]
+    with CheckpointCache(tmp_path / "cache").checkout(url) as (local, manifest):  # verified file by file
+        assert manifest["digest"] == read_manifest(record)["digest"]
+        assert all(torch.equal(load_drafter(local).state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+
+
+def test_import_command_names_records_and_refuses_what_a_worker_would(tmp_path, capsys):
+    from dflash_train.settings import Settings
+
+    settings = Settings.from_env().replace(checkpoint_roots=(tmp_path / "ckpts", tmp_path / "hub"))
+    src = tmp_path / "hub" / "qwen3-dflash" / "epoch_1_step_700"
+    save_drafter(_DRAFTER, src)
+    assert cli(["import", str(src)], settings=settings) == 0
+    out = capsys.readouterr().out
+    assert f"imported {tmp_path / 'ckpts' / 'qwen3-dflash' / 'step-00000700'}  <- {src}" in out
+    assert cli(["import", str(src)], settings=settings) == 0
+    assert capsys.readouterr().out.startswith("exists")
+    elsewhere = tmp_path / "elsewhere"
+    save_drafter(_DRAFTER, elsewhere)
+    assert cli(["import", str(elsewhere), "--run", "x"], settings=settings) == 2
+    assert "outside the checkpoint roots" in capsys.readouterr().err
+    assert not (tmp_path / "ckpts" / "x").exists()
+    no_roots = Settings.from_env().replace(checkpoint_roots=None)
+    assert cli(["import", str(src)], settings=no_roots) == 2
+    assert "give --into ROOT" in capsys.readouterr().err

@@ -126,3 +126,21 @@ def test_object_store_hub_drafter_as_baseline_is_evaluated(hub_cache, tmp_path):
     assert base["digest"] == sha256_file(hub_cache / "model.safetensors")
     assert isinstance(base["tau"], float)
     assert json.dumps(record).count(str(hub_cache)) == 0  # the worker's paths are not what is recorded
+
+
+def test_object_store_hub_drafter_evaluated_by_run(hub_cache, tmp_path, capsys):
+    """`dflash-eval run --checkpoint hf://ORG/REPO`: pulled into the checkpoint cache, verified,
+    evaluated; the result names the URL at its commit and the weights' digest."""
+    from dflash_train.settings import Settings
+    from eval_worker.cli import main as cli
+
+    settings = Settings.from_env({"DFLASH_HOME": str(tmp_path / "home")})
+    suite = write_suite(tmp_path / "suite.jsonl", n_prompts=1, max_new_tokens=8)
+    out = tmp_path / "r.json"
+    assert cli(["run", "--checkpoint", "hf://org/drafter", "--target", str(_target()), "--suite", str(suite),
+                "--json", str(out), "--no-progress", "--tree-budget", "0"], settings=settings) in (0, 1)
+    r = json.loads(out.read_text())
+    assert r["checkpoint"]["path"] == f"hf://org/drafter@{COMMIT}"
+    assert r["checkpoint"]["digest"] == sha256_file(hub_cache / "model.safetensors")
+    assert len(list((tmp_path / "home" / "checkpoint-cache").glob("[0-9a-f]*"))) == 1
+    assert f"hf://org/drafter@{COMMIT}" in capsys.readouterr().out

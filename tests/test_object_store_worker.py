@@ -172,3 +172,39 @@ def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, red
     assert sorted(r["step"] for r in records) == [4, 6]
     assert not any(is_pinned(j["checkpoint"]) for j in jobs)  # the worker released its pins in the store
     assert (eval_box / "home" / "checkpoint-cache").is_dir()
+
+
+def test_s3_upload_owed_when_the_run_stopped_is_made_on_restart(tmp_path, s3_server, monkeypatch):
+    """A checkpoint published locally whose upload failed (the store was down, the job was killed)
+    is uploaded when the run starts again, before training resumes."""
+    import pytest
+
+    from dflash_train import checkpoint as checkpoint_mod
+    from dflash_train.publication import CheckpointError, list_checkpoints
+    from dflash_train.train_config import TrainConfig
+    from dflash_train.trainer import train
+
+    target = _target()
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    s3_server.make_bucket(bucket)
+    prefix = f"s3://{bucket}/runs"
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 3}) + "\n" for i in range(8)))
+    real_upload = checkpoint_mod.upload_checkpoint
+
+    def store_down_at_step_4(path, run_url, **kw):
+        if str(path).endswith("step-00000004"):
+            raise storage.StoreUnavailable("connection refused (simulated)")
+        return real_upload(path, run_url, **kw)
+
+    config = dict(target=str(target), data=str(data), regenerate=False, publish_every=2, keep_last=0, batch_size=2,
+                  num_anchors=4, max_seq_len=64, seq_multiple=0, block_size=8, progress=False,
+                  checkpoint_root=str(tmp_path / "trainer-box"), run_id="owed", publish_to=prefix, log_every=2)
+    monkeypatch.setattr(checkpoint_mod, "upload_checkpoint", store_down_at_step_4)
+    with pytest.raises(CheckpointError, match="connection refused"):
+        train(TrainConfig(max_steps=4, **config))
+    assert [p.name for p in list_checkpoints(tmp_path / "trainer-box" / "owed")] == ["step-00000002", "step-00000004"]
+    assert list_checkpoints(f"{prefix}/owed") == [f"{prefix}/owed/step-00000002"]
+    monkeypatch.setattr(checkpoint_mod, "upload_checkpoint", real_upload)
+    train(TrainConfig(max_steps=6, **config))  # resumes from step 4's training state
+    assert list_checkpoints(f"{prefix}/owed") == [f"{prefix}/owed/step-0000000{s}" for s in (2, 4, 6)]

@@ -240,3 +240,19 @@ def test_several_suites_side_by_side_under_their_own_keys(env):
     assert log.points("eval/tau") == {s: pytest.approx(r["tau"]["macro"]) for s, r in expected["coding"].items()}
     rows = [r for r in log.history if "eval/gsm8k/prompts/_type" in r]
     assert len(rows) == 2 and all("eval/tau" not in r for r in rows)  # gsm8k never lands on the primary's curve
+
+
+def test_object_store_checkpoint_is_logged_by_its_url(env):
+    """A result whose checkpoint was pulled from a store names the URL: the artifact records it
+    (a small checkpoint.json), no file:// reference to the worker's cache, no credentials."""
+    url = "s3://bucket/runs/run-s3/step-00000100"
+    res = make_result("run-s3", 100, p=0.5, checkpoint_root=str(env["ckpt"]), digest="ab" * 32)
+    res["checkpoint"]["path"] = url  # what the worker records for a pulled checkpoint
+    record = read_record(write_ledger(env["results"], res))
+    assert publish_result(record, record["job"], Settings.from_env())["wandb"]["ok"]
+    pointer, log = current_run(env["wandb"], "run-s3")
+    (art,) = [a for a in log.artifacts if a["type"] == "model"]
+    assert "step-100" in art["aliases"] and not any(ref and ref.startswith("file://") for ref in art["refs"])
+    assert art["paths"] == ["checkpoint.json"] and art["metadata"]["uri"] == url
+    if art["local_paths"][0] and Path(art["local_paths"][0]).is_file():  # the staged file, until synced
+        assert json.loads(Path(art["local_paths"][0]).read_text())["uri"] == url

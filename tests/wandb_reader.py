@@ -124,7 +124,10 @@ def read_run(path: str | Path) -> RunLog:
             a = rec.artifact
             log.artifacts.append({"name": a.name, "type": a.type, "aliases": list(a.aliases),
                                   "refs": [e.ref for e in a.manifest.contents],
-                                  "digests": [e.digest for e in a.manifest.contents]})
+                                  "digests": [e.digest for e in a.manifest.contents],
+                                  "paths": [e.path for e in a.manifest.contents],
+                                  "local_paths": [e.local_path for e in a.manifest.contents],
+                                  "metadata": json.loads(a.metadata or "{}")})
         elif kind == "exit":
             log.exit_code = rec.exit.exit_code
     return log

@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
                 lines.append({"job_id": None, "status": "missing", "step": step,
                               "message": f"run {args.run} step {step}: the queue has never seen a job for it "
                                          "(enqueue its checkpoint with `dflash-eval enqueue DIR`)"})
-    except JobError as e:
+    except (JobError, OSError) as e:  # OSError: a store (checkpoints by URL) that did not answer
         return fail(str(e))
     if args.json:
         print_json(lines)

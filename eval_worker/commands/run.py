@@ -17,9 +17,11 @@ HELP = "evaluate one drafter checkpoint (acceptance length τ and friends), no q
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="published checkpoint dir or plain drafter dir")
+    p.add_argument("--checkpoint", required=True, help="published checkpoint dir or plain drafter dir, or a URL: "
+                                                       "s3://bucket/runs/RUN/step-... or hf://ORG/REPO[@REVISION] "
+                                                       "(pulled into $DFLASH_HOME/checkpoint-cache, verified)")
     p.add_argument("--target", required=True, help="local target model directory")
-    p.add_argument("--baseline", help="baseline drafter dir (paired Δτ per prompt)")
+    p.add_argument("--baseline", help="baseline drafter dir or URL, as --checkpoint (paired Δτ per prompt)")
     p.add_argument("--suite", action="append", default=None, metavar="SUITE",
                    help="builtin:NAME[-vN], a .jsonl file, or a standard benchmark hf:NAME[:n=N][:seed=S][:thinking=on] "
                         f"(NAME one of {', '.join(hf_suites())}; local copies: $DFLASH_HF_DATASETS_DIR); repeatable: "
@@ -88,7 +90,17 @@ def main(args: argparse.Namespace) -> int:
     if args.measure_mismatched_references:
         options["reference_mismatch"] = "measure"
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
+    from contextlib import ExitStack
+
+    from dflash_train import storage
+
+    pulls = ExitStack()
+    urls = {}
     try:
+        for key in ("checkpoint", "baseline"):  # a store or Hub location: evaluate a verified local copy
+            where = getattr(args, key)
+            if storage.is_url(where):
+                setattr(args, key, str(_pull(where, args.settings, pulls, urls)))
         from eval_worker.engine.checkpoint_source import check_drafter_config
 
         for drafter_dir in filter(None, (args.checkpoint, args.baseline)):
@@ -105,10 +117,17 @@ def main(args: argparse.Namespace) -> int:
             evaluator.reference_source = ServerReferences(args.reference_server, args.reference_model)
         results = [evaluator.evaluate(args.checkpoint, suite, baseline=args.baseline, train_metrics=train_metrics,
                                       options=options) for suite in suites]
-    except (CheckpointError, ConfigError, TargetError, SuiteError, ReferenceSourceError, ValueError) as e:
+    except (CheckpointError, ConfigError, TargetError, SuiteError, ReferenceSourceError, ValueError, OSError) as e:
         print(f"dflash-eval run: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        pulls.close()
     dicts = [r.to_dict() for r in results]
+    for d in dicts:  # the result names what was asked for, not the cache entry
+        if d["checkpoint"].get("path") in urls:
+            d["checkpoint"]["path"] = urls[d["checkpoint"]["path"]]
+        if d.get("baseline") and d["baseline"].get("checkpoint") in urls:
+            d["baseline"]["checkpoint"] = urls[d["baseline"]["checkpoint"]]
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +138,24 @@ def main(args: argparse.Namespace) -> int:
     if len(dicts) > 1:
         print("\n" + format_suites(dicts))
     return 1 if any(r.errors() for r in results) else 0
+
+
+def _pull(url: str, settings, stack, urls: dict):
+    """A verified local copy of the checkpoint at `url` (held by `stack`); `urls` maps it back."""
+    import os
+
+    from dflash_train import storage
+    from dflash_train.checkpoint_cache import CheckpointCache
+
+    url = storage.check_url(url)
+    if url.startswith("hf://"):
+        from dflash_train import hub
+
+        url = hub.resolve(url)
+    cache = CheckpointCache(settings.checkpoint_cache_dir, max_bytes=int(settings.checkpoint_cache_gb * 2**30))
+    entry, _ = stack.enter_context(cache.checkout(url))
+    urls[os.path.realpath(entry)] = url
+    return entry
 
 
 def format_suites(results: list[dict]) -> str:

@@ -22,7 +22,8 @@ logs exactly the missing ones. ``publish --mode offline`` rebuilds everything lo
 
 Every writer holds :func:`wandb_lock.writer_lock` (Redis + local file), never shared mode.
 Checkpoints are logged as reference artifacts (``file://`` URI, no checksum pass over
-the weights, no upload) with aliases ``step-<n>`` and ``best-tau`` on the best one.
+the weights, no upload) with aliases ``step-<n>`` and ``best-tau`` on the best one; one named by a
+store URL (``s3://``, ``hf://``) as an artifact holding a small ``checkpoint.json`` with the URL.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_train import storage
 from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_text
 from dflash_train.settings import Settings
@@ -165,6 +167,8 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) ->
     import wandb
 
     ck = res.result["checkpoint"]
+    if storage.is_url(ck.get("path")):  # in an object store or on the Hub: no file:// to point at
+        return _log_store_checkpoint(run, run_id, res, best)
     ck_dir = Path(ck.get("source") or ck["path"]).resolve()  # an import record's files are at its source
     files = [ck_dir / f for f in CHECKPOINT_FILES if (ck_dir / f).is_file()]
     if not files:
@@ -175,6 +179,24 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) ->
                                    "tau": res.result["tau"]["macro"], "suite": res.result["suite"]["name"]})
     for f in files:  # checksum=False: URIs only, nothing reads (or uploads) the weights
         art.add_reference(f.as_uri(), name=f.name, checksum=False)
+    aliases = [f"step-{res.step}"] + (["best-tau"] if best is not None and best.key == res.key else [])
+    run.log_artifact(art, aliases=aliases)
+    return True
+
+
+def _log_store_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) -> bool:
+    """A checkpoint named by a store URL: an artifact holding one small `checkpoint.json` (the URL,
+    digest, run and step). W&B's own s3:// references would need boto3 and store credentials in
+    the sink; the URL carries none, and nothing reads the weights."""
+    import wandb
+
+    ck = res.result["checkpoint"]
+    info = {"uri": ck["path"], "digest": ck.get("digest"), "run_id": ck.get("run_id"), "step": res.step}
+    art = wandb.Artifact(f"{_SAFE.sub('_', run_id)}-drafter", type="model",
+                         metadata={"train_step": res.step, "digest": ck.get("digest"), "uri": ck["path"],
+                                   "tau": res.result["tau"]["macro"], "suite": res.result["suite"]["name"]})
+    with art.new_file("checkpoint.json") as fh:
+        json.dump(info, fh, sort_keys=True)
     aliases = [f"step-{res.step}"] + (["best-tau"] if best is not None and best.key == res.key else [])
     run.log_artifact(art, aliases=aliases)
     return True
