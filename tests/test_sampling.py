@@ -13,10 +13,10 @@ from scipy import stats
 
 from dflash_train.sampling import Sampler, SamplingParams, filtered_probs, prompt_key, sample_tokens, uniform
 from dflash_train.speculative import greedy_generate, speculative_generate
-from eval_worker.engine.references import sample_continuation
+from eval_worker.engine.references import sample_continuation, sample_continuations
 
 from .engine_helpers import fit_on_target_predictions
-from .factories import drafter_for, qwen3_target
+from .factories import drafter_for, qwen3_5_vlm_target, qwen3_target
 
 P_FAIL = 1e-3  # chi-square p-value below which the loop's samples are not the target's distribution
 DRAWS = 1000  # loop runs (about 10 ms each on one CPU thread)
@@ -168,3 +168,19 @@ def test_sampling_loop_emits_the_keyed_reference_sample(peaked, params):
         assert res.tokens == ref, k
         with_eos = speculative_generate(target, drafter, prompt, 20, eos_token_id=eos, sampler=sampler)
         assert with_eos.tokens == ref[: ref.index(eos) + 1]
+
+
+@pytest.mark.parametrize("make", [qwen3_target, qwen3_5_vlm_target], ids=["qwen3", "hybrid_qwen3_5"])
+def test_sampling_a_prompts_samples_decoded_as_one_batch_equal_one_by_one(make):
+    """The engine decodes a prompt's K samples as rows of one batch; each row is the sample that
+    one sampler alone draws (eos at different places included: each row keeps its own end)."""
+    target = make()
+    prompt = [5, 17, 33, 2, 8]
+    samplers = [Sampler.for_prompt(SamplingParams(1.3, top_k=30), 9, prompt, k) for k in range(5)]
+    alone = [sample_continuation(target, prompt, s, 16, None, 3) for s in samplers]
+    assert len({tuple(a) for a in alone}) == 5 and all(len(a) == 19 for a in alone)
+    assert sample_continuations(target, prompt, samplers, 16, None, 3) == alone
+    eos = alone[2][4]  # a token some rows draw early, others late or never
+    with_eos = [sample_continuation(target, prompt, s, 16, eos, 3) for s in samplers]
+    assert sample_continuations(target, prompt, samplers, 16, eos, 3) == with_eos
+    assert len({len(r) for r in with_eos}) > 1

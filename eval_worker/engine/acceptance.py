@@ -188,41 +188,58 @@ class Evaluator:
         """References (cached or fetched) and the cache writes of the fetched ones, which the
         caller makes once they are known to be the target's greedy output.
 
-        `sampling` (params, seed, K): K keyed samples per prompt instead, prompt by prompt."""
+        `sampling` (params, seed, K): K keyed samples per prompt instead (prompt-major); a prompt's
+        missing samples are generated together (`generate_samples`: one batched decode locally)."""
         src = self.reference_source
+        K = 1 if sampling is None else sampling[2]
+        what = "references" if sampling is None else f"sampled references (t={sampling[0].temperature:g}, K={K})"
         refs, pending = [], []
-        jobs = [(p, None) for p in prompts] if sampling is None else [(p, k) for p in prompts for k in range(sampling[2])]
-        what = "references" if sampling is None else f"sampled references (t={sampling[0].temperature:g})"
-        for p, k in self._bar(jobs, f"{suite.name}: {what}"):
-            sampler = None if k is None else Sampler.for_prompt(sampling[0], sampling[1], p.ids, k)
-            variant = {} if sampler is None else {"sampling": sampler.params.to_dict(), "seed": sampler.seed,
-                                                  "sample": k}  # greedy slots and keys stay as they were
-            slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name, "source": src.identity(),
-                           **variant})
-            key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
-                   "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity(), **variant}
-            look = self.disk.get_json("references", slot, key)
-            ref = None
-            if look.status == "hit":
-                try:
-                    ref = Reference.from_dict(look.value)
-                except (KeyError, TypeError, ValueError) as e:
-                    look.status, look.note = "corrupt", f"bad reference record ({e})"
-                else:
-                    if ref.lookahead_requested < lookahead:  # a longer lookahead serves any shorter need
-                        look.status, look.note = "mismatch", f"lookahead {ref.lookahead_requested} -> {lookahead}"
-                        ref = None
-                    else:
-                        ref.lookahead = ref.lookahead[:lookahead]
-            if ref is None:
-                ref = src.generate(p.name, p.ids, max_new, eos, lookahead, **({} if sampler is None else
-                                                                            {"sampler": sampler}))
-                if not ref.tokens:
-                    raise ReferenceSourceError(f"reference for {p.name!r} is empty")
-                pending.append((slot, key, ref))
-            report.record("references", look, p.name if k is None else f"{p.name}#{k}")
-            refs.append(ref)
+        for p in self._bar(prompts, f"{suite.name}: {what}"):
+            lookups = []  # (label, slot, key, lookup, reference or None, sampler) per sample
+            for k in [None] if sampling is None else range(K):
+                sampler = None if k is None else Sampler.for_prompt(sampling[0], sampling[1], p.ids, k)
+                variant = {} if sampler is None else {"sampling": sampler.params.to_dict(), "seed": sampler.seed,
+                                                      "sample": k}  # greedy slots and keys stay as they were
+                slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name,
+                               "source": src.identity(), **variant})
+                key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
+                       "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity(), **variant}
+                look = self.disk.get_json("references", slot, key)
+                lookups.append((p.name if k is None else f"{p.name}#{k}", slot, key, look,
+                                self._cached_reference(look, lookahead), sampler))
+            missing = [x for x in lookups if x[4] is None]
+            if sampling is None and missing:
+                made = [src.generate(p.name, p.ids, max_new, eos, lookahead)]
+            elif missing and hasattr(src, "generate_samples"):
+                made = src.generate_samples(p.name, p.ids, max_new, eos, lookahead, [x[5] for x in missing])
+            else:
+                made = [src.generate(p.name, p.ids, max_new, eos, lookahead, sampler=x[5]) for x in missing]
+            fresh = dict(zip([x[0] for x in missing], made))
+            for label, slot, key, look, ref, _ in lookups:
+                if ref is None:
+                    ref = fresh[label]
+                    if not ref.tokens:
+                        raise ReferenceSourceError(f"reference for {label!r} is empty")
+                    pending.append((slot, key, ref))
+                report.record("references", look, label)
+                refs.append(ref)
         return refs, pending
+
+    @staticmethod
+    def _cached_reference(look: Lookup, lookahead: int) -> Reference | None:
+        """The reference of a cache hit that serves `lookahead`; else None (and `look` says why)."""
+        if look.status != "hit":
+            return None
+        try:
+            ref = Reference.from_dict(look.value)
+        except (KeyError, TypeError, ValueError) as e:
+            look.status, look.note = "corrupt", f"bad reference record ({e})"
+            return None
+        if ref.lookahead_requested < lookahead:  # a longer lookahead serves any shorter need
+            look.status, look.note = "mismatch", f"lookahead {ref.lookahead_requested} -> {lookahead}"
+            return None
+        ref.lookahead = ref.lookahead[:lookahead]
+        return ref
 
     def _features(self, ref: Reference, suite: Suite, layer_ids: list[int], report: CacheReport,
                   check: bool = False, written: list | None = None, sampling_id: dict | None = None) -> dict:

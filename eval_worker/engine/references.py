@@ -88,14 +88,22 @@ class LocalReferences:
     def generate(self, name: str, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
                  lookahead: int, sampler: Sampler | None = None) -> Reference:
         if sampler is not None:
-            ids = sample_continuation(self.target, prompt_ids, sampler, max_new_tokens, eos_token_id, lookahead)
-            tokens, more, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
-            return Reference(name, list(prompt_ids), tokens, more[:lookahead], finish, "local", lookahead,
-                             sample=sampler.sample)
+            return self.generate_samples(name, prompt_ids, max_new_tokens, eos_token_id, lookahead, [sampler])[0]
         tokens = greedy_generate(self.target, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)
         tokens, _, finish = split_at_eos(tokens, max_new_tokens, eos_token_id)
         more = greedy_extend(self.target, prompt_ids + tokens, lookahead)
         return Reference(name, list(prompt_ids), tokens, more, finish, "local", lookahead)
+
+    def generate_samples(self, name: str, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
+                         lookahead: int, samplers: list[Sampler]) -> list[Reference]:
+        """One sampled reference per sampler, the prompt's samples decoded as one batch."""
+        rows = sample_continuations(self.target, prompt_ids, samplers, max_new_tokens, eos_token_id, lookahead)
+        refs = []
+        for ids, sampler in zip(rows, samplers):
+            tokens, more, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
+            refs.append(Reference(name, list(prompt_ids), tokens, more[:lookahead], finish, "local", lookahead,
+                                  sample=sampler.sample))
+        return refs
 
 
 @torch.no_grad()
@@ -123,28 +131,46 @@ def greedy_extend(target: Target, ids: list[int], n: int) -> list[int]:
     return out
 
 
+SAMPLE_BATCH = 16  # samples of one prompt decoded together (rows of one batched forward)
+
+
 @torch.no_grad()
 def sample_continuation(target: Target, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
                         eos_token_id: int | None, lookahead: int) -> list[int]:
     """The target's keyed samples after the prompt: the response (up to eos or max_new_tokens)
-    and `lookahead` tokens more, eos or not. One token per forward, KV cached; the LM head runs
-    on the last position only (memory flat in the vocabulary, as `greedy_extend`)."""
+    and `lookahead` tokens more, eos or not."""
+    return sample_continuations(target, prompt_ids, [sampler], max_new_tokens, eos_token_id, lookahead)[0]
+
+
+@torch.no_grad()
+def sample_continuations(target: Target, prompt_ids: list[int], samplers: list[Sampler], max_new_tokens: int,
+                         eos_token_id: int | None, lookahead: int) -> list[list[int]]:
+    """`sample_continuation` for several samplers of one prompt, decoded as the rows of one batch
+    (same prompt, one token per row per forward: no padding). KV cached; the LM head runs on the
+    last position only (memory flat in the vocabulary, as `greedy_extend`)."""
     from transformers import DynamicCache
 
-    dev = target.device
+    if len(samplers) > SAMPLE_BATCH:
+        return [row for i in range(0, len(samplers), SAMPLE_BATCH) for row in sample_continuations(
+            target, prompt_ids, samplers[i:i + SAMPLE_BATCH], max_new_tokens, eos_token_id, lookahead)]
+    dev, n = target.device, len(samplers)
     cache = DynamicCache(config=target.model.config)
-    inp = torch.tensor([prompt_ids], device=dev)
-    out: list[int] = []
-    pos, end = 0, None  # end: length of the response once it is complete
-    while end is None or len(out) < end + lookahead:
+    inp = torch.tensor([prompt_ids] * n, device=dev)
+    out: list[list[int]] = [[] for _ in samplers]
+    ends: list[int | None] = [None] * n  # a row's response length once it is complete
+    pos = 0
+    while any(e is None or len(o) < e + lookahead for o, e in zip(out, ends)):
         last = target.forward(inp, [], past_key_values=cache, use_cache=True,
-                              position_ids=torch.arange(pos, pos + inp.shape[1], device=dev)[None]).last_hidden
+                              position_ids=torch.arange(pos, pos + inp.shape[1], device=dev).expand(n, -1)).last_hidden
         pos += inp.shape[1]
-        out.append(int(sampler.tokens(target.logits(last[0, -1:]), len(prompt_ids) + len(out))[0]))
-        if end is None and (out[-1] == eos_token_id or len(out) == max_new_tokens):
-            end = len(out)
-        inp = torch.tensor([[out[-1]]], device=dev)
-    return out
+        logits = target.logits(last[:, -1])
+        t = len(prompt_ids) + len(out[0])  # every row is at the same absolute position
+        for i, s in enumerate(samplers):
+            out[i].append(int(s.tokens(logits[i:i + 1], t)[0]))
+            if ends[i] is None and (out[i][-1] == eos_token_id or len(out[i]) == max_new_tokens):
+                ends[i] = len(out[i])
+        inp = torch.tensor([[o[-1]] for o in out], device=dev)
+    return [o[: e + lookahead] for o, e in zip(out, ends)]
 
 
 class ServerReferences:
