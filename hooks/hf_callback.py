@@ -6,6 +6,8 @@ synchronous part), then a background thread writes and publishes it atomically a
 `<checkpoint_root>/<run_id>/step-<step:08d>/` (dflash_train.checkpoint.AsyncPublisher:
 temporary dir, fsync, rename, COMPLETE.json last), and only then hands it to
 `EvalOnCheckpoint`, which queues the job (outbox first, so a Redis outage loses nothing).
+With `publish_to="s3://bucket/runs"` the same thread then uploads it (files, then the marker)
+and the job names the store URL, for workers that share no filesystem with the trainer.
 `on_train_end` waits for the publications in flight, queues the final checkpoint and
 flushes the outbox. A failed publication or delivery is logged (`errors`), never raised
 into the HF training loop; a drafter that cannot be found is raised, at `on_train_begin`
@@ -90,8 +92,9 @@ class DFlashEvalCallback(TrainerCallback):
 
     def __init__(self, checkpoint_root: str | Path, *, run_id: str | None = None, every_n_steps: int = 1,
                  drafter_getter: Callable[[Any], Any] | None = None, dtype=None, max_pending: int = 2,
-                 publish_timeout: float = 600.0, **eval_kwargs):
+                 publish_timeout: float = 600.0, publish_to: str | None = None, **eval_kwargs):
         self.checkpoint_root = Path(checkpoint_root)
+        self.publish_to = publish_to  # an object-store prefix: each checkpoint is also uploaded, jobs name the URL
         self.run_id = run_id
         self.drafter_getter = drafter_getter
         self.dtype = dtype
@@ -179,7 +182,7 @@ class DFlashEvalCallback(TrainerCallback):
         if self.publisher is None:
             self.run_id = self.run_id or _run_id_from(args)
             self.publisher = AsyncPublisher(self.checkpoint_root, self.run_id, on_published=self._published,
-                                            dtype=self.dtype, max_pending=self.max_pending)
+                                            dtype=self.dtype, max_pending=self.max_pending, publish_to=self.publish_to)
         return self.publisher
 
     def _published(self, step: int, path: Path, manifest: dict) -> None:

@@ -166,3 +166,24 @@ def test_eval_points_carry_the_hf_step_axis():
 
     payload = log_dict(make_result(step=1234))
     assert payload[STEP_KEY] == payload[HF_STEP_KEY] == 1234
+
+
+def test_hf_callback_publishes_to_an_s3_store(tmp_path, redis_url, s3_server):
+    """`publish_to`: the HF adapter uploads each checkpoint (real S3 API, moto) and queues the URL."""
+    import uuid
+
+    from transformers import Trainer
+
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    s3_server.make_bucket(bucket)
+    drafter = drafter_for(qwen3_target(layers=6, hidden=32), layers=1, features=2)
+    cb = DFlashEvalCallback(tmp_path / "ckpts", run_id="hf-s3", every_n_steps=2, suite="builtin:coding-v1",
+                            redis_url=redis_url, publish_to=f"s3://{bucket}/runs", queue="dflash-eval-s3")
+    Trainer(model=DrafterWrapper(drafter), args=_hf_args(tmp_path), train_dataset=Rows(), callbacks=[cb]).train()
+    urls = list_checkpoints(f"s3://{bucket}/runs/hf-s3")
+    assert urls == [f"s3://{bucket}/runs/hf-s3/step-0000000{s}" for s in (2, 4)]
+    assert [read_manifest(u) for u in urls] == [read_manifest(p) for p in list_checkpoints(tmp_path / "ckpts" / "hf-s3")]
+    conn = connect(redis_url)
+    jobs = get_queue(conn, "dflash-eval-s3").jobs
+    assert sorted(j.args[0]["checkpoint"] for j in jobs) == urls and not cb.errors and not cb.hook.errors
+    conn.close()
