@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,7 @@ def tiny_target_path() -> Path:
 
 
 @pytest.fixture
-def wandb_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+def wandb_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """W&B in offline mode, writing under a temp dir; returns WANDB_DIR."""
     wandb_dir = tmp_path / "wandb"
     wandb_dir.mkdir()
@@ -134,7 +135,14 @@ def wandb_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    return wandb_dir
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    yield wandb_dir
+    # wandb keeps a process-wide service and the settings it read at its first init (WANDB_DIR
+    # among them) and exports WANDB_SERVICE to children: reset both so no test writes into
+    # another test's directory or publishes through its service.
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+    os.environ.pop("WANDB_SERVICE", None)
 
 
 @pytest.fixture(scope="session")

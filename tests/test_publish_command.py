@@ -129,6 +129,16 @@ def test_publish_keeps_the_project_the_worker_used(ledger):
     assert read_run(pointer["wandb_file"]).group == "grp"
 
 
+def test_a_worker_that_ran_wandb_itself_still_publishes_through_its_own_child(ledger, monkeypatch, tmp_path):
+    """A process that used W&B exports WANDB_SERVICE; the publishing child must not inherit it
+    (it would talk to that service, with its settings, and outlive its own kill)."""
+    record, _ = ledger("run-s", 100, 0.5)
+    monkeypatch.setenv("WANDB_SERVICE", f"2-{os.getpid()}-unix-{tmp_path / 'gone.sock'}")
+    out = publish_result(record, record["job"], Settings.from_env())["wandb"]
+    assert out["ok"], out
+    assert read_run(json.loads((ledger.wandb / "run-s-eval.json").read_text())["wandb_file"]).points("eval/tau")
+
+
 def test_publish_bad_input_says_why_and_changes_nothing(ledger):
     proc = cli("publish", "--run", "no-such-run")
     assert proc.returncode == 2 and "no results for run 'no-such-run'" in proc.stderr

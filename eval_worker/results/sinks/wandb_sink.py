@@ -366,8 +366,11 @@ def publish_in_child(run_id: str, target: WandbTarget, *, results_dir: str | os.
     """
     cmd = [sys.executable, "-m", "eval_worker.results.sinks.wandb_sink", "--run", run_id, "--target",
            json.dumps(target.to_json()), "--results", str(results_dir)]
+    # A process that ran W&B itself exports WANDB_SERVICE; a child inheriting it would publish
+    # through that parent's service (its settings, its run ids) and outlive its own kill.
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         out, err = proc.communicate(input=(redis_url or "") + "\n", timeout=timeout_s)
     except subprocess.TimeoutExpired:
