@@ -27,11 +27,13 @@ log = logging.getLogger("dflash_train")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter against a frozen target.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="YAML/JSON config file, or a bundled config name (demo, long)")
+    # No ArgumentDefaultsHelpFormatter: the config flags default to None ("not given, keep the
+    # file's value"), so it would append "(default: None)" after the built-in default each help states.
+    p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter against a frozen target.")
+    p.add_argument("--config", help="YAML/JSON config file, or a bundled config name (demo, long); "
+                                    "without one, the built-in values shown below")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    p.add_argument("--log-level", default="INFO", help="logging level of rank 0 (other ranks log warnings only)")
+    p.add_argument("--log-level", default="INFO", help="logging level of rank 0 (other ranks log warnings only; default: INFO)")
     p.add_argument("--redis-url", default=None,
                    help="Redis of the eval queue, with --eval-every (default $REDIS_URL, else a local redis-server "
                         "started on demand)")
@@ -41,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         base = unwrap_optional(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        text = help_of(f) + f" (default: {_shown(default)})"
+        text = help_of(f)
+        if "default" not in text:  # a field whose help explains its default (None: "the target's") keeps that
+            text += f" (default: {_shown(default)})"
         if base is bool:
             opts.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                               help=text.replace("%", "%%"))

@@ -103,6 +103,9 @@ def test_every_flag_has_help_text():
         assert flag in text
     # the help of a field is the config's own, and says its default
     assert "publish a checkpoint for evaluation every N steps" in text and "(default: 100)" in text
+    # each flag states its default once: the config's built-in one, not argparse's None as well
+    twice = [a.option_strings for a in parser._actions if (a.help or "").count("default") > 1]
+    assert twice == [] and "(default: None)" not in text
     proc = subprocess.run([sys.executable, "-m", "dflash_train", "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "--eval-every" in proc.stdout
