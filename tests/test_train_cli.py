@@ -112,10 +112,10 @@ def test_every_flag_has_help_text():
 
 
 def test_eval_flags_reach_the_config(capsys):
-    assert main(["--config", "demo", "--eval-every", "50", "--eval-suite", "builtin:coding-v1,hf:gsm8k?n=8",
+    assert main(["--config", "demo", "--eval-every", "50", "--eval-suite", "builtin:coding-v1,hf:gsm8k:n=8",
                  "--eval-baseline", "/drafters/zlab", "--print-config"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["eval_every"] == 50 and out["eval_suite"] == ["builtin:coding-v1", "hf:gsm8k?n=8"]
+    assert out["eval_every"] == 50 and out["eval_suite"] == ["builtin:coding-v1", "hf:gsm8k:n=8"]
     assert out["eval_baseline"] == "/drafters/zlab"
     assert main(["--config", "demo", "--eval-every", "0", "--print-config"]) == 2
     assert "eval_every must be >= 1" in capsys.readouterr().err
