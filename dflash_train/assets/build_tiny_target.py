@@ -2,11 +2,11 @@
 
 Usage::
 
-    python -m dflash_train.assets.build_tiny_target [--out DIR] [--steps N]
-                                                     [--minutes M] [--seed S]
+    python -m dflash_train.assets.build_tiny_target [--out DIR] [--steps N] [--chat-steps N]
+                                                     [--minutes M] [--seed S] [--base DIR]
 
 What it does (all seeded; given the same Python stdlib, CPU type and thread
-count, the same ``--steps`` gives bit-identical weights):
+count, the same settings give bit-identical weights):
 
 1. Collects a corpus from the Python standard library sources of the running
    interpreter (``sysconfig.get_paths()["stdlib"]``): ``*.py`` files walked in
@@ -20,21 +20,25 @@ count, the same ``--steps`` gives bit-identical weights):
    distribution and the target answers every chat prompt with ``#\n`` repeats.
    One function in ``PAIR_SPARE_MODULUS`` (by a hash of its qualified name) is
    kept out of the target's pairs: the demo drafter's prompts come from those.
-2. Trains a byte-level BPE tokenizer (Qwen2-style pre-tokenizer regex, vocab 4096 incl. special tokens
-   ``<|endoftext|>`` (eos/pad), ``<|MASK|>`` (DFlash mask), ``<|im_start|>``,
-   ``<|im_end|>``) and wraps it in ``transformers.PreTrainedTokenizerFast`` with
-   a Qwen-style chat template.
-3. Trains a small ``Qwen3ForCausalLM`` from scratch (AdamW, linear warmup +
-   cosine decay, 256-token windows, bf16 autocast on CPU with fp32 master
-   weights) for a fixed number of steps; each batch is half raw-source windows,
-   half windows that start at a chat pair.
-4. Saves model (bfloat16 safetensors), tokenizer, greedy generation config and
-   ``build_info.json`` (held-out losses of the *saved* weights upcast to fp32 on
-   raw source and on the held-out files' chat pairs, build time, parameter
-   count, on-disk size).
+2. Trains a byte-level BPE tokenizer on the raw source (Qwen2-style pre-tokenizer regex,
+   vocab 4096 incl. special tokens ``<|endoftext|>`` (eos/pad), ``<|MASK|>`` (DFlash
+   mask), ``<|im_start|>``, ``<|im_end|>``) and wraps it in
+   ``transformers.PreTrainedTokenizerFast`` with a Qwen-style chat template.
+3. Base stage: trains a small ``Qwen3ForCausalLM`` from scratch on raw-source windows
+   (AdamW, linear warmup + cosine decay, 256-token windows, bf16 autocast on CPU with
+   fp32 master weights unless ``--no-bf16-autocast``) for ``--steps`` steps.
+4. Chat stage: from the base's weights rounded to bfloat16 (what a saved base loads
+   as, so ``--base DIR`` resumes a saved base exactly), a fresh optimizer trains
+   ``--chat-steps`` more steps on batches of which ``PAIR_FRACTION`` are windows that
+   open at a chat pair and the rest raw source (so it keeps writing plain code), in fp32
+   unless ``--chat-bf16-autocast``.
+5. Saves model (bfloat16 safetensors), tokenizer, greedy generation config and
+   ``build_info.json`` (both stages' settings; held-out losses of the *saved* weights
+   upcast to fp32 on raw source and on the held-out files' chat pairs, build time,
+   parameter count, on-disk size).
 
 ``--minutes M`` is an alternative to ``--steps``: the step count is calibrated
-from the speed of the first few steps so that training takes about M minutes.
+from the speed of the first few steps so that the base stage takes about M minutes.
 The chosen count is recorded in ``build_info.json`` so the build can be
 reproduced exactly with ``--steps``.
 """
@@ -80,7 +84,7 @@ SKIP_FILES = {"html/entities.py"}
 PAIR_SPARE_MODULUS = 10  # sha1(rel:qualname) % 10 == 0 -> not in the target's pairs
 PAIR_MIN_LINES = 6  # short answers teach the model to stop after a line or two
 PAIR_MAX_CHARS = 2400  # longer answers are cut by the 256-token window anyway
-PAIR_FRACTION = 0.5  # of each training batch
+PAIR_FRACTION = 0.75  # of each chat-stage batch (the rest: raw source, so it keeps writing code)
 
 # ---- tokenizer ----------------------------------------------------------------
 VOCAB_SIZE = 4096
@@ -122,10 +126,14 @@ MODEL_KW = dict(
 )
 SEQ_LEN = 256
 # The bundled build (tiny_target/build_info.json) used exactly these defaults.
-DEFAULT_STEPS = 360
+# Stage 1 (base): raw source only. Stage 2 (chat): from the base's weights, mostly chat pairs.
+DEFAULT_STEPS = 450
 DEFAULT_BATCH = 16
 DEFAULT_LR = 4e-3
 DEFAULT_WARMUP = 30
+CHAT_STEPS = 800
+CHAT_LR = 2e-3
+CHAT_WARMUP = 20
 MIN_LR_FRAC = 0.1
 WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
@@ -351,6 +359,8 @@ def _make_tokenizer_config_portable(path: Path) -> None:
     tokenizer. transformers 5 maps ``PreTrainedTokenizerFast`` to
     ``TokenizersBackend``."""
     cfg = json.loads(path.read_text())
+    for loader_state in ("is_local", "local_files_only"):  # written when the tokenizer was loaded (--base)
+        cfg.pop(loader_state, None)
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg["additional_special_tokens"] = [IM_START, IM_END]
     cfg["chat_template"] = CHAT_TEMPLATE
@@ -441,6 +451,48 @@ def seed_everything(seed: int) -> None:
 # ------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------
+def train_stage(model, batch_fn, total: int, lr: float, warmup: int, name: str,
+                minutes: float | None = None, bf16_autocast: bool = True) -> tuple[int, float, float]:
+    """AdamW (fresh), linear warm-up then cosine decay; ``batch_fn()`` gives each batch.
+    Returns (steps run, seconds, final loss EMA)."""
+    import torch
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    calib_steps = 3
+    t_train = time.time()
+    model.train()
+    step, running = 0, None
+    while step < total:
+        cur_lr = lr_at(step, total, lr, warmup)
+        for g in opt.param_groups:
+            g["lr"] = cur_lr
+        x = batch_fn()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        lv = loss.item()
+        running = lv if running is None else 0.95 * running + 0.05 * lv
+        elapsed = time.time() - t_train
+        if minutes is not None and step == calib_steps:
+            per = elapsed / step
+            total = max(warmup + 1, int(minutes * 60 / per))
+            log(f"[{name}] calibrated: {per:.2f}s/step -> {total} steps for {minutes} min")
+        if step % 10 == 0 or step == total or step == 1:
+            per = elapsed / step
+            log(f"[{name}] step {step}/{total} loss {lv:.3f} (ema {running:.3f}) lr {cur_lr:.2e} "
+                f"{per:.2f}s/step elapsed {elapsed:.0f}s eta {per * (total - step):.0f}s")
+    return total, time.time() - t_train, running
+
+
 def build(
     out: Path,
     steps: int = DEFAULT_STEPS,
@@ -449,13 +501,22 @@ def build(
     batch: int = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
     warmup: int = DEFAULT_WARMUP,
+    chat_steps: int = CHAT_STEPS,
+    chat_lr: float = CHAT_LR,
+    chat_warmup: int = CHAT_WARMUP,
+    base: Path | None = None,
     max_chars: int = MAX_CORPUS_CHARS,
     bf16_autocast: bool = True,
+    chat_bf16_autocast: bool = False,
 ) -> dict:
+    """Stage 1 (base): tokenizer and model from scratch on raw source. Stage 2 (chat): from the
+    base's weights rounded to bfloat16 (exactly what a saved base loads as), ``PAIR_FRACTION``
+    of each batch opening at a chat pair. ``base=DIR`` skips stage 1 and starts stage 2 from a
+    saved base (model and tokenizer), e.g. a ``chat_steps=0`` build."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
     t0 = time.time()
     torch.set_num_threads(NUM_THREADS)
@@ -475,9 +536,13 @@ def build(
         + ", ".join(f"{k} {len(v)}" for k, v in pairs.items())
     )
 
-    # 2. tokenizer
+    # 2. tokenizer (raw source only: the base never sees a pair)
     t_tok = time.time()
-    tokenizer = train_tokenizer(train_texts + train_chats)
+    if base is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(base)
+        tokenizer.chat_template = CHAT_TEMPLATE
+    else:
+        tokenizer = train_tokenizer(train_texts)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     special_ids = {
         "eos": eos_id,
@@ -497,72 +562,52 @@ def build(
         f"held-out tokens {len(heldout_stream):,} | chat tokens {len(chat_stream):,} (held-out "
         f"{len(heldout_chat_stream):,}) | {time.time() - t_tok:.1f}s"
     )
-
-    # 3. model
-    seed_everything(seed)
-    config = make_config(len(tokenizer), special_ids)
-    model = Qwen3ForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"[model] Qwen3ForCausalLM {n_params:,} params, vocab {config.vocab_size}")
-
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": WEIGHT_DECAY},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
-    gen = torch.Generator().manual_seed(seed)
     n_tok = len(train_stream)
-    offs_range = torch.arange(SEQ_LEN)
+    offs = torch.arange(SEQ_LEN)
 
-    total = steps
-    calib_steps = 3
-    t_train = time.time()
-    model.train()
-    step = 0
-    running = None
-    while step < total:
-        cur_lr = lr_at(step, total, lr, warmup)
-        for g in opt.param_groups:
-            g["lr"] = cur_lr
-        # half raw-source windows anywhere, half windows that open at a chat pair (the
-        # position a real chat prompt has: its <|im_start|> is the first token)
-        n_chat = int(batch * PAIR_FRACTION)
-        starts = torch.randint(0, n_tok - SEQ_LEN, (batch - n_chat,), generator=gen)
-        chat_rows = chat_starts[torch.randint(0, len(chat_starts), (n_chat,), generator=gen)]
-        x = torch.cat([train_stream[starts[:, None] + offs_range[None, :]],
-                       chat_stream[chat_rows[:, None] + offs_range[None, :]]])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        lv = loss.item()
-        running = lv if running is None else 0.95 * running + 0.05 * lv
-        elapsed = time.time() - t_train
-        if minutes is not None and step == calib_steps:
-            per = elapsed / step
-            total = max(warmup + 1, int(minutes * 60 / per))
-            log(f"[train] calibrated: {per:.2f}s/step -> {total} steps for {minutes} min")
-        if step % 10 == 0 or step == total or step == 1:
-            per = elapsed / step
-            log(
-                f"[train] step {step}/{total} loss {lv:.3f} (ema {running:.3f}) lr {cur_lr:.2e} "
-                f"{per:.2f}s/step elapsed {elapsed:.0f}s eta {per * (total - step):.0f}s"
-            )
-    train_time = time.time() - t_train
+    def raw_rows(n: int, gen):
+        starts = torch.randint(0, n_tok - SEQ_LEN, (n,), generator=gen)
+        return train_stream[starts[:, None] + offs[None, :]]
+
+    # 3. stage 1: the base
+    if base is not None:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        base_info = json.loads((Path(base) / "build_info.json").read_text()) if (Path(base) / "build_info.json").exists() else {}
+        stage1 = dict(from_dir=str(base), steps=base_info.get("steps"), peak_lr=base_info.get("peak_lr"),
+                      warmup_steps=base_info.get("warmup_steps"), train_time_s=base_info.get("train_time_s"),
+                      bf16_autocast=base_info.get("bf16_autocast"))
+        log(f"[base] loaded from {base} ({stage1['steps']} steps)")
+    else:
+        seed_everything(seed)
+        model = Qwen3ForCausalLM(make_config(len(tokenizer), special_ids))
+        gen = torch.Generator().manual_seed(seed)
+        n1, t1, ema1 = train_stage(model, lambda: raw_rows(batch, gen), steps, lr, warmup, "base",
+                                   minutes=minutes, bf16_autocast=bf16_autocast)
+        model = model.to(torch.bfloat16).to(torch.float32)  # what a saved base would load as
+        stage1 = dict(steps=n1, peak_lr=lr, warmup_steps=warmup, train_time_s=round(t1, 1),
+                      bf16_autocast=bf16_autocast, final_train_loss_ema=ema1)
+    config = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    stage1["heldout_loss"] = heldout_loss(model, heldout_stream)
+    stage1["heldout_chat_loss"] = heldout_loss(model, heldout_chat_stream)
+    log(f"[base] {n_params:,} params | held-out loss {stage1['heldout_loss']:.4f}, "
+        f"held-out chat-pair loss {stage1['heldout_chat_loss']:.4f}")
+
+    # 4. stage 2: chat pairs (windows that open at a pair: the position a real chat prompt
+    # has, its <|im_start|> first) mixed with raw source
+    gen2 = torch.Generator().manual_seed(seed + 1)
+    n_chat = int(batch * PAIR_FRACTION)
+
+    def mixed_batch():
+        chat_rows = chat_starts[torch.randint(0, len(chat_starts), (n_chat,), generator=gen2)]
+        return torch.cat([raw_rows(batch - n_chat, gen2), chat_stream[chat_rows[:, None] + offs[None, :]]])
+
+    n2, t2, ema2 = (train_stage(model, mixed_batch, chat_steps, chat_lr, chat_warmup, "chat",
+                                bf16_autocast=chat_bf16_autocast) if chat_steps > 0 else (0, 0.0, None))
     fp32_heldout = heldout_loss(model, heldout_stream)
-    log(f"[eval] held-out loss (fp32 weights) {fp32_heldout:.4f}")
     train_chat_loss = heldout_loss(model, chat_stream[: len(heldout_chat_stream)])  # memorisation check
 
-    # 4. save
+    # 5. save
     for p in out.glob("*"):
         if p.is_file() and p.name.endswith((".safetensors", ".json", ".jinja", ".txt")):
             p.unlink()
@@ -577,7 +622,7 @@ def build(
     tokenizer.save_pretrained(out)
     _make_tokenizer_config_portable(out / "tokenizer_config.json")
 
-    # held-out loss of what ships: bf16 weights reloaded and upcast to fp32
+    # held-out losses of what ships: bf16 weights reloaded and upcast to fp32
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     loss_saved = heldout_loss(reloaded, heldout_stream)
     chat_loss_saved = heldout_loss(reloaded, heldout_chat_stream)
@@ -587,15 +632,15 @@ def build(
     info = dict(
         builder="dflash_train.assets.build_tiny_target",
         seed=seed,
-        steps=total,
+        base_stage=stage1,
+        steps=n2,  # the chat stage's
         batch_size=batch,
         seq_len=SEQ_LEN,
-        tokens_seen=total * batch * SEQ_LEN,
-        peak_lr=lr,
-        warmup_steps=warmup,
+        peak_lr=chat_lr,
+        warmup_steps=chat_warmup,
         min_lr_frac=MIN_LR_FRAC,
         weight_decay=WEIGHT_DECAY,
-        bf16_autocast=bf16_autocast,
+        bf16_autocast=chat_bf16_autocast,
         num_threads=NUM_THREADS,
         heldout_loss=loss_saved,
         heldout_loss_fp32_before_save=fp32_heldout,
@@ -608,14 +653,14 @@ def build(
         heldout_tokens=int(len(heldout_stream)),
         train_tokens=int(len(train_stream)),
         ln_vocab=math.log(config.vocab_size),
-        final_train_loss_ema=running,
+        final_train_loss_ema=ema2,
         n_params=n_params,
         vocab_size=config.vocab_size,
         tokenizer_size=len(tokenizer),
         special_token_ids=special_ids,
         model=dict(MODEL_KW),
-        train_time_s=round(train_time, 1),
-        sec_per_step=round(train_time / max(1, total), 3),
+        train_time_s=round(t2, 1),
+        sec_per_step=round(t2 / max(1, n2), 3),
         build_time_s=None,
         size_on_disk_bytes=None,
         corpus={k: v for k, v in cstats.items() if k != "heldout_files"},
@@ -631,7 +676,7 @@ def build(
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(
         f"[done] {out} | build {info['build_time_s']}s | {info['size_on_disk_bytes'] / 1e6:.2f} MB | "
-        f"{n_params:,} params | held-out loss {loss_saved:.4f}"
+        f"{n_params:,} params | held-out loss {loss_saved:.4f}, chat-pair {chat_loss_saved:.4f}"
     )
     return info
 
@@ -639,19 +684,27 @@ def build(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps (deterministic)")
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="base-stage training steps (deterministic)")
     ap.add_argument(
         "--minutes",
         type=float,
         default=None,
-        help="instead of --steps: calibrate the step count to ~M minutes of training (recorded in build_info.json)",
+        help="instead of --steps: calibrate the base stage to ~M minutes of training (recorded in build_info.json)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH)
-    ap.add_argument("--lr", type=float, default=DEFAULT_LR)
-    ap.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR, help="base-stage peak learning rate")
+    ap.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="base-stage warm-up steps")
+    ap.add_argument("--chat-steps", type=int, default=CHAT_STEPS, help="chat-stage steps (0: save the base)")
+    ap.add_argument("--chat-lr", type=float, default=CHAT_LR)
+    ap.add_argument("--chat-warmup", type=int, default=CHAT_WARMUP)
+    ap.add_argument("--base", type=Path, default=None,
+                    help="start the chat stage from this saved base (model + tokenizer) instead of training one")
     ap.add_argument("--max-chars", type=int, default=MAX_CORPUS_CHARS)
-    ap.add_argument("--no-bf16-autocast", action="store_true")
+    ap.add_argument("--no-bf16-autocast", action="store_true", help="base stage in fp32")
+    # bf16 autocast is ~15x slower than fp32 on a CPU without AVX-512 BF16 (59 vs 4 s/step
+    # measured on an AVX2-only EPYC): the bundled chat stage ran in fp32
+    ap.add_argument("--chat-bf16-autocast", action="store_true", help="chat stage under bf16 autocast")
     args = ap.parse_args(argv)
     build(
         args.out,
@@ -661,8 +714,13 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         lr=args.lr,
         warmup=args.warmup,
+        chat_steps=args.chat_steps,
+        chat_lr=args.chat_lr,
+        chat_warmup=args.chat_warmup,
+        base=args.base,
         max_chars=args.max_chars,
         bf16_autocast=not args.no_bf16_autocast,
+        chat_bf16_autocast=args.chat_bf16_autocast,
     )
     return 0
 
