@@ -132,7 +132,7 @@ def test_heldout_loss_recorded(info, model):
     loss = info["heldout_loss"]
     ln_v = math.log(model.config.vocab_size)
     assert math.isfinite(loss)
-    assert 0 < loss < 0.55 * ln_v, (loss, ln_v)  # bundled build: 4.45 nats vs ln V = 8.32
+    assert 0 < loss < 0.55 * ln_v, (loss, ln_v)  # see docs/tiny_target.md for the bundled build's figure
     assert info["n_params"] == sum(p.numel() for p in model.parameters())
     assert info["special_token_ids"]["mask"] != info["special_token_ids"]["eos"]
 
@@ -150,12 +150,82 @@ def test_heldout_file_spot_check(info, tok, model):
     assert math.isfinite(loss) and loss < 0.65 * math.log(model.config.vocab_size)
 
 
-@pytest.mark.parametrize("prompt", ["def binary_search(arr, target):\n", "class LinkedList:\n"])
-def test_greedy_completion_looks_like_python(tok, model, prompt):
-    # the bundled target is small and CPU-trained: def fizzbuzz(n) degenerates, these stay Python
-    enc = tok(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id)
-    completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert re.search(r"\n[ \t]+\S", prompt + completion), completion  # an indented line
-    assert re.search(r"\b(return|if|for|print|def|self)\b", completion), completion
+# The built-in suite asks for code in the chat template. The target must answer it with Python that
+# varies from prompt to prompt: on a collapsed reference ("#\n" repeated) τ only says that a drafter
+# learned to repeat it (issue 17). Thresholds, over the 28 prompts at 128 new tokens at most (most
+# answers end with eos after one function of 45-110 tokens, so 8 distinct lines would fail a
+# complete 6-line function):
+VARIED_LINES = 6  # an answer "varies" when it has at least this many distinct non-empty lines
+VARIED_SHARE = 0.8  # ... for at least this share of the prompts
+ENDED_SHARE = 0.5  # answers that end (eos) like a chat answer, not run on to the token limit
+MAX_COLLAPSED_SHARE = 0.1  # the engine's collapse diagnostic fires on at most this share
+DISTINCT_OPENINGS_SHARE = 0.8  # answers do not all open with the same line
+
+
+@pytest.fixture(scope="module")
+def suite_answers():
+    """Greedy answers to the built-in suite, decoded exactly as the engine makes its references."""
+    from dflash_train.target import Target
+    from eval_worker.engine.references import LocalReferences
+    from eval_worker.engine.suite import load_suite
+
+    target = Target.load(ASSET)
+    suite = load_suite("builtin:coding")
+    refs = LocalReferences(target)
+    eos = target.tokenizer.eos_token_id
+    out = {}
+    for p in suite.encode(target.tokenizer):
+        ref = refs.generate(p.name, p.ids, suite.max_new_tokens, eos, lookahead=0)
+        out[p.name] = (ref.tokens, target.tokenizer.decode(ref.tokens, skip_special_tokens=True), ref.finish)
+    return out
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.split("\n") if line.strip()]
+
+
+def test_suite_answers_vary(suite_answers):
+    varied = {n for n, (_, text, _) in suite_answers.items() if len(set(_lines(text))) >= VARIED_LINES}
+    assert len(varied) >= VARIED_SHARE * len(suite_answers), sorted(set(suite_answers) - varied)
+    openings = [(_lines(text) or [""])[0] for _, text, _ in suite_answers.values()]
+    assert len(set(openings)) >= DISTINCT_OPENINGS_SHARE * len(openings), openings
+    ended = [n for n, (_, _, finish) in suite_answers.items() if finish == "eos"]
+    assert len(ended) >= ENDED_SHARE * len(suite_answers), ended
+
+
+def test_suite_answers_do_not_collapse(suite_answers):
+    from eval_worker.engine.diagnostics import reference_collapse
+
+    collapsed = {n: reference_collapse(tokens, text) for n, (tokens, text, _) in suite_answers.items()}
+    collapsed = {n: why for n, why in collapsed.items() if why}
+    assert len(collapsed) <= MAX_COLLAPSED_SHARE * len(suite_answers), collapsed
+    # the same check does fire on the answer the raw-source target gave (issue 17: "#\n" repeated)
+    tokens, _, _ = next(iter(suite_answers.values()))
+    assert reference_collapse([tokens[0], tokens[1]] * 64, "#\n" * 64) is not None
+
+
+def test_suite_answers_look_like_python(suite_answers):
+    pythonish = [n for n, (_, text, _) in suite_answers.items()
+                 if re.search(r"^\s*(def|class|return|if|for|import|from)\b", text, re.M)]
+    assert len(pythonish) >= VARIED_SHARE * len(suite_answers), sorted(set(suite_answers) - set(pythonish))
+
+
+def test_heldout_source_continues_as_python(info, tok, model):
+    """Raw source stays in distribution after the chat stage: held-out files (never trained on)
+    continue with indented code lines, for at least 40% of them (random weights: none)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [root / f for f in info.get("heldout_files", []) if (root / f).is_file()]
+    if len(files) < 5:
+        pytest.skip("held-out files not present in this Python's stdlib")
+    good = []
+    for f in files:
+        text = f.read_text(encoding="utf-8")
+        cut = text.find("\ndef ")
+        prefix = text[: cut + 1 if cut > 0 else 600] + ("def " if cut > 0 else "")
+        ids = tok.encode(prefix, add_special_tokens=False)[-192:]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id)
+        completion = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+        if re.search(r"\n[ \t]+\S", completion) and re.search(r"\b(return|if|for|self|def|in|not)\b", completion):
+            good.append(f.name)
+    assert len(good) >= 0.4 * len(files), (good, [f.name for f in files])
