@@ -153,7 +153,7 @@ def test_heldout_file_spot_check(info, tok, model):
 # The built-in suite asks for code in the chat template. The target must answer it with Python that
 # varies from prompt to prompt: on a collapsed reference ("#\n" repeated) τ only says that a drafter
 # learned to repeat it (issue 17). Thresholds, over the 28 prompts at 128 new tokens at most (most
-# answers end with eos after one function of 45-110 tokens, so 8 distinct lines would fail a
+# answers end with eos after one function of 45-108 tokens, so 8 distinct lines would fail a
 # complete 6-line function):
 VARIED_LINES = 6  # an answer "varies" when it has at least this many distinct non-empty lines
 VARIED_SHARE = 0.8  # ... for at least this share of the prompts
