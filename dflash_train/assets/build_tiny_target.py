@@ -572,10 +572,12 @@ def build(
     # 3. stage 1: the base
     if base is not None:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        base_info = json.loads((Path(base) / "build_info.json").read_text()) if (Path(base) / "build_info.json").exists() else {}
-        stage1 = dict(from_dir=str(base), steps=base_info.get("steps"), peak_lr=base_info.get("peak_lr"),
-                      warmup_steps=base_info.get("warmup_steps"), train_time_s=base_info.get("train_time_s"),
-                      bf16_autocast=base_info.get("bf16_autocast"))
+        info_path = Path(base) / "build_info.json"
+        base_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        if base_info.get("steps") == 0 and "base_stage" in base_info:  # a --chat-steps 0 build
+            base_info = base_info["base_stage"]
+        stage1 = dict(from_dir=str(base), **{k: base_info.get(k) for k in
+                                             ("steps", "peak_lr", "warmup_steps", "train_time_s", "bf16_autocast")})
         log(f"[base] loaded from {base} ({stage1['steps']} steps)")
     else:
         seed_everything(seed)
