@@ -35,9 +35,9 @@ def conn(redis_url):
     c.close()
 
 
-def _settings(tmp_path: Path, root: Path, **kw) -> WorkerSettings:
+def _settings(tmp_path: Path, root: Path, *, gated: bool = False, **kw) -> WorkerSettings:
     return WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path], default_target=str(tmp_path),
-                          evaluator_factory=FAKE, **kw)
+                          evaluator_factory="tests.sidecar_support:gated_fake_evaluator" if gated else FAKE, **kw)
 
 
 def _pins(checkpoint: Path) -> list[str]:
@@ -88,3 +88,106 @@ def test_pin_race_an_enqueue_that_fails_leaves_no_pin(conn, tmp_path, monkeypatc
     with pytest.raises(redis.exceptions.ConnectionError):
         enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
     assert _pins(path) == []  # nothing queued, so nothing would ever have released it
+
+
+# --------------------------------------------------------------------------- clock skew between boxes
+
+SKEW_S = 300
+
+
+def _skewed_maintenance(conn, monkeypatch, skew: float) -> None:
+    """One maintenance pass of a real RQ worker (EvalWorker) on a box whose clock is `skew` s off:
+    the time source of RQ's registry cleanup in this process is patched (the running worker is
+    another process, on the true clock)."""
+    import rq.registry
+    from rq.serializers import JSONSerializer
+
+    from eval_worker.service.job_guard import EvalJob
+    from eval_worker.service.queue import get_queue
+    from eval_worker.service.worker import EvalWorker
+    from tests.sidecar_support import wait_for
+
+    queue = get_queue(conn, "dflash-eval")
+    worker = EvalWorker([queue], connection=conn, serializer=JSONSerializer, job_class=EvalJob,
+                        name=f"w-skewed{skew:+.0f}", maintenance_interval=1, job_monitoring_interval=1,
+                        heartbeat_grace=2)
+    true_clock = rq.registry.current_timestamp
+    with monkeypatch.context() as mp:
+        mp.setattr(rq.registry, "current_timestamp", lambda: true_clock() + skew)
+        # the running worker's own maintenance holds the queue's lock for a moment now and then
+        wait_for(lambda: conn.set(queue.registry_cleaning_key, 1, nx=True, ex=60), 30, "the maintenance lock")
+        conn.delete(queue.registry_cleaning_key)
+        worker.clean_registries()
+    assert worker.last_cleaned_at is not None
+
+
+def _running_worker(tmp_path, redis_url, root, name):
+    from tests.sidecar_support import WorkerProcess
+
+    # its own maintenance only at start: the skewed box is the one that cleans
+    return WorkerProcess(tmp_path, redis_url, [root, tmp_path], name=name, target=tmp_path,
+                         args=["--evaluator-factory", "tests.sidecar_support:gated_fake_evaluator",
+                               "--maintenance-interval", "3600"],
+                         env={"SIDECAR_GATE": str(tmp_path / "gate"), "SIDECAR_CALLS": str(tmp_path / "calls.jsonl")})
+
+
+def test_clock_skew_a_box_ahead_does_not_take_a_running_job_for_abandoned(conn, redis_url, tmp_path, monkeypatch):
+    from eval_worker.service.queue import QueueConfig, get_queue
+    from tests.sidecar_support import read_calls, wait_for
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-skew", 7, seed=7)
+    calls = tmp_path / "calls.jsonl"
+    a = _running_worker(tmp_path, redis_url, root, "w-true-clock")
+    try:
+        a.wait_registered(conn)
+        out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
+                      config=QueueConfig(retry_max=2, retry_intervals=[]))
+        wait_for(lambda: read_calls(calls), 60, "the job to start on the first worker")
+
+        _skewed_maintenance(conn, monkeypatch, +SKEW_S)  # 300 s ahead: far past the 3 s heartbeat TTL
+        job = fetch_job(conn, out.job_id)
+        assert job.get_status() == JobStatus.STARTED and job.worker_name == "w-true-clock"
+        assert job.retries_left == 2 and get_queue(conn, "dflash-eval").count == 0  # not retried, not queued
+
+        # let it finish; then a second real worker (burst, same gated engine) takes whatever is queued
+        (tmp_path / "gate").touch()
+        wait_for(lambda: fetch_job(conn, out.job_id).get_status() == JobStatus.FINISHED, 60, "the job to finish")
+        monkeypatch.setenv("SIDECAR_CALLS", str(calls))
+        monkeypatch.setenv("DFLASH_SINKS", "none")
+        serve(conn, ["dflash-eval"], _settings(tmp_path, root, gated=True), burst=True, preload=False,
+              with_scheduler=False, name="w-second")
+        executions = read_calls(calls)
+        assert len(executions) == 1, executions  # main: 2 (the skewed box re-queued the running job)
+        assert fetch_job(conn, out.job_id).retries_left == 2  # no retry burnt either
+        assert len(list((tmp_path / "results").rglob("attempt-*.json"))) == 1
+    finally:
+        a.stop()
+
+
+def test_clock_skew_a_box_behind_still_recovers_a_dead_workers_job(conn, redis_url, tmp_path, monkeypatch):
+    """The other direction: the worker dies (SIGKILL); a box whose clock lags 300 s takes the job
+    for abandoned as soon as its heartbeat key lapsed in Redis (on main it waited 300 s more)."""
+    from rq.registry import StartedJobRegistry
+
+    from eval_worker.service.queue import QueueConfig, get_queue
+    from tests.sidecar_support import read_calls, wait_for
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-skew", 8, seed=8)
+    a = _running_worker(tmp_path, redis_url, root, "w-doomed")
+    try:
+        a.wait_registered(conn)
+        out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
+                      config=QueueConfig(retry_max=2, retry_intervals=[]))
+        wait_for(lambda: read_calls(tmp_path / "calls.jsonl"), 60, "the job to start")
+        [entry] = conn.zrange(StartedJobRegistry("dflash-eval", connection=conn).key, 0, -1)
+        a.kill_group()
+        # the heartbeat TTL (1 s interval + 2 s grace) runs out on the Redis server's clock
+        wait_for(lambda: not conn.exists(b"rq:execution:" + entry), 30, "the execution key to lapse")
+        _skewed_maintenance(conn, monkeypatch, -SKEW_S)
+        job = fetch_job(conn, out.job_id)
+        assert job.get_status() == JobStatus.QUEUED and job.retries_left == 1
+        assert get_queue(conn, "dflash-eval").get_job_ids() == [out.job_id]
+    finally:
+        a.stop()
