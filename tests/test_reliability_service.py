@@ -191,3 +191,76 @@ def test_clock_skew_a_box_behind_still_recovers_a_dead_workers_job(conn, redis_u
         assert get_queue(conn, "dflash-eval").get_job_ids() == [out.job_id]
     finally:
         a.stop()
+
+
+# --------------------------------------------------------------------------- suite files within the job's limits
+
+def _suite_file(path: Path, header: dict, prompts: list[dict] | None = None) -> Path:
+    prompts = prompts or [{"name": "p0", "ids": [1, 2, 3]}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in [{"suite": "big", "version": "1", **header}, *prompts]))
+    return path
+
+
+def test_suite_limits_max_new_tokens_has_the_job_options_cap():
+    """Property: a suite header's max_new_tokens is accepted exactly where the option's is."""
+    from hypothesis import given, settings, strategies as st
+
+    from eval_worker.engine.options import EvalOptions, OptionsError
+    from eval_worker.engine.suite import SuiteError, parse_suite
+
+    def option_ok(n):
+        try:
+            EvalOptions.from_dict({"max_new_tokens": n})
+            return True
+        except OptionsError:
+            return False
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.one_of(st.integers(-5, 1 << 40), st.sampled_from([0, 1, 1 << 16, (1 << 16) + 1, 10 ** 9])))
+    def check(n):
+        lines = [json.dumps({"suite": "s", "max_new_tokens": n}), json.dumps({"ids": [1, 2]})]
+        try:
+            suite_ok = parse_suite(lines, "s.jsonl").max_new_tokens == n
+        except SuiteError as e:
+            assert "max_new_tokens" in str(e) and "65536" in str(e)
+            suite_ok = False
+        assert suite_ok == option_ok(n)
+
+    check()
+
+
+@pytest.mark.parametrize("header, prompts, match", [
+    ({"max_new_tokens": 1_000_000_000}, None, "max_new_tokens must be >= 1 and <= 65536"),
+    ({"max_new_tokens": 1e9}, None, "max_new_tokens"),
+    ({"max_new_tokens": True}, None, "max_new_tokens"),
+    ({"suite": "n" * 300}, None, "at most 256 characters"),
+    ({}, [{"name": "p" * 300, "ids": [1]}], "longer than 256 characters"),
+    ({}, [{"name": "p", "ids": [1, 1 << 40]}], "token ids"),
+    ({"description": "d" * 5000}, None, "description"),
+])
+def test_suite_limits_an_oversized_suite_file_is_refused_at_enqueue(conn, tmp_path, header, prompts, match):
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-suite", 3, seed=3)
+    suite = _suite_file(root / "big.jsonl", header, prompts)
+    with pytest.raises(jobs.JobError, match=match):
+        enqueue(conn, jobs.make_job(path, suite=str(suite), target=str(tmp_path)))
+    assert _pins(path) == []  # refused before anything was pinned or queued
+
+
+def test_suite_limits_a_suite_grown_after_enqueue_fails_its_job_once(conn, tmp_path, monkeypatch):
+    """The worker applies the limits too: a suite file rewritten after its job was queued fails
+    that job at once (no retries, the reason names the limit), and the worker carries on."""
+    monkeypatch.setenv("DFLASH_SINKS", "none")
+    from eval_worker.service.queue import QueueConfig, failure_reason, status
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-suite", 4, seed=4)
+    suite = _suite_file(root / "grows.jsonl", {"max_new_tokens": 16})
+    out = enqueue(conn, jobs.make_job(path, suite=str(suite), target=str(tmp_path)), config=QueueConfig(retry_max=2))
+    _suite_file(suite, {"max_new_tokens": 1_000_000_000})
+    serve(conn, ["dflash-eval"], _settings(tmp_path, root), burst=True, preload=False, with_scheduler=False,
+          name="w-suite")
+    job = fetch_job(conn, out.job_id)
+    assert job.get_status() == JobStatus.FAILED and job.retries_left == 0 and len(job.results()) == 1
+    assert "max_new_tokens must be >= 1 and <= 65536" in failure_reason(job)
+    assert [f["job_id"] for f in status(conn)["failed"]] == [out.job_id]
