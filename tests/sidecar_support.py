@@ -172,3 +172,10 @@ def read_calls(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def gated_fake_evaluator(target, **kwargs):
+    """The stand-in engine (tests.fake_evaluator) behind the same gate: no model is loaded."""
+    from tests.fake_evaluator import FakeEvaluator
+
+    return _GatedEvaluator(FakeEvaluator(target, **kwargs))

@@ -24,6 +24,11 @@ PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend"})
 MAX_SHOWN = 80  # characters of an offending value quoted in an error
 DEFAULT_LEAK_PROBE_ANCHORS = 256  # anchors over the whole suite the leak probe drafts again
 MAX_TEMPERATURES = 16
+# Size limits shared by job options and suite files (eval_worker.engine.suite), so a suite
+# cannot ask for what an option may not
+MAX_NEW_TOKENS = 1 << 16
+MAX_PROMPTS = 1 << 20
+MAX_NAME = 256  # a job's W&B names, tags and metric names; a suite's name, version and prompt names
 SAMPLING_ONLY = ("top_p", "top_k", "num_samples")  # meaningless without temperatures
 
 
@@ -73,12 +78,12 @@ class EvalOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
-    max_new_tokens: int | None = _int(1, 1 << 16)          # default: the suite's
+    max_new_tokens: int | None = _int(1, MAX_NEW_TOKENS)   # default: the suite's
     tree_budget: int = _int(0, 4096, 8)
     tree_spine: bool = False
     mode: Literal["online", "stride"] = "online"
     counting: str = Field("response", max_length=32)       # dflash_train.tau.COUNTING_RULES
-    num_prompts: int | None = _int(1, 1 << 20)
+    num_prompts: int | None = _int(1, MAX_PROMPTS)
     max_blocks: int | None = _int(1, 1 << 24)
     validate_loop: bool = Field(False, alias="validate")  # `validate` is a BaseModel method name
     bootstrap: int = _int(1, 1 << 20, 2000)

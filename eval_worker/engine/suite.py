@@ -31,10 +31,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_train.errors import DFlashError
+from eval_worker.engine.options import MAX_NAME, MAX_NEW_TOKENS, MAX_PROMPTS, shorten
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "suites"
 DEFAULT_SUITE = "builtin:coding-v1"
 DEFAULT_MAX_NEW_TOKENS = 128
+# A suite file comes from whoever can write under the suite roots and runs on a shared worker:
+# the job options' limits (MAX_NEW_TOKENS, MAX_PROMPTS, MAX_NAME) apply to it too, and these
+MAX_SUITE_BYTES = 64 << 20         # the whole file
+MAX_PROMPT_CHARS = 1 << 20         # one prompt's text (all its messages)
+MAX_PROMPT_IDS = 1 << 20           # one tokenized prompt
+MAX_TOKEN_ID = (1 << 31) - 1       # as the eos_token_id option
+MAX_DESCRIPTION = 4096
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
 
 
 class SuiteError(DFlashError, ValueError):
@@ -87,8 +96,9 @@ class Suite:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise SuiteError(f"suite {self.name!r}: duplicate prompt names {dup}")
-        if int(self.max_new_tokens) < 1:
-            raise SuiteError(f"suite {self.name!r}: max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        _check_max_new_tokens(self.max_new_tokens, f"suite {shorten(self.name)}")
+        if len(self.prompts) > MAX_PROMPTS:
+            raise SuiteError(f"suite {shorten(self.name)} has {len(self.prompts)} prompts; the limit is {MAX_PROMPTS}")
 
     @property
     def label(self) -> str:
@@ -150,6 +160,30 @@ def _encode_text(tokenizer, p: Prompt, use_chat: bool, kwargs: dict[str, Any]) -
 
 
 # --- loading -------------------------------------------------------------------
+def _check_max_new_tokens(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NEW_TOKENS:
+        raise SuiteError(f"{where}: max_new_tokens must be >= 1 and <= {MAX_NEW_TOKENS} (an integer; the "
+                         f"job option's limit), got {shorten(value)}")
+
+
+def _check_header(header: dict[str, Any], source: str) -> None:
+    """The header's values, within the limits a job's options have."""
+    for key in ("suite", "version"):
+        if key in header and len(str(header[key])) > MAX_NAME:
+            raise SuiteError(f"{source}: header '{key}' must be at most {MAX_NAME} characters, "
+                             f"got {shorten(str(header[key]))}")
+    if "max_new_tokens" in header:
+        _check_max_new_tokens(header["max_new_tokens"], source)
+    if "description" in header and (not isinstance(header["description"], str)
+                                    or len(header["description"]) > MAX_DESCRIPTION):
+        raise SuiteError(f"{source}: header 'description' must be a string of at most {MAX_DESCRIPTION} characters")
+    if "chat_template_kwargs" in header:
+        kwargs = header["chat_template_kwargs"]
+        if not isinstance(kwargs, dict) or len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise SuiteError(f"{source}: header 'chat_template_kwargs' must be an object of at most "
+                             f"{MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON")
+
+
 def parse_suite(lines: list[str], source: str, default_name: str = "suite") -> Suite:
     header: dict[str, Any] = {}
     prompts: list[Prompt] = []
@@ -167,13 +201,17 @@ def parse_suite(lines: list[str], source: str, default_name: str = "suite") -> S
                 raise SuiteError(f"{source}:{lineno}: the suite header must be the first line")
             header = obj
             continue
+        if len(prompts) >= MAX_PROMPTS:
+            raise SuiteError(f"{source}: more than {MAX_PROMPTS} prompts (the num_prompts option's limit)")
         prompts.append(_parse_prompt(obj, f"{source}:{lineno}", len(prompts)))
     if not prompts:
         raise SuiteError(f"{source}: the suite is empty (no prompt lines)")
     known = {"suite", "version", "chat_template", "max_new_tokens", "chat_template_kwargs", "description"}
     unknown = sorted(set(header) - known)
     if unknown:
-        raise SuiteError(f"{source}: unknown header fields {unknown} (known: {sorted(known)})")
+        raise SuiteError(f"{source}: unknown header fields {[shorten(k) for k in unknown][:10]} "
+                         f"(known: {sorted(known)})")
+    _check_header(header, source)
     kw: dict[str, Any] = {}
     if "chat_template_kwargs" in header:
         kw["chat_template_kwargs"] = dict(header["chat_template_kwargs"])
@@ -190,22 +228,30 @@ def parse_suite(lines: list[str], source: str, default_name: str = "suite") -> S
 
 def _parse_prompt(obj: dict, where: str, index: int) -> Prompt:
     name = str(obj.get("name") or f"prompt_{index:03d}")
+    if len(name) > MAX_NAME:
+        raise SuiteError(f"{where}: prompt name {shorten(name)} is longer than {MAX_NAME} characters")
     kinds = [k for k in ("prompt", "messages", "ids") if k in obj]
     if len(kinds) != 1:
         raise SuiteError(f"{where}: give exactly one of 'prompt', 'messages', 'ids' (got {kinds or 'none'})")
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise SuiteError(f"{where}: 'prompt' must be a non-empty string")
+        if len(obj["prompt"]) > MAX_PROMPT_CHARS:
+            raise SuiteError(f"{where}: 'prompt' is {len(obj['prompt'])} characters; the limit is {MAX_PROMPT_CHARS}")
         return Prompt(name, prompt=obj["prompt"])
     if "messages" in obj:
         msgs = obj["messages"]
         if (not isinstance(msgs, list) or not msgs
                 or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in msgs)):
             raise SuiteError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        if sum(len(m["content"]) for m in msgs) > MAX_PROMPT_CHARS:
+            raise SuiteError(f"{where}: 'messages' hold more than {MAX_PROMPT_CHARS} characters")
         return Prompt(name, messages=tuple(dict(m) for m in msgs))
     ids = obj["ids"]
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-        raise SuiteError(f"{where}: 'ids' must be a non-empty list of non-negative integers")
+    if (not isinstance(ids, list) or not ids or len(ids) > MAX_PROMPT_IDS
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in ids)):
+        raise SuiteError(f"{where}: 'ids' must be a non-empty list of at most {MAX_PROMPT_IDS} token ids "
+                         f"(non-negative integers up to {MAX_TOKEN_ID})")
     return Prompt(name, ids=tuple(ids))
 
 
@@ -220,6 +266,9 @@ def load_suite(spec: str | Path, *, hf_datasets_dir: str | Path | None = None) -
     if not text.startswith("builtin:") and (path.suffix == ".jsonl" or path.exists() or "/" in text):
         if not path.is_file():
             raise SuiteError(f"suite file {path} not found")
+        size = path.stat().st_size
+        if size > MAX_SUITE_BYTES:
+            raise SuiteError(f"suite file {path} is {size} bytes; the limit is {MAX_SUITE_BYTES}")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

@@ -40,7 +40,8 @@ from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, 
                                       parse_manifest, read_manifest, read_marker, valid_run_id, verify_checkpoint,
                                       within)
 
-from eval_worker.engine.options import MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity, shorten
+from eval_worker.engine.options import (MAX_NAME, MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity,
+                                       shorten)
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
 
 SCHEMA = "dflash-eval-job/1"
@@ -60,7 +61,7 @@ class JobError(DFlashError, ValueError):
 # Size limits: a job is a few hundred bytes; anything near these is a mistake or an attack,
 # refused before it is pinned, hashed, stored in Redis or shown by `status`.
 MAX_PATH = 4096            # checkpoint, target, baseline, suite (PATH_MAX)
-MAX_NAME = 256             # W&B project/group/entity/name, each tag, each metric name
+# MAX_NAME (eval_worker.engine.options): W&B project/group/entity/name, each tag, each metric name
 MAX_TAGS = 64
 MAX_METRICS = 256
 MAX_PAYLOAD_BYTES = 256 * 1024

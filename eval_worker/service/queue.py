@@ -157,6 +157,9 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     queue = get_queue(connection, qname)
     meta = {"run_id": job["run_id"], "step": job["step"], "suite": job["suite"], "suite_fingerprint": suite_fp,
             "checkpoint": job["checkpoint"], "attempt": job["attempt"], "requested_by": job["requested_by"]}
+    # Pin first: a fast worker may run the job and unpin before enqueue_call even returns, and
+    # a pin written after that would keep the checkpoint through retention for ever.
+    pin_checkpoint(job["checkpoint"], job_id)
     try:
         queue.enqueue_call(
             JOB_FUNC, args=(job,), job_id=job_id, unique=True, timeout=config.job_timeout,
@@ -166,10 +169,14 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
             at_front=False)
     except DuplicateJobError:
         outcome, state = _duplicate(connection, job_id, qname, job)
-        if state in (JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED):
+        # done, or recorded (the worker records, then unpins, then RQ hears it finished): our pin,
+        # written before this check, would outlive the job
+        if state in (JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED) or _recorded(connection, job_id):
             unpin_checkpoint(job["checkpoint"], job_id)  # nothing will read it for this job any more
         return outcome
-    pin_checkpoint(job["checkpoint"], job_id)  # retention keeps it until the worker has recorded the result
+    except BaseException:
+        unpin_checkpoint(job["checkpoint"], job_id)  # not queued: nothing will ever release it
+        raise
     others = other_checkpoints_at_step(connection, job)
     _remember(connection, job, job_id, suite_fp)
     note = ""
@@ -178,6 +185,12 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
                 f"{', '.join(d[:12] + '...' for d in others)} and this one is {job['checkpoint_digest'][:12]}...: "
                 "each is recorded and shown on its own (docs/design.md)")
     return EnqueueOutcome("enqueued", job_id, qname, f"enqueued {job_id} on {qname}{note}", job)
+
+
+def _recorded(connection, job_id: str) -> bool:
+    """Whether the ledger index holds this very job id (attempt included) as recorded."""
+    done = Ledger(connection=connection).lookup_job(jobs_mod.strip_attempt(job_id))
+    return bool(done) and done.get("job_id") == job_id
 
 
 def other_checkpoints_at_step(connection, job: dict[str, Any]) -> list[str]:

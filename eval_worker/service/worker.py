@@ -13,7 +13,9 @@ RQ's SimpleWorker sends no heartbeats while a job runs, so another worker's main
 would take a long job for abandoned; the heartbeat thread here renews the worker,
 job and execution keys every `job_monitoring_interval` seconds, and the heartbeat TTL is
 `interval + heartbeat_grace` (RQ hard-codes +60 s) so a crashed worker's job is
-recovered quickly. Timeouts still work (SIGALRM death penalty in the main thread). A
+recovered quickly. A job is abandoned when its execution key's TTL ran out on the Redis
+server (HeartbeatStartedJobRegistry), never by comparing two boxes' wall clocks, so a
+worker whose clock runs minutes ahead does not retry other workers' running jobs. Timeouts still work (SIGALRM death penalty in the main thread). A
 crash of the process takes its job with it: StartedJobRegistry cleanup in a surviving
 worker's maintenance then retries it (Retry), and the ledger keeps it recorded once.
 SIGTERM: finish the current job, then exit (warm); with `stop_timeout`, or on a second
@@ -30,7 +32,12 @@ import time
 from datetime import timedelta
 
 import redis
+from rq import worker_registration
+from rq.defaults import RQ_KEY_PREFIX
 from rq.job import JobStatus
+from rq.rate_limit import RateLimitRegistry
+from rq.registry import (DeferredJobRegistry, FailedJobRegistry, FinishedJobRegistry, ReadyJobRegistry,
+                         StartedJobRegistry)
 from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
@@ -58,6 +65,56 @@ def _ride_out(log, what: str):
         if not server_unavailable(e):
             raise
         log.warning("%s skipped, Redis unavailable: %s", what, e)
+
+
+# --------------------------------------------------------------------------- abandoned jobs
+
+_LONG_AGO = 1  # a started-registry score every clock has passed
+
+
+class HeartbeatStartedJobRegistry(StartedJobRegistry):
+    """RQ's started registry, with abandonment judged by Redis' clock instead of the boxes'.
+
+    RQ scores each running job with the running worker's wall clock plus the heartbeat TTL,
+    and a maintenance pass takes every entry scored before its own wall clock for abandoned:
+    a box whose clock runs ahead of another's by more than the TTL retries the other's running
+    jobs (one that lags never recovers a crashed one in time). Each entry's execution key
+    (`rq:execution:<job>:<execution>`) has the same TTL, counted down by Redis itself and
+    renewed by every heartbeat, so whether it still exists is one verdict every box shares:
+    cleanup takes exactly the entries whose execution key lapsed, whatever their scores.
+    """
+
+    def lapsed(self) -> list[str]:
+        members = [m.decode() if isinstance(m, bytes) else m for m in self.connection.zrange(self.key, 0, -1)]
+        members = [m for m in members if ":" in m]  # job:execution (an older entry has no key to judge by)
+        if not members:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for m in members:
+                pipe.exists(f"{RQ_KEY_PREFIX}:execution:{m}")
+            alive = pipe.execute()
+        return [m for m, a in zip(members, alive) if not a]
+
+    def cleanup(self, timestamp: float | None = None, exception_handlers: list | None = None):
+        lapsed = self.lapsed()
+        if not lapsed:
+            return
+        # moved before every clock's "now" (xx: an entry that ended meanwhile stays gone), then RQ's
+        # own cleanup (retry or fail, callbacks, rate-limit slots) for exactly those entries
+        self.connection.zadd(self.key, {m: _LONG_AGO for m in lapsed}, xx=True)
+        super().cleanup(timestamp=_LONG_AGO, exception_handlers=exception_handlers)
+
+
+def clean_queue_registries(queue, exception_handlers: list | None = None) -> None:
+    """rq.registry.clean_registries, with the started registry judged by heartbeat keys."""
+    kw = dict(name=queue.name, connection=queue.connection, job_class=queue.job_class, serializer=queue.serializer)
+    FinishedJobRegistry(**kw).cleanup()
+    HeartbeatStartedJobRegistry(**kw).cleanup(exception_handlers=exception_handlers)
+    FailedJobRegistry(**kw).cleanup()
+    DeferredJobRegistry(**kw).cleanup()
+    ReadyJobRegistry(**kw).cleanup()
+    for registry in RateLimitRegistry.all(queue.connection):
+        registry.cleanup()
 
 
 # --------------------------------------------------------------------------- the scheduler
@@ -296,6 +353,20 @@ class EvalWorker(SimpleWorker):
     def run_maintenance_tasks(self):
         with _ride_out(self.log, f"Worker {self.name}: maintenance"):
             super().run_maintenance_tasks()
+
+    def clean_registries(self):
+        # RQ's Worker.clean_registries with clean_queue_registries: abandoned jobs by the heartbeat
+        # keys' Redis-side TTL, not by comparing this box's clock with the running worker's
+        for queue in self.queues:
+            if queue.acquire_maintenance_lock():  # one worker at a time cleans a queue
+                self.log.info("Worker %s: cleaning registries for queue: %s", self.name, queue.name)
+                try:
+                    clean_queue_registries(queue, self._exc_handlers)
+                    worker_registration.clean_worker_registry(queue)
+                    queue.intermediate_queue.cleanup(self, queue)
+                finally:
+                    queue.release_maintenance_lock()
+        self.last_cleaned_at = now()
 
     # ---- stopping ----------------------------------------------------------------------
     def _interrupt_handler(self, signum, frame):

@@ -1,0 +1,266 @@
+"""Reliability of the job service: pins and fast workers, suite size limits, clock skew between
+worker boxes, a hook whose outbox disk is full, secrets in URLs (docs/reliability.md rows).
+
+Real parts throughout: a real redis-server (tests/conftest.py), real RQ workers (in-process
+`serve(burst=True)` or `dflash-eval worker` subprocesses), the stand-in engine
+tests.fake_evaluator (no model: these tests are about the service, not the number).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import JobStatus
+
+from eval_worker.service import jobs
+from eval_worker.service.evaluators import WorkerSettings
+from eval_worker.service.queue import enqueue, fetch_job
+from eval_worker.service.redis_local import connect
+from eval_worker.service.worker import serve
+from tests.sidecar_support import REPO_ROOT, publish_random
+
+FAKE = "tests.fake_evaluator:FakeEvaluator"
+
+
+@pytest.fixture
+def conn(redis_url):
+    c = connect(redis_url)
+    yield c
+    c.close()
+
+
+def _settings(tmp_path: Path, root: Path, *, gated: bool = False, **kw) -> WorkerSettings:
+    return WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path], default_target=str(tmp_path),
+                          evaluator_factory="tests.sidecar_support:gated_fake_evaluator" if gated else FAKE, **kw)
+
+
+def _pins(checkpoint: Path) -> list[str]:
+    d = checkpoint / ".pins"
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+# --------------------------------------------------------------------------- pin before enqueue
+
+def test_pin_race_a_worker_done_before_enqueue_returns_leaves_no_pin(conn, tmp_path, monkeypatch):
+    """A worker (real RQ worker, in-process, burst) takes the job, records it and unpins before
+    `enqueue_call` has returned to the enqueuer. The enqueuer must not pin after that."""
+    monkeypatch.setenv("DFLASH_SINKS", "none")
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-pin", 5, seed=5)
+    settings = _settings(tmp_path, root)
+    real = Queue.enqueue_call
+    ran = []
+
+    def with_a_fast_worker(self, *args, **kwargs):
+        job = real(self, *args, **kwargs)
+        serve(conn, [self.name], settings, burst=True, preload=False, with_scheduler=False, name="w-fast")
+        ran.append(job.get_status(refresh=True))
+        return job
+
+    monkeypatch.setattr(Queue, "enqueue_call", with_a_fast_worker)
+    out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
+    assert out.status == "enqueued" and ran == [JobStatus.FINISHED]
+    assert _pins(path) == []  # retention may remove the checkpoint now: its only job is recorded
+
+    # more enqueuers of the same checkpoint, now that it is done: each pins first, sees the job
+    # finished (or recorded), and takes its pin back
+    monkeypatch.setattr(Queue, "enqueue_call", real)
+    for _ in range(3):
+        again = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
+        assert again.status in ("duplicate", "evaluated")
+    assert _pins(path) == []
+
+
+def test_pin_race_an_enqueue_that_fails_leaves_no_pin(conn, tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-pin", 6, seed=6)
+
+    def refused(self, *args, **kwargs):
+        raise redis.exceptions.ConnectionError("connection refused")
+
+    monkeypatch.setattr(Queue, "enqueue_call", refused)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
+    assert _pins(path) == []  # nothing queued, so nothing would ever have released it
+
+
+# --------------------------------------------------------------------------- clock skew between boxes
+
+SKEW_S = 300
+
+
+def _skewed_maintenance(conn, monkeypatch, skew: float) -> None:
+    """One maintenance pass of a real RQ worker (EvalWorker) on a box whose clock is `skew` s off:
+    the time source of RQ's registry cleanup in this process is patched (the running worker is
+    another process, on the true clock)."""
+    import rq.registry
+    from rq.serializers import JSONSerializer
+
+    from eval_worker.service.job_guard import EvalJob
+    from eval_worker.service.queue import get_queue
+    from eval_worker.service.worker import EvalWorker
+    from tests.sidecar_support import wait_for
+
+    queue = get_queue(conn, "dflash-eval")
+    worker = EvalWorker([queue], connection=conn, serializer=JSONSerializer, job_class=EvalJob,
+                        name=f"w-skewed{skew:+.0f}", maintenance_interval=1, job_monitoring_interval=1,
+                        heartbeat_grace=2)
+    true_clock = rq.registry.current_timestamp
+    with monkeypatch.context() as mp:
+        mp.setattr(rq.registry, "current_timestamp", lambda: true_clock() + skew)
+        # the running worker's own maintenance holds the queue's lock for a moment now and then
+        wait_for(lambda: conn.set(queue.registry_cleaning_key, 1, nx=True, ex=60), 30, "the maintenance lock")
+        conn.delete(queue.registry_cleaning_key)
+        worker.clean_registries()
+    assert worker.last_cleaned_at is not None
+
+
+def _running_worker(tmp_path, redis_url, root, name):
+    from tests.sidecar_support import WorkerProcess
+
+    # its own maintenance only at start: the skewed box is the one that cleans
+    return WorkerProcess(tmp_path, redis_url, [root, tmp_path], name=name, target=tmp_path,
+                         args=["--evaluator-factory", "tests.sidecar_support:gated_fake_evaluator",
+                               "--maintenance-interval", "3600"],
+                         env={"SIDECAR_GATE": str(tmp_path / "gate"), "SIDECAR_CALLS": str(tmp_path / "calls.jsonl")})
+
+
+def test_clock_skew_a_box_ahead_does_not_take_a_running_job_for_abandoned(conn, redis_url, tmp_path, monkeypatch):
+    from eval_worker.service.queue import QueueConfig, get_queue
+    from tests.sidecar_support import read_calls, wait_for
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-skew", 7, seed=7)
+    calls = tmp_path / "calls.jsonl"
+    a = _running_worker(tmp_path, redis_url, root, "w-true-clock")
+    try:
+        a.wait_registered(conn)
+        out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
+                      config=QueueConfig(retry_max=2, retry_intervals=[]))
+        wait_for(lambda: read_calls(calls), 60, "the job to start on the first worker")
+
+        _skewed_maintenance(conn, monkeypatch, +SKEW_S)  # 300 s ahead: far past the 3 s heartbeat TTL
+        job = fetch_job(conn, out.job_id)
+        assert job.get_status() == JobStatus.STARTED and job.worker_name == "w-true-clock"
+        assert job.retries_left == 2 and get_queue(conn, "dflash-eval").count == 0  # not retried, not queued
+
+        # let it finish; then a second real worker (burst, same gated engine) takes whatever is queued
+        (tmp_path / "gate").touch()
+        wait_for(lambda: fetch_job(conn, out.job_id).get_status() == JobStatus.FINISHED, 60, "the job to finish")
+        monkeypatch.setenv("SIDECAR_CALLS", str(calls))
+        monkeypatch.setenv("DFLASH_SINKS", "none")
+        serve(conn, ["dflash-eval"], _settings(tmp_path, root, gated=True), burst=True, preload=False,
+              with_scheduler=False, name="w-second")
+        executions = read_calls(calls)
+        assert len(executions) == 1, executions  # main: 2 (the skewed box re-queued the running job)
+        assert fetch_job(conn, out.job_id).retries_left == 2  # no retry burnt either
+        assert len(list((tmp_path / "results").rglob("attempt-*.json"))) == 1
+    finally:
+        a.stop()
+
+
+def test_clock_skew_a_box_behind_still_recovers_a_dead_workers_job(conn, redis_url, tmp_path, monkeypatch):
+    """The other direction: the worker dies (SIGKILL); a box whose clock lags 300 s takes the job
+    for abandoned as soon as its heartbeat key lapsed in Redis (on main it waited 300 s more)."""
+    from rq.registry import StartedJobRegistry
+
+    from eval_worker.service.queue import QueueConfig, get_queue
+    from tests.sidecar_support import read_calls, wait_for
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-skew", 8, seed=8)
+    a = _running_worker(tmp_path, redis_url, root, "w-doomed")
+    try:
+        a.wait_registered(conn)
+        out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
+                      config=QueueConfig(retry_max=2, retry_intervals=[]))
+        wait_for(lambda: read_calls(tmp_path / "calls.jsonl"), 60, "the job to start")
+        [entry] = conn.zrange(StartedJobRegistry("dflash-eval", connection=conn).key, 0, -1)
+        a.kill_group()
+        # the heartbeat TTL (1 s interval + 2 s grace) runs out on the Redis server's clock
+        wait_for(lambda: not conn.exists(b"rq:execution:" + entry), 30, "the execution key to lapse")
+        _skewed_maintenance(conn, monkeypatch, -SKEW_S)
+        job = fetch_job(conn, out.job_id)
+        assert job.get_status() == JobStatus.QUEUED and job.retries_left == 1
+        assert get_queue(conn, "dflash-eval").get_job_ids() == [out.job_id]
+    finally:
+        a.stop()
+
+
+# --------------------------------------------------------------------------- suite files within the job's limits
+
+def _suite_file(path: Path, header: dict, prompts: list[dict] | None = None) -> Path:
+    prompts = prompts or [{"name": "p0", "ids": [1, 2, 3]}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in [{"suite": "big", "version": "1", **header}, *prompts]))
+    return path
+
+
+def test_suite_limits_max_new_tokens_has_the_job_options_cap():
+    """Property: a suite header's max_new_tokens is accepted exactly where the option's is."""
+    from hypothesis import given, settings, strategies as st
+
+    from eval_worker.engine.options import EvalOptions, OptionsError
+    from eval_worker.engine.suite import SuiteError, parse_suite
+
+    def option_ok(n):
+        try:
+            EvalOptions.from_dict({"max_new_tokens": n})
+            return True
+        except OptionsError:
+            return False
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.one_of(st.integers(-5, 1 << 40), st.sampled_from([0, 1, 1 << 16, (1 << 16) + 1, 10 ** 9])))
+    def check(n):
+        lines = [json.dumps({"suite": "s", "max_new_tokens": n}), json.dumps({"ids": [1, 2]})]
+        try:
+            suite_ok = parse_suite(lines, "s.jsonl").max_new_tokens == n
+        except SuiteError as e:
+            assert "max_new_tokens" in str(e) and "65536" in str(e)
+            suite_ok = False
+        assert suite_ok == option_ok(n)
+
+    check()
+
+
+@pytest.mark.parametrize("header, prompts, match", [
+    ({"max_new_tokens": 1_000_000_000}, None, "max_new_tokens must be >= 1 and <= 65536"),
+    ({"max_new_tokens": 1e9}, None, "max_new_tokens"),
+    ({"max_new_tokens": True}, None, "max_new_tokens"),
+    ({"suite": "n" * 300}, None, "at most 256 characters"),
+    ({}, [{"name": "p" * 300, "ids": [1]}], "longer than 256 characters"),
+    ({}, [{"name": "p", "ids": [1, 1 << 40]}], "token ids"),
+    ({"description": "d" * 5000}, None, "description"),
+])
+def test_suite_limits_an_oversized_suite_file_is_refused_at_enqueue(conn, tmp_path, header, prompts, match):
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-suite", 3, seed=3)
+    suite = _suite_file(root / "big.jsonl", header, prompts)
+    with pytest.raises(jobs.JobError, match=match):
+        enqueue(conn, jobs.make_job(path, suite=str(suite), target=str(tmp_path)))
+    assert _pins(path) == []  # refused before anything was pinned or queued
+
+
+def test_suite_limits_a_suite_grown_after_enqueue_fails_its_job_once(conn, tmp_path, monkeypatch):
+    """The worker applies the limits too: a suite file rewritten after its job was queued fails
+    that job at once (no retries, the reason names the limit), and the worker carries on."""
+    monkeypatch.setenv("DFLASH_SINKS", "none")
+    from eval_worker.service.queue import QueueConfig, failure_reason, status
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-suite", 4, seed=4)
+    suite = _suite_file(root / "grows.jsonl", {"max_new_tokens": 16})
+    out = enqueue(conn, jobs.make_job(path, suite=str(suite), target=str(tmp_path)), config=QueueConfig(retry_max=2))
+    _suite_file(suite, {"max_new_tokens": 1_000_000_000})
+    serve(conn, ["dflash-eval"], _settings(tmp_path, root), burst=True, preload=False, with_scheduler=False,
+          name="w-suite")
+    job = fetch_job(conn, out.job_id)
+    assert job.get_status() == JobStatus.FAILED and job.retries_left == 0 and len(job.results()) == 1
+    assert "max_new_tokens must be >= 1 and <= 65536" in failure_reason(job)
+    assert [f["job_id"] for f in status(conn)["failed"]] == [out.job_id]
