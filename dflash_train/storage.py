@@ -21,15 +21,17 @@ credentials in it is refused (`check_url`), so no secret can travel in a job, a 
 """
 from __future__ import annotations
 
+import errno
 import functools
 import re
+import sys
 from pathlib import Path
 from typing import Iterable
 
 from .errors import DFlashError
 
-__all__ = ["StoreError", "StoreUnavailable", "Store", "is_url", "check_url", "join", "parent", "name",
-           "within_prefixes", "store_for", "redact", "read_only"]
+__all__ = ["StoreError", "StoreUnavailable", "Store", "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url",
+           "join", "parent", "name", "within_prefixes", "store_for", "redact", "read_only"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 LOCAL_PROTOCOLS = ("file", "local")
@@ -119,11 +121,35 @@ def _strip(url: str) -> str:
     return _URL.match(url).group(2).rstrip("/")
 
 
+# Local-disk conditions, not the store's: a caller frees space or reports the disk (checkpoint_cache).
+LOCAL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+# The transport errors of the libraries behind fsspec that are not OSError/TimeoutError (aiohttp's
+# ClientPayloadError on a connection cut mid-body, botocore's, requests'), by module: looked up in
+# sys.modules, so nothing is imported for them (a library that raised one is loaded).
+_LIBRARY_ERRORS = (("aiohttp", "ClientError"), ("botocore.exceptions", "BotoCoreError"),
+                   ("botocore.exceptions", "ClientError"), ("requests", "RequestException"),
+                   ("urllib3.exceptions", "HTTPError"), ("http.client", "HTTPException"),
+                   ("huggingface_hub.errors", "HfHubHTTPError"))
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """Every exception class that means "the store or the way to it failed": retryable."""
+    found: list[type[BaseException]] = [OSError, ValueError, RuntimeError, TimeoutError]
+    for module, attr in _LIBRARY_ERRORS:
+        cls = getattr(sys.modules.get(module), attr, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            found.append(cls)
+    return tuple(found)
+
+
 class Store:
     """The object operations the checkpoint contract needs, on one fsspec filesystem.
 
-    Every library error is turned into StoreUnavailable (retryable) except a missing object,
-    which is FileNotFoundError. Listings are never cached (another process writes the marker).
+    Every transport error of the libraries is turned into StoreUnavailable (retryable), except
+    a missing object (FileNotFoundError) and a full or read-only local disk (OSError with
+    ENOSPC/EDQUOT/EROFS, raised as is: the store is not at fault). Listings are never cached
+    (another process writes the marker).
     """
 
     def __init__(self, fs):
@@ -134,7 +160,11 @@ class Store:
             return fn(*args, **kwargs)
         except FileNotFoundError:
             raise
-        except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+        except OSError as e:
+            if e.errno in LOCAL_DISK_ERRNOS:
+                raise
+            raise StoreUnavailable(f"{what} {redact(url)} failed: {type(e).__name__}: {e}") from e
+        except transport_errors() as e:
             raise StoreUnavailable(f"{what} {redact(url)} failed: {type(e).__name__}: {e}") from e
 
     def read_bytes(self, url: str) -> bytes:

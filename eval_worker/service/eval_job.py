@@ -25,7 +25,7 @@ from dflash_train import storage
 from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
 from dflash_train.progress import format_duration
-from dflash_train.publication import unpin_checkpoint
+from dflash_train.publication import CheckpointError, unpin_checkpoint
 
 from eval_worker.engine.options import options_identity
 from eval_worker.engine.suite import HF_PREFIX, load_suite
@@ -170,12 +170,24 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
         suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
     remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
-    # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
-    with jobs_mod.materialize(job, s.roots, evaluators.checkpoint_cache() if remote else None) as (checkpoint, baseline,
-                                                                                                 verified):
-        evaluator = evaluators.get_evaluator(target)
-        result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job["train_metrics"],
-                                    options=job["options"], verified=verified).to_dict()
+    cache = evaluators.checkpoint_cache() if remote else None
+    for refetched in (False, True):
+        used: list[str] = []
+        try:
+            # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
+            with jobs_mod.materialize(job, s.roots, cache) as (checkpoint, baseline, verified):
+                used = [p for p in (checkpoint, baseline) if p]
+                evaluator = evaluators.get_evaluator(target)
+                result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job["train_metrics"],
+                                            options=job["options"], verified=verified).to_dict()
+            break
+        except CheckpointError as e:
+            # a cache entry that fails to load is re-hashed: a corrupt one is dropped and fetched once more
+            why = [w for w in (cache.drop_if_corrupt(p) for p in used) if w] if cache and not refetched else []
+            if not why:
+                raise
+            log.warning("job %s: the cached copy failed to load (%s: %s); fetching it again", storage.redact(job["checkpoint"]),
+                        "; ".join(why), e)
     # a result names what was asked for (the store URL), not the worker's cache entry
     if storage.is_url(job["checkpoint"]) and isinstance(result.get("checkpoint"), dict):
         result["checkpoint"] = {**result["checkpoint"], "path": job["checkpoint"]}
