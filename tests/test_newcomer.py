@@ -66,3 +66,63 @@ def test_redis_stop_refuses_while_a_worker_is_served_unless_forced(tmp_path, cap
         assert not local.is_running()
     finally:
         LocalRedis(settings.redis_dir).stop()
+
+
+# --------------------------------------------------------------------------- repeated warnings
+
+
+def test_warning_rate_one_line_per_window_per_message():
+    """35 identical warnings in 35 s (Redis down) show as 2 lines, the second with the count held back;
+    another message, and INFO, are never held back."""
+    import logging
+
+    from dflash_train.progress import RepeatLimiter, limit_repeated_warnings
+
+    now = [0.0]
+    shown: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            shown.append(record.getMessage())
+
+    logger = logging.getLogger("test.warning_rate")
+    logger.propagate, handler = False, Keep()
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        limiter = limit_repeated_warnings(logger=logger)
+        limiter._clock = lambda: now[0]
+        assert limit_repeated_warnings(logger=logger) is limiter and handler.filters == [limiter]  # idempotent
+        for i in range(35):
+            logger.warning("could not connect to Redis: %s, retrying in %d seconds", "refused", 2)
+            logger.warning("heartbeat failed")
+            logger.info("line %d", i)
+            now[0] += 1.0
+        warned = [m for m in shown if not m.startswith("line")]
+        assert warned[:2] == ["could not connect to Redis: refused, retrying in 2 seconds", "heartbeat failed"]
+        assert len(warned) == 4
+        assert "[29 more like this in the last 30s not shown]" in warned[2]
+        assert len([m for m in shown if m.startswith("line")]) == 35
+    finally:
+        logger.removeHandler(handler)
+    assert isinstance(limiter, RepeatLimiter)
+
+
+def test_warning_rate_report_slot_counts_match_the_walk():
+    """The n shown beside each per-position point is the count behind P(accept k | k-1)."""
+    import random
+
+    from eval_worker.engine import metrics
+    from eval_worker.results.report_figures import slot_counts
+
+    rng = random.Random(0)
+    for _ in range(50):
+        B = rng.randint(2, 16)
+        lengths = [rng.randint(1, B) for _ in range(rng.randint(1, 40))]
+        counts = slot_counts(metrics.histogram(lengths, B))
+        cond = metrics.conditional_accept(lengths, B)
+        for k, (n, c) in enumerate(zip(counts, cond), start=1):
+            assert n == sum(1 for L in lengths if L >= k)
+            assert (c is None) == (n == 0)
+            if n:
+                assert c == sum(1 for L in lengths if L >= k + 1) / n

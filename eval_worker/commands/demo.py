@@ -89,6 +89,9 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
+    from dflash_train.progress import limit_repeated_warnings
+
+    limit_repeated_warnings()
     for name in ("dflash_train", "hooks.eval"):  # training progress and the hook's enqueue lines
         logging.getLogger(name).setLevel(logging.INFO)
     from eval_worker.service.demo_stack import DemoStack, tail
