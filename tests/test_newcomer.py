@@ -126,3 +126,71 @@ def test_warning_rate_report_slot_counts_match_the_walk():
             assert (c is None) == (n == 0)
             if n:
                 assert c == sum(1 for L in lengths if L >= k + 1) / n
+
+
+# --------------------------------------------------------------------------- job identity
+
+
+@pytest.fixture(scope="module")
+def identity_ckpts(tmp_path_factory):
+    from tests.sidecar_support import publish_random
+
+    root = tmp_path_factory.mktemp("identity")
+    return root, [publish_random(root, "run-id", step, seed=step) for step in (100, 200)]
+
+
+def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tmp_path):
+    """A baseline changes the result (Δτ), so it is a different job; one target spelled two ways, or
+    named explicitly vs. left to the worker that has it as its own --target, is the same job."""
+    from rq.serializers import JSONSerializer
+    from rq.worker import Worker
+
+    from eval_worker.service import jobs
+    from eval_worker.service.queue import TARGET_FIELD, enqueue
+    from eval_worker.service.redis_local import connect
+
+    root, (c100, c200) = identity_ckpts
+    conn = connect(redis_url)
+    make = lambda **kw: jobs.make_job(c200, suite="builtin:coding-v1", roots=[root], **kw)  # noqa: E731
+    plain = enqueue(conn, make())
+    with_baseline = enqueue(conn, make(baseline=c100))
+    assert (plain.status, with_baseline.status) == ("enqueued", "enqueued")
+    assert plain.job_id != with_baseline.job_id
+    assert enqueue(conn, make(baseline=str(c100) + "/")).status == "duplicate"  # one spelling
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    explicit = enqueue(conn, make(target=target))
+    assert enqueue(conn, make(target=str(tmp_path / "link") + "/")).job_id == explicit.job_id
+    # a worker serving the queue with that target as its own: a job naming no target is the same job
+    conn.flushall()
+    worker = Worker(["dflash-eval"], connection=conn, serializer=JSONSerializer, name="w-identity")
+    worker.register_birth()
+    conn.hset(worker.key, TARGET_FIELD, jobs.canonical_target(target))
+    implicit = enqueue(conn, make())
+    assert implicit.job_id == explicit.job_id and implicit.job["target"] == str(target.resolve())
+    assert enqueue(conn, make(target=target)).status == "duplicate"
+    conn.close()
+
+
+def test_job_identity_baseline_property(identity_ckpts):
+    """Property: the fingerprint changes with each part that changes the result, and only with those."""
+    from hypothesis import given, settings as hsettings, strategies as st
+
+    from eval_worker.service.jobs import suite_fingerprint
+
+    @hsettings(max_examples=40, deadline=None)
+    @given(st.sampled_from([None, "/t/a", "/t/b"]), st.sampled_from([None, "/b/x", "s3://b/r/run/step-00000001"]),
+           st.sampled_from([None, {"tree_budget": 4}, {"tree_budget": 8}]))
+    def check(target, baseline, options):
+        fp = suite_fingerprint("builtin:coding-v1", options, target, baseline)
+        assert fp == suite_fingerprint("builtin:coding-v1", options, target, baseline)
+        for other_b in (None, "/b/x", "/b/y"):
+            if other_b != baseline:
+                assert suite_fingerprint("builtin:coding-v1", options, target, other_b) != fp
+        # tree_budget 8 is the default: spelled or not, the same evaluation
+        if options == {"tree_budget": 8}:
+            assert fp == suite_fingerprint("builtin:coding-v1", None, target, baseline)
+
+    check()
