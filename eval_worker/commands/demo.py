@@ -133,7 +133,13 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     from eval_worker.results.run_results import load_run
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
 
+    from eval_worker.results import latest_demo
+
     run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
+    # `results`, `report` and `status` find this demo's ledger and report without flags
+    pointer = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
+                   report=paths["report"] / run_id / "report.html")
+    latest_demo.record(args.settings, **pointer, state="running")
     trainer_threads, worker_threads = _threads()
     overrides = {}
     for item in args.set:
@@ -201,7 +207,10 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         print(f"  W&B online:  project {wandb_cfg['project']}, run {info['eval_run_id']}")
     print(f"  ledger:      {paths['results'] / run_id}")
     print(f"  total time:  {time.monotonic() - t0:.0f}s")
-    return 0 if not failed and not collapsed else 1
+    ok = not failed and not collapsed
+    latest_demo.record(args.settings, **pointer, state="finished" if ok else "failed")
+    print("  (`dflash-eval results`, `dflash-eval report` and `dflash-eval status` find this demo without flags)")
+    return 0 if ok else 1
 
 
 def _collapsed(rows) -> str | None:
