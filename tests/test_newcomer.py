@@ -194,3 +194,36 @@ def test_job_identity_baseline_property(identity_ckpts):
             assert fp == suite_fingerprint("builtin:coding-v1", None, target, baseline)
 
     check()
+
+
+# --------------------------------------------------------------------------- import and the worker's roots
+
+
+def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path, capsys):
+    """Without configured roots `import --into` cannot check; it says, loudly, which roots the worker needs,
+    and those roots are exactly what makes the worker's check pass (the record root alone does not)."""
+    import re
+    from pathlib import Path
+
+    from dflash_train.checkpoint import save_drafter
+    from dflash_train.publication import CheckpointError
+    from eval_worker.service import jobs
+    from tests.factories import drafter_for, qwen3_target
+
+    drafter = drafter_for(qwen3_target(layers=2), layers=1, features=1, block_size=4)
+    src = tmp_path / "downloads" / "someone-dflash"
+    save_drafter(drafter, src)
+    no_roots = _settings(tmp_path / "home").replace(checkpoint_roots=None)
+    assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=no_roots) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("WARNING: no checkpoint roots configured")
+    named = [Path(p) for p in re.findall(r"--checkpoint-root (\S+?)[` ]", err.split("e.g.")[1])]
+    assert set(named) == {tmp_path / "records", src.parent}
+    record = next((tmp_path / "records").glob("*/step-*"))
+    with pytest.raises((jobs.JobError, CheckpointError)):
+        jobs.make_job(record, suite="builtin:coding-v1", roots=[tmp_path / "records"])
+    assert jobs.make_job(record, suite="builtin:coding-v1", roots=named)["checkpoint"] == str(record)
+    # with roots configured the same import is checked, and says nothing more
+    roots = _settings(tmp_path / "home").replace(checkpoint_roots=tuple(named))
+    assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=roots) == 0
+    assert "WARNING" not in capsys.readouterr().err
