@@ -227,3 +227,61 @@ def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path
     roots = _settings(tmp_path / "home").replace(checkpoint_roots=tuple(named))
     assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=roots) == 0
     assert "WARNING" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- offline Hub, fast
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: a connection is refused at once
+    return port
+
+
+def test_offline_fast_probe_tells_offline_refused_and_reachable_apart(monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    from dflash_train.hub import unreachable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert unreachable() == "HF_HUB_OFFLINE is set"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    port = _closed_port()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    assert f"http://127.0.0.1:{port} did not accept a connection" in unreachable()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert unreachable() is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # a proxy may reach it: no verdict
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    assert unreachable() is None
+
+
+def test_offline_fast_unreachable_hub_is_read_from_the_cache_only(tmp_path, monkeypatch):
+    """Offline mode not set, Hub endpoint refusing: the benchmark load goes straight to the datasets
+    cache (offline), and the message says the Hub cannot be reached, instead of half a minute of retries."""
+    import datasets
+    from huggingface_hub import constants
+
+    from eval_worker.engine.suite import SuiteError, load_suite
+
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    with pytest.raises(SuiteError) as e:
+        load_suite("hf:math500", hf_datasets_dir=tmp_path)
+    msg = str(e.value)
+    assert "the Hub cannot be reached" in msg and "not available offline" in msg
+    assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # restored
