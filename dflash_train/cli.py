@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     main_rank = is_rank0()
     logging.basicConfig(level=args.log_level.upper() if main_rank else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .progress import limit_repeated_warnings
+
+    limit_repeated_warnings()  # the eval hook with Redis down: one line per 30 s per message
     if not main_rank:  # transformers draws its own bars (loading weights) on every rank
         from transformers.utils import logging as hf_logging
 

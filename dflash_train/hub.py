@@ -24,6 +24,32 @@ _REPO = re.compile(r"^hf://(\w[\w.-]*)/(\w[\w.-]*)(?:@([\w.-]+))?(?:/(.*))?$", r
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
+
+
+def unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hub cannot be reached now (offline mode, or its endpoint refuses / does not answer a TCP
+    connection within `timeout`), else None. One connection, seconds at most: huggingface_hub and
+    `datasets` retry for half a minute before they give up. Behind a proxy nothing is probed (None)."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in _PROXY_VARS):
+        return None
+    url = urlsplit(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{constants.ENDPOINT} did not accept a connection within {timeout:.0f}s ({type(e).__name__}: {e})"
+    return None
+
+
 def parse(url: str) -> tuple[str, str | None, str | None]:
     """(repo id, revision or None, file path inside the repo or None) of an `hf://` URL."""
     m = _REPO.match(check_url(url))

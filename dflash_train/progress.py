@@ -127,3 +127,45 @@ def track(items: Iterable[T], desc: str, total: int | None = None, **kwargs) -> 
         for item in items:
             yield item
             p.update()
+
+
+class RepeatLimiter(logging.Filter):
+    """Shows a warning (or worse) once per `window_s` per (logger, level, message template).
+
+    A dependency that is down makes the same line appear every second or two (RQ's reconnect
+    loop, heartbeats, our own waits): the first one says what is wrong, the rest hide it. The
+    next one shown after the window carries how many were held back. INFO and below pass.
+    """
+
+    def __init__(self, window_s: float = 30.0, clock=time.monotonic) -> None:
+        super().__init__()
+        self.window_s, self._clock = window_s, clock
+        self._seen: dict[tuple, list] = {}  # key -> [first shown at, held back since]
+        import threading
+
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.levelno, str(record.msg))
+        with self._lock:
+            now, entry = self._clock(), self._seen.get(key)
+            if entry is not None and now - entry[0] < self.window_s:
+                entry[1] += 1
+                return False
+            if entry is not None and entry[1]:
+                record.msg = f"{record.msg} [{entry[1]} more like this in the last {self.window_s:.0f}s not shown]"
+            self._seen[key] = [now, 0]
+        return True
+
+
+def limit_repeated_warnings(window_s: float = 30.0, logger: logging.Logger | None = None) -> RepeatLimiter:
+    """Install one RepeatLimiter on every handler of `logger` (default: the root, after basicConfig)."""
+    logger = logger or logging.getLogger()
+    limiter = next((f for h in logger.handlers for f in h.filters if isinstance(f, RepeatLimiter)), None)
+    limiter = limiter or RepeatLimiter(window_s)
+    for handler in logger.handlers:
+        if limiter not in handler.filters:
+            handler.addFilter(limiter)
+    return limiter

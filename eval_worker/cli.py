@@ -27,6 +27,7 @@ COMMANDS = {
     "results": "eval_worker.commands.results",  # the ledger of runs as a table
     "suites": "eval_worker.commands.suites",  # list suites; load hf: benchmarks (fills the datasets cache)
     "demo": "eval_worker.commands.demo",  # the main job, end to end
+    "redis": "eval_worker.commands.redis_cmd",  # the embedded redis-server: status, stop
 }
 
 

@@ -55,7 +55,7 @@ def _wait_gone(marker: str, timeout: float = 20.0) -> list[str]:
     return left
 
 
-def test_demo_runs_end_to_end_and_leaves_nothing_running(tmp_path, tiny_target_path):
+def test_demo_runs_end_to_end_and_leaves_nothing_running_demo_pointer(tmp_path, tiny_target_path, capsys):
     work = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "eval_worker.cli", "demo", "--workdir", str(work),
                            "--run-id", "demo-test", *SHORT], capture_output=True, text=True, env=_env(tmp_path),
@@ -82,6 +82,25 @@ def test_demo_runs_end_to_end_and_leaves_nothing_running(tmp_path, tiny_target_p
     assert f"W&B offline: {pointer['run_dir']}" in proc.stdout
 
     assert _wait_gone(str(work)) == [], "processes left behind"
+
+    # demo_pointer: `results`, `report` and `status` find the demo's ledger without flags
+    from dflash_train.settings import Settings
+    from eval_worker.cli import main as cli
+
+    settings = Settings.from_env({"DFLASH_HOME": str(tmp_path / "home")})
+    assert cli(["results"], settings=settings) == 0
+    listed = capsys.readouterr().out
+    assert "demo-test" in listed and "latest demo" in listed
+    assert cli(["results", "--run", "demo-test", "--json"], settings=settings) == 0
+    shown = capsys.readouterr()
+    assert json.loads(shown.out)[0]["tau"] == pytest.approx(tau, abs=5e-4) and "latest demo" in shown.err
+    report.unlink()
+    assert cli(["report"], settings=settings) == 0
+    assert report.is_file()  # rebuilt where the demo put it
+    capsys.readouterr()
+    assert cli(["status"], settings=settings) == 0
+    assert "latest demo (finished" in capsys.readouterr().out
+    assert cli(["redis", "stop", "--force"], settings=settings) == 0  # what `status` started
 
 
 def test_demo_ctrl_c_stops_everything_it_started(tmp_path, tiny_target_path):

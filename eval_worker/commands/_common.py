@@ -24,7 +24,8 @@ def connect_from_args(args: argparse.Namespace):
     """(connection, redacted url) for the command's Redis; raises RedisLocalError with a clear message."""
     from eval_worker.service.redis_local import connect, redact_url, resolve_redis_url
 
-    url = resolve_redis_url(args.redis_url, args.settings)
+    # the notice goes first, on stderr: stdout may be JSON that a script reads
+    url = resolve_redis_url(args.redis_url, args.settings, notice=lambda text: print(f"note: {text}", file=sys.stderr))
     return connect(url), redact_url(url)
 
 

@@ -89,6 +89,9 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
+    from dflash_train.progress import limit_repeated_warnings
+
+    limit_repeated_warnings()
     for name in ("dflash_train", "hooks.eval"):  # training progress and the hook's enqueue lines
         logging.getLogger(name).setLevel(logging.INFO)
     from eval_worker.service.demo_stack import DemoStack, tail
@@ -130,7 +133,13 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     from eval_worker.results.run_results import load_run
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
 
+    from eval_worker.results import latest_demo
+
     run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
+    # `results`, `report` and `status` find this demo's ledger and report without flags
+    pointer = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
+                   report=paths["report"] / run_id / "report.html")
+    latest_demo.record(args.settings, **pointer, state="running")
     trainer_threads, worker_threads = _threads()
     overrides = {}
     for item in args.set:
@@ -198,7 +207,10 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         print(f"  W&B online:  project {wandb_cfg['project']}, run {info['eval_run_id']}")
     print(f"  ledger:      {paths['results'] / run_id}")
     print(f"  total time:  {time.monotonic() - t0:.0f}s")
-    return 0 if not failed and not collapsed else 1
+    ok = not failed and not collapsed
+    latest_demo.record(args.settings, **pointer, state="finished" if ok else "failed")
+    print("  (`dflash-eval results`, `dflash-eval report` and `dflash-eval status` find this demo without flags)")
+    return 0 if ok else 1
 
 
 def _collapsed(rows) -> str | None:

@@ -41,20 +41,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(z-lab release, SpecForge output, HF snapshot): record each with `dflash-eval import`'s "
                              "default names (nothing is written into them), then queue the record")
     parser.add_argument("--force", action="store_true", help="evaluate again under a new attempt id")
-    parser.add_argument("--priority", choices=["high", "default", "low"], default="default")
+    parser.add_argument("--priority", choices=["high", "default", "low"], default="default",
+                        help="queue: workers take high before default before low (default: %(default)s)")
     parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
                         help="refuse checkpoints outside these roots: directories or store prefixes such as "
                              "s3://bucket/runs (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--tree-budget", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens of each greedy reference completion (default: the suite's)")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="drafted nodes of the best-first tree behind tree τ (default: the engine's, 8)")
     parser.add_argument("--counting", choices=["response", "published"], default=None,
                         help="step-counting rule of the online walk (default: the engine's, response)")
     parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="extra evaluator option (JSON value), repeatable")
     add_sampling_args(parser)
-    parser.add_argument("--wandb-project", default=None)
-    parser.add_argument("--wandb-entity", default=None)
-    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
+    parser.add_argument("--wandb-project", default=None,
+                        help="W&B project of the eval run (default: the worker's)")
+    parser.add_argument("--wandb-entity", default=None, help="W&B entity (team or user) of the eval run")
+    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
+                        help="W&B mode asked of the worker (default with --wandb-project/--wandb-entity: "
+                             "online); the worker's $WANDB_MODE, when set, wins")
     parser.add_argument("--job-timeout", type=int, default=None, help="seconds one evaluation may take")
     parser.add_argument("--retries", type=int, default=None, help="retries after a failure or a crashed worker")
     parser.add_argument("--outbox", action="append", default=[], metavar="DIR",

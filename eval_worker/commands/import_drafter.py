@@ -70,7 +70,24 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
         m = read_manifest(path)
         records.append({"source": m["source"], "record": str(path), "run_id": m["run_id"], "step": m["step"],
                         "digest": m["digest"], "created": created, "given": source})
+    if roots is None and records:
+        _warn_unconfined(into, records)
     return records, errors
+
+
+def _warn_unconfined(into: str, records: list[dict]) -> None:
+    """No roots configured here, so nothing could be checked: name the roots the worker needs (it reads the
+    record and the drafter's own directory, and refuses both outside its --checkpoint-root)."""
+    import os
+    import sys
+
+    needed = list(dict.fromkeys([os.path.abspath(into)] + [os.path.dirname(os.path.abspath(r["given"]))
+                                                          for r in records]))
+    flags = " ".join(f"--checkpoint-root {d}" for d in needed)
+    print(f"WARNING: no checkpoint roots configured (--checkpoint-root / $DFLASH_CHECKPOINT_ROOTS), so the import "
+          f"could not be checked against the worker's: the worker must serve the record root and each drafter's "
+          f"directory, e.g. `dflash-eval worker ... {flags}`, or every job using these records fails there",
+          file=sys.stderr)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", help="results (ledger) directory (default $DFLASH_RESULTS_DIR, else "
                                      "$DFLASH_HOME/results: the worker's)")
     p.add_argument("--mode", choices=("offline", "online"), help="W&B mode (default: $WANDB_MODE, else offline)")
-    p.add_argument("--wandb-dir", help="local W&B directory (default: $DFLASH_WANDB_DIR, $WANDB_DIR, ./wandb-eval)")
+    p.add_argument("--wandb-dir", help="local W&B directory (default: $DFLASH_WANDB_DIR, $WANDB_DIR, $DFLASH_HOME/wandb)")
     p.add_argument("--project", help="W&B project (default: as last published, $WANDB_PROJECT, dflash-eval)")
     p.add_argument("--entity", help="W&B entity")
     p.add_argument("--force", action="store_true", help="offline: rebuild even when the current build is up to date")

@@ -15,8 +15,9 @@ def _steps(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="training run id")
-    p.add_argument("--out", help="output directory (default: ./reports/<run>)")
+    p.add_argument("--run", default=None, help="training run id (default: the latest demo's)")
+    p.add_argument("--out", help="output directory (default: ./reports/<run>; the latest demo's run: its report "
+                                 "directory)")
     p.add_argument("--results", help="results (ledger) directory (default $DFLASH_RESULTS_DIR, else "
                                      "$DFLASH_HOME/results: the worker's)")
     p.add_argument("--steps", type=_steps, help="checkpoints shown in detail, e.g. 100,400 (default: first, best, latest)")
@@ -27,8 +28,22 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import ResultsError
 
+    from pathlib import Path
+
+    from eval_worker.results import latest_demo
+
+    run, results, note = latest_demo.results_dir_for(args.run, args.results, args.settings)
+    if run is None:
+        print("dflash-eval report: give --run RUN (no demo recorded to default to)", file=sys.stderr)
+        return 2
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    out = args.out
+    demo = latest_demo.read(args.settings)
+    if out is None and note and demo and demo["run_id"] == run:
+        out = str(Path(demo["report"]).parent)  # next to the demo's own report, not in the current directory
     try:
-        path = build_report(args.run, results_dir=args.results or args.settings.results_dir, out_dir=args.out, steps=args.steps, suite=args.suite)
+        path = build_report(run, results_dir=results, out_dir=out, steps=args.steps, suite=args.suite)
     except ResultsError as e:
         print(f"dflash-eval report: {e}", file=sys.stderr)
         return 2

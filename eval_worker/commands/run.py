@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every suite is evaluated and their τ shown side by side (default builtin:coding-v1)")
     p.add_argument("--json", dest="json_out", help="write the full result JSON here (several suites: "
                                                      "{schema: dflash-eval-suites/1, tau: {suite: τ}, results: [...]})")
-    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--max-new-tokens", type=int,
+                   help="tokens of each greedy reference completion (default: the suite's)")
     p.add_argument("--num-prompts", type=int, help="only the first N prompts of the suite")
     p.add_argument("--max-blocks", type=int, help="at most N blocks (verify steps) per prompt")
     p.add_argument("--mode", choices=["online", "stride"], default="online",

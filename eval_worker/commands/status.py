@@ -47,7 +47,9 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(e))
     st = status(conn, args.queue, run=args.run)
     if args.json:
-        print_json({"redis": url, **st})
+        from eval_worker.results import latest_demo
+
+        print_json({"redis": url, **st, "latest_demo": latest_demo.read(args.settings)})
         return 0
     print(f"redis {url}")
     print("queues: " + ", ".join(f"{name}={n}" for name, n in st["queues"].items()))
@@ -70,6 +72,7 @@ def main(args: argparse.Namespace) -> int:
     print("runs:")
     if not st["runs"]:
         print("  (no results recorded yet)")
+    _latest_demo(args)
     for run, r in sorted(st["runs"].items()):
         suites = r.get("suites") or {}
         if len(suites) <= 1:
@@ -79,3 +82,27 @@ def main(args: argparse.Namespace) -> int:
         for suite, t in sorted(suites.items()):
             print(f"    {suite}: {t['evaluated']} evaluated; latest τ {_tau(t['latest'])}; best τ {_tau(t['best'])}")
     return 0
+
+
+def _latest_demo(args: argparse.Namespace) -> None:
+    """The demo runs its own Redis (stopped when it ends): its results are found through its pointer."""
+    import time
+
+    from eval_worker.results import latest_demo
+    from eval_worker.results.run_results import ResultsError, load_run
+
+    demo = latest_demo.read(args.settings)
+    if demo is None or (args.run and args.run != demo["run_id"]):
+        return
+    try:
+        rows = load_run(demo["run_id"], demo["results"])
+    except ResultsError:
+        rows = []
+    taus = [(r.result["tau"]["macro"], r.step) for r in rows if isinstance(r.result["tau"].get("macro"), (int, float))]
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(demo.get("at") or 0))
+    line = f"latest demo ({demo.get('state')}, {when}): run {demo['run_id']}, {len(rows)} evaluated"
+    if taus:
+        line += f"; latest τ {taus[-1][0]:.3f} @ step {taus[-1][1]}; best τ {max(taus)[0]:.3f} @ step {max(taus)[1]}"
+    print(line)
+    print(f"  ledger {demo['results']}, report {demo['report']} (its Redis stopped with it; "
+          "`dflash-eval results` / `report` read it without flags)")

@@ -73,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.service.queue import queue_name
     from eval_worker.service.evaluators import WorkerSettings
     from eval_worker.service.worker import serve, worker_name
+    from dflash_train.progress import limit_repeated_warnings
 
     from dflash_train.storage import StoreError
 
@@ -100,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
+    limit_repeated_warnings()  # Redis down: one line per 30 s per message, not one per reconnect
     name = args.name or worker_name()
     print(f"worker {name} serving {', '.join(queues)} on {url}; results in {settings.results_dir}; "
           f"roots {os.pathsep.join(map(str, settings.roots))}", flush=True)

@@ -21,6 +21,8 @@ in `origin` but does not split the caches of identical data.
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import hashlib
 import json
@@ -425,6 +427,19 @@ def hf_suites() -> list[str]:
     return sorted(HF_SUITES)
 
 
+@contextlib.contextmanager
+def _offline(datasets):
+    """`datasets` and huggingface_hub in offline mode for one load (they read these at call time)."""
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
 def _load_rows(bench: HFBenchmark, req: HFRequest, datasets_dir: str | Path | None, cache_dir=None):
     """The benchmark's split via `datasets`: from `datasets_dir/<repo>` when that local copy
     exists (e.g. `hf download --repo-type dataset <repo> --local-dir DIR/<repo>`), else from
@@ -444,11 +459,19 @@ def _load_rows(bench: HFBenchmark, req: HFRequest, datasets_dir: str | Path | No
         # would be read from the old cache: key it by the copy's content instead
         digest = _tree_digest(local)
         cache_dir = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "dflash-local" / digest[:16]
+    from dflash_train.hub import unreachable
+
+    # offline or no Hub: say so in seconds (datasets retries for ~35 s), reading only its cache
+    why = unreachable() if where == bench.repo else None
     try:
-        ds = datasets.load_dataset(where, bench.config, split=bench.split, cache_dir=cache_dir and str(cache_dir),
-                                   revision=req.revision if where == bench.repo else None)
+        with _offline(datasets) if why else contextlib.nullcontext():
+            ds = datasets.load_dataset(where, bench.config, split=bench.split,
+                                       cache_dir=cache_dir and str(cache_dir),
+                                       revision=req.revision if where == bench.repo else None)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ValueError...)
-        offline = bool(getattr(datasets.config, "HF_HUB_OFFLINE", False))
+        offline = bool(why or getattr(datasets.config, "HF_HUB_OFFLINE", False))
+        if why:
+            what += f"; the Hub cannot be reached ({why}) and the datasets cache has no copy"
         raise SuiteError(
             f"{req.canonical}: dataset {what} is not available{' offline' if offline else ''} "
             f"({type(e).__name__}: {str(e)[:300]}). Load it once where the Hub is reachable (the datasets "

@@ -87,7 +87,7 @@ def tau_of(record: dict[str, Any]) -> float | None:
 
 
 def record_key(job: dict[str, Any], result: dict[str, Any]) -> str:
-    """The identity of an evaluation (16 hex): checkpoint digest, suite fingerprint, target, options.
+    """The identity of an evaluation (16 hex): checkpoint digest, suite fingerprint, target, options, baseline.
 
     The suite fingerprint is the result's (after `num_prompts`); the target is the one the
     result was computed against (its fingerprint, else its path); the options are those that
@@ -108,6 +108,8 @@ def record_key(job: dict[str, Any], result: dict[str, Any]) -> str:
         raise LedgerError(str(e)) from None
     spec = {"checkpoint": digest or result_digest, "suite": suite_fp, "options": options,
             "target": target.get("fingerprint") or target.get("path") or job.get("target")}
+    if job.get("baseline"):  # Δτ against it is part of the result; keys without one are unchanged
+        spec["baseline"] = job["baseline"]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -79,15 +79,35 @@ def tau_vs_step_by_temperature(rows: list[RunResult]) -> bytes | None:
     return _png(fig)
 
 
+FEW = 30  # a slot reached by fewer verify steps than this is drawn faded, with its count
+
+
+def slot_counts(histogram: list[int]) -> list[int]:
+    """Verify steps that reached draft slot k = 1..B-1 (accepted length >= k): the n behind P(accept k | k-1)."""
+    return [sum(histogram[k - 1:]) for k in range(1, len(histogram))]
+
+
 def per_position(rows: list[RunResult]) -> bytes:
-    """Conditional acceptance per draft slot (solid) and top-1 accuracy (dashed), selected checkpoints."""
+    """Conditional acceptance per draft slot (solid) and top-1 accuracy (dashed), selected checkpoints.
+
+    Late slots are reached by few verify steps, so their rate is noisy (a jump at k = 8 may rest on
+    3 steps): points with fewer than FEW steps are faded and labelled with n.
+    """
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for i, r in enumerate(rows):
         c = COLORS[i % len(COLORS)]
         per = r.result.get("per_position") or {}
         acc = per.get("conditional_accept") or []
-        ax.plot(range(1, len(acc) + 1), acc, "o-", ms=3, color=c, label=f"step {r.step}: P(accept k | k-1)")
+        ks = range(1, len(acc) + 1)
+        ax.plot(ks, acc, "-", color=c, label=f"step {r.step}: P(accept k | k-1)")
+        counts = slot_counts(r.result.get("acceptance_histogram") or [])
+        counts = counts if len(counts) == len(acc) else [FEW] * len(acc)  # no histogram: no counts to show
+        ax.scatter(ks, acc, s=12, color=c, alpha=[1.0 if n >= FEW else 0.25 for n in counts])
+        for k, a, n in zip(ks, acc, counts):
+            if n < FEW:
+                ax.annotate(f"n={n}", (k, a), textcoords="offset points", xytext=(0, 5), ha="center",
+                            fontsize=6, color=c, alpha=0.8)
         top1 = per.get("top1_accuracy") or []
         if top1:
             ax.plot(range(1, len(top1) + 1), top1, "--", color=c, alpha=0.6, label=f"step {r.step}: top-1 acc")

@@ -249,10 +249,18 @@ def job_id_for(job: dict[str, Any], suite_fp: str) -> str:
     return base if not job.get("attempt") else f"{base}-r{int(job['attempt'])}"
 
 
-def suite_fingerprint(suite: str, options: dict[str, Any] | None = None, target: str | None = None) -> str:
+def canonical_target(target: str | os.PathLike) -> str:
+    """One spelling per target directory (symlinks, `..` and trailing slashes resolved), so that
+    `--target ./t/`, `--target /abs/t` and a worker's own `--target t` name the same job."""
+    return os.path.realpath(os.fspath(target))
+
+
+def suite_fingerprint(suite: str, options: dict[str, Any] | None = None, target: str | None = None,
+                      baseline: str | None = None) -> str:
     """Identity of what a job evaluates (its job id's last part): the suite's fingerprint
     (eval_worker.engine.suite), folded with the options that change a result (EvalOptions.identity:
-    non-default, not performance-only) and the job's `target` when it has either."""
+    non-default, not performance-only), the job's `target` and its `baseline` (Δτ is part of the
+    result) when it has any."""
     try:
         fp = request_fingerprint(suite)  # an hf: suite: its request, so no dataset is read here
     except (OSError, ValueError, KeyError) as e:
@@ -261,15 +269,16 @@ def suite_fingerprint(suite: str, options: dict[str, Any] | None = None, target:
         options = options_identity(options)
     except OptionsError as e:
         raise JobError(str(e)) from None
-    if options or target:
-        spec = {"suite": fp, "options": options, **({"target": target} if target else {})}
+    if options or target or baseline:
+        spec = {"suite": fp, "options": options, **({"target": target} if target else {}),
+                **({"baseline": baseline} if baseline else {})}
         fp = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return fp
 
 
 def job_fingerprint(job: dict[str, Any]) -> str:
-    """`suite_fingerprint` of a job's suite, options and target."""
-    return suite_fingerprint(job["suite"], job.get("options"), job.get("target"))
+    """`suite_fingerprint` of a job's suite, options, target and baseline."""
+    return suite_fingerprint(job["suite"], job.get("options"), job.get("target"), job.get("baseline"))
 
 
 def strip_attempt(job_id: str) -> str:
@@ -511,7 +520,7 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
         suite = os.path.abspath(suite)  # a suite file: the worker runs elsewhere (another cwd, another box)
     payload = {
         "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,
-        "checkpoint_digest": digest, "target": os.path.abspath(os.fspath(target)) if target else None,
+        "checkpoint_digest": digest, "target": canonical_target(target) if target else None,
         "suite": suite, "baseline": _canonical(baseline) if baseline else None,
         "wandb": wandb, "requested_by": requested_by, "priority": priority, "attempt": 0,
         "train_metrics": metrics or None, "options": options or None,

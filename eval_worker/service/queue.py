@@ -37,6 +37,7 @@ DEFAULT_BASE = "dflash-eval"
 # Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
 ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
+TARGET_FIELD = "dflash_target"      # in an RQ worker's hash: its own --target (jobs.canonical_target)
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
            JobStatus.CREATED, JobStatus.READY_TO_ENQUEUE}
 
@@ -138,6 +139,8 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     job = jobs_mod.validate_job(payload)
     if check:
         jobs_mod.check_checkpoint(job, roots)
+    if not job.get("target") and suite_fp is None:
+        job["target"] = workers_target(connection, queue_name(config.base, job["priority"]))
     suite_fp = suite_fp or jobs_mod.job_fingerprint(job)
     base_id = jobs_mod.base_job_id(job["run_id"], job["step"], job["checkpoint_digest"], suite_fp)
     if force:
@@ -191,6 +194,18 @@ def _recorded(connection, job_id: str) -> bool:
     """Whether the ledger index holds this very job id (attempt included) as recorded."""
     done = Ledger(connection=connection).lookup_job(jobs_mod.strip_attempt(job_id))
     return bool(done) and done.get("job_id") == job_id
+
+
+def workers_target(connection, queue: str) -> str | None:
+    """The target that a job naming none gets: the own `--target` of the workers serving `queue`
+    (recorded in their registration), when they all have the same one. Spelling it in the job
+    makes it the same evaluation, and the same job id, as one that names that target."""
+    targets = set()
+    for w in Worker.all(connection=connection, serializer=JSONSerializer):
+        if queue in w.queue_names():
+            raw = connection.hget(w.key, TARGET_FIELD)
+            targets.add(raw.decode() if isinstance(raw, bytes) else raw)
+    return targets.pop() if len(targets) == 1 and None not in targets else None
 
 
 def other_checkpoints_at_step(connection, job: dict[str, Any]) -> list[str]:

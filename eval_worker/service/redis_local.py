@@ -45,7 +45,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 from urllib.parse import quote, urlsplit
 
 import psutil
@@ -75,6 +75,7 @@ __all__ = [
     "redact_url",
     "resolve_redis_url",
     "server_unavailable",
+    "started_notice",
 ]
 
 log = logging.getLogger(__name__)
@@ -786,7 +787,15 @@ class LocalRedis:
 # --------------------------------------------------------------------------- entry point
 
 
-def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True) -> str:
+def started_notice(local: "LocalRedis") -> str:
+    """One line telling the user a command left a detached server running, and how to end it."""
+    return (f"started a local redis-server (pid {local.pid}, {local.host}:{local.port}, data in {local.data_dir}); "
+            "it keeps running after this command: `dflash-eval redis stop` ends it, `dflash-eval redis status` "
+            "shows it")
+
+
+def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True,
+                      notice: Callable[[str], None] | None = None) -> str:
     """The Redis URL to use.
 
     1. ``url`` if given (``--redis-url``), else ``settings.redis_url`` (``$REDIS_URL``), unchanged;
@@ -795,12 +804,15 @@ def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True
        names the binary) — returns ``redis://127.0.0.1:PORT/0``.
 
     With ``start=False`` and no running local server, raises :class:`RedisLocalError`.
+    When this call started the server, ``notice`` (default: a log warning) gets :func:`started_notice`.
     """
     if url or settings.redis_url:
         return url or settings.redis_url
     local = LocalRedis(settings.redis_dir, password=settings.redis_password, binary=settings.redis_server)
     if start:
         local.start()
+        if local.owned:  # this call launched it: it outlives the command, say so
+            (notice or log.warning)(started_notice(local))
     elif not local.attach():
         raise RedisLocalError(
             f"{ENV_URL} is not set and no local redis-server is running in {local.data_dir}; "

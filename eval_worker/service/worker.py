@@ -44,7 +44,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from eval_worker.service.evaluators import WorkerSettings, configure, get_evaluator
 from eval_worker.service.job_guard import EvalJob
-from eval_worker.service.queue import get_queue
+from eval_worker.service.queue import TARGET_FIELD, get_queue
 from eval_worker.service.redis_local import server_unavailable
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
@@ -175,6 +175,12 @@ class EvalWorker(SimpleWorker):
         self._current = None            # the rq Job running in this process
         self._requeue_job_id = None     # job to hand back to the queue instead of failing it
         self._stop_timer: threading.Timer | None = None
+        self.default_target: str | None = None  # recorded in its registration: a job naming no target means it
+
+    def register_birth(self, *args, **kwargs):
+        super().register_birth(*args, **kwargs)
+        if self.default_target:  # lives and dies with the worker's registration hash
+            self.connection.hset(self.key, TARGET_FIELD, self.default_target)
 
     # ---- the scheduler -----------------------------------------------------------------
     def _start_scheduler(self, burst=False, logging_level="INFO", date_format=None, log_format=None):
@@ -441,4 +447,8 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
                         serializer=JSONSerializer, job_class=EvalJob, name=name or worker_name(),
                         maintenance_interval=maintenance_interval, job_monitoring_interval=job_monitoring_interval,
                         worker_ttl=worker_ttl, heartbeat_grace=heartbeat_grace, stop_timeout=stop_timeout)
+    if settings_.default_target:
+        from eval_worker.service.jobs import canonical_target
+
+        worker.default_target = canonical_target(settings_.default_target)
     return worker.work(burst=burst, with_scheduler=with_scheduler, logging_level=logging_level, max_jobs=max_jobs)

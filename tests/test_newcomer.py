@@ -1,0 +1,287 @@
+"""A new user's first hour: leftover daemons, state that can be found, checks before a long run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dflash_train.fsutil import pid_alive
+from dflash_train.settings import Settings
+from eval_worker.cli import main as cli
+
+
+def _settings(home, **env) -> Settings:
+    return Settings.from_env({"DFLASH_HOME": str(home), **env})
+
+
+# --------------------------------------------------------------------------- embedded redis: notice, status, stop
+
+
+def test_redis_stop_notice_status_and_stop(tmp_path, capsys):
+    """The command that starts the server says so first (stderr); `redis status` finds it and `redis stop` ends it."""
+    from eval_worker.service.redis_local import LocalRedis
+
+    settings = _settings(tmp_path)
+    try:
+        assert cli(["status", "--json"], settings=settings) == 0
+        first = capsys.readouterr()
+        assert first.err.splitlines()[0].startswith("note: started a local redis-server")
+        assert "dflash-eval redis stop" in first.err
+        pid = LocalRedis(settings.redis_dir).attach() and LocalRedis(settings.redis_dir)._read_state()["pid"]
+        assert pid and pid_alive(pid)
+        # the next command reuses it and says nothing
+        assert cli(["status", "--json"], settings=settings) == 0
+        assert "started" not in capsys.readouterr().err
+        assert cli(["redis", "status"], settings=settings) == 0
+        assert f"pid {pid}" in capsys.readouterr().out
+        assert cli(["redis", "stop"], settings=settings) == 0
+        assert f"stopped the local redis-server (pid {pid})" in capsys.readouterr().out
+        assert not pid_alive(pid) or not LocalRedis(settings.redis_dir).attach()
+        assert cli(["redis", "status"], settings=settings) == 0
+        assert "no local redis-server running" in capsys.readouterr().out
+        assert cli(["redis", "stop"], settings=settings) == 0  # nothing to stop is not an error
+    finally:
+        LocalRedis(settings.redis_dir).stop()
+
+
+def test_redis_stop_refuses_while_a_worker_is_served_unless_forced(tmp_path, capsys):
+    from rq.serializers import JSONSerializer
+    from rq.worker import Worker
+
+    from eval_worker.service.redis_local import LocalRedis, connect
+
+    settings = _settings(tmp_path)
+    local = LocalRedis(settings.redis_dir).start()
+    try:
+        conn = connect(local.url)
+        worker = Worker(["dflash-eval"], connection=conn, serializer=JSONSerializer, name="w-newcomer")
+        worker.register_birth()  # a registered worker whose process (this one) is alive
+        assert cli(["redis", "stop"], settings=settings) == 1
+        err = capsys.readouterr().err
+        assert "w-newcomer" in err and "--force" in err
+        assert local.is_running()
+        assert cli(["redis", "status", "--json"], settings=settings) == 0
+        assert '"w-newcomer"' in capsys.readouterr().out
+        assert cli(["redis", "stop", "--force"], settings=settings) == 0
+        assert not local.is_running()
+    finally:
+        LocalRedis(settings.redis_dir).stop()
+
+
+# --------------------------------------------------------------------------- repeated warnings
+
+
+def test_warning_rate_one_line_per_window_per_message():
+    """35 identical warnings in 35 s (Redis down) show as 2 lines, the second with the count held back;
+    another message, and INFO, are never held back."""
+    import logging
+
+    from dflash_train.progress import RepeatLimiter, limit_repeated_warnings
+
+    now = [0.0]
+    shown: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            shown.append(record.getMessage())
+
+    logger = logging.getLogger("test.warning_rate")
+    logger.propagate, handler = False, Keep()
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        limiter = limit_repeated_warnings(logger=logger)
+        limiter._clock = lambda: now[0]
+        assert limit_repeated_warnings(logger=logger) is limiter and handler.filters == [limiter]  # idempotent
+        for i in range(35):
+            logger.warning("could not connect to Redis: %s, retrying in %d seconds", "refused", 2)
+            logger.warning("heartbeat failed")
+            logger.info("line %d", i)
+            now[0] += 1.0
+        warned = [m for m in shown if not m.startswith("line")]
+        assert warned[:2] == ["could not connect to Redis: refused, retrying in 2 seconds", "heartbeat failed"]
+        assert len(warned) == 4
+        assert "[29 more like this in the last 30s not shown]" in warned[2]
+        assert len([m for m in shown if m.startswith("line")]) == 35
+    finally:
+        logger.removeHandler(handler)
+    assert isinstance(limiter, RepeatLimiter)
+
+
+def test_warning_rate_report_slot_counts_match_the_walk():
+    """The n shown beside each per-position point is the count behind P(accept k | k-1)."""
+    import random
+
+    from eval_worker.engine import metrics
+    from eval_worker.results.report_figures import slot_counts
+
+    rng = random.Random(0)
+    for _ in range(50):
+        B = rng.randint(2, 16)
+        lengths = [rng.randint(1, B) for _ in range(rng.randint(1, 40))]
+        counts = slot_counts(metrics.histogram(lengths, B))
+        cond = metrics.conditional_accept(lengths, B)
+        for k, (n, c) in enumerate(zip(counts, cond), start=1):
+            assert n == sum(1 for L in lengths if L >= k)
+            assert (c is None) == (n == 0)
+            if n:
+                assert c == sum(1 for L in lengths if L >= k + 1) / n
+
+
+# --------------------------------------------------------------------------- job identity
+
+
+@pytest.fixture(scope="module")
+def identity_ckpts(tmp_path_factory):
+    from tests.sidecar_support import publish_random
+
+    root = tmp_path_factory.mktemp("identity")
+    return root, [publish_random(root, "run-id", step, seed=step) for step in (100, 200)]
+
+
+def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tmp_path):
+    """A baseline changes the result (Δτ), so it is a different job; one target spelled two ways, or
+    named explicitly vs. left to the worker that has it as its own --target, is the same job."""
+    from rq.serializers import JSONSerializer
+    from rq.worker import Worker
+
+    from eval_worker.service import jobs
+    from eval_worker.service.queue import TARGET_FIELD, enqueue
+    from eval_worker.service.redis_local import connect
+
+    root, (c100, c200) = identity_ckpts
+    conn = connect(redis_url)
+    make = lambda **kw: jobs.make_job(c200, suite="builtin:coding-v1", roots=[root], **kw)  # noqa: E731
+    plain = enqueue(conn, make())
+    with_baseline = enqueue(conn, make(baseline=c100))
+    assert (plain.status, with_baseline.status) == ("enqueued", "enqueued")
+    assert plain.job_id != with_baseline.job_id
+    assert enqueue(conn, make(baseline=str(c100) + "/")).status == "duplicate"  # one spelling
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    explicit = enqueue(conn, make(target=target))
+    assert enqueue(conn, make(target=str(tmp_path / "link") + "/")).job_id == explicit.job_id
+    # a worker serving the queue with that target as its own: a job naming no target is the same job
+    conn.flushall()
+    worker = Worker(["dflash-eval"], connection=conn, serializer=JSONSerializer, name="w-identity")
+    worker.register_birth()
+    conn.hset(worker.key, TARGET_FIELD, jobs.canonical_target(target))
+    implicit = enqueue(conn, make())
+    assert implicit.job_id == explicit.job_id and implicit.job["target"] == str(target.resolve())
+    assert enqueue(conn, make(target=target)).status == "duplicate"
+    conn.close()
+
+
+def test_job_identity_baseline_property(identity_ckpts):
+    """Property: the fingerprint changes with each part that changes the result, and only with those."""
+    from hypothesis import given, settings as hsettings, strategies as st
+
+    from eval_worker.service.jobs import suite_fingerprint
+
+    @hsettings(max_examples=40, deadline=None)
+    @given(st.sampled_from([None, "/t/a", "/t/b"]), st.sampled_from([None, "/b/x", "s3://b/r/run/step-00000001"]),
+           st.sampled_from([None, {"tree_budget": 4}, {"tree_budget": 8}]))
+    def check(target, baseline, options):
+        fp = suite_fingerprint("builtin:coding-v1", options, target, baseline)
+        assert fp == suite_fingerprint("builtin:coding-v1", options, target, baseline)
+        for other_b in (None, "/b/x", "/b/y"):
+            if other_b != baseline:
+                assert suite_fingerprint("builtin:coding-v1", options, target, other_b) != fp
+        # tree_budget 8 is the default: spelled or not, the same evaluation
+        if options == {"tree_budget": 8}:
+            assert fp == suite_fingerprint("builtin:coding-v1", None, target, baseline)
+
+    check()
+
+
+# --------------------------------------------------------------------------- import and the worker's roots
+
+
+def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path, capsys):
+    """Without configured roots `import --into` cannot check; it says, loudly, which roots the worker needs,
+    and those roots are exactly what makes the worker's check pass (the record root alone does not)."""
+    import re
+    from pathlib import Path
+
+    from dflash_train.checkpoint import save_drafter
+    from dflash_train.publication import CheckpointError
+    from eval_worker.service import jobs
+    from tests.factories import drafter_for, qwen3_target
+
+    drafter = drafter_for(qwen3_target(layers=2), layers=1, features=1, block_size=4)
+    src = tmp_path / "downloads" / "someone-dflash"
+    save_drafter(drafter, src)
+    no_roots = _settings(tmp_path / "home").replace(checkpoint_roots=None)
+    assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=no_roots) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("WARNING: no checkpoint roots configured")
+    named = [Path(p) for p in re.findall(r"--checkpoint-root (\S+?)[` ]", err.split("e.g.")[1])]
+    assert set(named) == {tmp_path / "records", src.parent}
+    record = next((tmp_path / "records").glob("*/step-*"))
+    with pytest.raises((jobs.JobError, CheckpointError)):
+        jobs.make_job(record, suite="builtin:coding-v1", roots=[tmp_path / "records"])
+    assert jobs.make_job(record, suite="builtin:coding-v1", roots=named)["checkpoint"] == str(record)
+    # with roots configured the same import is checked, and says nothing more
+    roots = _settings(tmp_path / "home").replace(checkpoint_roots=tuple(named))
+    assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=roots) == 0
+    assert "WARNING" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- offline Hub, fast
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: a connection is refused at once
+    return port
+
+
+def test_offline_fast_probe_tells_offline_refused_and_reachable_apart(monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    from dflash_train.hub import unreachable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert unreachable() == "HF_HUB_OFFLINE is set"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    port = _closed_port()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    assert f"http://127.0.0.1:{port} did not accept a connection" in unreachable()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert unreachable() is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # a proxy may reach it: no verdict
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    assert unreachable() is None
+
+
+def test_offline_fast_unreachable_hub_is_read_from_the_cache_only(tmp_path, monkeypatch):
+    """Offline mode not set, Hub endpoint refusing: the benchmark load goes straight to the datasets
+    cache (offline), and the message says the Hub cannot be reached, instead of half a minute of retries."""
+    import datasets
+    from huggingface_hub import constants
+
+    from eval_worker.engine.suite import SuiteError, load_suite
+
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    with pytest.raises(SuiteError) as e:
+        load_suite("hf:math500", hf_datasets_dir=tmp_path)
+    msg = str(e.value)
+    assert "the Hub cannot be reached" in msg and "not available offline" in msg
+    assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # restored
