@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 # (`draft_model.`), HF-style `*ForCausalLM` wrappers (`model.`), DDP/FSDP/accelerate
 # (`module.`), torch.compile (`_orig_mod.`), a wrapper holding it as `.drafter` (ours, HF).
 KNOWN_PREFIXES = ("draft_model.", "model.", "module.", "_orig_mod.", "drafter.")
-_OURS = re.compile(r"^(layers\.\d+\.|fc\.weight$|hidden_norm\.weight$|norm\.weight$)")
+_OURS = re.compile(r"^(layers\.\d+\.|fc\.weight$|hidden_norm\.weight$|norm\.weight$|embed_tokens\.weight$|lm_head\.weight$)")
+_VOCAB = re.compile(r"^(embed_tokens|lm_head)\.weight$")  # a drafter's own copies of the target's (DeepSpec)
 _DERIVED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # recomputed from the config, never trained
 _FUSED_QKV = re.compile(r"^(layers\.\d+\.self_attn\.)qkv_proj\.weight$")      # vLLM/SGLang-style stacked q, k, v
 _FUSED_GATE_UP = re.compile(r"^(layers\.\d+\.mlp\.)gate_up_proj\.weight$")    # stacked gate, up (Phi-3, vLLM)
@@ -199,6 +200,9 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, w
     values checked first; `where` names the source in errors."""
     directory = where
     tensors, notes = map_checkpoint_keys(tensors, cfg, directory)
+    tensors, own_vocab = split_own_vocab(tensors, cfg)
+    if own_vocab:
+        notes.append(f"kept {sorted(own_vocab)} aside: the target's own are used, checked equal before drafting")
     if notes:
         log.info("%s: other key layout mapped: %s", directory, "; ".join(notes))
     layers = {int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}
@@ -238,7 +242,39 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, w
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
     target_dtype = dtype or next(iter(tensors.values())).dtype
-    return drafter.to(device=device, dtype=target_dtype)
+    drafter = drafter.to(device=device, dtype=target_dtype)
+    drafter.own_vocab = own_vocab  # checked against the target's by `check_own_vocab`, then dropped
+    return drafter
+
+
+def split_own_vocab(tensors: dict[str, torch.Tensor], cfg: DrafterConfig
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the drafter's tensors, its own copies of the target's embedding / LM head).
+
+    DeepSpec (and speculators) checkpoints ship frozen copies of the target's `embed_tokens`
+    and `lm_head`. The drafter here always drafts with the target's own (as the engines do
+    with a drafter that shares them); a copy is checked equal to the target's before drafting
+    (`check_own_vocab`). Only a [vocab, hidden] tensor counts: anything else stays unknown."""
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    vocab = {k: t for k, t in tensors.items() if _VOCAB.match(k) and tuple(t.shape) == shape}
+    return {k: t for k, t in tensors.items() if k not in vocab}, vocab
+
+
+def check_own_vocab(drafter: DFlashDrafter, target, where: str | Path = "checkpoint") -> list[str]:
+    """Compare a drafter's own embedding / LM head copies with the target's; raise when they differ
+    (the drafter was trained against another target), return what was checked. Drops the copies."""
+    own, drafter.own_vocab = getattr(drafter, "own_vocab", None) or {}, {}
+    checked = []
+    for name, t in sorted(own.items()):
+        theirs = (target.parts.embed_tokens if name.startswith("embed") else target.parts.lm_head).weight
+        if tuple(theirs.shape) != tuple(t.shape) or not torch.equal(t.to(theirs.device, theirs.dtype), theirs):
+            diff = ("shape " + str(tuple(theirs.shape))) if tuple(theirs.shape) != tuple(t.shape) else (
+                f"max |difference| {float((t.to(theirs.device, torch.float32) - theirs.float()).abs().max()):.3g}")
+            raise CheckpointError(f"{where}: the drafter's own {name} differs from the target's ({diff}): it was "
+                                  "trained against another target (or another precision of it); the drafter "
+                                  "drafts with the target's embedding and LM head, so its τ here would not be its own")
+        checked.append(name)
+    return checked
 
 
 def publish_checkpoint(drafter, checkpoint_root: str | Path, run_id: str, step: int, *,

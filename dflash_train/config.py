@@ -57,7 +57,7 @@ _IMPLEMENTED = {
     "head_dim", "vocab_size", "num_target_layers", "target_layer_ids", "mask_token_id", "block_size",
     "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
     "target_hidden_size", "torch_dtype", "dtype", "layer_types", "sliding_window", "use_sliding_window",
-    "max_window_layers", "is_causal", "dflash_config", "architectures", "model_type"}
+    "max_window_layers", "is_causal", "dflash_config", "architectures", "model_type", "sliding_window_non_causal"}
 _METADATA = {
     "auto_map", "transformers_version", "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id",
     "initializer_range", "use_cache", "attention_dropout", "tie_word_embeddings", "return_dict",
@@ -72,6 +72,11 @@ _DFLASH_FIXED = {"attention_sink_bias": False, "output_multiplier": 1.0, "final_
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # position-only rotations (no length-dependent state)
 ARCHITECTURE = "DFlashDraftModel"
+# How sliding layers are drafted when the config states no causality (the ecosystem disagrees):
+# "serving": vLLM's `_resolve_layer_attention` (and SGLang): causal within the block in sliding layers;
+# "reference": z-lab's transformers loop with flash-attention semantics: non-causal, windowed.
+SLIDING_RULES = ("serving", "reference")
+LAYOUTS = ("z-lab", "deepspec", "speculators", "vllm", "automodel")
 
 
 @dataclass
@@ -105,6 +110,11 @@ class DrafterConfig:
     layer_types: list[str] | None = None  # per layer; None: all "full_attention"
     sliding_window: int | None = None
     causal: bool | None = None
+    # causality of sliding layers as the config states it (speculators' sliding_window_non_causal);
+    # None with `causal` None: implicit, drafted by `sliding_rule`
+    sliding_causal: bool | None = None
+    sliding_rule: str = field(default="serving", compare=False)  # SLIDING_RULES; a job option chooses it
+    layout: str = field(default="z-lab", compare=False)  # the published layout read (LAYOUTS)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # published metadata, kept on round trip
     # where target_layer_ids came from: "config", or LAYER_IDS_FALLBACK (not written: to_dict makes them explicit)
     layer_ids_origin: str = field(default="config", compare=False)
@@ -128,9 +138,31 @@ class DrafterConfig:
 
     def attention(self) -> list[tuple[int | None, bool]]:
         """Per drafter layer: (sliding window or None, causal within the block)."""
-        types = self.layer_types
+        if self.sliding_rule not in SLIDING_RULES:
+            raise ConfigError(f"unknown sliding rule {self.sliding_rule!r} (known: {', '.join(SLIDING_RULES)})")
+        sliding = self.sliding_causal if self.sliding_causal is not None else self.sliding_rule == "serving"
         return [(self.sliding_window if t == "sliding_attention" else None,
-                 (t == "sliding_attention") if self.causal is None else self.causal) for t in types]
+                 (t == "sliding_attention" and sliding) if self.causal is None else self.causal)
+                for t in self.layer_types]
+
+    @property
+    def sliding_implicit(self) -> bool:
+        """Sliding layers whose causality the config leaves to the engine (engines disagree)."""
+        return "sliding_attention" in self.layer_types and self.causal is None and self.sliding_causal is None
+
+    def attention_rule(self) -> str:
+        """The causality rule applied, in words (named in every result)."""
+        if "sliding_attention" not in self.layer_types:
+            return "no sliding layers" + ("" if self.causal is None else f"; causal={str(self.causal).lower()} "
+                                          "in every layer (config)")
+        if self.causal is not None:
+            return f"config: causal={str(self.causal).lower()} in every layer, window {self.sliding_window}"
+        if self.sliding_causal is not None:
+            return (f"config: sliding layers {'causal' if self.sliding_causal else 'non-causal'} within the block, "
+                    f"window {self.sliding_window}")
+        how = ("causal within the block in sliding layers (vLLM/SGLang)" if self.sliding_rule == "serving" else
+               "non-causal with the window applied (z-lab loop, flash-attention semantics)")
+        return f"{self.sliding_rule} (implicit: the config names no causal flag): {how}, window {self.sliding_window}"
 
     def bind_target(self, num_target_layers: int) -> None:
         """Fill what a published config may leave to the target: its depth and the layer ids."""
@@ -157,7 +189,8 @@ class DrafterConfig:
         if ids is not None:
             if not ids:
                 problems.append("dflash_config.target_layer_ids is empty")
-            bad = [i for i in ids if i < 0 or (self.num_target_layers is not None and i >= self.num_target_layers)]
+            # -1: the embedding output (HF hidden_states[0]), as DeepSpec allows
+            bad = [i for i in ids if i < -1 or (self.num_target_layers is not None and i >= self.num_target_layers)]
             if bad:
                 problems.append(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
             if len(set(ids)) != len(ids):
@@ -233,6 +266,10 @@ class DrafterConfig:
             d["dflash_config"]["target_layer_ids"] = list(self.target_layer_ids)
         if self.causal is not None:
             d["dflash_config"]["causal"] = self.causal
+        elif self.sliding_causal is False and "sliding_attention" in types:
+            d["dflash_config"]["causal"] = False  # full layers are non-causal in every engine: the same network
+        elif self.sliding_causal and "sliding_attention" in types:
+            d["sliding_window_non_causal"] = False  # stated, and what vLLM/SGLang do when nothing is said
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
         return d
@@ -243,6 +280,7 @@ class DrafterConfig:
         every field that would make the network differ from what is built here."""
         if not isinstance(d, dict):
             raise ConfigError("config.json must hold a JSON object")
+        d, layout, sliding_causal = normalize_layout(d)
         dcfg = d.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise ConfigError("config.json: dflash_config must be an object")
@@ -268,7 +306,10 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"config.json is missing {', '.join(missing)}")
         try:
-            return cls(**_parse_fields(d, dcfg), extra={k: v for k, v in d.items() if k in _METADATA})
+            fields = _parse_fields(d, dcfg)
+            if sliding_causal is not None and fields["causal"] is None:
+                fields["sliding_causal"] = sliding_causal
+            return cls(**fields, layout=layout, extra={k: v for k, v in d.items() if k in _METADATA})
         except ConfigError:
             raise
         except (TypeError, ValueError, OverflowError, AttributeError) as e:
@@ -346,6 +387,108 @@ class DrafterConfig:
             max_position_embeddings=int(getattr(tc, "max_position_embeddings", 40960)),
             **fields,
         )
+
+
+# --- other trainers' and engines' layouts, read into z-lab's -------------------------------
+DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel",)
+SPECULATORS_ARCHITECTURES = ("DFlashSpeculator",)
+# speculators' top level that says nothing about the network (the verifier is named, not read)
+_SPECULATORS_META = {"speculators_model_type", "speculators_config", "speculators_version", "verifier"}
+
+
+def _plus_one_ids(ids: Any, name: str) -> list[int]:
+    """Layer ids in the +1 convention (vLLM, speculators: id k is HF hidden_states[k]) as z-lab's."""
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"config.json: {name} must be a list of integers (got {ids!r})")
+    if any(i < 0 for i in ids):
+        raise ConfigError(f"config.json: {name} {ids} has negative ids (its convention counts from "
+                          "hidden_states[0], the embedding output)")
+    return [i - 1 for i in ids]
+
+
+def normalize_layout(d: dict[str, Any]) -> tuple[dict[str, Any], str, bool | None]:
+    """(the config in z-lab's layout, the layout read, causality of sliding layers the config states).
+
+    Each layout's fields are moved to z-lab's names; what has no z-lab meaning and changes the
+    network stays under its own name, so `from_dict` refuses it by name.
+    - DeepSpec (`architectures: ["Qwen3DSparkModel"]`): DSpark with `markov_rank` 0 and no
+      confidence head is DFlash; `target_layer_ids` at the top (-1: the embedding output);
+      `num_anchors` is a training setting.
+    - speculators (`speculators_model_type: "dflash"`): the decoder in `transformer_layer_config`,
+      `aux_hidden_state_layer_ids` = z-lab ids + 1, `draft_vocab_size` (a vocabulary mapping
+      unless equal to the vocabulary), `sliding_window_non_causal`.
+    - vLLM/SGLang: `eagle_aux_hidden_state_layer_ids` / `dspark_target_layer_ids` (+1 convention).
+    - Automodel: `draft_sliding_window` (every layer slides), `projector_type` ("linear" only).
+    """
+    d = dict(d)
+    archs = d.get("architectures")
+    archs = archs if isinstance(archs, list) else [archs] if archs is not None else []
+    if isinstance(d.get("dflash_config"), dict):
+        d["dflash_config"] = dict(d["dflash_config"])
+    dcfg = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    layout = "z-lab"
+    if "speculators_model_type" in d or "transformer_layer_config" in d or any(
+            a in SPECULATORS_ARCHITECTURES for a in archs):
+        layout = "speculators"
+        if d.get("speculators_model_type", "dflash") != "dflash":
+            raise ConfigError(f"config.json: speculators_model_type={json.dumps(d['speculators_model_type'])} "
+                              "is not a DFlash speculator")
+        inner = d.get("transformer_layer_config")
+        if not isinstance(inner, dict):
+            raise ConfigError("config.json: a speculators config needs transformer_layer_config (an object)")
+        out = {k: v for k, v in inner.items() if k != "architectures"}
+        for k, v in d.items():
+            if k in _SPECULATORS_META or k in ("transformer_layer_config", "architectures"):
+                continue
+            if k == "aux_hidden_state_layer_ids":
+                out["dflash_config"] = {**out.get("dflash_config", {}), "target_layer_ids": _plus_one_ids(v, k)}
+            elif k == "draft_vocab_size":
+                if v != inner.get("vocab_size"):
+                    out["draft_vocab_size"] = v  # a draft vocabulary mapped onto the target's: refused by name
+            else:
+                out[k] = v
+        out["architectures"] = [ARCHITECTURE]
+        d, dcfg = out, out.get("dflash_config", {})
+    elif any(a in DEEPSPEC_ARCHITECTURES for a in archs) or "markov_rank" in d:
+        layout = "deepspec"
+        if d.get("markov_rank", 0) == 0:  # any other rank is DSpark proper (a Markov head): refused by name
+            d.pop("markov_rank", None)
+        for key in ("use_confidence_head", "confidence_head"):
+            if key in d and not d[key]:
+                d.pop(key)
+        d.pop("num_anchors", None)  # anchors per training sequence: no effect on a draft
+        d["architectures"] = [ARCHITECTURE]
+    for name in ("eagle_aux_hidden_state_layer_ids", "dspark_target_layer_ids"):
+        source = d if name in d else dcfg if name in dcfg else None
+        if source is None:
+            continue
+        layout = "vllm" if layout == "z-lab" else layout
+        ids = _plus_one_ids(source.pop(name), name)
+        for where, label in ((dcfg, "dflash_config.target_layer_ids"), (d, "target_layer_ids")):
+            if where.get("target_layer_ids") is not None and where["target_layer_ids"] != ids:
+                raise ConfigError(f"config.json: {name} (+1 convention) gives layers {ids} but {label} says "
+                                  f"{where['target_layer_ids']}")
+        d["dflash_config"] = dcfg = {**dcfg, "target_layer_ids": ids}
+    if "draft_sliding_window" in d or "projector_type" in d or "projector_type" in dcfg:
+        layout = "automodel" if layout == "z-lab" else layout
+        for where in (d, dcfg):
+            if where.get("projector_type", "linear") == "linear":
+                where.pop("projector_type", None)  # our fc: one bias-free linear map (anything else is refused)
+        window = d.pop("draft_sliding_window", None)
+        if window:
+            if d.get("sliding_window") not in (None, window):
+                raise ConfigError(f"config.json: draft_sliding_window {window} but sliding_window "
+                                  f"{d['sliding_window']}")
+            d["sliding_window"] = window
+            if d.get("layer_types") is None:
+                d["layer_types"] = ["sliding_attention"] * int(d.get("num_hidden_layers", 0))
+    sliding_causal = None
+    if "sliding_window_non_causal" in d:
+        flag = d.pop("sliding_window_non_causal")
+        if not isinstance(flag, bool):
+            raise ConfigError(f"config.json: sliding_window_non_causal must be true or false (got {flag!r})")
+        sliding_causal = not flag
+    return d, layout, sliding_causal
 
 
 def _one(d: dict, dcfg: dict, name: str, default: Any = None) -> Any:

@@ -188,7 +188,7 @@ def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train
 
 
 def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
-                      train_metrics: dict | None = None) -> Path:
+                      train_metrics: dict | None = None, extra: dict | None = None) -> Path:
     """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
 
     `write_files(tmp_dir)` writes the checkpoint's files (config.json, the weights) into a
@@ -196,7 +196,8 @@ def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write
     leftover without a marker is replaced.
     """
     final, files = _place(_run_dir(checkpoint_root, run_id), step, write_files)
-    manifest = _manifest(run_id, step, files, json.loads((final / CONFIG_NAME).read_text()), train_metrics)
+    manifest = _manifest(run_id, step, files, json.loads((final / CONFIG_NAME).read_text()), train_metrics,
+                         **(extra or {}))
     atomic_write_json(final / MARKER_NAME, manifest, mode=FILE_MODE)
     return final
 

@@ -181,7 +181,7 @@ class Target:
         Feature i is the output of decoder layer `layer_ids[i]`, i.e. HF
         `hidden_states[layer_ids[i] + 1]` (index 0 is the embedding output).
         """
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        bad = [i for i in layer_ids if not -1 <= i < self.num_layers]
         if bad:
             raise TargetError(f"layer ids {bad} outside the target's {self.num_layers} layers")
         captured: dict[int, torch.Tensor] = {}
@@ -191,7 +191,9 @@ class Target:
                 captured[idx] = output[0] if isinstance(output, tuple) else output
             return fn
 
-        handles = [self.parts.layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
+        # id -1 is the embedding output (HF hidden_states[0]): DeepSpec drafters read it
+        handles = [(self.parts.layers[i] if i >= 0 else self.parts.embed_tokens).register_forward_hook(hook(i))
+                   for i in sorted(set(layer_ids))]
         kwargs = {}
         if past_key_values is not None:  # transformers renamed `past_key_values` to `cache`
             kwargs[_cache_kwarg(self.parts.text_model)] = past_key_values

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of each greedy reference completion (default: the suite's)")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="drafted nodes of the best-first tree behind tree τ (default: the engine's, 8)")
+    parser.add_argument("--sliding-rule", choices=["serving", "reference"], default=None,
+                        help="sliding-window layers a drafter config leaves without a causal flag: serving (vLLM/SGLang: "
+                        "causal within the block; default) or reference (z-lab loop: non-causal, windowed)")
     parser.add_argument("--counting", choices=["response", "published"], default=None,
                         help="step-counting rule of the online walk (default: the engine's, response)")
     parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
@@ -88,6 +91,8 @@ def main(args: argparse.Namespace) -> int:
         options["tree_budget"] = args.tree_budget
     if args.counting is not None:
         options["counting"] = args.counting
+    if args.sliding_rule is not None:
+        options["sliding_rule"] = args.sliding_rule
     options.update(sampling_options(args))
     wandb = None
     if args.wandb_project or args.wandb_entity or args.wandb_mode:

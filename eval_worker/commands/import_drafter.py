@@ -5,13 +5,21 @@ import argparse
 
 from ._common import fail, print_json
 
-HELP = ("record drafter directories trained elsewhere (z-lab release, SpecForge output, Hugging Face snapshot) "
-        "as checkpoints the queue can evaluate (and use as --baseline); nothing is written into them")
+HELP = ("record drafters trained elsewhere (z-lab release, SpecForge/DeepSpec output, Hugging Face snapshot, "
+        "HF Trainer checkpoint-N/, a training-state *.pt) as checkpoints the queue can evaluate (and use as "
+        "--baseline); nothing is written into them")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("drafters", nargs="+", metavar="DRAFTER_DIR",
-                        help="drafter directories: config.json + model.safetensors (or an index and shards)")
+    parser.add_argument("drafters", nargs="+", metavar="CHECKPOINT",
+                        help="drafter directories (config.json + model.safetensors, or an index and shards), a "
+                             "trainer's checkpoint directory (HF Trainer checkpoint-N/, SpecForge "
+                             "training_state.pt, DeepSpec step_N/) or a training-state file (*.pt with "
+                             "model_state_dict; read with torch.load(weights_only=True, mmap=True))")
+    parser.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                        help="the drafter's config.json (any published layout) for checkpoints that do not hold "
+                             "one (HF Trainer checkpoint-N/, *.pt, training_state.pt); the weights are then "
+                             "converted into a checkpoint under --into")
     add_import_arguments(parser)
     parser.add_argument("--run", default=None,
                         help="run id of the record (default: read off the path: a HF snapshot's repo name, a "
@@ -33,14 +41,15 @@ def add_import_arguments(parser: argparse.ArgumentParser, *, roots: bool = True)
 
 
 def import_drafters(args: argparse.Namespace, sources: list[str], run: str | None = None,
-                    step: int | None = None) -> tuple[list[dict], list[dict]]:
+                    step: int | None = None, config: str | None = None) -> tuple[list[dict], list[dict]]:
     """Import each source; ([{source, record, run_id, step, digest, created, given}], [{source, error, given}]),
     `given` being the path as passed."""
     import os
     from pathlib import Path
 
-    from dflash_train.publication import CheckpointError, import_directory, import_name, valid_run_id, within
+    from dflash_train.publication import CheckpointError, import_name, run_id_from, valid_run_id, within
     from dflash_train.settings import parse_roots
+    from dflash_train.training_state import import_checkpoint
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     into = args.into or (str(roots[0]) if roots else None)
@@ -49,8 +58,10 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
                                            "of the worker) or set $DFLASH_CHECKPOINT_ROOTS"} for s in sources]
     records, errors = [], []
     for source in sources:
-        default_run, default_step = import_name(source)
-        run_id, at = run or default_run, default_step if step is None else step
+        # a training-state file is named after its step: the run is its directory
+        default_run = (run_id_from(Path(source).resolve().parent.name, default="import") if Path(source).is_file()
+                       else import_name(source)[0])
+        run_id, at = run or default_run, step  # None: the checkpoint's own step (trainer_state.json, its name)
         try:
             if not valid_run_id(run_id):
                 raise CheckpointError(f"invalid run id {run_id!r}")
@@ -61,14 +72,14 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
                             f"{what} {path} is outside the checkpoint roots ({os.pathsep.join(map(str, roots))}); "
                             "the worker would refuse it: add its root with --checkpoint-root / "
                             "$DFLASH_CHECKPOINT_ROOTS (for a Hugging Face snapshot, the cache's hub directory)")
-            path, created = import_directory(Path(into), run_id, at, source)
+            path, created, _ = import_checkpoint(Path(into), run_id, at, source, config=config)
         except (CheckpointError, OSError) as e:
             errors.append({"source": source, "error": str(e), "given": source})
             continue
         from dflash_train.publication import read_manifest
 
         m = read_manifest(path)
-        records.append({"source": m["source"], "record": str(path), "run_id": m["run_id"], "step": m["step"],
+        records.append({"source": m.get("source") or m["imported_from"]["path"], "record": str(path), "run_id": m["run_id"], "step": m["step"],
                         "digest": m["digest"], "created": created, "given": source})
     if roots is None and records:
         _warn_unconfined(into, records)
@@ -93,7 +104,7 @@ def _warn_unconfined(into: str, records: list[dict]) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.run is not None and args.step is not None and len(args.drafters) > 1:
         return fail("--run and --step together name one record; import one DRAFTER_DIR at a time with both")
-    records, errors = import_drafters(args, args.drafters, args.run, args.step)
+    records, errors = import_drafters(args, args.drafters, args.run, args.step, args.config)
     if args.json:
         print_json({"records": records, "errors": errors})
     else:

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="when the online walk stops: response (default: once the response is committed) or "
                         "published (z-lab dflash_generate's loop: one more step at N-1, one after an eos first "
                         "token); see docs/design.md")
+    p.add_argument("--sliding-rule", choices=["serving", "reference"], default=None,
+                   help="sliding-window layers a drafter config leaves without a causal flag: serving (vLLM/SGLang: "
+                   "causal within the block; default) or reference (z-lab loop: non-causal, windowed)")
     p.add_argument("--tree-budget", type=int, default=8, help="DDTree node budget (0: off)")
     p.add_argument("--tree-spine", action="store_true", help="always keep the top-1 chain in the tree")
     p.add_argument("--validate", action="store_true", help="also run the real draft-verify loop and compare")
@@ -81,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     options = {"tree_budget": args.tree_budget, "tree_spine": args.tree_spine, "mode": args.mode,
                "counting": args.counting,
+               **({"sliding_rule": args.sliding_rule} if args.sliding_rule else {}),
                "validate": args.validate, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
                "max_blocks": args.max_blocks, "draft_verify_cost_ratio": args.cost_ratio}
     from ._common import sampling_options

@@ -93,8 +93,9 @@ class Evaluator:
         report = CacheReport()
         t_start = time.perf_counter()
         with _timer(timings, "load"):
-            drafter, info = open_drafter(checkpoint_dir, self.target, verified=verified)
-            base = open_drafter(baseline, self.target, verified=verified) if baseline is not None else None
+            drafter, info = open_drafter(checkpoint_dir, self.target, verified=verified, sliding_rule=opts.sliding_rule)
+            base = (open_drafter(baseline, self.target, verified=verified, sliding_rule=opts.sliding_rule)
+                    if baseline is not None else None)
             suite = load_suite(suite) if isinstance(suite, (str, Path)) else suite
             suite = suite.head(opts.num_prompts)
             prompts = self._encode(suite, opts, [drafter] + ([base[0]] if base else []))
@@ -454,7 +455,8 @@ class Evaluator:
                                           if e.get("validation")},
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
-                      layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe)
+                      layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe,
+                      sliding_rule_implicit=drafter.config.attention_rule() if drafter.config.sliding_implicit else None)
         return EvalResult(
             checkpoint=info.to_dict(),
             target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
@@ -462,6 +464,7 @@ class Evaluator:
             suite=suite.to_dict(),
             settings={"block_size": main.block_size, "max_new_tokens": max_new, "mode": opts.mode,
                       "counting": opts.counting, "layer_ids_origin": drafter.config.layer_ids_origin,
+                      "sliding_rule": drafter.config.attention_rule(), "layout": drafter.config.layout,
                       "tree_budget": opts.tree_budget, "tree_spine": opts.tree_spine, "max_blocks": opts.max_blocks,
                       "chat_template": suite.chat_template if opts.chat_template is None else opts.chat_template,
                       "eos_token_id": eos, "lookahead": lookahead, "layer_ids": main.layer_ids,

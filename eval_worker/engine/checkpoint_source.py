@@ -8,17 +8,20 @@ model.safetensors, e.g. a z-lab release) gets the digest of its weights
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from dflash_train.checkpoint import load_drafter
+from dflash_train.checkpoint import check_own_vocab, load_drafter
 from dflash_train.publication import (MARKER_NAME, CheckpointError, checkpoint_step, drafter_files, files_dir,
                                       sha256_file, verify_checkpoint, weights_digest)
 from dflash_train.config import ConfigError, DrafterConfig
 from dflash_train.model import DFlashDrafter
 from dflash_train.target import Target
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,12 +69,19 @@ def identify(path: str | Path, verified: dict | None = None) -> CheckpointInfo:
 
 
 def open_drafter(path: str | Path, target: Target, dtype: torch.dtype | None = None,
-                 verified: dict | None = None) -> tuple[DFlashDrafter, CheckpointInfo]:
-    """Identify, load (names/shapes checked) and fit-check a drafter against the target."""
+                 verified: dict | None = None, sliding_rule: str = "serving") -> tuple[DFlashDrafter, CheckpointInfo]:
+    """Identify, load (names/shapes checked) and fit-check a drafter against the target.
+    `sliding_rule` drafts sliding layers whose causality the config leaves implicit
+    (`config.SLIDING_RULES`); a warning names it."""
     info = identify(path, verified)
     drafter = load_drafter(info.files_dir, device=target.device, dtype=dtype).eval()
     drafter.config.bind_target(target.num_layers)  # a published config may leave depth and layer ids to the target
     target.check_drafter(drafter.config)
+    check_own_vocab(drafter, target, info.files_dir)
+    drafter.config.sliding_rule = sliding_rule
+    if drafter.config.sliding_implicit:
+        log.warning("%s: sliding-window layers with no causal flag in config.json; engines disagree on them, "
+                    "drafted by the rule %s", info.files_dir, drafter.config.attention_rule())
     return drafter, info
 
 

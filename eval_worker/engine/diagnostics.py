@@ -72,6 +72,7 @@ class Facts:
     reference_source: str = "local"
     layer_ids_origin: str = "config"
     leak_probe: dict | None = None  # eval_worker.engine.leak_probe.LeakProbe.to_dict()
+    sliding_rule_implicit: str | None = None  # the rule applied to sliding layers the config leaves implicit
 
 
 def train_accuracy(train_metrics: dict[str, Any] | None) -> float | None:
@@ -150,6 +151,12 @@ def diagnose(f: Facts) -> list[Diagnostic]:
         out.append(Diagnostic("LAYER_IDS_FROM_FALLBACK", "info",
                               f"config.json names no target_layer_ids: layers {f.layer_ids} come from the "
                               f"{f.layer_ids_origin}"))
+    if f.sliding_rule_implicit:
+        out.append(Diagnostic("SLIDING_RULE_IMPLICIT", "warning",
+                              "config.json has sliding-window layers and no causal flag: vLLM/SGLang draft them "
+                              "causally within the block, z-lab's loop non-causally; this τ used "
+                              f"{f.sliding_rule_implicit} (option sliding_rule chooses; dflash_config.causal "
+                              "in the config settles it)"))
     if f.baseline_layer_ids is not None and f.baseline_layer_ids != f.layer_ids:
         out.append(Diagnostic("BASELINE_LAYER_MISMATCH", "info",
                               f"baseline reads target layers {f.baseline_layer_ids}, checkpoint reads {f.layer_ids}"))

@@ -95,6 +95,9 @@ class EvalOptions(BaseModel):
     anchors_per_chunk: int | None = _int(1, 1 << 24)
     head_rows: int | None = _int(1, 1 << 24)               # default: eval_worker.engine.drafting's
     backend: Literal["auto", "flex", "sdpa"] = "auto"
+    # sliding layers a drafter config leaves without a causal flag: drafted as the serving engines
+    # do (vLLM/SGLang: causal within the block) or as z-lab's reference loop (non-causal, windowed)
+    sliding_rule: Literal["serving", "reference"] = "serving"
     # a server reference that is not the target's own greedy output: "fail" the job (nothing is
     # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
     reference_mismatch: Literal["fail", "measure"] = "fail"
