@@ -40,11 +40,15 @@ from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
 from eval_worker.engine.options import EvalOptions, temperature_key
 from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError
 from eval_worker.engine.result import EvalResult, PromptResult
-from eval_worker.engine.scoring import PromptScore, Summary, score_prompt, summarize
+from eval_worker.engine.scoring import (PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize,
+                                        tree_streak_of)
 from eval_worker.engine.speed import measure_step_costs
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
+from eval_worker.engine.walk import WALK_KV_BUDGET, Walker, WalkSeq, context_kv, kv_bytes
 
 log = logging.getLogger("eval_worker.engine")
+# what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
+SAMPLED_STATS = ("mean_streak_all_anchors", "per_position.top1_accuracy", "prompts[].mean_streak")
 
 @dataclass
 class DrafterRun:
@@ -55,6 +59,7 @@ class DrafterRun:
     block_size: int
     layer_ids: list[int]
     leak_probe: dict | None = None
+    drafting: dict | None = None  # the drafting path, what it drafted, and the anchor sample
 
 
 def software_version() -> str:
@@ -81,6 +86,7 @@ class Evaluator:
         self.progress, self.progress_every_s = progress, progress_every_s
         self._baselines: dict[str, DrafterRun] = {}
         self._costs: dict[str, dict | None] = {}
+        self._draft_costs: dict[str, dict] = {}  # drafting seconds per response token, per path and drafter shape
 
     # --- public -----------------------------------------------------------------------
     def evaluate(self, checkpoint_dir: str | Path, suite: Suite | str = "builtin:coding-v1",
@@ -297,38 +303,141 @@ class Evaluator:
              report: CacheReport, timings: dict[str, float], check: bool = False,
              written: list | None = None, probe: bool = False, sampling_id: dict | None = None) -> DrafterRun:
         cfg = drafter.config
+        B = cfg.block_size
+        leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
+        quota = -(-opts.anchor_sample // max(len(refs), 1))
+        path, costs = self._drafting_path(drafter, opts)
+        t0, drafted = timings.get("draft", 0.0), {"blocks": 0, "head_slots": 0}
+        run = self._run_walk if path == "walk" else self._run_all
+        scores = run(drafter, refs, suite, opts, report, timings, check, written, sampling_id, leak, quota, drafted)
+        tokens = sum(len(r.tokens) for r in refs)
+        if tokens and costs is not None:  # what the next "auto" choice for this drafter shape reads
+            costs[path] = (timings.get("draft", 0.0) - t0) / tokens
+        with _timer(timings, "score"):
+            summary = summarize(scores, B, opts.mode, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
+                                max_blocks=opts.max_blocks, n_resamples=opts.bootstrap, seed=opts.seed)
+        sampled = sum(len(sc.sample) for sc in scores)
+        drafting = {"path": path, "chosen": "auto" if opts.drafting == "auto" else "given",
+                    "draft_s_per_token": dict(costs) if costs else None, **drafted,
+                    "anchor_sample": {"anchors": sampled, "of": tokens, "seed": opts.seed,
+                                      "every_anchor": sampled == tokens, "stats": list(SAMPLED_STATS)}}
+        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids), leak.to_dict() if leak else None, drafting)
+
+    def _drafting_path(self, drafter: DFlashDrafter, opts: EvalOptions) -> tuple[str, dict | None]:
+        """"walk" or "all", and the measured drafting cost per response token of each (None: not
+        measured yet) for this drafter's shape. "auto" takes the cheaper once both are measured;
+        until then it measures the one it has not (walk first: it is cheaper unless τ is near 1)."""
+        key = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype)})
+        costs = self._draft_costs.setdefault(key, {"walk": None, "all": None})
+        if opts.drafting != "auto":
+            return opts.drafting, costs
+        if costs["walk"] is None or costs["all"] is None:
+            return ("walk" if costs["walk"] is None else "all"), costs
+        return min(("walk", "all"), key=lambda p: costs[p]), costs
+
+    def _features_for(self, ref, suite, cfg, report, timings, check, written, sampling_id) -> dict:
+        with _timer(timings, "features"):
+            return self._features(ref, suite, cfg.target_layer_ids, report, check, written,
+                                  None if sampling_id is None else {**sampling_id, "sample": ref.sample})
+
+    def _probe(self, leak: LeakProbe, drafter, ref: Reference, ids, feats, opts, timings, strict=None):
+        """The leak probe's anchor-state view of `ref` (and its contract check); with `strict`
+        (offsets -> argmax), also add the views up. Returns (offsets, anchor-state argmax)."""
+        embed, head = self.target.parts.embed_tokens, self.target.parts.lm_head
+        P, n = len(ref.prompt_ids), len(ref.tokens)
+        with _timer(timings, "leak_probe"):
+            rows = probe_offsets(n, leak.quota)
+            kw = {"head_rows": opts.head_rows or DEFAULT_HEAD_ROWS, "backend": opts.backend}
+            seen = draft_anchors(drafter, embed, head, ids, feats, P + rows, see_anchor_state=True,
+                                 anchors_per_chunk=opts.anchors_per_chunk, **kw)
+            leak.check_contract(ref.name, drafter, embed, head, ids, feats, P, rows, **kw)
+        return rows, seen.argmax
+
+    def _run_all(self, drafter, refs, suite, opts, report, timings, check, written, sampling_id, leak, quota,
+                 drafted) -> list[PromptScore]:
+        """A block at every anchor, one prompt at a time (`drafting.draft_anchors`)."""
+        cfg = drafter.config
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
         scores = []
-        leak = LeakProbe(B, opts.leak_probe_anchors, len(refs)) if probe and opts.leak_probe_anchors else None
         for ref in self._bar(refs, f"{suite.name}: features + drafting (B={B})"):
-            with _timer(timings, "features"):
-                feats = self._features(ref, suite, cfg.target_layer_ids, report, check, written,
-                                       None if sampling_id is None else {**sampling_id, "sample": ref.sample})
+            feats = self._features_for(ref, suite, cfg, report, timings, check, written, sampling_id)
             P, n = len(ref.prompt_ids), len(ref.tokens)
             with _timer(timings, "draft"):
                 ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
                 drafts = draft_anchors(drafter, embed, head, ids, feats["features"], np.arange(P, P + n),
                                        topk=topk, topk_slots=opts.tree_budget, anchors_per_chunk=opts.anchors_per_chunk,
                                        head_rows=opts.head_rows or DEFAULT_HEAD_ROWS, backend=opts.backend)
+            drafted["blocks"] += n
+            drafted["head_slots"] += n * (B - 1)
             with _timer(timings, "score"):
                 sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
                                   tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
-                                  ends_with_stop=ref.finish == "eos")
+                                  ends_with_stop=ref.finish == "eos",
+                                  sample=sample_offsets(n, quota, opts.seed, _label(ref)))
                 sc.greedy = feats["greedy"].numpy()
             if leak is not None:
-                with _timer(timings, "leak_probe"):
-                    rows = probe_offsets(n, leak.quota)
-                    kw = {"head_rows": opts.head_rows or DEFAULT_HEAD_ROWS, "backend": opts.backend}
-                    seen = draft_anchors(drafter, embed, head, ids, feats["features"], P + rows, see_anchor_state=True,
-                                         anchors_per_chunk=opts.anchors_per_chunk, **kw)
-                    leak.add(ref.ext, rows, drafts.argmax[rows], seen.argmax)
-                    leak.check_contract(ref.name, drafter, embed, head, ids, feats["features"], P, rows, **kw)
+                rows, seen = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings)
+                leak.add(ref.ext, rows, drafts.argmax[rows], seen)
             scores.append(sc)
-        with _timer(timings, "score"):
-            summary = summarize(scores, B, opts.mode, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
-                                max_blocks=opts.max_blocks, n_resamples=opts.bootstrap, seed=opts.seed)
-        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids), leak.to_dict() if leak else None)
+        return scores
+
+    def _run_walk(self, drafter, refs, suite, opts, report, timings, check, written, sampling_id, leak, quota,
+                  drafted) -> list[PromptScore]:
+        """Only the blocks the walks visit (`walk.Walker`), prompts in groups that walk together."""
+        cfg = drafter.config
+        B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
+        topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
+        walker = Walker(drafter, embed, head, topk=topk, tree_depth=opts.tree_budget, tree_spine=opts.tree_spine,
+                        tree_fn=lambda i, lp, a, lab: tree_streak_of(i, lp, a, lab, opts.tree_budget, opts.tree_spine),
+                        head_rows=opts.head_rows or DEFAULT_HEAD_ROWS)
+        groups, size = [[]], 0
+        for ref in refs:  # context keys/values of a group stay within WALK_KV_BUDGET
+            need = kv_bytes(drafter, len(ref.prompt_ids) + len(ref.tokens))
+            if groups[-1] and size + need > WALK_KV_BUDGET:
+                groups.append([])
+                size = 0
+            groups[-1].append(ref)
+            size += need
+        scores, bar = [], iter(self._bar(refs, f"{suite.name}: features + walk-driven drafting (B={B})"))
+        for group in groups:
+            seqs, kvs, extra = [], [], []
+            for ref in group:
+                next(bar, None)
+                feats = self._features_for(ref, suite, cfg, report, timings, check, written, sampling_id)
+                P, n = len(ref.prompt_ids), len(ref.tokens)
+                ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
+                sample = sample_offsets(n, quota, opts.seed, _label(ref))
+                probed = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings) if leak else None
+                full = np.union1d(sample, probed[0]) if probed else sample
+                with _timer(timings, "draft"):
+                    kvs.append(context_kv(drafter, feats["features"][:max(P + n - 1, 1)]))
+                seqs.append(WalkSeq(ids, P, n, np.asarray(ref.ext, dtype=np.int64), full=full,
+                                    max_blocks=opts.max_blocks, greedy_steps=None if opts.validate else opts.max_blocks))
+                extra.append((sample, probed, feats["greedy"].numpy()))
+                del feats
+            with _timer(timings, "draft"):
+                walked = walker.run(seqs, kvs)
+            del kvs
+            for ref, seq, got, (sample, probed, greedy) in zip(group, seqs, walked, extra):
+                drafted["blocks"] += got.blocks
+                drafted["head_slots"] += got.head_slots
+                with _timer(timings, "score"):
+                    streaks = np.full(seq.num_tokens, -1, dtype=np.int64)
+                    streaks[list(got.streak)] = list(got.streak.values())
+                    sample_arg = np.stack([got.argmax[o] for o in sample.tolist()]) if sample.size else \
+                        np.zeros((0, B - 1), dtype=np.int64)
+                    sc = score_blocks(ref.name, ref.ext, seq.num_tokens, B, streaks,
+                                      got.tree_streaks.__getitem__ if topk else None, sample, sample_arg,
+                                      max_blocks=opts.max_blocks, counting=opts.counting,
+                                      ends_with_stop=ref.finish == "eos")
+                    sc.greedy = greedy
+                if probed is not None:
+                    rows, seen = probed
+                    leak.add(ref.ext, rows, np.stack([got.argmax[o] for o in rows.tolist()]).reshape(len(rows), B - 1),
+                             seen)
+                scores.append(sc)
+        return scores
 
     def _baseline_run(self, base: tuple[DFlashDrafter, CheckpointInfo], refs, suite, opts, report) -> DrafterRun:
         drafter, info = base
@@ -433,7 +542,7 @@ class Evaluator:
                 name=ref.name, tau=prompt_tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
                 reference_text=text, accepted_spans=spans, num_tokens=len(ref.tokens), finish=ref.finish,
                 tree_tau=tau(tree_acc),
-                mean_streak=float(sc.streaks.mean()) if sc.num_tokens else None,
+                mean_streak=float(sc.sample_streaks.mean()) if sc.sample.size else None,
                 reference_agrees_with_target=first is None, degenerate=collapse))
         baseline = None
         if base_run is not None:
@@ -468,13 +577,15 @@ class Evaluator:
                       "tree_budget": opts.tree_budget, "tree_spine": opts.tree_spine, "max_blocks": opts.max_blocks,
                       "chat_template": suite.chat_template if opts.chat_template is None else opts.chat_template,
                       "eos_token_id": eos, "lookahead": lookahead, "layer_ids": main.layer_ids,
-                      "reference_source": getattr(self.reference_source, "name", "local")},
+                      "reference_source": getattr(self.reference_source, "name", "local"),
+                      "anchor_sample": main.drafting["anchor_sample"]},
             tau=s.tau, acceptance_histogram=s.histogram, per_position=s.per_position,
             mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=speed, baseline=baseline,
             prompts=prompts, diagnostics=diagnose(facts), cache=report.to_dict(),
             provenance={"software_version": software_version(),
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in timings.items()},
+                        "drafting": {k: v for k, v in main.drafting.items() if k != "anchor_sample"},
                         "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
             stride=s.stride, validation=validation, leak_probe=main.leak_probe, sampling=sampled)
 

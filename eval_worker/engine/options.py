@@ -20,9 +20,10 @@ from dflash_train.errors import DFlashError
 from dflash_train.tau import COUNTING_RULES
 
 # How the work is done, not what is measured: not part of an evaluation's identity.
-PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend"})
+PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend", "drafting"})
 MAX_SHOWN = 80  # characters of an offending value quoted in an error
 DEFAULT_LEAK_PROBE_ANCHORS = 256  # anchors over the whole suite the leak probe drafts again
+DEFAULT_ANCHOR_SAMPLE = 512  # anchors over the whole suite behind the statistics over every anchor
 MAX_TEMPERATURES = 16
 # Size limits shared by job options and suite files (eval_worker.engine.suite), so a suite
 # cannot ask for what an option may not
@@ -98,6 +99,13 @@ class EvalOptions(BaseModel):
     # sliding layers a drafter config leaves without a causal flag: drafted as the serving engines
     # do (vLLM/SGLang: causal within the block) or as z-lab's reference loop (non-causal, windowed)
     sliding_rule: Literal["serving", "reference"] = "serving"
+    # "walk": draft only the blocks the walks visit, each up to its first miss (eval_worker.engine.walk);
+    # "all": a block at every anchor (drafting.draft_anchors); "auto": the cheaper by measured cost.
+    # The same numbers either way.
+    drafting: Literal["auto", "walk", "all"] = "auto"
+    # mean streak over all anchors and per-slot top-1 accuracy come from this many anchors over the
+    # suite, a fixed sample seeded by `seed` (every anchor when the suite has no more)
+    anchor_sample: int = _int(1, 1 << 24, DEFAULT_ANCHOR_SAMPLE)
     # a server reference that is not the target's own greedy output: "fail" the job (nothing is
     # cached), or "measure" τ on that text anyway (flagged REFERENCE_NOT_TARGET_GREEDY)
     reference_mismatch: Literal["fail", "measure"] = "fail"

@@ -1,6 +1,7 @@
 """Score one drafter's per-anchor drafts along one reference, and aggregate over prompts."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,9 +18,9 @@ class PromptScore:
     name: str
     block_size: int
     num_tokens: int  # response length (offsets 0..num_tokens-1 are anchors)
-    streaks: np.ndarray  # [num_tokens] top-1 streak of the block at each offset
-    match_sum: np.ndarray  # [B-1] per slot: anchors whose draft equals the reference
-    valid_sum: np.ndarray  # [B-1] per slot: anchors with a reference token to compare
+    streaks: np.ndarray  # [num_tokens] top-1 streak of the block at each offset; -1 where no walk drafted one
+    match_sum: np.ndarray  # [B-1] per slot: sampled anchors whose draft equals the reference
+    valid_sum: np.ndarray  # [B-1] per slot: sampled anchors with a reference token to compare
     online: metrics.Walk
     stride: list[int]  # accept lengths of the fixed-stride blocks
     tree_online: metrics.Walk | None = None
@@ -27,10 +28,20 @@ class PromptScore:
     tree_below_chain: int = 0  # visited blocks where the tree walk fell short of the top-1 streak
     greedy: np.ndarray | None = None  # the target's own argmax at offsets 0..num_tokens (divergence check)
     walk: dict = field(default_factory=dict)  # online_walk's counting rule for this prompt
+    sample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # offsets of the anchor sample
 
     def full_walk(self) -> metrics.Walk:
         """The whole online walk, whatever max_blocks / mode show (what the real loop does)."""
-        return metrics.online_walk(lambda s: self.streaks[s], self.num_tokens, **self.walk)
+        return metrics.online_walk(self._streak, self.num_tokens, **self.walk)
+
+    def _streak(self, s: int) -> int:
+        if self.streaks[s] < 0:
+            raise ValueError(f"{self.name}: no block was drafted at offset {s}")
+        return int(self.streaks[s])
+
+    @property
+    def sample_streaks(self) -> np.ndarray:
+        return self.streaks[self.sample]
 
     def accepts(self, mode: str) -> list[int]:
         return self.online.accept_lengths if mode == "online" else self.stride
@@ -41,41 +52,81 @@ class PromptScore:
         return self.tree_online.accept_lengths if mode == "online" else self.tree_stride
 
 
+def sample_offsets(num_tokens: int, quota: int | None, seed: int, name: str) -> np.ndarray:
+    """The fixed, seeded sample of anchors that statistics over every anchor are taken from:
+    `quota` offsets of 0..num_tokens-1 (all of them when quota is None or at least num_tokens),
+    drawn by (seed, prompt name), sorted."""
+    if quota is None or quota >= num_tokens:
+        return np.arange(num_tokens, dtype=np.int64)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return np.sort(rng.choice(num_tokens, size=max(quota, 0), replace=False)).astype(np.int64)
+
+
+def tree_streak_of(topk_ids: np.ndarray, topk_logp: np.ndarray, argmax: np.ndarray, labels: np.ndarray,
+                   budget: int, spine: bool) -> int:
+    """The tree walk's streak on one block (`labels`: the reference at slots 1..B-1, -1 past its end)."""
+    return tree_streak(build_tree(topk_logp, topk_ids, budget, spine=spine, spine_ids=argmax), labels)
+
+
 def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDrafts, block_size: int, *,
                  tree_budget: int = 0, tree_spine: bool = False, max_blocks: int | None = None,
-                 counting: str = "response", ends_with_stop: bool = False) -> PromptScore:
-    """`drafts` rows are the anchors at offsets 0..num_tokens-1, in order.
+                 counting: str = "response", ends_with_stop: bool = False,
+                 sample: np.ndarray | None = None) -> PromptScore:
+    """Score the all-anchor drafts: `drafts` rows are the anchors at offsets 0..num_tokens-1, in order.
 
     `counting` / `ends_with_stop`: when the online walks stop (`metrics.online_walk`).
+    `sample`: the anchors of the statistics over every anchor (default: all of them).
     """
     B = block_size
     if drafts.argmax.shape != (num_tokens, B - 1):
         raise ValueError(f"{name}: expected drafts for {num_tokens} anchors x {B - 1} slots, "
                          f"got {drafts.argmax.shape}")
     offsets = np.arange(num_tokens)
-    m = metrics.matches(drafts.argmax, ext, offsets)
-    streaks = metrics.leading_true(m)
-    idx = offsets[:, None] + np.arange(1, B)[None, :]
-    valid = idx < len(ext)
-    walk = dict(counting=counting, ends_with_stop=ends_with_stop)
-    online = metrics.online_walk(lambda s: streaks[s], num_tokens, max_blocks, **walk)
-    stride = metrics.stride_blocks(streaks, num_tokens, B, max_blocks)
-    score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), online, stride, walk=walk)
+    streaks = metrics.leading_true(metrics.matches(drafts.argmax, ext, offsets))
+    sample = offsets if sample is None else sample
+    tree_at = None
     if tree_budget > 0 and drafts.topk_ids is not None:
         ext_arr = np.asarray(ext, dtype=np.int64)
+
+        def tree_at(s: int) -> int:
+            labels = walk_labels(ext_arr, s, B)
+            return tree_streak_of(drafts.topk_ids[s], drafts.topk_logp[s], drafts.argmax[s], labels, tree_budget,
+                                  tree_spine)
+
+    return score_blocks(name, ext, num_tokens, B, streaks, tree_at, sample, drafts.argmax[sample],
+                        max_blocks=max_blocks, counting=counting, ends_with_stop=ends_with_stop)
+
+
+def walk_labels(ext: np.ndarray, offset: int, block_size: int) -> np.ndarray:
+    """ext[offset + k] for slots k = 1..B-1, -1 past the end."""
+    idx = offset + np.arange(1, block_size)
+    return np.where(idx < len(ext), ext[np.minimum(idx, len(ext) - 1)], -1)
+
+
+def score_blocks(name: str, ext: list[int], num_tokens: int, block_size: int, streaks: np.ndarray, tree_at,
+                 sample: np.ndarray, sample_argmax: np.ndarray, *, max_blocks: int | None = None,
+                 counting: str = "response", ends_with_stop: bool = False) -> PromptScore:
+    """Replay the walks over per-anchor streaks (all anchors, or the ones the walks visited: -1
+    elsewhere) and take the per-slot statistics from the sampled anchors' full drafts
+    `sample_argmax [len(sample), B-1]`. `tree_at(s)`: the tree walk's streak at s (None: no tree)."""
+    B = block_size
+    m = metrics.matches(sample_argmax, ext, sample)
+    valid = (sample[:, None] + np.arange(1, B)[None, :]) < len(ext)
+    walk = dict(counting=counting, ends_with_stop=ends_with_stop)
+    score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), None, [], walk=walk, sample=sample)
+    score.online = metrics.online_walk(score._streak, num_tokens, max_blocks, **walk)
+    score.stride = metrics.stride_blocks(streaks, num_tokens, B, max_blocks)
+    if tree_at is not None:
         memo: dict[int, int] = {}
 
         def tstreak(s: int) -> int:
             if s not in memo:
-                tree = build_tree(drafts.topk_logp[s], drafts.topk_ids[s], tree_budget, spine=tree_spine,
-                                  spine_ids=drafts.argmax[s])
-                labels = np.where(valid[s], ext_arr[np.minimum(idx[s], len(ext_arr) - 1)], -1)
-                memo[s] = tree_streak(tree, labels)
+                memo[s] = tree_at(s)
             return memo[s]
 
         score.tree_online = metrics.online_walk(tstreak, num_tokens, max_blocks, **walk)
-        score.tree_stride = [tstreak(s) + 1 for s in range(0, max(num_tokens - 1, 0), B)][: len(stride)]
-        score.tree_below_chain = sum(memo[s] < streaks[s] for s in memo)
+        score.tree_stride = [tstreak(s) + 1 for s in range(0, max(num_tokens - 1, 0), B)][: len(score.stride)]
+        score.tree_below_chain = sum(memo[s] < score._streak(s) for s in memo)
     return score
 
 
@@ -104,7 +155,7 @@ def summarize(scores: list[PromptScore], block_size: int, mode: str, *, tree_bud
     match_sum = sum((s.match_sum for s in scores), np.zeros(B - 1, dtype=np.int64))
     valid_sum = sum((s.valid_sum for s in scores), np.zeros(B - 1, dtype=np.int64))
     streak = np.asarray(flat, dtype=np.int64) - 1
-    all_streaks = np.concatenate([s.streaks for s in scores]) if scores else np.zeros(0)
+    all_streaks = np.concatenate([s.sample_streaks for s in scores]) if scores else np.zeros(0)
     cond = metrics.conditional_accept(flat, B)
     top1 = metrics.top1_accuracy(match_sum, valid_sum)
     per_position = {

@@ -1,0 +1,227 @@
+"""Walk-driven drafting: draft only the blocks the walks visit, and each only up to its first miss.
+
+The all-anchor pass (`drafting.draft_anchors`) drafts a block at every response offset and
+runs the LM head on all B-1 slots of each; the online walk then reads about n / τ of those
+blocks, and of each only the slots up to its first mismatch. Here the walks drive the
+drafting instead, all prompts of a group advancing together, one batched drafter pass per
+step (a GPU still gets batched work):
+
+  - each prompt's context keys/values are projected once per layer (a DFlash layer attends
+    to `[k_proj(ctx) ; k_proj(block)]` of the same fused context, whatever the layer's input),
+    then every step drafts one block per cursor against them (mask: context `kv < anchor`);
+  - the greedy cursor moves s -> s + streak + 1 (the walk of `metrics.online_walk`, run to
+    the end of the reference: a superset of what any counting rule reads), the tree cursor
+    likewise with the tree's streak, and the fixed anchors are the stride blocks and the
+    seeded sample that the all-anchor statistics come from;
+  - the LM head runs slot chunk by slot chunk (1, 2, 3, 4, 6, 8, 11, ... slots), only on the
+    rows whose block has matched so far, so it stops at the first miss; rows the tree visits
+    get top-k as deep as a tree of that budget can reach, rows of the sample all slots.
+
+The walks themselves are then replayed by the same code as on the all-anchor drafts
+(`scoring.score_blocks`), so every number is made by one piece of code either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dflash_train.model import DFlashDrafter, DraftCache, mask_blocks
+from dflash_train.masks import visible
+
+from eval_worker.engine import metrics
+from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, DEFAULT_QUERY_BUDGET, _CastEmbedding, head_topk
+from eval_worker.engine.scoring import walk_labels
+
+# the context keys/values a group of prompts holds at once (the rest of the suite waits its turn)
+WALK_KV_BUDGET = 256 * 1024 * 1024
+SLOT_BOUNDS = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128)  # early-exit chunks grow ~1.4x
+
+
+@dataclass
+class WalkSeq:
+    """One reference to walk: prompt + response ids, its target features, its labels."""
+
+    ids: torch.Tensor  # [S]
+    prompt_len: int
+    num_tokens: int
+    ext: np.ndarray  # response + lookahead (the labels)
+    full: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # offsets drafted on every slot
+    max_blocks: int | None = None  # steps of the tree walk and blocks of the stride walk
+    greedy_steps: int | None = None  # steps of the greedy walk (None: to the end, for the validation replay)
+
+
+@dataclass
+class WalkBlocks:
+    """What the walks read of one reference, per visited offset."""
+
+    streak: dict[int, int] = field(default_factory=dict)  # top-1 streak
+    argmax: dict[int, np.ndarray] = field(default_factory=dict)  # [B-1] for the `full` offsets
+    tree_streaks: dict[int, int] = field(default_factory=dict)  # the tree walk's streak, where it drafted top-k
+    blocks: int = 0  # blocks drafted (a block drafted twice counts twice)
+    head_slots: int = 0  # slot rows the LM head ran on
+
+
+def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the rotated context keys and values `[kv_heads, S, head_dim]` of `features [S, n*H]`
+    (what `DFlashDrafter.forward` computes from the context, once for every anchor)."""
+    ctx = drafter.hidden_norm(drafter.fc(features[None].to(drafter.fc.weight.dtype)))
+    cos, sin = drafter.rotary_emb(ctx, torch.arange(features.shape[0], device=ctx.device)[None])
+    return [tuple(t[0] for t in layer.self_attn.key_value(ctx, cos, sin)) for layer in drafter.layers]
+
+
+def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
+    cfg = drafter.config
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * length * drafter.fc.weight.element_size()
+
+
+class Walker:
+    """Walk-driven drafting for one drafter over a group of references."""
+
+    def __init__(self, drafter: DFlashDrafter, embed, head, *, topk: int = 0, tree_depth: int = 0,
+                 tree_spine: bool = False, tree_fn=None, head_rows: int | None = DEFAULT_HEAD_ROWS,
+                 query_budget: int = DEFAULT_QUERY_BUDGET):
+        self.drafter, self.head = drafter, head
+        self.emb = _CastEmbedding(embed, drafter.fc.weight.dtype)
+        self.B = drafter.config.block_size
+        self.topk, self.D = topk, (min(tree_depth, self.B - 1) if topk else 0)
+        self.spine = tree_spine
+        self.tree_fn = tree_fn  # (topk_ids [D, K], topk_logp [D, K], argmax [B-1], labels [B-1]) -> streak
+        self.head_rows = head_rows
+        self.rows_per_pass = max(1, query_budget // self.B)
+        self.dev = next(drafter.parameters()).device
+
+    @torch.no_grad()
+    def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
+        """`kvs[i]`: `context_kv` of seqs[i]'s features (computed as each prompt's features arrive)."""
+        out = [WalkBlocks() for _ in seqs]
+        tree_on = self.topk > 0 and self.tree_fn is not None
+        # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot)
+        fixed = []
+        for i, s in enumerate(seqs):
+            stride = list(range(0, max(s.num_tokens - 1, 0), self.B))
+            stride = stride if tree_on else stride[: s.max_blocks]  # the tree's stride streaks are all counted
+            full = set(int(x) for x in s.full)
+            for off in sorted(set(stride) | full):
+                fixed.append((i, off, tree_on and off in stride, off in full))
+        self._draft(seqs, kvs, out, fixed)
+        # then the walks, every prompt one step per pass
+        greedy = [0 if s.num_tokens > 0 else None for s in seqs]
+        tree = [0 if tree_on and s.num_tokens > 0 else None for s in seqs]
+        g_steps, t_steps = [0] * len(seqs), [0] * len(seqs)
+        while True:
+            need: dict[tuple[int, int], list[bool]] = {}
+            for i, s in enumerate(seqs):
+                for cur, is_tree in ((greedy[i], False), (tree[i], True)):
+                    if cur is None:
+                        continue
+                    known = cur in out[i].tree_streaks if is_tree else cur in out[i].streak
+                    if not known:
+                        want = need.setdefault((i, cur), [False, False])
+                        want[0] = want[0] or is_tree
+            if not need:
+                # advance every cursor whose block is known; stop when none moves
+                moved = False
+                for i, s in enumerate(seqs):
+                    if greedy[i] is not None:
+                        greedy[i], g_steps[i] = greedy[i] + out[i].streak[greedy[i]] + 1, g_steps[i] + 1
+                        if greedy[i] >= s.num_tokens or (s.greedy_steps is not None and g_steps[i] >= s.greedy_steps):
+                            greedy[i] = None
+                        moved = True
+                    if tree[i] is not None:
+                        t = out[i].tree_streaks[tree[i]]
+                        tree[i], t_steps[i] = tree[i] + t + 1, t_steps[i] + 1
+                        if tree[i] >= s.num_tokens or (s.max_blocks is not None and t_steps[i] >= s.max_blocks):
+                            tree[i] = None
+                        moved = True
+                if not moved:
+                    break
+                continue
+            self._draft(seqs, kvs, out, [(i, off, want[0], False) for (i, off), want in need.items()])
+        return out
+
+    def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]]) -> None:
+        """Draft (prompt, offset, with tree top-k, every slot) rows, a pass of rows at a time."""
+        for c in range(0, len(rows), self.rows_per_pass):
+            chunk = rows[c:c + self.rows_per_pass]
+            slots = self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in chunk])
+            labels = np.stack([walk_labels(seqs[i].ext, off, self.B) for i, off, _, _ in chunk])
+            tree = np.array([t for _, _, t, _ in chunk], dtype=bool)
+            full = np.array([f or (t and self.spine) for _, _, t, f in chunk], dtype=bool)
+            arg, ids, logp, computed = self._head(slots, labels, tree, full)
+            streak = _streaks(arg, labels)
+            for r, (i, off, t, f) in enumerate(chunk):
+                o = out[i]
+                o.blocks += 1
+                o.head_slots += int(computed[r])
+                o.streak.setdefault(off, int(streak[r]))
+                if f:
+                    o.argmax.setdefault(off, arg[r].copy())
+                if t:
+                    o.tree_streaks.setdefault(off, int(self.tree_fn(ids[r], logp[r], arg[r], labels[r])))
+
+    def _blocks(self, seqs, kvs, rows: list[tuple[int, int]]) -> torch.Tensor:
+        """Final hiddens of slots 1..B-1 `[rows, B-1, H]`, one block per (prompt, offset)."""
+        B, dev, drafter = self.B, self.dev, self.drafter
+        anchors = torch.tensor([seqs[i].prompt_len + off for i, off in rows], device=dev)
+        L = int(anchors.max())  # context keys beyond the last anchor are never visible
+        cache = DraftCache(len(drafter.layers))
+        for layer in range(len(drafter.layers)):
+            for which, store in ((0, cache.keys), (1, cache.values)):
+                store[layer] = torch.stack([_fit(kvs[i][layer][which], L) for i, _ in rows])
+        first = torch.stack([seqs[i].ids[seqs[i].prompt_len + off] for i, off in rows]).to(dev)
+        block = mask_blocks(first, B, drafter.config.mask_token_id)
+        positions = anchors[:, None] + torch.arange(B, device=dev)
+        kv_pos = torch.cat([torch.arange(L, device=dev).expand(len(rows), L), positions], dim=1)
+        seen = torch.cat([kv_pos[:, :L] < anchors[:, None], torch.ones_like(positions, dtype=torch.bool)], dim=1)
+        built = {}
+        for spec in drafter.config.attention():
+            if spec not in built:
+                built[spec] = visible(positions[:, None, :, None], kv_pos[:, None, None, :], *spec) & seen[:, None, None]
+        masks = [built[spec] for spec in drafter.config.attention()]
+        hidden = drafter(self.emb(block), positions, None, None, mask=masks, cache=cache)
+        return hidden[:, 1:]
+
+    def _head(self, slots: torch.Tensor, labels: np.ndarray, tree: np.ndarray, full: np.ndarray):
+        """Argmax per slot (-1: not computed), top-k for `tree` rows; slot chunks stop at the first miss."""
+        R, W, H = slots.shape
+        arg = np.full((R, W), -1, dtype=np.int64)
+        done = np.zeros(R, dtype=np.int64)  # slots computed per row (a prefix)
+        ids = logp = None
+        D = self.D
+        if tree.any() and D:
+            rows = np.flatnonzero(tree)
+            a, tids, tlogp = head_topk(self.head, slots[torch.as_tensor(rows), :D].reshape(-1, H), self.topk, self.head_rows)
+            arg[rows, :D] = a.view(len(rows), D).numpy()
+            ids = np.zeros((R, D, tids.shape[1]), dtype=np.int64)
+            logp = np.zeros((R, D, tids.shape[1]), dtype=np.float32)
+            ids[rows], logp[rows] = tids.view(len(rows), D, -1).numpy(), tlogp.view(len(rows), D, -1).numpy()
+            done[rows] = D
+        for lo in sorted(set(done[full].tolist())):  # every slot of the sample's rows
+            rows = np.flatnonzero(full & (done == lo))
+            if lo < W:
+                a, _, _ = head_topk(self.head, slots[torch.as_tensor(rows), lo:].reshape(-1, H), 0, self.head_rows)
+                arg[rows, lo:] = a.view(len(rows), W - lo).numpy()
+            done[rows] = W
+        bounds = sorted({0, W, *(b for b in SLOT_BOUNDS if b < W), *([D] if D else [])})
+        for lo, hi in zip(bounds, bounds[1:]):
+            alive = (done == lo) & (_streaks(arg, labels) >= lo)
+            rows = np.flatnonzero(alive)
+            if rows.size:
+                a, _, _ = head_topk(self.head, slots[torch.as_tensor(rows), lo:hi].reshape(-1, H), 0, self.head_rows)
+                arg[rows, lo:hi] = a.view(len(rows), hi - lo).numpy()
+                done[rows] = hi
+        return arg, ids, logp, done
+
+
+def _streaks(arg: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Leading slots whose draft equals the label (as `metrics.matches`: -1 labels never match)."""
+    return metrics.leading_true((arg == labels) & (labels >= 0))
+
+
+def _fit(x: torch.Tensor, length: int) -> torch.Tensor:
+    """`[kv_heads, length, head_dim]`: x's first `length` positions, zero-padded (never attended)."""
+    if x.shape[1] >= length:
+        return x[:, :length]
+    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], x.shape[2]))], dim=1)
