@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_train.tau import COUNTING_RULES
 from eval_worker.engine.suite import DEFAULT_SUITE, hf_suites
 
 MULTI_SCHEMA = "dflash-eval-suites/1"
@@ -33,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-blocks", type=int, help="at most N blocks (verify steps) per prompt")
     p.add_argument("--mode", choices=["online", "stride"], default="online",
                    help="online: replay real greedy decoding (default); stride: fixed blocks every B tokens")
-    p.add_argument("--counting", choices=["response", "published"], default="response",
-                   help="when the online walk stops: response (default: once the response is committed) or "
+    p.add_argument("--counting", choices=COUNTING_RULES, default="response",
+                   help="when the online walk stops: response (default: once the response is committed), "
                         "published (z-lab dflash_generate's loop: one more step at N-1, one after an eos first "
-                        "token); see docs/design.md")
+                        "token), deepspec, vllm or sglang (their counters); see docs/design.md")
     p.add_argument("--tree-budget", type=int, default=8, help="DDTree node budget (0: off)")
     p.add_argument("--tree-spine", action="store_true", help="always keep the top-1 chain in the tree")
     p.add_argument("--validate", action="store_true", help="also run the real draft-verify loop and compare")

@@ -43,10 +43,11 @@ class PromptScore:
 
 def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDrafts, block_size: int, *,
                  tree_budget: int = 0, tree_spine: bool = False, max_blocks: int | None = None,
-                 counting: str = "response", ends_with_stop: bool = False) -> PromptScore:
+                 counting: str = "response", ends_with_stop: bool = False,
+                 stop_offset: int | None = None) -> PromptScore:
     """`drafts` rows are the anchors at offsets 0..num_tokens-1, in order.
 
-    `counting` / `ends_with_stop`: when the online walks stop (`metrics.online_walk`).
+    `counting` / `ends_with_stop` / `stop_offset`: when the online walks stop (`metrics.online_walk`).
     """
     B = block_size
     if drafts.argmax.shape != (num_tokens, B - 1):
@@ -58,6 +59,8 @@ def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDraft
     idx = offsets[:, None] + np.arange(1, B)[None, :]
     valid = idx < len(ext)
     walk = dict(counting=counting, ends_with_stop=ends_with_stop)
+    if stop_offset is not None:
+        walk["stop_offset"] = stop_offset
     online = metrics.online_walk(lambda s: streaks[s], num_tokens, max_blocks, **walk)
     stride = metrics.stride_blocks(streaks, num_tokens, B, max_blocks)
     score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), online, stride, walk=walk)
