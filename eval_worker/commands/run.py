@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_train.tau import COUNTING_RULES
 from eval_worker.engine.suite import DEFAULT_SUITE, hf_suites
 
 MULTI_SCHEMA = "dflash-eval-suites/1"
@@ -34,10 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-blocks", type=int, help="at most N blocks (verify steps) per prompt")
     p.add_argument("--mode", choices=["online", "stride"], default="online",
                    help="online: replay real greedy decoding (default); stride: fixed blocks every B tokens")
-    p.add_argument("--counting", choices=["response", "published"], default="response",
-                   help="when the online walk stops: response (default: once the response is committed) or "
+    p.add_argument("--counting", choices=COUNTING_RULES, default="response",
+                   help="when the online walk stops: response (default: once the response is committed), "
                         "published (z-lab dflash_generate's loop: one more step at N-1, one after an eos first "
-                        "token); see docs/design.md")
+                        "token), deepspec, vllm or sglang (their counters); see docs/design.md")
     p.add_argument("--sliding-rule", choices=["serving", "reference"], default=None,
                    help="sliding-window layers a drafter config leaves without a causal flag: serving (vLLM/SGLang: "
                    "causal within the block; default) or reference (z-lab loop: non-causal, windowed)")

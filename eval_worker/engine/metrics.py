@@ -50,7 +50,7 @@ class Walk:
 
 
 def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, counting: str = "response",
-                ends_with_stop: bool = False) -> Walk:
+                ends_with_stop: bool = False, stop_offset: int | None = None) -> Walk:
     """Replay greedy speculative decoding along a greedy reference of `num_tokens` tokens.
 
     Mirrors `dflash_train.speculative.speculative_generate`: the prefill commits offset 0;
@@ -58,24 +58,44 @@ def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, cou
     n + 1 tokens (clipped at the reference end, which is either eos or max_new_tokens),
     and the next step drafts from the new last token. `streak_at(s)` gives n at s.
 
-    `counting` says when the walk stops (docs/design.md, "Counting rules"):
-    - "response": once the response is committed. A reference of one token (eos first)
-      has no step.
+    `counting` says which steps count and what each adds (docs/design.md, "Counting rules"):
+    - "response": steps until the response is committed, each adding n + 1. A reference of one
+      token (eos first) has no step.
     - "published": z-lab's `dflash_generate`, which loops while `start < prompt + N`
       (N = max_new_tokens = num_tokens when the reference ended by length) and checks for
       a stop token only after a step: one step more whenever the steps sum to exactly
       N - 1 (its tokens lie past the end and are discarded, its length counts), and one
       step when the first token is already eos. `ends_with_stop`: the reference ended at eos.
+    - "deepspec": DeepSpec's `generate_decoding_sample`: the steps of "published" except after an
+      eos first token (no step), and a step whose accepted drafts reach the eos adds the drafts
+      up to and including it, without the bonus. `stop_offset`: where the first stop token of the
+      reference and its lookahead lies (default: the last token when `ends_with_stop`); a reference
+      cut at max_new_tokens can hold one in its lookahead, which DeepSpec's last round stops at.
+    - "vllm": the steps of "response", each adding 1 + its accepted drafts unclipped (vLLM counts
+      `len(generated) - 1` accepted before its stop check trims the output).
+    - "sglang": the steps of "response", each adding the tokens it commits: SGLang's verify cuts the
+      accepted tokens at the finishing one (eos or max_new_tokens).
     """
     check_counting(counting)
-    last = num_tokens if counting == "published" and not ends_with_stop else num_tokens - 1
+    past_end = counting in ("published", "deepspec") and not ends_with_stop
+    last = num_tokens if past_end else num_tokens - 1
+    if stop_offset is None and ends_with_stop:
+        stop_offset = num_tokens - 1
     accepts, anchors, spans = [], [], []
     s = 0
     while (s < last or (counting == "published" and not accepts and num_tokens > 0)) and (
             max_steps is None or len(accepts) < max_steps):
         n = int(streak_at(s))
         end = min(s + n + 1, num_tokens - 1)  # eos / length truncation in the real loop
-        accepts.append(n + 1)
+        if counting == "deepspec" and stop_offset is not None and s + n >= stop_offset:
+            accepts.append(stop_offset - s)  # the drafts through the stop token; its round adds no bonus
+            anchors.append(s)
+            spans.append((s + 1, end + 1))
+            break
+        elif counting == "sglang":
+            accepts.append(end - s)
+        else:
+            accepts.append(n + 1)
         anchors.append(s)
         spans.append((s + 1, end + 1))
         s = s + n + 1

@@ -71,10 +71,10 @@ def tree_streak_of(topk_ids: np.ndarray, topk_logp: np.ndarray, argmax: np.ndarr
 def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDrafts, block_size: int, *,
                  tree_budget: int = 0, tree_spine: bool = False, max_blocks: int | None = None,
                  counting: str = "response", ends_with_stop: bool = False,
-                 sample: np.ndarray | None = None) -> PromptScore:
+                 sample: np.ndarray | None = None, stop_offset: int | None = None) -> PromptScore:
     """Score the all-anchor drafts: `drafts` rows are the anchors at offsets 0..num_tokens-1, in order.
 
-    `counting` / `ends_with_stop`: when the online walks stop (`metrics.online_walk`).
+    `counting` / `ends_with_stop` / `stop_offset`: when the online walks stop (`metrics.online_walk`).
     `sample`: the anchors of the statistics over every anchor (default: all of them).
     """
     B = block_size
@@ -94,7 +94,8 @@ def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDraft
                                   tree_spine)
 
     return score_blocks(name, ext, num_tokens, B, streaks, tree_at, sample, drafts.argmax[sample],
-                        max_blocks=max_blocks, counting=counting, ends_with_stop=ends_with_stop)
+                        max_blocks=max_blocks, counting=counting, ends_with_stop=ends_with_stop,
+                        stop_offset=stop_offset)
 
 
 def walk_labels(ext: np.ndarray, offset: int, block_size: int) -> np.ndarray:
@@ -105,7 +106,8 @@ def walk_labels(ext: np.ndarray, offset: int, block_size: int) -> np.ndarray:
 
 def score_blocks(name: str, ext: list[int], num_tokens: int, block_size: int, streaks: np.ndarray, tree_at,
                  sample: np.ndarray, sample_argmax: np.ndarray, *, max_blocks: int | None = None,
-                 counting: str = "response", ends_with_stop: bool = False) -> PromptScore:
+                 counting: str = "response", ends_with_stop: bool = False,
+                 stop_offset: int | None = None) -> PromptScore:
     """Replay the walks over per-anchor streaks (all anchors, or the ones the walks visited: -1
     elsewhere) and take the per-slot statistics from the sampled anchors' full drafts
     `sample_argmax [len(sample), B-1]`. `tree_at(s)`: the tree walk's streak at s (None: no tree)."""
@@ -113,6 +115,8 @@ def score_blocks(name: str, ext: list[int], num_tokens: int, block_size: int, st
     m = metrics.matches(sample_argmax, ext, sample)
     valid = (sample[:, None] + np.arange(1, B)[None, :]) < len(ext)
     walk = dict(counting=counting, ends_with_stop=ends_with_stop)
+    if stop_offset is not None:
+        walk["stop_offset"] = stop_offset
     score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), None, [], walk=walk, sample=sample)
     score.online = metrics.online_walk(score._streak, num_tokens, max_blocks, **walk)
     score.stride = metrics.stride_blocks(streaks, num_tokens, B, max_blocks)

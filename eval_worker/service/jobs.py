@@ -117,6 +117,18 @@ class WandbSettings(BaseModel):
     tags: list[_Name] | None = Field(None, max_length=MAX_TAGS)
 
 
+class MlflowSettings(BaseModel):
+    """The job's `mlflow` object: the experiment, or the trainer's run to nest the eval run under."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    experiment: _Name | None = None
+    parent_run_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-zA-Z_-]{1,64}$")] | None = None
+
+
+from dflash_train.settings import KNOWN_SINKS as SINK_NAMES  # noqa: E402 - next to its one use
+
+
 class JobPayload(BaseModel):
     """The job schema (`dflash-eval-job/1`): types, ranges and sizes of every field, `options` included."""
 
@@ -131,6 +143,8 @@ class JobPayload(BaseModel):
     suite: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH, pattern=r"\S")]
     baseline: _Location | None = None
     wandb: WandbSettings | None = None
+    mlflow: MlflowSettings | None = None
+    sinks: list[Literal[SINK_NAMES]] | None = Field(None, max_length=len(SINK_NAMES))  # type: ignore[valid-type]
     requested_by: Literal[REQUESTERS] = "user"  # type: ignore[valid-type]
     priority: Literal[PRIORITIES] = "default"  # type: ignore[valid-type]
     attempt: int = Field(0, ge=0, le=1_000_000)
@@ -496,6 +510,7 @@ def _canonical(location: str | os.PathLike) -> str:
 
 def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.PathLike | None = None,
              baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
+             sinks: Sequence[str] | None = None, mlflow: dict[str, Any] | None = None,
              requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
              manifest: dict[str, Any] | None = None, roots: Sequence[Path] | None = None) -> dict[str, Any]:
     """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
@@ -522,7 +537,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
         "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,
         "checkpoint_digest": digest, "target": canonical_target(target) if target else None,
         "suite": suite, "baseline": _canonical(baseline) if baseline else None,
-        "wandb": wandb, "requested_by": requested_by, "priority": priority, "attempt": 0,
+        "wandb": wandb, "requested_by": requested_by,
+        **({"sinks": list(sinks)} if sinks is not None else {}), **({"mlflow": mlflow} if mlflow else {}), "priority": priority, "attempt": 0,
         "train_metrics": metrics or None, "options": options or None,
     }
     return validate_job(payload)

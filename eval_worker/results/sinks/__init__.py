@@ -5,9 +5,12 @@ failure must never fail the job: the ledger already holds the result, and
 ``dflash-eval publish --run RUN`` fills any gap later. So every sink runs inside a
 try/except here and the outcome is returned (and logged), never raised.
 
-Which sinks run: ``settings.sinks`` (``$DFLASH_SINKS``, comma-separated; default ``wandb``;
+Which sinks run: the job's ``sinks`` list when it has one, else ``settings.sinks`` (``$DFLASH_SINKS``,
+``--sink`` of the worker; comma-separated ``wandb``, ``tensorboard``, ``mlflow``; default ``wandb``;
 ``none`` turns publication off). W&B settings come from the job's ``wandb`` block,
-overridden by the worker's settings (``WANDB_MODE``, ``DFLASH_WANDB_DIR``; dflash_train.settings).
+overridden by the worker's settings (``WANDB_MODE``, ``DFLASH_WANDB_DIR``; dflash_train.settings);
+MLflow's from the job's ``mlflow`` block (experiment, the trainer's run to nest under) and the
+settings' tracking URI. Each sink publishes in a child process with a timeout (``sinks/base.py``).
 """
 from __future__ import annotations
 
@@ -61,7 +64,29 @@ def _publish_wandb(record: dict, job: dict, settings: Settings) -> dict:
                             timeout_s=settings.wandb_timeout_s)
 
 
-_SINKS = {"wandb": _publish_wandb}
+def _publish_tensorboard(record: dict, job: dict, settings: Settings) -> dict:
+    from eval_worker.results.run_results import result_of
+    from eval_worker.results.sinks.base import publish_in_child
+    from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget
+
+    run_id = (job or {}).get("run_id") or result_of(record)["checkpoint"]["run_id"]
+    target = TensorBoardTarget(root=settings.tensorboard_dir, primary_suite=settings.wandb_primary_suite)
+    return publish_in_child("tensorboard", run_id, target, results_dir=_results_dir(record, settings),
+                            redis_url=_redis_url(settings), timeout_s=settings.sink_timeout_s)
+
+
+def _publish_mlflow(record: dict, job: dict, settings: Settings) -> dict:
+    from eval_worker.results.run_results import result_of
+    from eval_worker.results.sinks.base import publish_in_child
+    from eval_worker.results.sinks.mlflow_sink import target_from
+
+    run_id = (job or {}).get("run_id") or result_of(record)["checkpoint"]["run_id"]
+    target = target_from((job or {}).get("mlflow"), settings)
+    return publish_in_child("mlflow", run_id, target, results_dir=_results_dir(record, settings),
+                            redis_url=_redis_url(settings), timeout_s=settings.sink_timeout_s)
+
+
+_SINKS = {"wandb": _publish_wandb, "tensorboard": _publish_tensorboard, "mlflow": _publish_mlflow}
 
 
 def publish_result(record: dict, job: dict | None, settings: Settings) -> dict[str, dict]:
@@ -73,7 +98,8 @@ def publish_result(record: dict, job: dict | None, settings: Settings) -> dict[s
         log.warning("ignoring unknown sink(s) %s in $DFLASH_SINKS (known: %s)", list(settings.unknown_sinks),
                     ", ".join(KNOWN_SINKS))
     outcome: dict[str, dict] = {}
-    for name in settings.sinks:
+    chosen = (job or {}).get("sinks")
+    for name in (settings.sinks if chosen is None else [n for n in chosen if n in _SINKS]):
         try:
             info = _SINKS[name](record, job or {}, settings)
             outcome[name] = {"ok": True, **(info or {})}

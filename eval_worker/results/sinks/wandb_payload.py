@@ -22,7 +22,8 @@ Every suite's result is logged under ``eval/<suite>/...`` (``eval/gsm8k/tau``, `
 the suites side by side, as the published tables show them, and two suites never share a curve);
 the run's primary suite (``$DFLASH_WANDB_PRIMARY_SUITE``, else the first evaluated) is logged
 under plain ``eval/...`` too (its scalars also under its own prefix), which keeps the single-suite
-keys of earlier versions.
+keys of earlier versions. Beside them the field's names (``eval/<suite>/accept_length``,
+``accept_rate@<i>``, ``verify_rate``: ``sinks/names.py``).
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def run_log(result: dict, primary_suite: str | None, *, html_column: bool = True
     payload = log_dict(result, prefix_for(name, primary_suite), html_column=html_column)
     if prefix_for(name, primary_suite) != suite_prefix(name):
         payload.update(scalars(result, suite_prefix(name)))
+    from eval_worker.results.sinks.names import aliases  # the field's names beside ours
+
+    payload.update(aliases(result))
     return payload
 
 

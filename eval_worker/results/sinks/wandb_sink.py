@@ -34,8 +34,6 @@ import logging
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -43,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_train import storage
-from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_text
 from dflash_train.settings import Settings
 from eval_worker.results.run_results import RunResult, load_run
+from eval_worker.results.sinks.base import SinkError, run_child  # noqa: F401 - SinkError: the sinks' one error
 from eval_worker.results.sinks.wandb_lock import writer_lock
 from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log, suite_prefix
 
@@ -54,12 +52,6 @@ log = logging.getLogger(__name__)
 
 MODES = ("offline", "online", "disabled")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-class SinkError(DFlashError, RuntimeError):
-    """A publication that did not happen; the ledger still holds the result."""
-
-    retryable = True
 
 
 @dataclass
@@ -358,7 +350,7 @@ def saved_identity(run_id: str, root: Path) -> dict:
 
 def publish_in_child(run_id: str, target: WandbTarget, *, results_dir: str | os.PathLike,
                      redis_url: str | None = None, timeout_s: float = 300.0) -> dict:
-    """Run :func:`publish_run` in a child process with a hard timeout.
+    """Run :func:`publish_run` in a child process with a hard timeout (`sinks.base.run_child`).
 
     W&B may hang or leave its service process behind; a child that is killed on timeout
     (with its whole process group) cannot stall or leak into the worker. The child gets
@@ -366,25 +358,7 @@ def publish_in_child(run_id: str, target: WandbTarget, *, results_dir: str | os.
     """
     cmd = [sys.executable, "-m", "eval_worker.results.sinks.wandb_sink", "--run", run_id, "--target",
            json.dumps(target.to_json()), "--results", str(results_dir)]
-    # A process that ran W&B itself exports WANDB_SERVICE; a child inheriting it would publish
-    # through that parent's service (its settings, its run ids) and outlive its own kill.
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
-    try:
-        out, err = proc.communicate(input=(redis_url or "") + "\n", timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise SinkError(f"W&B publication for {run_id!r} timed out after {timeout_s:.0f}s (killed)") from None
-    if proc.returncode != 0:
-        lines = err.strip().splitlines()
-        reason = next((ln[len("error: "):] for ln in reversed(lines) if ln.startswith("error: ")), None)
-        raise SinkError(f"W&B publication for {run_id!r} failed (exit {proc.returncode}): "
-                        + (reason or " | ".join(lines[-3:]) or "no output"))
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1]) if lines else {}
+    return run_child(cmd, label=f"W&B publication for {run_id!r}", redis_url=redis_url, timeout_s=timeout_s)
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,178 @@
+"""MLflow sink: one MLflow run per training run (or nested under the trainer's run), from the ledger.
+
+Run identity: tag ``dflash.train_run=<run_id>`` in the experiment (``dflash-eval``, or the parent
+run's experiment when the job's ``mlflow.parent_run_id`` names the trainer's run, which then also
+becomes the tag ``mlflow.parentRunId``: the eval run shows nested under the training run). Metrics
+are logged with ``step=`` the training step (MLflow plots by step, so late and out-of-order results
+land at their own x): our keys and the field's aliases (``sinks/names.py``); params are the eval
+settings per suite (``<suite>.block_size``, ...); each ledger record is an artifact
+(``results/<step>-<key>.json``) and the HTML report (``report/``) is replaced at each publication.
+
+Idempotent re-publication: every record's metrics go in one ``log_batch`` together with the tag
+``dflash.record.<hash>``, so a publication logs exactly the records the run lacks and a repeated one
+logs nothing (a newer attempt of a step adds its points at that step: MLflow keeps a metric's
+history). Offline-first: the default tracking store is a local sqlite file under ``$DFLASH_HOME``;
+one writer per run (`wandb_lock.writer_lock`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from dflash_train.settings import Settings
+from eval_worker.results.run_results import RunResult, load_run
+from eval_worker.results.sinks.names import points
+from eval_worker.results.sinks.wandb_lock import writer_lock
+from eval_worker.results.sinks.wandb_sink import eval_run_id, primary_suite
+
+log = logging.getLogger(__name__)
+
+TRAIN_RUN_TAG = "dflash.train_run"
+RECORD_TAG = "dflash.record."
+_BATCH = 900  # MLflow's log_batch takes at most 1000 metrics and 100 params per call
+
+
+@dataclass
+class MlflowTarget:
+    tracking_uri: str
+    experiment: str = "dflash-eval"
+    parent_run_id: str | None = None
+    primary_suite: str | None = None
+    lock_dir: str | None = None  # where the file lock lies (default: beside a local store, else the temp dir)
+    report: bool = True  # the HTML report as an artifact (needs the worker extra)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MlflowTarget":
+        return cls(**data)
+
+
+def target_from(cfg: dict | None, settings: Settings, **over) -> MlflowTarget:
+    cfg = dict(cfg or {})
+    return MlflowTarget(tracking_uri=over.get("tracking_uri") or settings.mlflow_uri,
+                        experiment=over.get("experiment") or cfg.get("experiment") or settings.mlflow_experiment,
+                        parent_run_id=over.get("parent_run_id") or cfg.get("parent_run_id"),
+                        primary_suite=settings.wandb_primary_suite, lock_dir=str(settings.home / "mlflow"))
+
+
+def _local_path(uri: str) -> Path | None:
+    """The directory a local store lives in (sqlite file or file store), None for a server."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):]).parent
+    if uri.startswith("file:"):
+        return Path(urlparse(uri).path)
+    if "://" not in uri:
+        return Path(uri)
+    return None
+
+
+def record_tag(res: RunResult) -> str:
+    return RECORD_TAG + hashlib.sha256(res.key.encode()).hexdigest()[:20]
+
+
+def _experiment_id(client, target: MlflowTarget) -> str:
+    if target.parent_run_id:
+        return client.get_run(target.parent_run_id).info.experiment_id
+    exp = client.get_experiment_by_name(target.experiment)
+    if exp is not None:
+        return exp.experiment_id
+    local = _local_path(target.tracking_uri)
+    location = (local / "artifacts").resolve().as_uri() if local is not None else None  # a server picks its own
+    try:
+        return client.create_experiment(target.experiment, artifact_location=location)
+    except Exception:  # created meanwhile by another process
+        exp = client.get_experiment_by_name(target.experiment)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def _find_or_create_run(client, exp_id: str, run_id: str, target: MlflowTarget):
+    quoted = run_id.replace("'", "\\'")
+    found = client.search_runs([exp_id], filter_string=f"tags.`{TRAIN_RUN_TAG}` = '{quoted}'", max_results=2)
+    if found:
+        return found[0]
+    tags = {TRAIN_RUN_TAG: run_id, "dflash.source": "dflash-eval results ledger"}
+    if target.parent_run_id:
+        tags["mlflow.parentRunId"] = target.parent_run_id
+    return client.create_run(exp_id, run_name=eval_run_id(run_id), tags=tags)
+
+
+_PARAM_KEYS = ("block_size", "max_new_tokens", "mode", "counting", "tree_budget", "temperature", "eos_token_id")
+
+
+def _params(res: RunResult) -> dict[str, str]:
+    name = res.result["suite"]["name"]
+    settings = res.result.get("settings") or {}
+    out = {f"{name}.{k}": str(settings[k]) for k in _PARAM_KEYS if settings.get(k) is not None}
+    out[f"{name}.suite_fingerprint"] = str(res.result["suite"].get("fingerprint"))
+    return out
+
+
+def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: str | None = None,
+                force: bool = False, lock_wait_s: float = 600.0) -> dict:
+    """Log the ledger records the MLflow run lacks (`force`: re-log every record)."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    lock_dir = Path(target.lock_dir or _local_path(target.tracking_uri) or tempfile.gettempdir())
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    local = _local_path(target.tracking_uri)
+    if local is not None:
+        local.mkdir(parents=True, exist_ok=True)
+    eid = eval_run_id(run_id)
+    with writer_lock(f"mlflow-{eid}", redis_url=redis_url, lock_dir=lock_dir, wait_s=lock_wait_s):
+        results = load_run(run_id, results_dir)  # under the lock: a waiting writer sees every record
+        client = MlflowClient(tracking_uri=target.tracking_uri)
+        run = _find_or_create_run(client, _experiment_id(client, target), run_id, target)
+        mid = run.info.run_id
+        tags, params = dict(run.data.tags), dict(run.data.params)
+        primary = primary_suite(results, target.primary_suite)
+        todo = [r for r in results if force or record_tag(r) not in tags]
+        new_params = {}
+        for res in results:
+            for k, v in _params(res).items():
+                if k not in params and k not in new_params:
+                    new_params[k] = v
+                elif params.get(k, new_params.get(k)) != v:
+                    log.warning("MLflow param %s stays %r (a later result has %r)", k, params.get(k, new_params.get(k)), v)
+        items = list(new_params.items())
+        for i in range(0, len(items), 100):
+            client.log_batch(mid, params=[Param(k, v) for k, v in items[i:i + 100]])
+        for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
+            ts = int(time.time() * 1000)
+            ms = [Metric(k, float(v), ts, res.step) for k, v in sorted(points(res.result, primary).items())]
+            for i in range(0, max(len(ms), 1), _BATCH):  # the tag rides with the last batch: logged means complete
+                last = i + _BATCH >= len(ms)
+                client.log_batch(mid, metrics=ms[i:i + _BATCH],
+                                 tags=[RunTag(record_tag(res), str(res.step))] if last else [])
+            client.log_artifact(mid, str(res.path), artifact_path="results")
+        if todo and target.report:
+            _log_report(client, mid, run_id, results_dir)
+        return {"eval_run_id": eid, "mlflow_run_id": mid, "experiment_id": run.info.experiment_id,
+                "tracking_uri": target.tracking_uri, "logged": [r.key for r in todo],
+                "records": [r.key for r in results], "steps": sorted({r.step for r in results}),
+                "parent_run_id": target.parent_run_id}
+
+
+def _log_report(client, mid: str, run_id: str, results_dir) -> None:
+    try:
+        from eval_worker.results.report import build_report
+    except ImportError as e:  # jinja2/matplotlib are in the worker extra
+        log.warning("no HTML report artifact (%s)", e)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            build_report(run_id, results_dir=results_dir, out_dir=tmp)
+        except Exception as e:  # noqa: BLE001 - the metrics are logged; the report is a convenience
+            log.warning("no HTML report artifact: %s: %s", type(e).__name__, e)
+            return
+        client.log_artifacts(mid, tmp, artifact_path="report")
+

@@ -1,0 +1,139 @@
+"""TensorBoard sink: one event file per training run, rebuilt from the results ledger.
+
+Layout: ``<root>/<run_id>-eval/events.out.tfevents.*`` (the W&B eval run's id), so
+``tensorboard --logdir <root>`` (or the trainer's own logdir used as root) shows the eval run beside
+the training runs. Every scalar is written at its training step (``global_step``): our keys
+(``eval/tau``, ``eval/<suite>/tau``, ...), the field's aliases (``sinks/names.py``); the
+accept-length histogram as a TensorBoard histogram (``eval/<suite>/accept_hist``) and the per-position
+curve as an image (``eval/<suite>/pos_curve``, when matplotlib is installed).
+
+Why a rebuild: TensorBoard reads an event file in order and, seeing a step lower than one before it,
+drops the later points as a restart's orphans. So a re-evaluated old checkpoint must not be appended;
+each publication writes the complete run, in step order, into a staging directory and swaps the event
+file in (the run directory always holds one complete file; the old one is deleted after the swap).
+Offline by nature; one writer per run (`wandb_lock.writer_lock`, Redis + file lock).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_train.fsutil import atomic_write_text
+from eval_worker.results.run_results import RunResult, load_run
+from eval_worker.results.sinks.names import points
+from eval_worker.results.sinks.wandb_lock import writer_lock
+from eval_worker.results.sinks.wandb_payload import suite_prefix
+from eval_worker.results.sinks.wandb_sink import eval_run_id, primary_suite
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TensorBoardTarget:
+    root: Path = field(default_factory=lambda: Path("tensorboard-eval").resolve())
+    primary_suite: str | None = None
+    images: bool = True  # the per-position curve as an image (needs matplotlib)
+
+    def to_json(self) -> dict:
+        return {"root": str(self.root), "primary_suite": self.primary_suite, "images": self.images}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TensorBoardTarget":
+        return cls(**{**data, "root": Path(data["root"])})
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    return height, width
+
+
+def _curve_png(res: RunResult) -> bytes | None:
+    try:
+        from eval_worker.results.report_figures import per_position
+    except ImportError:  # matplotlib is in the worker extra; scalars and histograms need none
+        return None
+    if not (res.result.get("per_position") or {}).get("conditional_accept"):
+        return None
+    return per_position([res])
+
+
+def _write(writer, res: RunResult, primary: str | None, images: bool) -> None:
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    step = res.step
+    for key, value in sorted(points(res.result, primary).items()):
+        writer.add_scalar(key, value, global_step=step, new_style=False)
+    prefix = suite_prefix(res.result["suite"]["name"])
+    hist = [int(c) for c in res.result.get("acceptance_histogram") or []]
+    if sum(hist):
+        lengths = [k for k, c in enumerate(hist, start=1) if c]
+        writer.add_histogram_raw(prefix + "accept_hist", min=min(lengths), max=max(lengths), num=sum(hist),
+                                 sum=float(sum(k * c for k, c in enumerate(hist, start=1))),
+                                 sum_squares=float(sum(k * k * c for k, c in enumerate(hist, start=1))),
+                                 bucket_limits=[k + 0.5 for k in range(1, len(hist) + 1)], bucket_counts=hist,
+                                 global_step=step)
+    png = _curve_png(res) if images else None
+    if png:
+        h, w = _png_size(png)
+        img = Summary.Image(height=h, width=w, colorspace=4, encoded_image_string=png)
+        writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=prefix + "pos_curve", image=img)]), step)
+
+
+def _read_json(path: Path) -> dict | None:
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        return json.loads(path.read_text())
+    return None
+
+
+def rebuild(run_id: str, results: list[RunResult], target: TensorBoardTarget) -> dict:
+    """Write the complete eval run and swap it in. Caller holds the lock."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    eid = eval_run_id(run_id)
+    run_dir = target.root / eid
+    staging = target.root / ".staging" / f"{eid}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        writer = SummaryWriter(log_dir=str(staging), flush_secs=3600)
+        try:
+            primary = primary_suite(results, target.primary_suite)
+            for res in sorted(results, key=lambda r: (r.step, r.record_key)):
+                _write(writer, res, primary, target.images)
+        finally:
+            writer.close()
+        (new,) = staging.glob("events.out.tfevents.*")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        old = [p for p in run_dir.glob("events.out.tfevents.*") if p.name != new.name]
+        os.replace(new, run_dir / new.name)  # same filesystem: atomic
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for p in old:
+        p.unlink(missing_ok=True)
+    info = {"eval_run_id": eid, "train_run": run_id, "mode": "offline", "run_dir": str(run_dir),
+            "event_file": str(run_dir / new.name), "records": [r.key for r in results],
+            "steps": sorted({r.step for r in results}), "published_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "view": f"tensorboard --logdir {target.root}"}
+    atomic_write_text(target.root / f"{eid}.tensorboard.json", json.dumps(info, indent=1), durable=False)
+    return info
+
+
+def publish_run(run_id: str, target: TensorBoardTarget, *, results_dir, redis_url: str | None = None,
+                force: bool = False, lock_wait_s: float = 600.0) -> dict:
+    """Bring the eval run's event file up to date with the ledger (skipped when it already is)."""
+    target.root.mkdir(parents=True, exist_ok=True)
+    eid = eval_run_id(run_id)
+    with writer_lock(f"tensorboard-{eid}", redis_url=redis_url, lock_dir=target.root, wait_s=lock_wait_s):
+        results = load_run(run_id, results_dir)  # under the lock: a waiting writer sees every record
+        current = _read_json(target.root / f"{eid}.tensorboard.json")
+        if (not force and current and set(current.get("records", [])) == {r.key for r in results}
+                and Path(current.get("event_file", "")).is_file()):
+            return {**current, "skipped": "up to date"}
+        return rebuild(run_id, results, target)

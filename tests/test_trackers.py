@@ -1,0 +1,160 @@
+"""The TensorBoard and MLflow sinks over real backends, and the field's metric names.
+
+TensorBoard: event files read back with `tensorboard.backend.event_processing`. MLflow: a real local
+tracking store (sqlite) and an `mlflow server` on 127.0.0.1.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dflash_train.settings import Settings
+from eval_worker.engine import metrics
+from eval_worker.results.ledger import read_record
+from eval_worker.results.sinks import publish_result
+from eval_worker.results.sinks.names import aliases, points
+from tests.eval_results import fake_checkpoint, make_result, write_ledger
+from tests.test_counting_rules import SpecDecodingStats, deepspec_generate_like, deepspec_metrics_row, \
+    vllm_serve_like
+
+tb = pytest.importorskip("tensorboard")
+
+
+def record_for(tmp_path, run_id, step, p, **kw):
+    ck, digest = fake_checkpoint(tmp_path / "ckpt", run_id, step)
+    res = make_result(run_id, step, p=p, checkpoint_root=str(tmp_path / "ckpt"), digest=digest, **kw)
+    return read_record(write_ledger(tmp_path / "results", res)), res
+
+
+def read_events(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+# --------------------------------------------------------------------------- metric aliases
+
+
+def test_metric_aliases_equal_deepspec_and_vllm_figures():
+    """accept_length is DeepSpec's acceptance_length under --counting deepspec; accept_rate@i is vLLM's
+    per-position rate under --counting vllm (both read off a result built from our walks)."""
+    rng = np.random.default_rng(7)
+    B, max_new, eos = 5, 20, 0
+    for _ in range(30):
+        prompts = []
+        for _ in range(3):
+            raw = rng.integers(0, 3, size=max_new + B).tolist()
+            tokens = raw[:max_new]
+            if eos in tokens:
+                tokens = tokens[:tokens.index(eos) + 1]
+            ext = tokens + raw[len(tokens):len(tokens) + B - 1]
+            drafts = rng.integers(0, 3, size=(len(tokens), B - 1)).tolist()
+            prompts.append((tokens, ext, drafts))
+
+        def result(counting):
+            from eval_worker.engine.drafting import AnchorDrafts
+            from eval_worker.engine.scoring import score_prompt
+
+            per = [score_prompt("x", ext, len(t), AnchorDrafts(np.arange(len(t)), np.array(d)), B, counting=counting,
+                                ends_with_stop=t[-1] == eos, stop_offset=ext.index(eos) if eos in ext else None
+                                ).online.accept_lengths for t, ext, d in prompts]
+            steps = [a for p in per for a in p]
+            return {"suite": {"name": "gsm8k"}, "settings": {"block_size": B},
+                    "tau": {"pooled": metrics.macro_pooled(per)[1]},
+                    "acceptance_histogram": metrics.histogram(steps, B) if steps else []}
+
+        ds = deepspec_metrics_row([deepspec_generate_like(e, d, max_new, eos) for _, e, d in prompts], B - 1)
+        a = aliases(result("deepspec"))
+        if ds[0]:
+            assert a["eval/gsm8k/accept_length"] == pytest.approx(ds[0], rel=1e-12)
+        stats = SpecDecodingStats(B - 1)
+        for _, e, d in prompts:
+            vllm_serve_like(e, d, max_new, eos, stats)
+        a = aliases(result("vllm"))
+        if stats.num_drafts:
+            assert [a[f"eval/gsm8k/accept_rate@{i}"] for i in range(B - 1)] == pytest.approx(stats.rates(), rel=1e-12)
+            assert a["eval/gsm8k/accept_length"] == pytest.approx(stats.acceptance_len(), rel=1e-12)
+
+
+def test_metric_aliases_documented_in_one_table():
+    """Every alias key a result produces is a row of the docs' table."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    table = doc[doc.index("### Metric names and aliases"):]
+    keys = {k.split("/", 2)[2].split("@")[0] for k in aliases(make_result("r", 1, block_size=4))}
+    assert keys == {"accept_length", "accept_rate", "verify_rate"}
+    for k in keys:
+        assert f"`eval/<suite>/{k}" in table, k
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_sink_out_of_order_steps_read_back(tmp_path, monkeypatch):
+    """Results published out of order (a re-queued old checkpoint arrives last) read back in step order,
+    every scalar and alias at its training step, the histogram and the per-position image present;
+    republishing is idempotent; a newer attempt replaces its step's points."""
+    monkeypatch.setenv("DFLASH_SINKS", "tensorboard")
+    monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("DFLASH_TENSORBOARD_DIR", str(tmp_path / "tb"))
+    expected = {}
+    for step, p in ((300, 0.75), (100, 0.35), (200, 0.55)):
+        record, res = record_for(tmp_path, "run-a", step, p)
+        outcome = publish_result(record, record["job"], Settings.from_env())
+        assert outcome["tensorboard"]["ok"], outcome
+        expected[step] = res
+    run_dir = tmp_path / "tb" / "run-a-eval"
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one complete file, swapped in
+    acc = read_events(run_dir)
+    for step, res in expected.items():
+        for key, value in points(res, res["suite"]["name"]).items():
+            got = {e.step: e.value for e in acc.Scalars(key)}
+            assert got[step] == pytest.approx(value, rel=1e-6), (key, step)
+    assert [e.step for e in acc.Scalars("eval/tau")] == [100, 200, 300]
+    name = expected[100]["suite"]["name"]
+    assert f"eval/{name}/accept_length" in acc.Tags()["scalars"]
+    hist = {e.step: e.histogram_value for e in acc.Histograms(f"eval/{name}/accept_hist")}
+    assert sorted(hist) == [100, 200, 300]
+    assert list(hist[200].bucket) == expected[200]["acceptance_histogram"]
+    assert [e.step for e in acc.Images(f"eval/{name}/pos_curve")] == [100, 200, 300]
+    assert acc.Images(f"eval/{name}/pos_curve")[0].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget, publish_run
+
+    target = TensorBoardTarget(root=tmp_path / "tb")
+    assert publish_run("run-a", target, results_dir=tmp_path / "results")["skipped"] == "up to date"
+    # a newer attempt at step 200: the rebuild replaces the point (no duplicate at that step)
+    ck, digest = fake_checkpoint(tmp_path / "ckpt", "run-a", 200)
+    newer = make_result("run-a", 200, p=0.9, checkpoint_root=str(tmp_path / "ckpt"), digest=digest)
+    write_ledger(tmp_path / "results", newer, attempt=1)
+    publish_run("run-a", target, results_dir=tmp_path / "results")
+    acc = read_events(run_dir)
+    taus = [(e.step, e.value) for e in acc.Scalars("eval/tau")]
+    assert [s for s, _ in taus] == [100, 200, 300]
+    assert dict(taus)[200] == pytest.approx(newer["tau"]["macro"], rel=1e-6) != pytest.approx(
+        expected[200]["tau"]["macro"], rel=1e-6)
+
+
+def test_tensorboard_sink_failure_keeps_the_result_and_publish_rebuilds(tmp_path, monkeypatch):
+    """An unwritable root fails the sink, not the job; `dflash-eval publish --sink tensorboard` rebuilds."""
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the directory should be")
+    monkeypatch.setenv("DFLASH_SINKS", "tensorboard")
+    monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("DFLASH_TENSORBOARD_DIR", str(blocked))
+    record, res = record_for(tmp_path, "run-b", 50, 0.5)
+    outcome = publish_result(record, record["job"], Settings.from_env())
+    assert not outcome["tensorboard"]["ok"] and "tensorboard" in outcome["tensorboard"]["error"].lower()
+    out = subprocess.run([sys.executable, "-m", "eval_worker.cli", "publish", "--run", "run-b", "--sink", "tensorboard",
+                          "--results", str(tmp_path / "results"), "--tensorboard-dir", str(tmp_path / "tb")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    acc = read_events(tmp_path / "tb" / "run-b-eval")
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/tau")] == [(50, round(res["tau"]["macro"], 6))]
