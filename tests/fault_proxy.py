@@ -12,7 +12,9 @@ on (switching also closes the open ones, so a pooled keep-alive connection canno
 - "5xx": the request is read and answered `503 Service Unavailable` by the proxy itself.
 
 Real sockets, real HTTP clients (s3fs/aiobotocore/aiohttp): nothing is patched in-process.
-`counts` says how many connections met each fault.
+`proxy.set_fault(fault, times=k)` applies it to the next k connections only, then passes again
+(a flaky link the client's retries should ride out). `counts` says how many connections met
+each fault.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class FaultProxy:
         self.upstream = (upstream_host, upstream_port)
         self.body_bytes = body_bytes
         self._fault = "pass"
+        self._times: int | None = None  # connections left for the fault, None: until changed
         self.counts: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
@@ -49,10 +52,13 @@ class FaultProxy:
 
     @fault.setter
     def fault(self, value: str) -> None:
+        self.set_fault(value)
+
+    def set_fault(self, value: str, times: int | None = None) -> None:
         if value not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}, not {value!r}")
         with self._lock:
-            self._fault = value
+            self._fault, self._times = value, times
             old, self._open = self._open, set()
             self._changed.set()
             self._changed = threading.Event()
@@ -81,6 +87,10 @@ class FaultProxy:
                 return
             with self._lock:
                 fault, changed = self._fault, self._changed
+                if self._times is not None:
+                    self._times -= 1
+                    if self._times <= 0:
+                        self._fault, self._times = "pass", None
                 self._open.add(client)
             self.counts[fault] += 1
             threading.Thread(target=self._serve, args=(client, fault, changed), daemon=True).start()
