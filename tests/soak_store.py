@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -131,6 +132,12 @@ def store_stack(base: Path, zygote: Zygote, target: Path, *, cache_dir: Path | N
             else:
                 os.environ[k] = v
         storage._filesystem.cache_clear()
+
+
+def _short(reason: str) -> str:
+    """A failure reason without the bucket's random name and the long URL, for the table."""
+    reason = re.sub(r"s3://[^\s:]+/(step-\d+)", r"s3://.../\1", reason)
+    return reason if len(reason) <= 200 else reason[:200] + "..."
 
 
 def _swap(path: Path, donor: Path, how: str) -> None:
@@ -264,10 +271,12 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
             reasons_name_the_file=all(f"{n}, listed in its COMPLETE.json, is missing" in r for n, r in reasons.items()),
             not_retried=all(v == 0 for v in tries.values()), not_evaluated=not evaluated & set(bad_ids),
             no_leftovers=not st.leftovers())
+        said = "; ".join(sorted({m.group(0) if (m := re.search(r"[\w.]+, listed in its COMPLETE.json, is missing "
+                                                                r"from the store", r)) else r[-120:]
+                                 for r in reasons.values()}))
         observed = (f"{len(broken)} checkpoints with a listed file deleted from the store (config.json, "
                     f"model.safetensors), enqueued with 2 retries: each failed once at download, retries "
-                    f"cancelled, reason names the file ({'; '.join(sorted(set(r.split(': ', 1)[-1][:90] for r in reasons.values())))}); "
-                    f"nothing evaluated; the good job next to them recorded")
+                    f"cancelled, reason names the file ({said}); nothing evaluated; the good job next to them recorded")
         return Row.of("Object listed by COMPLETE.json missing from the store",
                       "a permanent failure naming the file, not retried", observed, c, t0,
                       reasons=reasons, problems=problems)
@@ -293,7 +302,7 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
         failed_now: dict[str, str] = {}
         leftovers = []
         for url, fault in zip(urls[flaky:], ("cut", "5xx")):
-            st.proxy.fault = fault
+            st.proxy.set_fault(fault, only=b"/model.safetensors")  # the marker is read; the weights are not
             jid = st.run(url, timeout)
             ids.append(jid)
             failed_now[fault] = failure_reason(fetch_job(st.s.conn, jid))
@@ -310,11 +319,12 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
                                          for r in failed_now.values()),
             no_leftovers=not leftovers and not st.leftovers(), all_recorded_after=c.recorded == c.accepted,
             none_misattributed=mis == 0)
-        observed = (f"{flaky} jobs over a link cutting 2 connections mid-body each: all recorded; "
-                    f"connections cut / answered 503 for good: "
-                    + "; ".join(f"{k}: failed ({v[:110]})" for k, v in failed_now.items())
+        observed = (f"{flaky} jobs over a link cutting 2 responses mid-body each: all recorded; "
+                    f"weights downloads cut / answered 503 for good: "
+                    + "; ".join(f"{k}: failed ({_short(v)})" for k, v in failed_now.items())
                     + f", no partial download left; after the store came back `requeue --failed` recorded both; "
-                    f"{c.recorded}/{c.accepted} recorded, {mis} mis-attributed; proxy connections {dict(st.proxy.counts)}")
+                    f"{c.recorded}/{c.accepted} recorded, {mis} mis-attributed; "
+                    f"requests through the proxy by fault {dict(st.proxy.counts)}")
         return Row.of("Store connection cut mid-body, or answered 503", "retried inside the cache; a visible "
                       "retryable failure naming the store error; nothing partial left", observed, c, t0,
                       reasons=failed_now, problems=problems)
