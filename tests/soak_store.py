@@ -254,7 +254,7 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
 
     t0 = time.monotonic()
     with store_stack(base, zygote, target) as st:
-        st.start_worker()
+        w = st.start_worker()
         good, *broken = [st.publish(step) for step in (1, 2, 3)]
         names = ["config.json", WEIGHTS]
         for url, name in zip(broken, names):
@@ -264,22 +264,24 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
         st.s.wait_settled(bad_ids + [good_id], timeout)
         c = st.s.audit()
         reasons = {name: failure_reason(fetch_job(st.s.conn, jid)) for jid, name in zip(bad_ids, names)}
-        tries = {name: int(fetch_job(st.s.conn, jid).retries_left or 0) for jid, name in zip(bad_ids, names)}
+        log = w.log()  # one traceback's last line per failed execution: "<exception class>: <reason>"
+        runs = {name: len(re.findall(rf"(?m)^[A-Za-z_][\w.]*: .*{re.escape(url)}\b", log))
+                for url, name in zip(broken, names)}
         evaluated = {call.get("job") for call in st.s.calls_made()}
         problems = _problem_list(
             failed_visibly=c.failed == len(broken), good_recorded=c.recorded == 1,
             reasons_name_the_file=all(f"{n}, listed in its COMPLETE.json, is missing" in r for n, r in reasons.items()),
-            not_retried=all(v == 0 for v in tries.values()), not_evaluated=not evaluated & set(bad_ids),
+            not_retried=all(v == 1 for v in runs.values()), not_evaluated=not evaluated & set(bad_ids),
             no_leftovers=not st.leftovers())
         said = "; ".join(sorted({m.group(0) if (m := re.search(r"[\w.]+, listed in its COMPLETE.json, is missing "
                                                                 r"from the store", r)) else r[-120:]
                                  for r in reasons.values()}))
         observed = (f"{len(broken)} checkpoints with a listed file deleted from the store (config.json, "
-                    f"model.safetensors), enqueued with 2 retries: each failed once at download, retries "
-                    f"cancelled, reason names the file ({said}); nothing evaluated; the good job next to them recorded")
+                    f"model.safetensors), enqueued with 2 retries: each ran "
+                    f"{'once' if set(runs.values()) == {1} else f'{runs} times'} and failed at download, reason names the file ({said}); nothing evaluated; the good job next to them recorded")
         return Row.of("Object listed by COMPLETE.json missing from the store",
                       "a permanent failure naming the file, not retried", observed, c, t0,
-                      reasons=reasons, problems=problems)
+                      reasons=reasons, runs=runs, problems=problems)
 
 
 def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky: int = 2, timeout: float = 180) -> Row:
