@@ -1,18 +1,23 @@
 """A loopback TCP proxy that breaks HTTP responses on demand, in front of the moto S3 server.
 
 `FaultProxy(upstream_port)` listens on 127.0.0.1:<free port> and relays every connection to
-the upstream server. `proxy.fault = ...` decides what happens to connections opened from then
-on (switching also closes the open ones, so a pooled keep-alive connection cannot dodge it):
+the upstream server, watching each request line (HTTP/1.1 keep-alive included: the clients
+here never pipeline, so a request starts a read of its own). `proxy.fault = ...` decides what
+happens to the response of each request from then on:
 
 - "pass": relayed as is;
 - "cut": the response's headers and `body_bytes` bytes of its body are relayed, then both
   sockets are closed (a connection cut mid-body: aiohttp's ClientPayloadError);
 - "stall": the same, then nothing more until the fault changes or the proxy stops (the
   client's read timeout decides);
-- "5xx": the request is read and answered `503 Service Unavailable` by the proxy itself.
+- "5xx": the request is answered `503 Service Unavailable` by the proxy itself.
 
-Real sockets, real HTTP clients (s3fs/aiobotocore/aiohttp): nothing is patched in-process.
-`counts` says how many connections met each fault.
+`proxy.set_fault(fault, times=k)` applies it to the next k requests only, then passes again (a
+flaky link the client's retries should ride out); `only=b"model.safetensors"` limits it to
+requests whose request line contains that text (the marker is read, the weights are cut).
+Switching the fault closes the open connections, so a pooled one cannot dodge it. `counts`
+says how many requests met each fault. Real sockets and real HTTP clients
+(s3fs/aiobotocore/aiohttp): nothing is patched in-process.
 """
 from __future__ import annotations
 
@@ -22,9 +27,11 @@ import socket
 import threading
 
 FAULTS = ("pass", "cut", "stall", "5xx")
-_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nContent-Length: 118\r\n"
-        b"Connection: close\r\n\r\n<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>ServiceUnavailable</Code>"
-        b"<Message>fault proxy</Message></Error>")
+_METHODS = (b"GET", b"HEAD", b"PUT", b"POST", b"DELETE")
+_503_BODY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code>'
+             b"<Message>fault proxy</Message></Error>")
+_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_503_BODY), _503_BODY))
 
 
 class FaultProxy:
@@ -32,6 +39,8 @@ class FaultProxy:
         self.upstream = (upstream_host, upstream_port)
         self.body_bytes = body_bytes
         self._fault = "pass"
+        self._times: int | None = None  # requests left for the fault; None: until changed
+        self._only: bytes | None = None
         self.counts: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
@@ -49,10 +58,13 @@ class FaultProxy:
 
     @fault.setter
     def fault(self, value: str) -> None:
+        self.set_fault(value)
+
+    def set_fault(self, value: str, times: int | None = None, only: bytes | None = None) -> None:
         if value not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}, not {value!r}")
         with self._lock:
-            self._fault = value
+            self._fault, self._times, self._only = value, times, only
             old, self._open = self._open, set()
             self._changed.set()
             self._changed = threading.Event()
@@ -65,13 +77,26 @@ class FaultProxy:
         _close(self._listener)
         self._thread.join(10)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     # ------------------------------------------------------------------ relaying
+
+    def _arm(self, request_line: bytes) -> tuple[str, threading.Event]:
+        """The fault for the response to this request (counted), and the event that ends a stall."""
+        with self._lock:
+            fault = self._fault
+            if fault != "pass" and self._only is not None and self._only not in request_line:
+                fault = "pass"
+            elif fault != "pass" and self._times is not None:
+                self._times -= 1
+                if self._times <= 0:
+                    self._fault, self._times = "pass", None
+            self.counts[fault] += 1
+            return fault, self._changed
 
     def _accept(self) -> None:
         while not self._stopped.is_set():
@@ -80,61 +105,53 @@ class FaultProxy:
             except OSError:
                 return
             with self._lock:
-                fault, changed = self._fault, self._changed
                 self._open.add(client)
-            self.counts[fault] += 1
-            threading.Thread(target=self._serve, args=(client, fault, changed), daemon=True).start()
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
-    def _serve(self, client: socket.socket, fault: str, changed: threading.Event) -> None:
+    def _serve(self, client: socket.socket) -> None:
+        armed: list[tuple[str, threading.Event]] = [("pass", threading.Event())]  # the response in flight
         try:
-            if fault == "5xx":
-                _read_headers(client)
-                client.sendall(_503)
-                return
             upstream = socket.create_connection(self.upstream, timeout=30)
-            with self._lock:
-                self._open.add(upstream)
-            threading.Thread(target=_pipe, args=(client, upstream), daemon=True).start()
-            if fault == "pass":
-                _pipe(upstream, client)
+        except OSError:
+            _close(client)
+            return
+        with self._lock:
+            self._open.add(upstream)
+
+        def requests() -> None:
+            try:
+                while chunk := client.recv(65536):
+                    if chunk.split(b" ", 1)[0] in _METHODS:  # a new request (never pipelined here)
+                        armed[0] = self._arm(chunk.split(b"\r\n", 1)[0])
+                        if armed[0][0] == "5xx":
+                            client.sendall(_503)
+                            return
+                    upstream.sendall(chunk)
+            except OSError:
+                pass
+            finally:
+                _close(client)
+                _close(upstream)
+
+        threading.Thread(target=requests, daemon=True).start()
+        try:
+            while chunk := upstream.recv(65536):
+                fault, changed = armed[0]
+                if fault == "pass":
+                    client.sendall(chunk)
+                    continue
+                while b"\r\n\r\n" not in chunk and (more := upstream.recv(65536)):
+                    chunk += more
+                end = chunk.find(b"\r\n\r\n") + 4
+                client.sendall(chunk[:end + self.body_bytes])
+                if fault == "stall":
+                    changed.wait()
                 return
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = upstream.recv(65536)
-                if not chunk:
-                    return
-                head += chunk
-            end = head.index(b"\r\n\r\n") + 4
-            client.sendall(head[:end + self.body_bytes])
-            if fault == "stall":
-                changed.wait()
         except OSError:
             pass
         finally:
             _close(client)
-            with self._lock:
-                self._open.discard(client)
-
-
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while chunk := src.recv(65536):
-            dst.sendall(chunk)
-    except OSError:
-        pass
-    finally:
-        _close(dst)
-        _close(src)
-
-
-def _read_headers(sock: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
+            _close(upstream)
 
 
 def _close(sock: socket.socket) -> None:

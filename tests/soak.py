@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from eval_worker.service.queue import JOB_FUNC
+from tests import soak_store
 from tests.soak_stack import (HIDDEN, OPTIONS, REPO, RUN, Row, Stack, Zygote, build_micro_target, drafter_config,
                               publish, retry_now, shared_zygote, wait_for)
 
@@ -1544,16 +1545,24 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "collision": scenario_collision, "refusing": scenario_refusing, "spool": scenario_spool,
     "password": scenario_password, "suites": scenario_suites, "badfields": scenario_bad_fields,
     "modes": scenario_modes, "orphan": scenario_orphan, "bundled": scenario_bundled_redis,
+    # checkpoints in an object store: the worker's cache and the transport (tests/soak_store.py)
+    "store_tamper": soak_store.scenario_store_tamper, "store_sticky": soak_store.scenario_store_sticky,
+    "store_disk": soak_store.scenario_store_disk, "store_missing": soak_store.scenario_store_missing,
+    "store_transport": soak_store.scenario_store_transport,
 }
 FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "redis": dict(checkpoints=40, down_s=5.0, outages=("stop", "crash", "crash"), appendfsync="everysec"),
         "wandb": dict(jobs=4, modes=("refused", "hung")), "trainer": dict(kills=30),
         "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200),
-        "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5)}
+        "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5),
+        "store_tamper": dict(rounds=6), "store_sticky": dict(rounds=6), "store_disk": dict(jobs=12),
+        "store_transport": dict(flaky=6)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
          "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
          "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100),
-         "refusing": dict(per_phase=1, hold_s=2.0), "spool": dict(jobs=2), "orphan": dict(jobs=4, kills=2)}
+         "refusing": dict(per_phase=1, hold_s=2.0), "spool": dict(jobs=2), "orphan": dict(jobs=4, kills=2),
+         "store_tamper": dict(rounds=2), "store_sticky": dict(rounds=1), "store_disk": dict(jobs=5),
+         "store_transport": dict(flaky=1)}
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 

@@ -123,8 +123,11 @@ class _SoakEvaluator:
     def evaluate(self, checkpoint_dir, suite, **kw):
         calls = os.environ.get("SOAK_CALLS")
         if calls:
-            line = json.dumps({"pid": os.getpid(), "checkpoint": str(checkpoint_dir), "t": time.time(),
-                               "marker": (Path(checkpoint_dir) / "COMPLETE.json").is_file()}) + "\n"
+            entry = {"pid": os.getpid(), "checkpoint": str(checkpoint_dir), "t": time.time(),
+                     "marker": (Path(checkpoint_dir) / "COMPLETE.json").is_file()}
+            if os.environ.get("SOAK_HASH_WEIGHTS"):  # what was evaluated, for the mis-attribution count
+                entry.update(job=_current_job_id(), weights=_weights_digest(Path(checkpoint_dir)))
+            line = json.dumps(entry) + "\n"
             fd = os.open(calls, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, line.encode())
@@ -137,6 +140,24 @@ class _SoakEvaluator:
         if leak:
             _LEAKED.append(bytearray(os.urandom(1024)) * leak)
         return self.inner.evaluate(checkpoint_dir, suite, **kw)
+
+
+def _current_job_id() -> str | None:
+    from rq import get_current_job
+
+    job = get_current_job()
+    return job.id if job is not None else None
+
+
+def _weights_digest(directory: Path) -> str | None:
+    """The weights digest of the files actually in `directory` (as the manifest defines it)."""
+    from dflash_train.publication import drafter_files, sha256_file, weights_digest
+
+    try:
+        return weights_digest({n: sha256_file(directory / n) for n in drafter_files(directory)
+                               if n.endswith(".safetensors")})
+    except Exception as e:  # noqa: BLE001 - unreadable weights: the load fails and says so
+        return f"unreadable: {type(e).__name__}"
 
 
 def _hold_after_record() -> None:

@@ -360,6 +360,8 @@ def test_s3_transport_error_is_store_unavailable_and_leaves_nothing(tmp_path, bu
     with pytest.raises(storage.StoreUnavailable) as e:
         storage.store_for(url).get_file(f"{url}/{WEIGHTS}", tmp_path / "direct")
     assert retryable(e.value)
+    # the reason names what happened: the cut, the timeout, or the 503 answer's message
+    assert {"cut": "ClientPayloadError", "stall": "Timeout", "5xx": "fault proxy"}[fault] in str(e.value), e.value
     cache = CheckpointCache(tmp_path / "cache", attempts=2)
     with pytest.raises(storage.StoreUnavailable, match="download failed 2 times"):
         with cache.checkout(url, raw):

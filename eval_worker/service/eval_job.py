@@ -186,8 +186,8 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
             why = [w for w in (cache.drop_if_corrupt(p) for p in used) if w] if cache and not refetched else []
             if not why:
                 raise
-            log.warning("job %s: the cached copy failed to load (%s: %s); fetching it again", storage.redact(job["checkpoint"]),
-                        "; ".join(why), e)
+            log.warning("job %s: the cached copy failed to load (%s: %s); fetching it again",
+                        storage.redact(job["checkpoint"]), "; ".join(why), e)
     # a result names what was asked for (the store URL), not the worker's cache entry
     if storage.is_url(job["checkpoint"]) and isinstance(result.get("checkpoint"), dict):
         result["checkpoint"] = {**result["checkpoint"], "path": job["checkpoint"]}
