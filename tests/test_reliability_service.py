@@ -264,3 +264,103 @@ def test_suite_limits_a_suite_grown_after_enqueue_fails_its_job_once(conn, tmp_p
     assert job.get_status() == JobStatus.FAILED and job.retries_left == 0 and len(job.results()) == 1
     assert "max_new_tokens must be >= 1 and <= 65536" in failure_reason(job)
     assert [f["job_id"] for f in status(conn)["failed"]] == [out.job_id]
+
+
+# --------------------------------------------------------------------------- the hook's outbox on a full disk
+
+@pytest.fixture
+def full_outbox(tmp_path):
+    """A run directory whose `.eval-outbox` is a real, full filesystem (a 64 KiB tmpfs filled up);
+    the checkpoints beside it are on the ordinary disk. Root only (skips elsewhere)."""
+    from tests import soak
+
+    why = soak.can_mount()
+    if why:
+        pytest.skip(why)
+    from eval_worker.service.outbox import OUTBOX_DIRNAME
+
+    root = tmp_path / "ck"
+    box = root / "run-full" / OUTBOX_DIRNAME
+    box.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(box)], check=True, timeout=30)
+    filler = box / ".filler"
+    try:
+        with open(filler, "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * 4096)
+            except OSError:
+                pass  # ENOSPC: the disk is full
+        yield root, box, filler
+    finally:
+        subprocess.run(["umount", "-l", str(box)], check=False, timeout=30)
+
+
+def _hook_user(conn, redis_url: str, *, queue_writes: bool) -> str:
+    """A Redis user for the hook that may write its owed-job notes, and the queue only when
+    `queue_writes`: a real server refusing the queue's writes (NOPERM), as one out of memory does."""
+    from urllib.parse import urlsplit
+
+    conn.execute_command("ACL", "SETUSER", "hook", "reset", "on", ">hook-pw", "+@all", "&*", "~dflash:owed:*",
+                         *(["~*"] if queue_writes else []))
+    u = urlsplit(redis_url)
+    return f"redis://hook:hook-pw@{u.hostname}:{u.port}{u.path or ''}"
+
+
+def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redis_url, full_outbox, tmp_path):
+    from eval_worker.service.queue import status
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+    from tests.sidecar_support import wait_for
+
+    root, box, filler = full_outbox
+    ckpts = {s: publish_random(root, "run-full", s, seed=s) for s in (11, 12, 13)}
+    with pytest.raises(OSError):  # the disk really is full
+        (box / "probe").write_bytes(b"x" * 8192)
+    url = _hook_user(conn, redis_url, queue_writes=False)
+    hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
+                            min_backoff=0.05, max_backoff=0.2, reconcile_interval=0.2)
+    try:
+        # 1. disk full, queue refusing: the request is owed in memory, shown by `status`, its pin kept
+        hook.on_checkpoint_published(None, 11, ckpts[11], None)
+        assert list(box.glob("*.json")) == [] and any("step 11" in e and "No space" in e for e in hook.errors)
+        owed = wait_for(lambda: status(conn)["owed"], 30, "status to list the owed job")
+        assert [(o["run_id"], o["step"], o["lost"]) for o in owed] == [("run-full", 11, False)]
+        assert "No space left on device" in owed[0]["why"]
+        assert hook.protects(ckpts[11]) and _pins(ckpts[11])  # retention keeps it while it is owed
+
+        # 2. the queue takes writes again, the disk is still full: queued straight from memory
+        _hook_user(conn, redis_url, queue_writes=True)
+        wait_for(lambda: [j["step"] for j in status(conn)["queued"]] == [11], 30, "step 11 to be queued")
+        wait_for(lambda: status(conn)["owed"] == [], 30, "the owed note to be cleared")
+        assert not hook.protects(ckpts[11]) and list(box.glob("*.json")) == []
+
+        # 3. space returns: the next request is durable on disk first, then queued
+        filler.unlink()
+        hook.on_checkpoint_published(None, 12, ckpts[12], None)
+        wait_for(lambda: sorted(j["step"] for j in status(conn)["queued"]) == [11, 12], 30, "step 12 to be queued")
+    finally:
+        hook.close()
+
+
+def test_outbox_disk_full_train_end_lists_every_owed_step_and_drops_its_pin(conn, redis_url, full_outbox,
+                                                                           tmp_path, caplog):
+    import logging
+
+    from eval_worker.service.queue import status
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+
+    root, box, _ = full_outbox
+    ckpts = {s: publish_random(root, "run-full", s, seed=s) for s in (20, 21)}
+    url = _hook_user(conn, redis_url, queue_writes=False)
+    hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
+                            min_backoff=0.05, max_backoff=0.2, train_end_timeout=1.0, eval_final=False)
+    caplog.set_level(logging.ERROR, logger="hooks.eval")
+    for s in (20, 21):
+        hook.on_checkpoint_published(None, s, ckpts[s], None)
+    hook.on_train_end(None)
+    for s in (20, 21):
+        assert any(f"step {s} was never queued" in e for e in hook.errors), hook.errors
+        assert _pins(ckpts[s]) == []  # nothing will queue it: its pin does not keep the checkpoint for ever
+    assert any("NOT QUEUED for step(s) [20, 21]" in r.getMessage() for r in caplog.records)
+    owed = status(conn)["owed"]
+    assert [(o["step"], o["lost"]) for o in owed] == [(20, True), (21, True)]  # still visible after the trainer left

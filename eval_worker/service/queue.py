@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -37,6 +38,7 @@ DEFAULT_BASE = "dflash-eval"
 # Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
 ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
+OWED_PREFIX = "dflash:owed:"        # hash per run: outbox key -> a job the trainer holds in memory only
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
            JobStatus.CREATED, JobStatus.READY_TO_ENQUEUE}
 
@@ -229,9 +231,44 @@ def _duplicate(connection, job_id: str, qname: str, job: dict[str, Any]):
 def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> None:
     """Index the payload by run/step so `requeue --run` can find it later."""
     entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": job}, sort_keys=True)
+    from eval_worker.service.outbox import job_key
+
     with connection.pipeline() as pipe:
         pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{job['checkpoint_digest'][:12]}:{suite_fp}", entry)
+        pipe.hdel(OWED_PREFIX + job["run_id"], job_key(job))  # queued: a trainer owes it no more
         pipe.execute()
+
+
+# --------------------------------------------------------------------------- owed by a trainer
+
+def record_owed(connection, run_id: str, owed: list[tuple[dict[str, Any], str]], *, lost: bool = False) -> None:
+    """Tell `status` which of a run's jobs its trainer holds in memory only (its outbox could not
+    be written: disk full, read-only) and has not queued yet; `lost`: the trainer gave them up
+    (training ended). An empty `owed` clears the run's entry (unless `lost`, which only adds)."""
+    from eval_worker.service.outbox import job_key
+
+    key = OWED_PREFIX + run_id
+    with connection.pipeline() as pipe:
+        if not lost:
+            pipe.delete(key)
+        for job, why in owed:
+            pipe.hset(key, job_key(job), json.dumps({"step": job.get("step"), "checkpoint": job.get("checkpoint"),
+                                                     "suite": job.get("suite"), "why": why, "lost": lost,
+                                                     "since": datetime.now(timezone.utc).isoformat()}))
+        pipe.execute()
+
+
+def owed_jobs(connection, run: str | None = None) -> list[dict[str, Any]]:
+    out = []
+    for key in connection.scan_iter(match=OWED_PREFIX + (run or "*"), count=200):
+        run_id = (key.decode() if isinstance(key, bytes) else key)[len(OWED_PREFIX):]
+        for field_, raw in connection.hscan_iter(key):
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            out.append({"run_id": run_id, "key": field_.decode() if isinstance(field_, bytes) else field_, **entry})
+    return sorted(out, key=lambda e: (e["run_id"], e.get("step") or 0))
 
 
 # --------------------------------------------------------------------------- status
@@ -252,7 +289,7 @@ def _jobs(connection, ids: Iterable[str]) -> list[Job]:
 def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict[str, Any]:
     """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run."""
     out: dict[str, Any] = {"queues": {}, "queued": [], "running": [], "scheduled": [], "failed": [], "workers": [],
-                           "runs": {}}
+                           "runs": {}, "owed": owed_jobs(connection, run)}
     for name in queue_names(base):
         q = get_queue(connection, name)
         out["queues"][name] = q.count
