@@ -37,6 +37,7 @@ from rq.serializers import JSONSerializer
 from dflash_train import storage
 from dflash_train.errors import retryable
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.redaction import redact
 from dflash_train.settings import Settings
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.results.ledger import Ledger
@@ -292,5 +293,6 @@ class EvalOnCheckpoint:
         return outcome
 
     def _note(self, message: str) -> None:
+        message = redact(message)
         self.errors.append(message)
         log.warning(message)

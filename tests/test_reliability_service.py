@@ -364,3 +364,77 @@ def test_outbox_disk_full_train_end_lists_every_owed_step_and_drops_its_pin(conn
     assert any("NOT QUEUED for step(s) [20, 21]" in r.getMessage() for r in caplog.records)
     owed = status(conn)["owed"]
     assert [(o["step"], o["lost"]) for o in owed] == [(20, True), (21, True)]  # still visible after the trainer left
+
+
+# --------------------------------------------------------------------------- no secret of a URL in any output
+
+SECRET = "pl4nted-S3CRET-value"
+STORE_URL = f"s3://AKIAPLANTED:{SECRET}@bkt/runs/run-sec/step-00000001"
+
+
+def _cli(args: list[str], env: dict | None = None) -> str:
+    """`dflash-eval ARGS` as a user runs it; stdout and stderr together."""
+    full = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    out = subprocess.run([sys.executable, "-m", "eval_worker", *args], cwd=REPO_ROOT, env=full,
+                         capture_output=True, text=True, timeout=300)
+    return out.stdout + out.stderr
+
+
+def test_secret_redaction_redact_masks_every_url_in_any_text():
+    """Property: whatever surrounds a URL with credentials, neither its secret nor the pair survives."""
+    from hypothesis import given, settings, strategies as st
+
+    from dflash_train.redaction import redact
+
+    secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="-_.~!$"),
+                           min_size=6, max_size=30)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.sampled_from(["s3", "gs", "redis", "rediss", "https", "hf"]), secret_chars,
+           st.sampled_from(["", "user", "AKIA1"]), st.sampled_from(["{}", "'{}'", '"{}"', "({})", "{}: gone", "x={},"]),
+           st.text(alphabet=" abc\n:", max_size=20))
+    def check(scheme, secret, user, shape, noise):
+        url = f"{scheme}://{user + ':' if user else ''}{secret}@host.example/a/b?x=1"
+        text = noise + shape.format(url) + noise
+        out = redact(text)
+        assert secret not in out.replace("***", "")
+        assert f"{scheme}://" in out  # still says which location
+
+    check()
+    assert redact("redis://:pw@h?password=pw2") == "redis://:***@h?password=***"
+
+
+def test_secret_redaction_no_output_shows_a_planted_secret(conn, redis_url, tmp_path):
+    """A store URL with `key:secret@` given to `enqueue`, planted in a job, named in the environment:
+    CLI stdout/stderr, RQ's failure text, `status` (text and JSON) and the worker log never show it."""
+    from eval_worker.service.queue import JOB_FUNC, QueueConfig, failure_reason, get_queue
+    from tests.sidecar_support import WorkerProcess
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-sec", 1, seed=1)
+    outputs = {}
+    outputs["enqueue"] = _cli(["enqueue", STORE_URL, "--redis-url", redis_url])
+    outputs["enqueue --json"] = _cli(["enqueue", STORE_URL, "--json", "--redis-url", redis_url])
+    outputs["status (env)"] = _cli(["status", "--redis-url", redis_url],
+                                   env={"DFLASH_CHECKPOINT_ROOTS": f"s3://AKIAPLANTED:{SECRET}@bkt/runs"})
+    assert "***@bkt/runs/run-sec/step-00000001" in outputs["enqueue"]  # the location is still named
+
+    # a job planted straight into RQ (as any client of the queue could), naming the URL
+    job = jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path))
+    job["checkpoint"] = STORE_URL
+    get_queue(conn, "dflash-eval").enqueue_call(JOB_FUNC, args=(job,), job_id="planted", retry=QueueConfig().retry(),
+                                               meta={"run_id": "run-sec", "step": 1})
+    w = WorkerProcess(tmp_path, redis_url, [root, tmp_path], name="w-sec", target=tmp_path,
+                      args=["--evaluator-factory", FAKE, "--burst", "--no-preload"])
+    assert w.wait(120) == 0
+    w.stop()
+    planted = fetch_job(conn, "planted")
+    assert planted.get_status() == JobStatus.FAILED
+    outputs["RQ failure text"] = planted.latest_result().exc_string
+    outputs["failure reason"] = failure_reason(planted)
+    outputs["status"] = _cli(["status", "--redis-url", redis_url])
+    outputs["status --json"] = _cli(["status", "--json", "--redis-url", redis_url])
+    outputs["worker log"] = w.log()
+    leaks = {name: text for name, text in outputs.items() if SECRET in text or f"AKIAPLANTED:{SECRET[:4]}" in text}
+    assert not leaks, {k: [ln for ln in v.splitlines() if SECRET in ln][:3] for k, v in leaks.items()}
+    assert "***@bkt/runs/run-sec" in outputs["RQ failure text"] and "***@bkt" in outputs["worker log"]  # it said why

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from dflash_train.errors import retryable
 from dflash_train.fsutil import atomic_write_bytes, fsync_dir
+from dflash_train.redaction import redact
 
 log = logging.getLogger("eval_worker.service.outbox")
 
@@ -236,6 +237,7 @@ class Outbox:
         report.owed = self.owed()
 
     def _reject(self, path: Path, reason: str) -> None:
+        reason = redact(reason)
         reason = reason if len(reason) <= 2000 else reason[:2000] + " ..."
         self._mkdir(self.rejected_dir)
         atomic_write_bytes(self.rejected_dir / f"{path.stem}.reason.txt", (reason + "\n").encode(), mode=FILE_MODE)

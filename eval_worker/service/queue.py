@@ -28,6 +28,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.redaction import redact
 
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.jobs import JobError
@@ -102,6 +103,7 @@ MAX_REASON = 400  # characters of a failure reason shown by `status` (the full t
 
 
 def _cut(reason: str) -> str:
+    reason = redact(reason)  # a reason recorded before redaction, or by another worker
     if len(reason) <= MAX_REASON:
         return reason
     return f"{reason[:MAX_REASON]}... ({len(reason)} characters; `rq info` or the job's result has all of it)"
