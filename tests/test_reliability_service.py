@@ -23,6 +23,7 @@ from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
+from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.sidecar_support import REPO_ROOT, publish_random
 
 FAKE = "tests.fake_evaluator:FakeEvaluator"
@@ -438,3 +439,14 @@ def test_secret_redaction_no_output_shows_a_planted_secret(conn, redis_url, tmp_
     leaks = {name: text for name, text in outputs.items() if SECRET in text or f"AKIAPLANTED:{SECRET[:4]}" in text}
     assert not leaks, {k: [ln for ln in v.splitlines() if SECRET in ln][:3] for k, v in leaks.items()}
     assert "***@bkt/runs/run-sec" in outputs["RQ failure text"] and "***@bkt" in outputs["worker log"]  # it said why
+
+
+def test_clock_skew_soak_two_workers_one_box_ahead(tmp_path, zygote, target):
+    """The soak scenario at its small size: real worker processes on the micro target, one of them
+    with its maintenance clock 300 s ahead; on main 1 of 6 jobs ran twice."""
+    from tests import soak
+
+    row = soak.scenario_clock_skew(tmp_path, zygote, target, **soak.QUICK["skew"])
+    assert row.lost == 0 and row.duplicated == 0 and row.recorded == row.accepted == 6
+    assert row.details["duplicate_executions"] == 0 and row.details["executions"] == 6, row.observed
+    assert not row.details["problems"], row.observed
