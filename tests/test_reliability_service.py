@@ -23,6 +23,7 @@ from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
+from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.sidecar_support import REPO_ROOT, publish_random
 
 FAKE = "tests.fake_evaluator:FakeEvaluator"
@@ -264,3 +265,188 @@ def test_suite_limits_a_suite_grown_after_enqueue_fails_its_job_once(conn, tmp_p
     assert job.get_status() == JobStatus.FAILED and job.retries_left == 0 and len(job.results()) == 1
     assert "max_new_tokens must be >= 1 and <= 65536" in failure_reason(job)
     assert [f["job_id"] for f in status(conn)["failed"]] == [out.job_id]
+
+
+# --------------------------------------------------------------------------- the hook's outbox on a full disk
+
+@pytest.fixture
+def full_outbox(tmp_path):
+    """A run directory whose `.eval-outbox` is a real, full filesystem (a 64 KiB tmpfs filled up);
+    the checkpoints beside it are on the ordinary disk. Root only (skips elsewhere)."""
+    from tests import soak
+
+    why = soak.can_mount()
+    if why:
+        pytest.skip(why)
+    from eval_worker.service.outbox import OUTBOX_DIRNAME
+
+    root = tmp_path / "ck"
+    box = root / "run-full" / OUTBOX_DIRNAME
+    box.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(box)], check=True, timeout=30)
+    filler = box / ".filler"
+    try:
+        with open(filler, "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * 4096)
+            except OSError:
+                pass  # ENOSPC: the disk is full
+        yield root, box, filler
+    finally:
+        subprocess.run(["umount", "-l", str(box)], check=False, timeout=30)
+
+
+def _hook_user(conn, redis_url: str, *, queue_writes: bool) -> str:
+    """A Redis user for the hook that may write its owed-job notes, and the queue only when
+    `queue_writes`: a real server refusing the queue's writes (NOPERM), as one out of memory does."""
+    from urllib.parse import urlsplit
+
+    conn.execute_command("ACL", "SETUSER", "hook", "reset", "on", ">hook-pw", "+@all", "&*", "~dflash:owed:*",
+                         *(["~*"] if queue_writes else []))
+    u = urlsplit(redis_url)
+    return f"redis://hook:hook-pw@{u.hostname}:{u.port}{u.path or ''}"
+
+
+def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redis_url, full_outbox, tmp_path):
+    from eval_worker.service.queue import status
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+    from tests.sidecar_support import wait_for
+
+    root, box, filler = full_outbox
+    ckpts = {s: publish_random(root, "run-full", s, seed=s) for s in (11, 12, 13)}
+    with pytest.raises(OSError):  # the disk really is full
+        (box / "probe").write_bytes(b"x" * 8192)
+    url = _hook_user(conn, redis_url, queue_writes=False)
+    hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
+                            min_backoff=0.05, max_backoff=0.2, reconcile_interval=0.2)
+    try:
+        # 1. disk full, queue refusing: the request is owed in memory, shown by `status`, its pin kept
+        hook.on_checkpoint_published(None, 11, ckpts[11], None)
+        assert list(box.glob("*.json")) == [] and any("step 11" in e and "No space" in e for e in hook.errors)
+        owed = wait_for(lambda: status(conn)["owed"], 30, "status to list the owed job")
+        assert [(o["run_id"], o["step"], o["lost"]) for o in owed] == [("run-full", 11, False)]
+        assert "No space left on device" in owed[0]["why"]
+        assert hook.protects(ckpts[11]) and _pins(ckpts[11])  # retention keeps it while it is owed
+
+        # 2. the queue takes writes again, the disk is still full: queued straight from memory
+        _hook_user(conn, redis_url, queue_writes=True)
+        wait_for(lambda: [j["step"] for j in status(conn)["queued"]] == [11], 30, "step 11 to be queued")
+        wait_for(lambda: status(conn)["owed"] == [], 30, "the owed note to be cleared")
+        assert not hook.protects(ckpts[11]) and list(box.glob("*.json")) == []
+
+        # 3. space returns: the next request is durable on disk first, then queued
+        filler.unlink()
+        hook.on_checkpoint_published(None, 12, ckpts[12], None)
+        wait_for(lambda: sorted(j["step"] for j in status(conn)["queued"]) == [11, 12], 30, "step 12 to be queued")
+    finally:
+        hook.close()
+
+
+def test_outbox_disk_full_train_end_lists_every_owed_step_and_drops_its_pin(conn, redis_url, full_outbox,
+                                                                           tmp_path, caplog):
+    import logging
+
+    from eval_worker.service.queue import status
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+
+    root, box, _ = full_outbox
+    ckpts = {s: publish_random(root, "run-full", s, seed=s) for s in (20, 21)}
+    url = _hook_user(conn, redis_url, queue_writes=False)
+    hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
+                            min_backoff=0.05, max_backoff=0.2, train_end_timeout=1.0, eval_final=False)
+    caplog.set_level(logging.ERROR, logger="hooks.eval")
+    for s in (20, 21):
+        hook.on_checkpoint_published(None, s, ckpts[s], None)
+    hook.on_train_end(None)
+    for s in (20, 21):
+        assert any(f"step {s} was never queued" in e for e in hook.errors), hook.errors
+        assert _pins(ckpts[s]) == []  # nothing will queue it: its pin does not keep the checkpoint for ever
+    assert any("NOT QUEUED for step(s) [20, 21]" in r.getMessage() for r in caplog.records)
+    owed = status(conn)["owed"]
+    assert [(o["step"], o["lost"]) for o in owed] == [(20, True), (21, True)]  # still visible after the trainer left
+
+
+# --------------------------------------------------------------------------- no secret of a URL in any output
+
+SECRET = "pl4nted-S3CRET-value"
+STORE_URL = f"s3://AKIAPLANTED:{SECRET}@bkt/runs/run-sec/step-00000001"
+
+
+def _cli(args: list[str], env: dict | None = None) -> str:
+    """`dflash-eval ARGS` as a user runs it; stdout and stderr together."""
+    full = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    out = subprocess.run([sys.executable, "-m", "eval_worker", *args], cwd=REPO_ROOT, env=full,
+                         capture_output=True, text=True, timeout=300)
+    return out.stdout + out.stderr
+
+
+def test_secret_redaction_redact_masks_every_url_in_any_text():
+    """Property: whatever surrounds a URL with credentials, neither its secret nor the pair survives."""
+    from hypothesis import given, settings, strategies as st
+
+    from dflash_train.redaction import redact
+
+    secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="-_.~!$"),
+                           min_size=6, max_size=30)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.sampled_from(["s3", "gs", "redis", "rediss", "https", "hf"]), secret_chars,
+           st.sampled_from(["", "user", "AKIA1"]), st.sampled_from(["{}", "'{}'", '"{}"', "({})", "{}: gone", "x={},"]),
+           st.text(alphabet=" abc\n:", max_size=20))
+    def check(scheme, secret, user, shape, noise):
+        url = f"{scheme}://{user + ':' if user else ''}{secret}@host.example/a/b?x=1"
+        text = noise + shape.format(url) + noise
+        out = redact(text)
+        assert secret not in out.replace("***", "")
+        assert f"{scheme}://" in out  # still says which location
+
+    check()
+    assert redact("redis://:pw@h?password=pw2") == "redis://:***@h?password=***"
+
+
+def test_secret_redaction_no_output_shows_a_planted_secret(conn, redis_url, tmp_path):
+    """A store URL with `key:secret@` given to `enqueue`, planted in a job, named in the environment:
+    CLI stdout/stderr, RQ's failure text, `status` (text and JSON) and the worker log never show it."""
+    from eval_worker.service.queue import JOB_FUNC, QueueConfig, failure_reason, get_queue
+    from tests.sidecar_support import WorkerProcess
+
+    root = tmp_path / "ck"
+    path = publish_random(root, "run-sec", 1, seed=1)
+    outputs = {}
+    outputs["enqueue"] = _cli(["enqueue", STORE_URL, "--redis-url", redis_url])
+    outputs["enqueue --json"] = _cli(["enqueue", STORE_URL, "--json", "--redis-url", redis_url])
+    outputs["status (env)"] = _cli(["status", "--redis-url", redis_url],
+                                   env={"DFLASH_CHECKPOINT_ROOTS": f"s3://AKIAPLANTED:{SECRET}@bkt/runs"})
+    assert "***@bkt/runs/run-sec/step-00000001" in outputs["enqueue"]  # the location is still named
+
+    # a job planted straight into RQ (as any client of the queue could), naming the URL
+    job = jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path))
+    job["checkpoint"] = STORE_URL
+    get_queue(conn, "dflash-eval").enqueue_call(JOB_FUNC, args=(job,), job_id="planted", retry=QueueConfig().retry(),
+                                               meta={"run_id": "run-sec", "step": 1})
+    w = WorkerProcess(tmp_path, redis_url, [root, tmp_path], name="w-sec", target=tmp_path,
+                      args=["--evaluator-factory", FAKE, "--burst", "--no-preload"])
+    assert w.wait(120) == 0
+    w.stop()
+    planted = fetch_job(conn, "planted")
+    assert planted.get_status() == JobStatus.FAILED
+    outputs["RQ failure text"] = planted.latest_result().exc_string
+    outputs["failure reason"] = failure_reason(planted)
+    outputs["status"] = _cli(["status", "--redis-url", redis_url])
+    outputs["status --json"] = _cli(["status", "--json", "--redis-url", redis_url])
+    outputs["worker log"] = w.log()
+    leaks = {name: text for name, text in outputs.items() if SECRET in text or f"AKIAPLANTED:{SECRET[:4]}" in text}
+    assert not leaks, {k: [ln for ln in v.splitlines() if SECRET in ln][:3] for k, v in leaks.items()}
+    assert "***@bkt/runs/run-sec" in outputs["RQ failure text"] and "***@bkt" in outputs["worker log"]  # it said why
+
+
+def test_clock_skew_soak_two_workers_one_box_ahead(tmp_path, zygote, target):
+    """The soak scenario at its small size: real worker processes on the micro target, one of them
+    with its maintenance clock 300 s ahead; on main 1 of 6 jobs ran twice."""
+    from tests import soak
+
+    row = soak.scenario_clock_skew(tmp_path, zygote, target, **soak.QUICK["skew"])
+    assert row.lost == 0 and row.duplicated == 0 and row.recorded == row.accepted == 6
+    assert row.details["duplicate_executions"] == 0 and row.details["executions"] == 6, row.observed
+    assert not row.details["problems"], row.observed

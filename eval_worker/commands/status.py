@@ -64,6 +64,11 @@ def main(args: argparse.Namespace) -> int:
     if st["scheduled"]:
         _listed("waiting to retry", st["scheduled"],
                 lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}{_spooled(j)}")
+    if st.get("owed"):
+        _listed("owed by a trainer, not queued (its outbox could not be written)", st["owed"],
+                lambda j: f"run={j['run_id']} step={j['step']}  {j['checkpoint']}: {j['why']}"
+                          + ("  LOST: training ended; `dflash-eval enqueue CHECKPOINT` queues it" if j.get("lost")
+                             else "  (retried by the trainer)"))
     _listed("failed", st["failed"], lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}: {j['reason']}"
                                               f"{_spooled(j)}")
     if st["failed"]:

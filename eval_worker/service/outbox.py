@@ -12,6 +12,11 @@ Redis unreachable, out of memory at `maxmemory`, `MISCONF` (it cannot persist), 
 `LOADING`, a cluster redirection, a wrong password, a bug — keeps the job waiting here and
 delivery backs off: the job is not at fault, and a later try can succeed.
 
+A job that cannot be written here (the disk is full, read-only, gone) is kept in memory
+(`put_or_owe`, at most MAX_OWED) and owed: every delivery first tries to write it again, then
+to queue it straight from memory; the hook reports what is owed (`dflash-eval status`) and,
+at train end, lists and releases what was never queued.
+
 Layout: `<checkpoint_root>/<run_id>/.eval-outbox/<key>.json`, `.../rejected/<key>.json`
 (+ `<key>.reason.txt`); files 0600, directories 0700 (the trainer's private state).
 Deliver leftovers by hand with `dflash-eval enqueue --outbox DIR`; after fixing what made
@@ -32,11 +37,13 @@ from typing import Any, Callable
 
 from dflash_train.errors import retryable
 from dflash_train.fsutil import atomic_write_bytes, fsync_dir
+from dflash_train.redaction import redact
 
 log = logging.getLogger("eval_worker.service.outbox")
 
 OUTBOX_DIRNAME = ".eval-outbox"
 FILE_MODE, DIR_MODE = 0o600, 0o700  # the trainer's private spool of undelivered jobs
+MAX_OWED = 10_000  # jobs kept in memory while the outbox cannot be written (a bound, not an expectation)
 
 
 def outbox_dir(checkpoint_root: str | os.PathLike, run_id: str) -> Path:
@@ -65,6 +72,7 @@ class DeliveryReport:
     remaining: int = 0                                    # still waiting (queue unreachable or refusing writes)
     error: str | None = None                              # why delivery stopped early
     reasons: dict[str, str] = field(default_factory=dict)  # rejected key -> reason
+    owed: list[tuple[dict[str, Any], str]] = field(default_factory=list)  # (job, why) in memory only, not on disk
 
     @property
     def complete(self) -> bool:
@@ -77,6 +85,8 @@ class Outbox:
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
         self._lock = threading.Lock()
+        self._owed: dict[str, tuple[dict[str, Any], str]] = {}  # key -> (job, why it is not on disk)
+        self._owed_lock = threading.Lock()  # never held across I/O: the training thread takes it
 
     @property
     def rejected_dir(self) -> Path:
@@ -95,6 +105,47 @@ class Outbox:
         atomic_write_bytes(path, data, mode=FILE_MODE)
         return path
 
+    def put_or_owe(self, job: dict[str, Any]) -> Path | None:
+        """`put`, or, when the job cannot be written (disk full, read-only), keep it in memory as
+        owed: each delivery tries to write it again, then to queue it from memory. None if owed."""
+        try:
+            return self.put(job)
+        except OSError as e:
+            why = f"{type(e).__name__}: {e}"
+            with self._owed_lock:
+                if len(self._owed) >= MAX_OWED and job_key(job) not in self._owed:
+                    raise
+                self._owed[job_key(job)] = (job, why)
+            log.warning("eval job for step %s could not be written to %s (%s); kept in memory, written or "
+                        "queued as soon as either works", job.get("step"), self.dir, why)
+            return None
+
+    def owed(self) -> list[tuple[dict[str, Any], str]]:
+        """Jobs held in memory only (job, why the write failed), oldest step first."""
+        with self._owed_lock:
+            return [self._owed[k] for k in sorted(self._owed)]
+
+    def give_up_owed(self) -> list[tuple[dict[str, Any], str]]:
+        """Forget the owed jobs (the process is ending) and return them, so the caller lists them."""
+        with self._owed_lock:
+            out = [self._owed[k] for k in sorted(self._owed)]
+            self._owed.clear()
+        return out
+
+    def _write_owed(self) -> None:
+        """The disk may have room again: owed jobs become files (durable) first."""
+        for job, _ in self.owed():
+            try:
+                self.put(job)
+            except OSError as e:
+                with self._owed_lock:
+                    if job_key(job) in self._owed:
+                        self._owed[job_key(job)] = (job, f"{type(e).__name__}: {e}")
+                return
+            with self._owed_lock:
+                self._owed.pop(job_key(job), None)
+            log.info("eval job for step %s, owed in memory, is now written to %s", job.get("step"), self.dir)
+
     def pending(self) -> list[Path]:
         """Job files waiting, oldest step first."""
         if not self.dir.is_dir():
@@ -102,11 +153,14 @@ class Outbox:
         return sorted(p for p in self.dir.glob("*.json") if not p.name.startswith("."))
 
     def __len__(self) -> int:
-        return len(self.pending())
+        return len(self.pending()) + len(self._owed)
 
     def holds(self, checkpoint: str | os.PathLike) -> bool:
-        """Whether a waiting job names this checkpoint (retention must keep it)."""
+        """Whether a waiting job, on disk or owed in memory, names this checkpoint (retention must keep it)."""
         want = os.path.realpath(checkpoint)
+        for job, _ in self.owed():
+            if want in (os.path.realpath(job.get("checkpoint", "")), os.path.realpath(job.get("baseline") or "/-")):
+                return True
         for path in self.pending():
             with contextlib.suppress(OSError, ValueError):
                 job = json.loads(path.read_text())
@@ -125,6 +179,7 @@ class Outbox:
         """
         report = DeliveryReport()
         with self._lock:
+            self._write_owed()
             files = self.pending()
             for i, path in enumerate(files):
                 try:
@@ -145,16 +200,44 @@ class Outbox:
                         report.reasons[path.stem] = str(e)
                         log.error("eval job %s refused by the queue: %s", path.stem, e)
                         continue
-                    report.remaining = len(files) - i
+                    report.owed = self.owed()
+                    report.remaining = len(files) - i + len(report.owed)
                     report.error = f"{type(e).__name__}: {e}"
                     return report
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 fsync_dir(self.dir)
                 report.delivered.append(path.stem)
+            self._send_owed(send, is_invalid, report)
         return report
 
+    def _send_owed(self, send, is_invalid, report: DeliveryReport) -> None:
+        """Queue what is still owed (the disk is still full) straight from memory."""
+        for job, why in self.owed():
+            key = job_key(job)
+            try:
+                send(job)
+            except Exception as e:  # noqa: BLE001 - classified below
+                if is_invalid(e):  # refused for itself: nowhere to set it aside, so said loudly
+                    with self._owed_lock:
+                        self._owed.pop(key, None)
+                    report.rejected.append(key)
+                    report.reasons[key] = str(e)
+                    log.error("eval job %s (owed in memory, %s) refused by the queue: %s", key, why, e)
+                    continue
+                report.owed = self.owed()
+                report.remaining = len(report.owed)
+                report.error = f"{type(e).__name__}: {e}"
+                return
+            with self._owed_lock:
+                self._owed.pop(key, None)
+            report.delivered.append(key)
+            log.info("eval job for step %s queued from memory (its outbox file could not be written: %s)",
+                     job.get("step"), why)
+        report.owed = self.owed()
+
     def _reject(self, path: Path, reason: str) -> None:
+        reason = redact(reason)
         reason = reason if len(reason) <= 2000 else reason[:2000] + " ..."
         self._mkdir(self.rejected_dir)
         atomic_write_bytes(self.rejected_dir / f"{path.stem}.reason.txt", (reason + "\n").encode(), mode=FILE_MODE)
@@ -224,7 +307,7 @@ class Deliverer:
     def _run(self) -> None:
         backoff = self.min_backoff
         while not self._stop.is_set():
-            self._wake.wait(timeout=self.idle_interval if not self.outbox.pending() else backoff)
+            self._wake.wait(timeout=self.idle_interval if not len(self.outbox) else backoff)
             self._wake.clear()
             if self._stop.is_set():
                 break

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,6 +28,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.redaction import redact
 
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.jobs import JobError
@@ -38,6 +40,7 @@ DEFAULT_BASE = "dflash-eval"
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
 ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
 TARGET_FIELD = "dflash_target"      # in an RQ worker's hash: its own --target (jobs.canonical_target)
+OWED_PREFIX = "dflash:owed:"        # hash per run: outbox key -> a job the trainer holds in memory only
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
            JobStatus.CREATED, JobStatus.READY_TO_ENQUEUE}
 
@@ -101,6 +104,7 @@ MAX_REASON = 400  # characters of a failure reason shown by `status` (the full t
 
 
 def _cut(reason: str) -> str:
+    reason = redact(reason)  # a reason recorded before redaction, or by another worker
     if len(reason) <= MAX_REASON:
         return reason
     return f"{reason[:MAX_REASON]}... ({len(reason)} characters; `rq info` or the job's result has all of it)"
@@ -244,9 +248,44 @@ def _duplicate(connection, job_id: str, qname: str, job: dict[str, Any]):
 def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> None:
     """Index the payload by run/step so `requeue --run` can find it later."""
     entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": job}, sort_keys=True)
+    from eval_worker.service.outbox import job_key
+
     with connection.pipeline() as pipe:
         pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{job['checkpoint_digest'][:12]}:{suite_fp}", entry)
+        pipe.hdel(OWED_PREFIX + job["run_id"], job_key(job))  # queued: a trainer owes it no more
         pipe.execute()
+
+
+# --------------------------------------------------------------------------- owed by a trainer
+
+def record_owed(connection, run_id: str, owed: list[tuple[dict[str, Any], str]], *, lost: bool = False) -> None:
+    """Tell `status` which of a run's jobs its trainer holds in memory only (its outbox could not
+    be written: disk full, read-only) and has not queued yet; `lost`: the trainer gave them up
+    (training ended). An empty `owed` clears the run's entry (unless `lost`, which only adds)."""
+    from eval_worker.service.outbox import job_key
+
+    key = OWED_PREFIX + run_id
+    with connection.pipeline() as pipe:
+        if not lost:
+            pipe.delete(key)
+        for job, why in owed:
+            pipe.hset(key, job_key(job), json.dumps({"step": job.get("step"), "checkpoint": job.get("checkpoint"),
+                                                     "suite": job.get("suite"), "why": why, "lost": lost,
+                                                     "since": datetime.now(timezone.utc).isoformat()}))
+        pipe.execute()
+
+
+def owed_jobs(connection, run: str | None = None) -> list[dict[str, Any]]:
+    out = []
+    for key in connection.scan_iter(match=OWED_PREFIX + (run or "*"), count=200):
+        run_id = (key.decode() if isinstance(key, bytes) else key)[len(OWED_PREFIX):]
+        for field_, raw in connection.hscan_iter(key):
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            out.append({"run_id": run_id, "key": field_.decode() if isinstance(field_, bytes) else field_, **entry})
+    return sorted(out, key=lambda e: (e["run_id"], e.get("step") or 0))
 
 
 # --------------------------------------------------------------------------- status
@@ -267,7 +306,7 @@ def _jobs(connection, ids: Iterable[str]) -> list[Job]:
 def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict[str, Any]:
     """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run."""
     out: dict[str, Any] = {"queues": {}, "queued": [], "running": [], "scheduled": [], "failed": [], "workers": [],
-                           "runs": {}}
+                           "runs": {}, "owed": owed_jobs(connection, run)}
     for name in queue_names(base):
         q = get_queue(connection, name)
         out["queues"][name] = q.count

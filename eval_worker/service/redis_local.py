@@ -46,7 +46,7 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import psutil
 import redis
@@ -56,6 +56,7 @@ from redis.retry import Retry
 
 from dflash_train.errors import DFlashError
 from dflash_train.fsutil import atomic_write_json, pid_alive
+from dflash_train.redaction import _MASK, redact_url  # the one redaction of every message, re-exported here
 from dflash_train.settings import Settings
 
 __all__ = [
@@ -130,44 +131,6 @@ class RedisAuthError(RedisConnectError, redis.exceptions.AuthenticationError):
 
 
 # --------------------------------------------------------------------------- URLs
-
-_SECRET_QUERY_KEYS = ("password", "pass", "pwd", "secret", "token", "ssl_password")
-_SECRET_QUERY_RE = re.compile(
-    r"(^|[&;])(" + "|".join(_SECRET_QUERY_KEYS) + r")=([^&;#]*)", re.IGNORECASE
-)
-_MASK = "***"
-
-
-def redact_url(url: str | None) -> str | None:
-    """Return ``url`` with any password replaced by ``***``.
-
-    ``redis://user:pw@host:6379/0`` -> ``redis://user:***@host:6379/0``;
-    ``redis://:pw@host`` -> ``redis://:***@host``; a lone userinfo
-    (``redis://pw@host``, a common way to write a bare password) is masked too;
-    ``?password=...`` query values are masked. Never raises.
-    """
-    if not url:
-        return url
-    try:
-        parts = urlsplit(url)
-        out = url
-        netloc = parts.netloc
-        if "@" in netloc:
-            userinfo, hostport = netloc.rsplit("@", 1)
-            if ":" in userinfo:
-                userinfo = userinfo.split(":", 1)[0] + ":" + _MASK
-            elif userinfo:
-                userinfo = _MASK
-            out = out.replace("//" + netloc, "//" + f"{userinfo}@{hostport}", 1)
-        if "?" in out:
-            head, _, query = out.partition("?")
-            query = _SECRET_QUERY_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}={_MASK}", query)
-            out = f"{head}?{query}"
-        return out
-    except Exception:  # malformed URL: fall back to a blunt regex, never leak
-        masked = re.sub(r"//[^/@]*@", f"//{_MASK}@", url)
-        return _SECRET_QUERY_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}={_MASK}", masked)
-
 
 def _build_url(host: str, port: int, password: str | None, db: int = 0) -> str:
     auth = f":{quote(password, safe='')}@" if password else ""

@@ -42,6 +42,7 @@ from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
+from dflash_train.redaction import install_log_redaction, redact
 from eval_worker.service.evaluators import WorkerSettings, configure, get_evaluator
 from eval_worker.service.job_guard import EvalJob
 from eval_worker.service.queue import TARGET_FIELD, get_queue
@@ -415,6 +416,7 @@ class EvalWorker(SimpleWorker):
         raise SystemExit()
 
     def handle_job_failure(self, job, queue, started_job_registry=None, exc_string="", execution=None):
+        exc_string = redact(exc_string)  # the failure text RQ keeps and `status` shows: no URL's secret
         if self._requeue_job_id is not None and self._requeue_job_id == job.id:
             self._requeue_job_id = None
             with self.connection.pipeline() as pipe:
@@ -440,6 +442,7 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
     """Run a worker until stopped (or, with `burst`, until the queues are empty)."""
     from rq.serializers import JSONSerializer
 
+    install_log_redaction()  # the worker log: no secret of a URL a job names
     configure(settings_)
     if preload and settings_.default_target:
         get_evaluator(settings_.default_target)  # before serving: the first job finds it warm
