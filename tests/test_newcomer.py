@@ -285,3 +285,76 @@ def test_offline_fast_unreachable_hub_is_read_from_the_cache_only(tmp_path, monk
     msg = str(e.value)
     assert "the Hub cannot be reached" in msg and "not available offline" in msg
     assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # restored
+
+
+# --------------------------------------------------------------------------- what `make demo` installs
+
+_DEMO_IMPORTS = """
+import sys
+for name in sys.argv[1:]:  # not installed by `make demo`: `import` fails and find_spec says None, as there
+    sys.modules[name] = None
+import eval_worker.cli, eval_worker.commands.demo, eval_worker.service.demo_stack, eval_worker.service.worker
+import eval_worker.service.eval_job, eval_worker.engine.acceptance, eval_worker.results.report
+import eval_worker.results.sinks.wandb_sink, hooks.eval_on_checkpoint, dflash_train.trainer, dflash_train.cli
+from eval_worker.results import report_figures
+report_figures._plt()
+import jinja2, markupsafe
+print(" ".join(sorted({m.split('.')[0] for m, mod in list(sys.modules.items()) if mod is not None})))
+"""
+
+
+def _requirement_closure(names) -> set[str]:
+    """Installed distributions reachable from `names` through their unconditional requirements."""
+    import re
+    from importlib import metadata
+
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
+    seen, todo = set(), [norm(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        seen.add(name)
+        for req in requires:
+            if "extra ==" in req:
+                continue
+            todo.append(norm(re.split(r"[\s<>=!~;\[(]", req.strip(), maxsplit=1)[0]))
+    return seen
+
+
+def test_demo_extras_cover_what_the_demo_imports_and_no_test_tools():
+    """Every third-party module the demo's code imports comes with the core requirements or the `demo`
+    extra; pytest, moto, hypothesis, scipy and rq-dashboard (the dev extra) are not pulled in by them."""
+    import configparser
+    import re
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from tests.sidecar_support import REPO_ROOT
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO_ROOT / "setup.cfg")
+    lines = lambda text: [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]  # noqa: E731
+    core = [re.split(r"[<>=!~\[]", r)[0] for r in lines(cfg["options"]["install_requires"])]
+    demo = [re.split(r"[<>=!~\[]", r)[0] for r in lines(cfg["options.extras_require"]["demo"])]
+    allowed = _requirement_closure(core + demo)
+    for tool in ("pytest", "moto", "hypothesis", "scipy", "rq-dashboard", "pytest-timeout"):
+        assert tool not in allowed, f"{tool} comes with the demo's install"
+
+    dists = metadata.packages_distributions()
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
+    ours = ("dflash_train", "eval_worker", "hooks", "tests")
+    absent = sorted(m for m, owners in dists.items() if m.isidentifier() and m not in sys.stdlib_module_names
+                    and m not in ours and not {norm(d) for d in owners} & allowed)
+    assert "pytest" in absent and "moto" in absent
+    run = subprocess.run([sys.executable, "-c", _DEMO_IMPORTS, *absent], capture_output=True, text=True,
+                         cwd=REPO_ROOT, timeout=600)
+    assert run.returncode == 0, "the demo's modules do not import with only the demo's install:\n" + run.stderr[-3000:]
+    imported = set(run.stdout.split())
+    assert not imported & set(absent)
+    assert {"matplotlib", "jinja2", "torch", "rq"} <= imported  # the check saw the demo's real imports
