@@ -358,3 +358,45 @@ def test_demo_extras_cover_what_the_demo_imports_and_no_test_tools():
     imported = set(run.stdout.split())
     assert not imported & set(absent)
     assert {"matplotlib", "jinja2", "torch", "rq"} <= imported  # the check saw the demo's real imports
+
+
+# --------------------------------------------------------------------------- rq-dashboard with a job running
+
+from tests.test_sidecar_worker import ctx, setup  # noqa: E402,F401 - the worker stack fixtures
+
+
+def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):
+    """A real worker holds a real job (its evaluation gated): rq-dashboard's workers view and data
+    answer 200 and name the running job; the stock app, JSON switch and all, answers 500."""
+    pytest.importorskip("rq_dashboard")
+    from rq_dashboard import web
+    from rq_dashboard.app import create_app
+
+    from eval_worker.commands.dashboard import dashboard_app
+    from eval_worker.service.queue import enqueue
+    from tests.sidecar_support import read_calls, wait_for
+
+    monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test
+    monkeypatch.setattr(web, "Worker", web.Worker)
+    for var in ("RQ_DASHBOARD_REDIS_URL", "RQ_DASHBOARD_JSON_SERIALIZER", "RQ_DASHBOARD_URL_PREFIX"):
+        monkeypatch.setenv(var, "")
+    w = ctx.start("w-dash", gated=True)
+    w.wait_registered(ctx.conn)
+    out = enqueue(ctx.conn, ctx.job(10))
+    wait_for(lambda: read_calls(ctx.calls), 300, "the job to start evaluating")  # the job is running now
+
+    monkeypatch.setenv("RQ_DASHBOARD_REDIS_URL", ctx.url)
+    monkeypatch.setenv("RQ_DASHBOARD_JSON_SERIALIZER", "true")
+    stock = create_app().test_client()
+    assert stock.get("/0/data/workers.json").status_code == 500  # what the docs' launch line gave
+
+    client = dashboard_app(ctx.url).test_client()
+    data = client.get("/0/data/workers.json")
+    assert data.status_code == 200
+    [worker] = [x for x in data.get_json()["workers"] if x["name"] == "w-dash"]
+    assert worker["current_job"]["job_id"] == out.job_id and worker["state"] == "busy"
+    view = client.get("/0/view/workers")
+    assert view.status_code == 200 and b"Connection Error" not in view.data
+    assert client.get(f"/0/data/job/{out.job_id}.json").get_json()["status"] == "started"
+    ctx.gate.touch()
+    assert ctx.finished(out.job_id).get_status().value == "finished"
