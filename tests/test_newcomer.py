@@ -400,3 +400,32 @@ def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):
     assert client.get(f"/0/data/job/{out.job_id}.json").get_json()["status"] == "started"
     ctx.gate.touch()
     assert ctx.finished(out.job_id).get_status().value == "finished"
+
+
+# --------------------------------------------------------------------------- store preflight
+
+
+def test_store_preflight_missing_bucket_fails_at_once_everywhere(s3_server, tmp_path, capsys):
+    """A missing bucket: trainer and worker stop before any work with one sentence naming the bucket and how
+    to create it; with the bucket there the probe object is written, deleted, and leaves nothing."""
+    from dflash_train import storage
+    from dflash_train.cli import main as train_cli
+
+    with pytest.raises(storage.StoreError, match=r"bucket 'nobucket' does not exist .*aws s3 mb s3://nobucket"):
+        storage.preflight("s3://nobucket/runs")
+    storage.preflight("hf://org/repo")  # read-only: nothing to probe
+
+    rc = train_cli(["--config", "demo", "--max-steps", "1", "--publish-to", "s3://nobucket/runs",
+                    "--checkpoint-root", str(tmp_path / "ckpts"), "--run-id", "r"], settings=_settings(tmp_path))
+    err = capsys.readouterr().err
+    assert rc == 2 and "dflash-train: --publish-to: bucket 'nobucket' does not exist" in err
+    assert "Traceback" not in err and not (tmp_path / "ckpts" / "r").exists()  # nothing trained or published
+
+    assert cli(["worker", "--checkpoint-root", "s3://nobucket/runs", "--redis-url", "redis://127.0.0.1:1/0"],
+               settings=_settings(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint-root s3://nobucket/runs: bucket 'nobucket' does not exist" in err
+
+    s3_server.make_bucket("okbucket")
+    storage.preflight("s3://okbucket/runs/deep")
+    assert storage.store_for("s3://okbucket").list_names("s3://okbucket/runs/deep") == []  # probe deleted
