@@ -429,3 +429,40 @@ def test_store_preflight_missing_bucket_fails_at_once_everywhere(s3_server, tmp_
     s3_server.make_bucket("okbucket")
     storage.preflight("s3://okbucket/runs/deep")
     assert storage.store_for("s3://okbucket").list_names("s3://okbucket/runs/deep") == []  # probe deleted
+
+
+# --------------------------------------------------------------------------- the latest demo, found without flags
+
+
+def test_demo_pointer_results_report_status_find_the_latest_demo(tmp_path, redis_url, capsys):
+    """What `dflash-eval demo` records (its own ledger under its workdir): `results` lists it, `results --run`
+    and `report` read it, `status` shows its τ; a run in the configured ledger is still read from there."""
+    import json
+
+    from eval_worker.results import latest_demo
+    from tests.eval_results import make_result, write_ledger
+
+    settings = _settings(tmp_path / "home")
+    work = tmp_path / "demo-output"
+    for step, p in ((150, 0.3), (300, 0.5)):
+        write_ledger(work / "results", make_result("demo-x", step, p=p))
+    write_ledger(settings.results_dir, make_result("mine", 10))
+    latest_demo.record(settings, run_id="demo-x", workdir=work, results=work / "results",
+                       report=work / "report" / "demo-x" / "report.html", state="finished")
+
+    assert cli(["results"], settings=settings) == 0
+    listed = capsys.readouterr().out
+    assert "demo-x" in listed and "latest demo" in listed and "mine" in listed
+    assert cli(["results", "--run", "demo-x", "--json"], settings=settings) == 0
+    out = capsys.readouterr()
+    assert [r["step"] for r in json.loads(out.out)] == [150, 300] and "latest demo's ledger" in out.err
+    assert cli(["results", "--run", "mine", "--json"], settings=settings) == 0
+    assert [r["run"] for r in json.loads(capsys.readouterr().out)] == ["mine"]
+    assert cli(["report"], settings=settings) == 0
+    assert (work / "report" / "demo-x" / "report.html").is_file()
+    capsys.readouterr()
+    assert cli(["status", "--redis-url", redis_url], settings=settings) == 0
+    shown = capsys.readouterr().out
+    assert "latest demo (finished" in shown and "run demo-x, 2 evaluated" in shown
+    assert cli(["status", "--redis-url", redis_url, "--json"], settings=settings) == 0
+    assert json.loads(capsys.readouterr().out)["latest_demo"]["run_id"] == "demo-x"
