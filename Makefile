@@ -1,6 +1,6 @@
 # dflash-eval developer entry points.
-#   make demo   create the venv, install, run the main job end to end (embedded defaults)
-#   make test   create/reuse the venv, install dev extras, run the test suite
+#   make demo   create the venv, install the core and the `demo` extra (report only), run the main job end to end
+#   make test   create/reuse the venv, install the `dev` extra (test tools, moto, rq-dashboard), run the test suite
 # Override the venv location with VENV=/path, pass pytest flags with PYTEST_ARGS='-k redis'.
 
 VENV ?= .venv
@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := constraints.txt
 EXTRAS ?= dev
-# Re-install only when the packaging inputs change (or the venv is new).
+# Re-install only when the packaging inputs change (or the venv is new); one stamp per extra, so
+# `make demo` installs only what the demo runs and a later `make test` adds the rest.
 STAMP := $(VENV)/.dflash-eval-installed-$(EXTRAS)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
@@ -26,14 +27,14 @@ $(PY):
 
 install: $(STAMP)
 
-$(STAMP): $(PY) setup.cfg pyproject.toml $(CONSTRAINTS)
-	$(PIP) install -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+$(VENV)/.dflash-eval-installed-%: $(PY) setup.cfg pyproject.toml $(CONSTRAINTS)
+	$(PIP) install -c $(CONSTRAINTS) -e ".[$*]"
 	@touch $@
 
-test: install
+test: $(VENV)/.dflash-eval-installed-dev
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-demo: install
+demo: $(VENV)/.dflash-eval-installed-demo
 	$(VENV)/bin/dflash-eval demo $(DEMO_ARGS)
 
 BENCHES ?= eval_speed train_throughput hook_overhead job_latency object_store

@@ -45,6 +45,8 @@ class Checkpointer:
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         self.store_run = storage.join(c.publish_to, trainer.run_id) if c.publish_to else None
+        if self.store_run:  # a missing bucket or no write permission fails now, not at the first upload
+            storage.preflight(c.publish_to)
         for where in filter(None, (trainer.run_dir, self.store_run)):
             for p in cleanup_incomplete(where):
                 log.info("removed half-written %s", p)

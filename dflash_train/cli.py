@@ -94,6 +94,14 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
         if main_rank:
             print(json.dumps(config.to_dict(), indent=2))
         return 0
+    if config.publish_to and main_rank:  # before the model loads: not one publication into the run
+        from . import storage
+
+        try:
+            storage.preflight(config.publish_to)
+        except (storage.StoreError, OSError) as e:
+            print(f"dflash-train: --publish-to: {e}", file=sys.stderr)
+            return 2
     from .trainer import train
 
     callbacks = []

@@ -32,7 +32,8 @@ from . import redaction
 from .errors import DFlashError
 
 __all__ = ["StoreError", "StoreUnavailable", "Store", "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url",
-           "join", "parent", "name", "within_prefixes", "store_for", "redact", "read_only"]
+           "join", "parent", "name", "within_prefixes", "store_for", "redact", "read_only",
+           "preflight"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 LOCAL_PROTOCOLS = ("file", "local")
@@ -230,3 +231,42 @@ def store_for(url: str) -> Store:
 
 def read_only(url: object) -> bool:
     return is_url(url) and str(url).split("://", 1)[0].lower() in READ_ONLY
+
+
+BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")  # the URL's first segment is a bucket/container
+
+
+def preflight(url: str, *, write: bool = True) -> None:
+    """Check a store prefix before a long run relies on it: its bucket exists and, with `write`, an
+    object can be written under the prefix and deleted. StoreError (the bucket is missing) or
+    StoreUnavailable (unreachable, no permission), each one sentence that says what to do;
+    read-only stores (the Hub) are not probed."""
+    import os
+    import secrets
+    import socket
+
+    url = check_url(url)
+    if read_only(url):
+        return
+    protocol, path = url.split("://", 1)
+    store = store_for(url)
+    if protocol.lower() in BUCKET_PROTOCOLS:
+        bucket = path.split("/", 1)[0]
+        try:
+            found = store.exists(f"{protocol}://{bucket}")
+        except StoreUnavailable as e:
+            raise StoreUnavailable(f"cannot reach the store for {redact(url)}: {e.__cause__ or e}") from None
+        if not found:
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+            raise StoreError(f"bucket {bucket!r} does not exist (endpoint {endpoint}): create it first "
+                             f"(`aws s3 mb s3://{bucket}`, `mc mb ALIAS/{bucket}`) or fix the URL {redact(url)}")
+    if not write:
+        return
+    probe = join(url, f".dflash-preflight-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        store.write_bytes(probe, b"dflash-eval preflight: safe to delete\n")
+        store.remove(probe)
+    except (StoreUnavailable, FileNotFoundError, PermissionError) as e:
+        raise StoreUnavailable(f"cannot write and delete a probe object under {redact(url)} "
+                               f"({type(e.__cause__ or e).__name__}: {e.__cause__ or e}): check the credentials' "
+                               "permissions (put and delete) on that prefix") from None

@@ -29,6 +29,7 @@ COMMANDS = {
     "suites": "eval_worker.commands.suites",  # list suites; load hf: benchmarks (fills the datasets cache)
     "demo": "eval_worker.commands.demo",  # the main job, end to end
     "redis": "eval_worker.commands.redis_cmd",  # the embedded redis-server: status, stop
+    "dashboard": "eval_worker.commands.dashboard",  # rq-dashboard set up for our JSON jobs
 }
 
 

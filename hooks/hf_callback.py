@@ -113,6 +113,10 @@ class DFlashEvalCallback(TrainerCallback):
         if not getattr(state, "is_world_process_zero", True):
             return control
         self._drafter(model)  # raises: a run whose evals would never come should not start
+        if self.publish_to:  # likewise a missing bucket or a key that cannot write there
+            from dflash_train import storage
+
+            storage.preflight(self.publish_to)
         self.run_id = self.run_id or _run_id_from(args)
         self._join_hf_wandb(args)
         return control

@@ -35,7 +35,18 @@ def _hypothesis_profiles() -> None:
 _hypothesis_profiles()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its setting
 def pytest_configure(config: pytest.Config) -> None:
+    # the per-test bound (pyproject's `timeout`) scales like every wait in the tests (tests/waits.py)
+    if getattr(config.option, "timeout", None) is None and not os.environ.get("PYTEST_TIMEOUT"):
+        from tests import waits
+
+        try:
+            ini = config.getini("timeout")
+        except ValueError:  # pytest-timeout not installed: no such setting
+            ini = None
+        if ini:
+            config.option.timeout = float(ini) * waits.SCALE
     try:
         import torch
     except ImportError:  # torch-free test subsets still run

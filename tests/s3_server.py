@@ -34,7 +34,9 @@ class S3Server:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
+        from tests import waits
+
+        deadline = waits.deadline(60)
         while True:
             try:
                 urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=2).read()

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests import waits
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -96,14 +98,15 @@ class WorkerProcess:
     def wait_registered(self, connection, timeout: float = 120.0) -> None:
         from rq.worker import Worker
 
-        deadline = time.monotonic() + timeout
+        deadline = waits.deadline(timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"worker {self.name} exited with {self.proc.returncode}:\n{self.log()}")
             if any(w.name == self.name for w in Worker.all(connection=connection)):
                 return
             time.sleep(0.2)
-        raise AssertionError(f"worker {self.name} did not register within {timeout}s:\n{self.log()}")
+        raise AssertionError(f"worker {self.name} did not register within {waits.scaled(timeout):.0f}s "
+                             f"(x{waits.SCALE:.1f}, tests/waits.py):\n{self.log()}")
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -131,13 +134,15 @@ class WorkerProcess:
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
+    """Poll `predicate` until it is truthy; give up after `timeout` s scaled for this machine (tests/waits.py)."""
+    deadline = waits.deadline(timeout)
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {waits.scaled(timeout):.0f}s (x{waits.SCALE:.1f}, tests/waits.py) "
+                         f"waiting for {what}")
 
 
 # --- a gate in front of the real Evaluator (fault injection for the worker tests) -------------

@@ -123,7 +123,7 @@ def test_dashboard(compose):
     cmd = _cmd_list(dash["command"])
     assert "--redis-url" in cmd
     assert cmd[cmd.index("--redis-url") + 1].startswith("redis://:${REDIS_PASSWORD")
-    assert "--json" in cmd  # jobs are JSON-serialised; without it the dashboard cannot read them
+    assert dash["entrypoint"] == ["dflash-eval", "dashboard"]  # JSON jobs and workers (eval_worker/commands/dashboard.py)
 
 
 def test_named_volumes_declared(compose):

@@ -285,3 +285,184 @@ def test_offline_fast_unreachable_hub_is_read_from_the_cache_only(tmp_path, monk
     msg = str(e.value)
     assert "the Hub cannot be reached" in msg and "not available offline" in msg
     assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # restored
+
+
+# --------------------------------------------------------------------------- what `make demo` installs
+
+_DEMO_IMPORTS = """
+import sys
+for name in sys.argv[1:]:  # not installed by `make demo`: `import` fails and find_spec says None, as there
+    sys.modules[name] = None
+import eval_worker.cli, eval_worker.commands.demo, eval_worker.service.demo_stack, eval_worker.service.worker
+import eval_worker.service.eval_job, eval_worker.engine.acceptance, eval_worker.results.report
+import eval_worker.results.sinks.wandb_sink, hooks.eval_on_checkpoint, dflash_train.trainer, dflash_train.cli
+from eval_worker.results import report_figures
+report_figures._plt()
+import jinja2, markupsafe
+print(" ".join(sorted({m.split('.')[0] for m, mod in list(sys.modules.items()) if mod is not None})))
+"""
+
+
+def _requirement_closure(names) -> set[str]:
+    """Installed distributions reachable from `names` through their unconditional requirements."""
+    import re
+    from importlib import metadata
+
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
+    seen, todo = set(), [norm(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        seen.add(name)
+        for req in requires:
+            if "extra ==" in req:
+                continue
+            todo.append(norm(re.split(r"[\s<>=!~;\[(]", req.strip(), maxsplit=1)[0]))
+    return seen
+
+
+def test_demo_extras_cover_what_the_demo_imports_and_no_test_tools():
+    """Every third-party module the demo's code imports comes with the core requirements or the `demo`
+    extra; pytest, moto, hypothesis, scipy and rq-dashboard (the dev extra) are not pulled in by them."""
+    import configparser
+    import re
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from tests.sidecar_support import REPO_ROOT
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO_ROOT / "setup.cfg")
+    lines = lambda text: [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]  # noqa: E731
+    core = [re.split(r"[<>=!~\[]", r)[0] for r in lines(cfg["options"]["install_requires"])]
+    demo = [re.split(r"[<>=!~\[]", r)[0] for r in lines(cfg["options.extras_require"]["demo"])]
+    allowed = _requirement_closure(core + demo)
+    for tool in ("pytest", "moto", "hypothesis", "scipy", "rq-dashboard", "pytest-timeout"):
+        assert tool not in allowed, f"{tool} comes with the demo's install"
+
+    dists = metadata.packages_distributions()
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
+    ours = ("dflash_train", "eval_worker", "hooks", "tests")
+    absent = sorted(m for m, owners in dists.items() if m.isidentifier() and m not in sys.stdlib_module_names
+                    and m not in ours and not {norm(d) for d in owners} & allowed)
+    assert "pytest" in absent and "moto" in absent
+    run = subprocess.run([sys.executable, "-c", _DEMO_IMPORTS, *absent], capture_output=True, text=True,
+                         cwd=REPO_ROOT, timeout=600)
+    assert run.returncode == 0, "the demo's modules do not import with only the demo's install:\n" + run.stderr[-3000:]
+    imported = set(run.stdout.split())
+    assert not imported & set(absent)
+    assert {"matplotlib", "jinja2", "torch", "rq"} <= imported  # the check saw the demo's real imports
+
+
+# --------------------------------------------------------------------------- rq-dashboard with a job running
+
+from tests.test_sidecar_worker import ctx, setup  # noqa: E402,F401 - the worker stack fixtures
+
+
+def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):
+    """A real worker holds a real job (its evaluation gated): rq-dashboard's workers view and data
+    answer 200 and name the running job; the stock app, JSON switch and all, answers 500."""
+    pytest.importorskip("rq_dashboard")
+    from rq_dashboard import web
+    from rq_dashboard.app import create_app
+
+    from eval_worker.commands.dashboard import dashboard_app
+    from eval_worker.service.queue import enqueue
+    from tests.sidecar_support import read_calls, wait_for
+
+    monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test
+    monkeypatch.setattr(web, "Worker", web.Worker)
+    for var in ("RQ_DASHBOARD_REDIS_URL", "RQ_DASHBOARD_JSON_SERIALIZER", "RQ_DASHBOARD_URL_PREFIX"):
+        monkeypatch.setenv(var, "")
+    w = ctx.start("w-dash", gated=True)
+    w.wait_registered(ctx.conn)
+    out = enqueue(ctx.conn, ctx.job(10))
+    wait_for(lambda: read_calls(ctx.calls), 300, "the job to start evaluating")  # the job is running now
+
+    monkeypatch.setenv("RQ_DASHBOARD_REDIS_URL", ctx.url)
+    monkeypatch.setenv("RQ_DASHBOARD_JSON_SERIALIZER", "true")
+    stock = create_app().test_client()
+    assert stock.get("/0/data/workers.json").status_code == 500  # what the docs' launch line gave
+
+    client = dashboard_app(ctx.url).test_client()
+    data = client.get("/0/data/workers.json")
+    assert data.status_code == 200
+    [worker] = [x for x in data.get_json()["workers"] if x["name"] == "w-dash"]
+    assert worker["current_job"]["job_id"] == out.job_id and worker["state"] == "busy"
+    view = client.get("/0/view/workers")
+    assert view.status_code == 200 and b"Connection Error" not in view.data
+    assert client.get(f"/0/data/job/{out.job_id}.json").get_json()["status"] == "started"
+    ctx.gate.touch()
+    assert ctx.finished(out.job_id).get_status().value == "finished"
+
+
+# --------------------------------------------------------------------------- store preflight
+
+
+def test_store_preflight_missing_bucket_fails_at_once_everywhere(s3_server, tmp_path, capsys):
+    """A missing bucket: trainer and worker stop before any work with one sentence naming the bucket and how
+    to create it; with the bucket there the probe object is written, deleted, and leaves nothing."""
+    from dflash_train import storage
+    from dflash_train.cli import main as train_cli
+
+    with pytest.raises(storage.StoreError, match=r"bucket 'nobucket' does not exist .*aws s3 mb s3://nobucket"):
+        storage.preflight("s3://nobucket/runs")
+    storage.preflight("hf://org/repo")  # read-only: nothing to probe
+
+    rc = train_cli(["--config", "demo", "--max-steps", "1", "--publish-to", "s3://nobucket/runs",
+                    "--checkpoint-root", str(tmp_path / "ckpts"), "--run-id", "r"], settings=_settings(tmp_path))
+    err = capsys.readouterr().err
+    assert rc == 2 and "dflash-train: --publish-to: bucket 'nobucket' does not exist" in err
+    assert "Traceback" not in err and not (tmp_path / "ckpts" / "r").exists()  # nothing trained or published
+
+    assert cli(["worker", "--checkpoint-root", "s3://nobucket/runs", "--redis-url", "redis://127.0.0.1:1/0"],
+               settings=_settings(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint-root s3://nobucket/runs: bucket 'nobucket' does not exist" in err
+
+    s3_server.make_bucket("okbucket")
+    storage.preflight("s3://okbucket/runs/deep")
+    assert storage.store_for("s3://okbucket").list_names("s3://okbucket/runs/deep") == []  # probe deleted
+
+
+# --------------------------------------------------------------------------- the latest demo, found without flags
+
+
+def test_demo_pointer_results_report_status_find_the_latest_demo(tmp_path, redis_url, capsys):
+    """What `dflash-eval demo` records (its own ledger under its workdir): `results` lists it, `results --run`
+    and `report` read it, `status` shows its τ; a run in the configured ledger is still read from there."""
+    import json
+
+    from eval_worker.results import latest_demo
+    from tests.eval_results import make_result, write_ledger
+
+    settings = _settings(tmp_path / "home")
+    work = tmp_path / "demo-output"
+    for step, p in ((150, 0.3), (300, 0.5)):
+        write_ledger(work / "results", make_result("demo-x", step, p=p))
+    write_ledger(settings.results_dir, make_result("mine", 10))
+    latest_demo.record(settings, run_id="demo-x", workdir=work, results=work / "results",
+                       report=work / "report" / "demo-x" / "report.html", state="finished")
+
+    assert cli(["results"], settings=settings) == 0
+    listed = capsys.readouterr().out
+    assert "demo-x" in listed and "latest demo" in listed and "mine" in listed
+    assert cli(["results", "--run", "demo-x", "--json"], settings=settings) == 0
+    out = capsys.readouterr()
+    assert [r["step"] for r in json.loads(out.out)] == [150, 300] and "latest demo's ledger" in out.err
+    assert cli(["results", "--run", "mine", "--json"], settings=settings) == 0
+    assert [r["run"] for r in json.loads(capsys.readouterr().out)] == ["mine"]
+    assert cli(["report"], settings=settings) == 0
+    assert (work / "report" / "demo-x" / "report.html").is_file()
+    capsys.readouterr()
+    assert cli(["status", "--redis-url", redis_url], settings=settings) == 0
+    shown = capsys.readouterr().out
+    assert "latest demo (finished" in shown and "run demo-x, 2 evaluated" in shown
+    assert cli(["status", "--redis-url", redis_url, "--json"], settings=settings) == 0
+    assert json.loads(capsys.readouterr().out)["latest_demo"]["run_id"] == "demo-x"

@@ -91,6 +91,14 @@ def main(args: argparse.Namespace) -> int:
     if settings.roots is None:
         return fail("no checkpoint roots configured: pass --checkpoint-root DIR (repeatable) or set "
                     "DFLASH_CHECKPOINT_ROOTS; the worker only reads checkpoints under them")
+    from dflash_train import storage
+
+    for root in settings.roots:  # a missing bucket or a read-only key: now, not at the first job
+        if storage.is_url(root):
+            try:
+                storage.preflight(str(root))
+            except (StoreError, OSError) as e:
+                return fail(f"--checkpoint-root {storage.redact(str(root))}: {e}")
     try:
         queues = [queue_name(args.queue, p.strip()) for p in args.priorities.split(",") if p.strip()]
     except ValueError as e:

@@ -1,0 +1,73 @@
+"""`dflash-eval dashboard`: rq-dashboard on the eval queue's Redis, set up for our JSON jobs.
+
+Our jobs are JSON (rq's JSONSerializer), so the dashboard needs its JSON switch; and rq-dashboard
+0.9 lists workers with `Worker.all(connection)` alone, so a busy worker's current job is read with
+the pickle serializer and the workers view answers HTTP 500 (DeserializationError). `dashboard_app`
+gives its workers the serializer the rest of the dashboard uses.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._common import add_redis_args, fail
+
+HELP = "serve rq-dashboard (queues, jobs, workers) for the eval queue's Redis, JSON jobs included"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_redis_args(parser, queue=False)
+    parser.add_argument("--bind", default="127.0.0.1",
+                        help="address to listen on (default: %(default)s; 0.0.0.0 shows the queue to the network)")
+    parser.add_argument("--port", type=int, default=9181, help="port (default: %(default)s)")
+
+
+def _json_workers() -> None:
+    """rq-dashboard's views build workers through its module's `Worker`: one that reads jobs as JSON."""
+    from rq.serializers import JSONSerializer
+    from rq.worker import Worker
+    from rq_dashboard import web
+
+    if getattr(web.Worker, "_dflash_json", False):
+        return
+
+    class JSONWorker(Worker):
+        _dflash_json = True
+
+        @classmethod
+        def all(cls, *args, **kwargs):
+            kwargs.setdefault("serializer", JSONSerializer)
+            return Worker.all(*args, **kwargs)
+
+    web.Worker = JSONWorker
+
+
+def dashboard_app(redis_url: str):
+    """The rq-dashboard Flask app for `redis_url`, with the JSON serializer for jobs and workers."""
+    import os
+
+    from rq_dashboard.app import create_app
+
+    os.environ["RQ_DASHBOARD_REDIS_URL"] = redis_url  # read by create_app (as `rq-dashboard --redis-url`)
+    os.environ["RQ_DASHBOARD_JSON_SERIALIZER"] = "true"
+    os.environ.setdefault("RQ_DASHBOARD_URL_PREFIX", "")
+    _json_workers()
+    return create_app()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import rq_dashboard  # noqa: F401
+    except ImportError:
+        return fail("rq-dashboard is not installed: pip install -e '.[worker]'")
+    from eval_worker.service.redis_local import connect, redact_url, resolve_redis_url
+
+    try:  # the embedded Redis when REDIS_URL is unset, as for the worker
+        url = resolve_redis_url(args.redis_url, args.settings,
+                                notice=lambda text: print(f"note: {text}", file=sys.stderr))
+        connect(url).close()
+    except Exception as e:  # noqa: BLE001
+        return fail(str(e))
+    print(f"rq-dashboard for {redact_url(url)} on http://{args.bind}:{args.port}/", file=sys.stderr, flush=True)
+    dashboard_app(url).run(host=args.bind, port=args.port)
+    return 0
