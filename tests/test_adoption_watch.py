@@ -110,3 +110,25 @@ def test_watch_deepspec_step_latest_rule(tmp_path):
     os.remove(exp / "step_latest")
     os.symlink("step_60", exp / "step_latest")
     assert w.complete(exp / "step_60")
+
+
+def test_watch_deepspec_launch_eval_drop_in(tmp_path, redis_url, monkeypatch, capsys):
+    """DeepSpec's `_launch_eval(target, checkpoint_dir, step, tensorboard_dir, exp_name)` body: queued with its step."""
+    from hooks.deepspec import launch_eval
+
+    from . import layouts
+
+    target = qwen3_target(layers=6, hidden=32)
+    zdir = tmp_path / "z"
+    save_drafter(drafter_for(target, layers=1, features=2), zdir)
+    step = layouts.deepspec(zdir, tmp_path / "exp1" / "step_300", target)
+    monkeypatch.setenv("DFLASH_CHECKPOINT_ROOTS", str(tmp_path / "ckpts"))
+    (tmp_path / "ckpts").mkdir()
+    line = launch_eval(str(tmp_path / "target"), str(step), 300, str(tmp_path / "tb"), "exp1", redis_url=redis_url)
+    assert line.startswith("[dflash-eval] step 300: enqueued") and line in capsys.readouterr().out
+    assert _jobs(redis_url) == [("exp1", 300)]
+    shutil.rmtree(step)  # DeepSpec's retention: our converted copy stays for the eval
+    assert (tmp_path / "ckpts" / "exp1" / "step-00000300" / "model.safetensors").exists()
+    # a failure is printed, never raised into training
+    bad = launch_eval("t", str(tmp_path / "missing"), 400, None, "exp1", redis_url=redis_url)
+    assert "eval not queued" in bad and _jobs(redis_url) == [("exp1", 300)]
