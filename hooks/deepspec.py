@@ -18,6 +18,7 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
                 queue: str = "dflash-eval") -> str:
     """Import `checkpoint_dir` and queue its eval; returns the line it printed."""
     try:
+        from dflash_train.hub import resolve_target
         from dflash_train.publication import run_id_from
         from dflash_train.settings import Settings
         from dflash_train.training_state import import_checkpoint
@@ -33,7 +34,8 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         run = run_id_from(str(exp_name or Path(checkpoint_dir).parent.name), default="deepspec")
         record, _, _ = import_checkpoint(into, run, int(step), checkpoint_dir,
                                          config=Path(checkpoint_dir) / "config.json")
-        job = make_job(record, suite=suite, target=str(target_model_name_or_path), requested_by="hook", roots=roots)
+        target = resolve_target(str(target_model_name_or_path)) if target_model_name_or_path else None
+        job = make_job(record, suite=suite, target=target, requested_by="hook", roots=roots)
         outcome = enqueue(connect(resolve_redis_url(redis_url, settings)), job, config=QueueConfig(base=queue),
                           roots=roots)
         line = f"[dflash-eval] step {step}: {outcome.status} {outcome.job_id} ({record})"

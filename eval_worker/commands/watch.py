@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=None, metavar="N", help="only steps that are multiples of N")
     parser.add_argument("--suite", action="append", default=None, help="suite(s) to evaluate (default: builtin)")
     parser.add_argument("--baseline", default=None, help="a published checkpoint / import record to compare with")
-    parser.add_argument("--target", default=None, help="target model (default $DFLASH_TARGET / the worker's)")
+    parser.add_argument("--target", default=None, help="target model: a directory or a Hub model id ORG/NAME[@REV] "
+                        "(default $DFLASH_TARGET / the worker's)")
     parser.add_argument("--settle", type=float, default=30.0,
                         help="seconds a file's size and mtime must stay unchanged before it counts as written "
                              "(checkpoints without a completion marker; default %(default)s)")
@@ -45,7 +46,13 @@ def main(args: argparse.Namespace) -> int:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why
         return fail(str(e))
-    target = args.target or args.settings.target
+    from dflash_train.hub import resolve_target
+    from dflash_train.publication import CheckpointError
+
+    try:
+        target = resolve_target(args.target or args.settings.target)
+    except CheckpointError as e:
+        return fail(str(e))
     suites = list(dict.fromkeys(args.suite or ["builtin:coding-v1"]))
     config = QueueConfig(base=args.queue)
 
