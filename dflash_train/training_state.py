@@ -78,6 +78,8 @@ def model_tensors(obj: object, where: str | Path) -> tuple[dict[str, torch.Tenso
 
 def step_from_name(name: str) -> int | None:
     """`checkpoint_step20k.pt` -> 20000, `step_300` -> 300, `run-step12` -> 12, `checkpoint-10` -> 10."""
+    if name.isdigit():  # speculators: a directory per step number
+        return int(name)
     m = _STEP_K.search(Path(name).stem if Path(name).suffix in _PT else name)
     if not m:
         return None

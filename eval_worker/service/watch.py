@@ -24,7 +24,8 @@ from typing import Callable
 from dflash_train.fsutil import atomic_write_json
 from dflash_train.publication import MARKER_NAME, CheckpointError, read_manifest, run_id_from
 
-_DIR = re.compile(r"^(checkpoint-\d+|step_\d+|step-\d+|.+-step\d+|epoch_\d+_step_\d+)$")
+# HF Trainer, DeepSpec, ours, SpecForge, speculators (a directory per epoch/step number)
+_DIR = re.compile(r"^(checkpoint-\d+|step_\d+|step-\d+|.+-step\d+|epoch_\d+_step_\d+|\d+)$")
 _FILE_SUFFIXES = (".pt", ".pth", ".ckpt")
 STATE_NAME = "watch-state.json"
 
@@ -49,12 +50,15 @@ class Watcher:
         self.state_path = Path(state_path) if state_path else self.into / self.run_id / STATE_NAME
         self.log, self.clock = log, clock
         self.state: dict[str, dict] = {}
+        self._seen: dict[str, Seen] = {}  # written but not yet settled (kept across restarts: `--once` from cron)
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         if self.state_path.exists():
             import json
 
-            self.state = json.loads(self.state_path.read_text())
-        self._seen: dict[str, Seen] = {}
+            saved = json.loads(self.state_path.read_text())
+            self.state = saved.get("checkpoints", {})
+            self._seen = {k: Seen(tuple(tuple(x) for x in v["signature"]), v["since"])
+                          for k, v in saved.get("pending", {}).items()}
 
     # --- what is there -------------------------------------------------------------------
     def candidates(self) -> list[Path]:
@@ -88,6 +92,7 @@ class Watcher:
         seen = self._seen.get(str(p))
         if seen is None or seen.signature != sig:
             self._seen[str(p)] = Seen(sig, now)
+            self._save()
             return False
         return now - seen.since >= self.settle
 
@@ -118,7 +123,9 @@ class Watcher:
                         events.append(self._record(key, {"status": "skipped", "step": step,
                                                          "reason": f"not a multiple of --every {self.every}"}))
                         continue
-                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p, config=self.config)
+                    # always converted (its own config.json when it has one): the trainer may delete its copy
+                    own = p / "config.json" if p.is_dir() and (p / "config.json").is_file() else None
+                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p, config=self.config or own)
                     step = facts["step"]
                 if self.every and step % self.every:
                     events.append(self._record(key, {"status": "skipped", "step": step,
@@ -136,9 +143,15 @@ class Watcher:
                     events.append(self._record(key, {"status": "failed", "reason": str(e)}))
         return events
 
+    def _save(self) -> None:
+        atomic_write_json(self.state_path, {
+            "checkpoints": self.state,
+            "pending": {k: {"signature": [list(x) for x in v.signature], "since": v.since} for k, v in self._seen.items()}})
+
     def _record(self, key: str, entry: dict) -> dict:
         self.state[key] = entry
-        atomic_write_json(self.state_path, self.state)
+        self._seen.pop(key, None)
+        self._save()
         step = f" step {entry['step']}" if entry.get("step") is not None else ""
         detail = entry.get("job") or entry.get("reason") or ""
         self.log(f"{entry['status']:8s} {key}{step}: {detail}")
