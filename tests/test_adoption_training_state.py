@@ -10,29 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.checkpoint import save_drafter
 from dflash_train.publication import CheckpointError, read_manifest, verify_checkpoint
 from dflash_train.training_state import import_checkpoint, load_pt, step_from_name
 from eval_worker.cli import main as cli
-from eval_worker.engine.acceptance import Evaluator
 
 from . import layouts
-from .engine_helpers import fit_drafter, references
-from .factories import drafter_for
-from .test_adoption_layouts import OPTS, PROMPTS, SUITE, TARGET
-
-
-@pytest.fixture(scope="module")
-def zlab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zlab")
-    d = drafter_for(TARGET, block_size=6, layers=2, features=2)
-    save_drafter(fit_drafter(TARGET, d, references(TARGET, PROMPTS[:3], 24), [6, 6, 5], steps=30), root / "d")
-    return root / "d"
-
-
-@pytest.fixture(scope="module")
-def ev(tmp_path_factory):
-    return Evaluator(TARGET, tmp_path_factory.mktemp("cache"))
+from .test_adoption_layouts import OPTS, SUITE, TARGET, ev, zlab  # noqa: F401 - the fixtures too
 
 
 @pytest.fixture(scope="module")
