@@ -128,3 +128,15 @@ def test_training_state_pickle_with_code_is_refused(zlab, tmp_path, monkeypatch)
     (tmp_path / "junk.pt").write_bytes(b"not a zip")
     with pytest.raises(CheckpointError, match="not a readable torch zip checkpoint"):
         load_pt(tmp_path / "junk.pt")
+
+
+def test_trainer_checkpoint_deepspec_converted_keeps_its_vocab_check(zlab, ev, tmp_path):
+    """A DeepSpec step_N/ converted (what watch and the DeepSpec hook do) still carries its own embedding /
+    LM head, so a drafter trained against another target is still refused at eval time."""
+    from .factories import qwen3_target
+
+    other = layouts.deepspec(zlab, tmp_path / "exp" / "step_5", qwen3_target(seed=9))
+    record, created, _ = import_checkpoint(tmp_path / "records", "exp", None, other, config=other / "config.json")
+    assert created and read_manifest(record)["imported_from"]["kind"] == "drafter_dir"
+    with pytest.raises(CheckpointError, match=r"own (embed_tokens|lm_head)\.weight differs from the target's"):
+        ev.evaluate(record, SUITE, options=OPTS)
