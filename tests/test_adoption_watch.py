@@ -132,3 +132,22 @@ def test_watch_deepspec_launch_eval_drop_in(tmp_path, redis_url, monkeypatch, ca
     # a failure is printed, never raised into training
     bad = launch_eval("t", str(tmp_path / "missing"), 400, None, "exp1", redis_url=redis_url)
     assert "eval not queued" in bad and _jobs(redis_url) == [("exp1", 300)]
+
+
+def test_watch_an_object_store_run_prefix(tmp_path, redis_url, s3_server, monkeypatch, capsys):
+    """`dflash-eval watch s3://...`: each published checkpoint (marker written last) queued once, across restarts."""
+    from dflash_train.publication import upload_checkpoint
+    from tests.sidecar_support import publish_random
+
+    s3_server.make_bucket("watched")
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    run_url = "s3://watched/runs/run1"
+    for step in (1, 2):
+        upload_checkpoint(publish_random(tmp_path / "ck", "run1", step, seed=step), run_url)
+    args = ["watch", run_url, "--checkpoint-root", "s3://watched/runs", "--redis-url", redis_url, "--once"]
+    assert cli(args) == 0 and cli(args) == 0
+    assert _jobs(redis_url) == [("run1", 1), ("run1", 2)]
+    upload_checkpoint(publish_random(tmp_path / "ck", "run1", 3, seed=3), run_url)
+    assert cli(args + ["--every", "3"]) == 0
+    assert _jobs(redis_url) == [("run1", 1), ("run1", 2), ("run1", 3)]
+    assert capsys.readouterr().out.count("queued   s3://watched/runs/run1/step-") == 3  # one line each

@@ -10,7 +10,9 @@ HELP = ("follow a training directory (HF Trainer checkpoint-N/, DeepSpec step_N/
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", metavar="DIR", help="the trainer's output directory")
+    parser.add_argument("directory", metavar="DIR",
+                        help="the trainer's output directory, or an object-store run prefix (s3://bucket/runs/RUN: "
+                             "its published checkpoints are queued)")
     parser.add_argument("--into", default=None, metavar="ROOT",
                         help="checkpoint root for the converted checkpoints and the watch state (default: the first "
                              "of --checkpoint-root / $DFLASH_CHECKPOINT_ROOTS); the worker must have it as a root")
@@ -38,10 +40,19 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.service.queue import QueueConfig, enqueue
     from eval_worker.service.watch import Watcher
 
+    import hashlib
+
+    from dflash_train import storage
+
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
-    into = args.into or (str(roots[0]) if roots else None)
-    if into is None:
-        return fail("no place for the converted checkpoints: give --into ROOT or set $DFLASH_CHECKPOINT_ROOTS")
+    into = args.into or next((str(r) for r in roots or () if not storage.is_url(str(r))), None)
+    state_path = None
+    if storage.is_url(args.directory):  # nothing converted: only the watch state is kept, here
+        key = hashlib.sha256(args.directory.encode()).hexdigest()[:16]
+        state_path = args.settings.home / "watch" / f"{key}.json"
+    elif into is None:
+        return fail("no place for the converted checkpoints: give --into ROOT or set $DFLASH_CHECKPOINT_ROOTS "
+                    "(a local directory)")
     try:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why
@@ -66,9 +77,9 @@ def main(args: argparse.Namespace) -> int:
         return "; ".join(out)
 
     watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
-                      run_id=args.run, log=lambda line: print(line, flush=True))
-    print(f"watching {watcher.directory} -> {into} (run {watcher.run_id}, state {watcher.state_path}, redis {url})",
-          flush=True)
+                      run_id=args.run, state_path=state_path, log=lambda line: print(line, flush=True))
+    print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
+          f"redis {url})", flush=True)
     try:
         watcher.run(args.interval, once=args.once)
     except JobError as e:

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dflash_train import storage
 from dflash_train.fsutil import atomic_write_json
-from dflash_train.publication import MARKER_NAME, CheckpointError, read_manifest, run_id_from
+from dflash_train.publication import (MARKER_NAME, CheckpointError, checkpoint_step, list_checkpoints, read_manifest,
+                                      run_id_from)
 
 # HF Trainer, DeepSpec, ours, SpecForge, speculators (a directory per epoch/step number)
 _DIR = re.compile(r"^(checkpoint-\d+|step_\d+|step-\d+|.+-step\d+|epoch_\d+_step_\d+|\d+)$")
@@ -44,9 +46,15 @@ class Watcher:
                  config: str | Path | None = None, every: int | None = None, settle: float = 30.0,
                  run_id: str | None = None, state_path: str | Path | None = None,
                  log: Callable[[str], None] = print, clock: Callable[[], float] = time.time):
-        self.directory, self.into = Path(directory).resolve(), Path(into)
+        # an object-store run prefix (s3://...): its published checkpoints (COMPLETE.json written last) are queued
+        self.url = storage.check_url(str(directory)) if storage.is_url(str(directory)) else None
+        self.directory = None if self.url else Path(directory).resolve()
+        self.into = Path(into) if into is not None else None
         self.submit, self.config, self.every, self.settle = submit, config, every, settle
-        self.run_id = run_id or run_id_from(self.directory.name, default="watch")
+        name = self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else self.directory.name
+        self.run_id = run_id or run_id_from(name, default="watch")
+        if state_path is None and self.into is None:
+            raise ValueError("give `into` (converted checkpoints and the state file) or `state_path`")
         self.state_path = Path(state_path) if state_path else self.into / self.run_id / STATE_NAME
         self.log, self.clock = log, clock
         self.state: dict[str, dict] = {}
@@ -101,6 +109,8 @@ class Watcher:
         """Handle what is complete and new; return one event per checkpoint handled now."""
         from dflash_train.training_state import describe, import_checkpoint
 
+        if self.url:
+            return self._scan_store()
         events = []
         present = {str(p) for p in self.candidates()}
         for key in sorted(set(self._seen) - present):  # seen while being written, then deleted
@@ -141,6 +151,23 @@ class Watcher:
                     events.append(self._record(key, {"status": "skipped", "reason": "deleted before its import"}))
                 else:
                     events.append(self._record(key, {"status": "failed", "reason": str(e)}))
+        return events
+
+    def _scan_store(self) -> list[dict]:
+        events = []
+        for url in list_checkpoints(self.url):  # marked ones only: a store upload writes the marker last
+            if url in self.state:
+                continue
+            step = checkpoint_step(url)
+            if self.every and step % self.every:
+                events.append(self._record(url, {"status": "skipped", "step": step,
+                                                 "reason": f"not a multiple of --every {self.every}"}))
+                continue
+            try:
+                events.append(self._record(url, {"status": "queued", "step": step, "record": url,
+                                                 "job": self.submit(url)}))
+            except CheckpointError as e:
+                events.append(self._record(url, {"status": "failed", "step": step, "reason": str(e)}))
         return events
 
     def _save(self) -> None:
