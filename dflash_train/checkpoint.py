@@ -198,6 +198,20 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, w
                          device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
     """A drafter built from `cfg` holding `tensors` (other layouts mapped), names, shapes and
     values checked first; `where` names the source in errors."""
+    tensors, own_vocab = checked_tensors(tensors, cfg, where)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
+    target_dtype = dtype or next(iter(tensors.values())).dtype
+    drafter = drafter.to(device=device, dtype=target_dtype)
+    drafter.own_vocab = own_vocab  # checked against the target's by `check_own_vocab`, then dropped
+    return drafter
+
+
+def checked_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, where: str | Path = "checkpoint"
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the drafter's tensors by our names, its own embedding / LM head copies): other layouts
+    mapped, then names, shapes and values checked against `cfg` (no drafter is built: importing a
+    training state writes these out without a second copy in memory)."""
     directory = where
     tensors, notes = map_checkpoint_keys(tensors, cfg, directory)
     tensors, own_vocab = split_own_vocab(tensors, cfg)
@@ -239,12 +253,7 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, w
     if bad:  # a diverged run drafts garbage that would score as a plausible tau of 1
         raise CheckpointError(f"{directory}: non-finite weights (NaN/Inf) in {len(bad)} tensor(s): "
                               f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; refusing to load this drafter")
-    drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
-    target_dtype = dtype or next(iter(tensors.values())).dtype
-    drafter = drafter.to(device=device, dtype=target_dtype)
-    drafter.own_vocab = own_vocab  # checked against the target's by `check_own_vocab`, then dropped
-    return drafter
+    return tensors, own_vocab
 
 
 def split_own_vocab(tensors: dict[str, torch.Tensor], cfg: DrafterConfig

@@ -126,8 +126,17 @@ def eval_hook(config: TrainConfig, settings: Settings, redis_url: str | None, **
     trainer itself never imports the eval side); `hook_options`: further or overriding
     EvalOnCheckpoint arguments (the demo's options, W&B group, train-end timeout). The one place
     that builds the hook for a training run, so `eval_worker` (the demo) never imports `hooks`."""
+    from eval_worker.engine.suite import check_suite_spec
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
 
+    for spec in config.eval_suite:  # a typo would fail every eval of the run, found hours later
+        note = check_suite_spec(spec, hf_datasets_dir=settings.hf_datasets_dir)
+        if note:
+            log.warning("--eval-suite %s", note)
+    options = {k: v for k, v in (("num_prompts", config.eval_num_prompts),
+                                 ("max_new_tokens", config.eval_max_new_tokens)) if v is not None}
+    if options or "options" in hook_options:
+        hook_options = {**hook_options, "options": {**options, **(hook_options.get("options") or {})}}
     wandb = None
     if config.wandb:  # the eval run lands next to the training run: same project and entity
         wandb = {"project": config.wandb_project, "entity": config.wandb_entity, "mode": config.wandb_mode}

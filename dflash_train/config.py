@@ -99,7 +99,7 @@ class DrafterConfig:
     vocab_size: int
     num_target_layers: int | None
     target_layer_ids: list[int] | None
-    mask_token_id: int
+    mask_token_id: int | None  # None only with `mask_token`: resolved by the target's tokenizer
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
@@ -115,6 +115,7 @@ class DrafterConfig:
     sliding_causal: bool | None = None
     sliding_rule: str = field(default="serving", compare=False)  # SLIDING_RULES; a job option chooses it
     layout: str = field(default="z-lab", compare=False)  # the published layout read (LAYOUTS)
+    mask_token: str | None = None  # SGLang's dflash_config.mask_token (e.g. "<|MASK|>")
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # published metadata, kept on round trip
     # where target_layer_ids came from: "config", or LAYER_IDS_FALLBACK (not written: to_dict makes them explicit)
     layer_ids_origin: str = field(default="config", compare=False)
@@ -164,6 +165,26 @@ class DrafterConfig:
                "non-causal with the window applied (z-lab loop, flash-attention semantics)")
         return f"{self.sliding_rule} (implicit: the config names no causal flag): {how}, window {self.sliding_window}"
 
+    def resolve_mask_token(self, tokenizer) -> None:
+        """SGLang's `mask_token` string: its id in the target's tokenizer (must agree with an id given too)."""
+        if self.mask_token is None:
+            return
+        tid = None
+        if tokenizer is not None:
+            tid = tokenizer.convert_tokens_to_ids(self.mask_token)
+            tid = None if tid is None or tid == getattr(tokenizer, "unk_token_id", None) else int(tid)
+        if self.mask_token_id is None:
+            if tid is None:
+                raise ConfigError(f"dflash_config.mask_token {self.mask_token!r} is not a token of the target's "
+                                  "tokenizer" if tokenizer is not None else
+                                  f"dflash_config.mask_token {self.mask_token!r} needs the target's tokenizer "
+                                  "(this target has none): give dflash_config.mask_token_id")
+            self.mask_token_id = tid
+        elif tid is not None and tid != self.mask_token_id:
+            raise ConfigError(f"dflash_config.mask_token {self.mask_token!r} is id {tid} in the target's tokenizer "
+                              f"but mask_token_id says {self.mask_token_id}")
+        self.validate()
+
     def bind_target(self, num_target_layers: int) -> None:
         """Fill what a published config may leave to the target: its depth and the layer ids."""
         if self.num_target_layers is None:
@@ -205,7 +226,10 @@ class DrafterConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 problems.append(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-        if not 0 <= self.mask_token_id < self.vocab_size:
+        if self.mask_token_id is None:
+            if not isinstance(self.mask_token, str) or not self.mask_token:
+                problems.append("mask_token_id is missing (or dflash_config.mask_token, a token string)")
+        elif not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary (size {self.vocab_size})")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
@@ -256,7 +280,8 @@ class DrafterConfig:
             "use_sliding_window": "sliding_attention" in types,
             "sliding_window": self.sliding_window,
             "dflash_config": {
-                "mask_token_id": self.mask_token_id,
+                **({"mask_token_id": self.mask_token_id} if self.mask_token_id is not None else {}),
+                **({"mask_token": self.mask_token} if self.mask_token is not None else {}),
                 "block_size": self.block_size,
             },
         })
@@ -299,8 +324,8 @@ class DrafterConfig:
                               f"differently from the published model): {', '.join(unsupported)}")
         required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
         missing = [k for k in required if k not in d]
-        if "mask_token_id" not in dcfg and "mask_token_id" not in d:
-            missing.append("dflash_config.mask_token_id")
+        if "mask_token_id" not in dcfg and "mask_token_id" not in d and not isinstance(dcfg.get("mask_token"), str):
+            missing.append("dflash_config.mask_token_id (or dflash_config.mask_token)")
         if "block_size" not in d and "block_size" not in dcfg:
             missing.append("block_size (top level or dflash_config.block_size)")
         if missing:
@@ -539,7 +564,9 @@ def _parse_fields(d: dict, dcfg: dict) -> dict[str, Any]:
         vocab_size=int(d["vocab_size"]),
         num_target_layers=None if ntl is None else int(ntl),
         target_layer_ids=None if ids is None else [int(i) for i in ids],
-        mask_token_id=int(dcfg.get("mask_token_id", d.get("mask_token_id"))),
+        mask_token_id=(None if dcfg.get("mask_token_id", d.get("mask_token_id")) is None
+                       else int(dcfg.get("mask_token_id", d.get("mask_token_id")))),
+        mask_token=dcfg.get("mask_token"),
         block_size=int(_one(d, dcfg, "block_size")),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),

@@ -13,6 +13,7 @@ to: pins, retention and uploads refuse `hf://` (`storage.READ_ONLY`).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -140,3 +141,38 @@ class HubStore:
         raise StoreError(f"{url}: the Hugging Face Hub is read-only here (nothing is uploaded, pinned or removed)")
 
     write_bytes = put_file = remove = _refuse
+
+
+# --- targets named as users name them: a Hub model id ------------------------------------------
+_MODEL_ID = re.compile(r"^(?:hf://)?([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w.-]+))?$", re.ASCII)
+# a target is read from safetensors only; pickled weights and other formats are not fetched
+_TARGET_IGNORE = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.msgpack", "*.h5", "original/*"]
+
+
+def resolve_target(target: str | None) -> str | None:
+    """A target as users name it: a local directory (unchanged), or a Hub model id `ORG/NAME[@REV]`
+    (also `hf://ORG/NAME[@REV]`) resolved to its snapshot directory in huggingface_hub's cache,
+    downloaded when missing unless `HF_HUB_OFFLINE` is set (then it must be cached). The path a job
+    carries is that snapshot's (one commit), so the worker reads the same bytes; the worker's
+    target roots must hold the cache's hub directory."""
+    if target is None or os.path.exists(os.path.expanduser(target)):
+        return target
+    m = _MODEL_ID.match(target)
+    if m is None or target.startswith((".", "/", "~")):
+        return target  # a path: whoever loads it says it is missing
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    repo_id, revision = m.group(1), m.group(2)
+    try:
+        return str(Path(snapshot_download(repo_id, revision=revision, repo_type="model",
+                                          ignore_patterns=_TARGET_IGNORE)).resolve())
+    except RepositoryNotFoundError as e:
+        raise CheckpointError(f"target {target}: not a local directory, and no such Hub model (or no access: "
+                              f"a gated or private repo needs HF_TOKEN): {e}") from None
+    except LocalEntryNotFoundError:
+        raise CheckpointError(f"target {target}: not a local directory, and not in the Hugging Face cache "
+                              "(HF_HUB_OFFLINE is set, or the Hub is unreachable): download it once with "
+                              f"`huggingface-cli download {repo_id}`") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"target {target}: {e}") from None

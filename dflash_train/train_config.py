@@ -118,6 +118,11 @@ class TrainConfig:
     eval_baseline: str | None = opt(None, "drafter every eval is compared with (Δτ): a published checkpoint or a "
                                           "drafter directory without COMPLETE.json (imported, nothing written to it)")
     eval_target: str | None = opt(None, "target path as the eval worker sees it (default: the worker's own --target)")
+    # quick in-training evals (the eval options num_prompts / max_new_tokens of every queued job)
+    eval_num_prompts: int | None = opt(None, "each eval reads only the first N prompts of its suite(s) (quick "
+                                             "in-training evals; default: all)")
+    eval_max_new_tokens: int | None = opt(None, "each eval generates at most N new tokens per prompt (default: "
+                                                "the suite's)")
 
     def __post_init__(self) -> None:
         problems = []
@@ -130,6 +135,9 @@ class TrainConfig:
             problems.append("queue_depth must be >= 0")
         if self.eval_every is not None and self.eval_every < 1:
             problems.append("eval_every must be >= 1")
+        for name in ("eval_num_prompts", "eval_max_new_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
         if not self.eval_suite or not all(isinstance(x, str) and x.strip() for x in self.eval_suite):
             problems.append("eval_suite must name at least one suite")
         if self.loss_type not in ("dflash", "dpace"):

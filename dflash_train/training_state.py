@@ -78,6 +78,8 @@ def model_tensors(obj: object, where: str | Path) -> tuple[dict[str, torch.Tenso
 
 def step_from_name(name: str) -> int | None:
     """`checkpoint_step20k.pt` -> 20000, `step_300` -> 300, `run-step12` -> 12, `checkpoint-10` -> 10."""
+    if name.isdigit():  # speculators: a directory per step number
+        return int(name)
     m = _STEP_K.search(Path(name).stem if Path(name).suffix in _PT else name)
     if not m:
         return None
@@ -135,7 +137,9 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
     published layout; the checkpoint's own when it has one) by building the drafter, and published
     under `<root>/<run_id>/step-<step>/` with its provenance (`imported_from`). Importing the same
     unchanged source again returns the existing record."""
-    from .checkpoint import drafter_from_tensors, read_drafter_tensors, save_drafter
+    from types import SimpleNamespace
+
+    from .checkpoint import checked_tensors, read_drafter_tensors, save_drafter
 
     src = Path(os.path.realpath(os.path.expanduser(str(source))))
     facts = describe(src)
@@ -168,8 +172,12 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
         tensors, _, _ = model_tensors(load_pt(facts["weights"]), facts["weights"])
     else:
         tensors = read_drafter_tensors(facts["weights"])
-    drafter = drafter_from_tensors(tensors, cfg, src)  # names, shapes, finiteness checked; copies the drafter only
+    # names, shapes, finiteness checked; written straight from the mapped file (the drafter's pages only)
+    drafter_tensors, own_vocab = checked_tensors(tensors, cfg, src)
     del tensors
-    path = publish_directory(checkpoint_root, run_id, at, lambda tmp: save_drafter(drafter, tmp),
+    # own embedding / LM head copies (DeepSpec) travel along: checked against the target at eval time
+    state = {**drafter_tensors, **own_vocab}
+    path = publish_directory(checkpoint_root, run_id, at,
+                             lambda tmp: save_drafter(SimpleNamespace(config=cfg), tmp, state=state),
                              extra={"imported_from": provenance})
     return path, True, facts

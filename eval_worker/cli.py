@@ -19,6 +19,7 @@ COMMANDS = {
     "worker": "eval_worker.commands.worker",  # serve the queue
     "enqueue": "eval_worker.commands.enqueue",
     "import": "eval_worker.commands.import_drafter",  # record a drafter trained elsewhere
+    "watch": "eval_worker.commands.watch",  # follow a training directory: import and queue each checkpoint
     "requeue": "eval_worker.commands.requeue",
     "status": "eval_worker.commands.status",
     "cancel": "eval_worker.commands.cancel",

@@ -192,6 +192,9 @@ class DFlashEvalCallback(TrainerCallback):
     def _published(self, step: int, path: Path, manifest: dict) -> None:
         # publisher thread: marker present -> queue (outbox write + wake the delivery thread)
         self.hook.on_checkpoint_published(None, step, path, manifest)
+        if step in self.hook._enqueued_steps:  # HF users watch stdout, not logging: say it once per job
+            print(f"[dflash-eval] step {step}: eval queued for {path} (suite(s) {', '.join(self.hook.suites)}; "
+                  f"`dflash-eval status` shows it)", flush=True)
 
     def _note(self, message: str) -> None:
         self.errors.append(message)

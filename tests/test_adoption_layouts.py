@@ -173,3 +173,29 @@ def test_sliding_rule_stated_by_each_layout():
     with pytest.raises(ConfigError, match="unknown sliding rule"):
         DrafterConfig.from_dict(base).__class__(**{**DrafterConfig.from_dict(base).__dict__,
                                                    "sliding_rule": "sdpa"}).attention()
+
+
+def test_layout_vllm_mask_token_string_resolved_by_the_tokenizer(zlab, ev, tmp_path):
+    """SGLang's dflash_config.mask_token ("<|MASK|>"): the id comes from the target's tokenizer."""
+    from .factories import QWEN3_SPECIALS, byte_level_tokenizer
+
+    cfg = json.loads((zlab / "config.json").read_text())
+    dc = {k: v for k, v in cfg["dflash_config"].items() if k != "mask_token_id"}
+    named = DrafterConfig.from_dict({**cfg, "vocab_size": 151936, "dflash_config": {**dc, "mask_token": "<|MASK|>"}})
+    assert named.mask_token_id is None and named.mask_token == "<|MASK|>"
+    tok = byte_level_tokenizer(tuple(QWEN3_SPECIALS.items()))
+    named.resolve_mask_token(tok)
+    assert named.mask_token_id == 151669
+    for token, given, message in (("<|NOPE|>", None, "not a token of the target's tokenizer"),
+                                  ("<|MASK|>", 151643, "is id 151669 in the target's tokenizer but mask_token_id says")):
+        c = DrafterConfig.from_dict({**cfg, "vocab_size": 151936, "dflash_config": {
+            **dc, "mask_token": token, **({"mask_token_id": given} if given is not None else {})}})
+        with pytest.raises(ConfigError, match=message):
+            c.resolve_mask_token(tok)
+    # a target without a tokenizer cannot resolve it: said before drafting
+    d = tmp_path / "named"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**cfg, "dflash_config": {**dc, "mask_token": "<|MASK|>"}}))
+    (d / "model.safetensors").write_bytes((zlab / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="needs the target's tokenizer"):
+        ev.evaluate(d, SUITE, options=OPTS)

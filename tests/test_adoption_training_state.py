@@ -10,29 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.checkpoint import save_drafter
 from dflash_train.publication import CheckpointError, read_manifest, verify_checkpoint
 from dflash_train.training_state import import_checkpoint, load_pt, step_from_name
 from eval_worker.cli import main as cli
-from eval_worker.engine.acceptance import Evaluator
 
 from . import layouts
-from .engine_helpers import fit_drafter, references
-from .factories import drafter_for
-from .test_adoption_layouts import OPTS, PROMPTS, SUITE, TARGET
-
-
-@pytest.fixture(scope="module")
-def zlab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zlab")
-    d = drafter_for(TARGET, block_size=6, layers=2, features=2)
-    save_drafter(fit_drafter(TARGET, d, references(TARGET, PROMPTS[:3], 24), [6, 6, 5], steps=30), root / "d")
-    return root / "d"
-
-
-@pytest.fixture(scope="module")
-def ev(tmp_path_factory):
-    return Evaluator(TARGET, tmp_path_factory.mktemp("cache"))
+from .test_adoption_layouts import OPTS, SUITE, TARGET, ev, zlab  # noqa: F401 - the fixtures too
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +128,15 @@ def test_training_state_pickle_with_code_is_refused(zlab, tmp_path, monkeypatch)
     (tmp_path / "junk.pt").write_bytes(b"not a zip")
     with pytest.raises(CheckpointError, match="not a readable torch zip checkpoint"):
         load_pt(tmp_path / "junk.pt")
+
+
+def test_trainer_checkpoint_deepspec_converted_keeps_its_vocab_check(zlab, ev, tmp_path):
+    """A DeepSpec step_N/ converted (what watch and the DeepSpec hook do) still carries its own embedding /
+    LM head, so a drafter trained against another target is still refused at eval time."""
+    from .factories import qwen3_target
+
+    other = layouts.deepspec(zlab, tmp_path / "exp" / "step_5", qwen3_target(seed=9))
+    record, created, _ = import_checkpoint(tmp_path / "records", "exp", None, other, config=other / "config.json")
+    assert created and read_manifest(record)["imported_from"]["kind"] == "drafter_dir"
+    with pytest.raises(CheckpointError, match=r"own (embed_tokens|lm_head)\.weight differs from the target's"):
+        ev.evaluate(record, SUITE, options=OPTS)

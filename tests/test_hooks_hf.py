@@ -35,7 +35,7 @@ class Rows(torch.utils.data.Dataset):
         return {"x": torch.randn(8, generator=g)}
 
 
-def test_on_save_publishes_the_drafter_and_queues_its_eval(tmp_path, redis_url):
+def test_on_save_publishes_the_drafter_and_queues_its_eval(tmp_path, redis_url, capfd):
     from transformers import Trainer, TrainingArguments
 
     drafter = drafter_for(qwen3_target(layers=6, hidden=32), layers=1, features=2)
@@ -61,6 +61,8 @@ def test_on_save_publishes_the_drafter_and_queues_its_eval(tmp_path, redis_url):
     assert sorted(j.args[0]["step"] for j in jobs) == [2, 4]
     assert {j.args[0]["requested_by"] for j in jobs} == {"hook"} and not cb.errors and not cb.hook.errors
     conn.close()
+    queued = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[dflash-eval] step")]
+    assert [line.split(":")[0] for line in queued] == ["[dflash-eval] step 2", "[dflash-eval] step 4"]  # one each
 
 
 class SpecForgeStyleDraft(nn.Module):

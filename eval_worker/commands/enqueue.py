@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeatable: one job per suite, each logged as eval/<suite>/... "
                              "(default builtin:coding-v1)")
     parser.add_argument("--target", default=None,
-                        help="target model directory as the worker sees it (default $DFLASH_TARGET, "
+                        help="target model directory as the worker sees it, or a Hub model id ORG/NAME[@REV] (its snapshot "
+                             "in the Hugging Face cache) (default $DFLASH_TARGET, "
                              "else the worker's own --target)")
     parser.add_argument("--baseline", default=None,
                         help="a published checkpoint (or import record) to compare against; with --external also a "
@@ -112,7 +113,13 @@ def main(args: argparse.Namespace) -> int:
         roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     except StoreError as e:
         return fail(f"--checkpoint-root: {e}")
-    target = args.target or args.settings.target
+    from dflash_train.hub import resolve_target
+    from dflash_train.publication import CheckpointError
+
+    try:  # a Hub model id: the job carries its snapshot directory (one commit) in the Hugging Face cache
+        target = resolve_target(args.target or args.settings.target)
+    except CheckpointError as e:
+        return fail(str(e))
 
     outcomes, errors = [], []
     paths, baseline, records = _expand(args.checkpoints), args.baseline, []

@@ -21,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="published checkpoint dir or plain drafter dir, or a URL: "
                                                        "s3://bucket/runs/RUN/step-... or hf://ORG/REPO[@REVISION] "
                                                        "(pulled into $DFLASH_HOME/checkpoint-cache, verified)")
-    p.add_argument("--target", required=True, help="local target model directory")
+    p.add_argument("--target", required=True,
+                   help="target model: a local directory, or a Hub model id ORG/NAME[@REVISION] (from the Hugging "
+                        "Face cache; downloaded unless HF_HUB_OFFLINE is set)")
     p.add_argument("--baseline", help="baseline drafter dir or URL, as --checkpoint (paired Δτ per prompt)")
     p.add_argument("--suite", action="append", default=None, metavar="SUITE",
                    help="builtin:NAME[-vN], a .jsonl file, or a standard benchmark hf:NAME[:n=N][:seed=S][:thinking=on] "
@@ -116,7 +118,9 @@ def main(args: argparse.Namespace) -> int:
         names = [s.name for s in suites]
         if len(set(names)) != len(names):
             raise SuiteError(f"two suites share a name ({names}); their results could not be told apart")
-        evaluator = Evaluator(args.target, None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
+        from dflash_train.hub import resolve_target
+
+        evaluator = Evaluator(resolve_target(args.target), None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
                               progress=not args.no_progress, dtype=args.dtype,
                               device=args.device)
         if args.reference_server:

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which priority queues to serve, in order (default: %(default)s)")
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     parser.add_argument("--target", default=None,
-                        help="target model directory: loaded before the first job and kept "
+                        help="target model directory (or a Hub model id ORG/NAME[@REV], from the Hugging Face cache): loaded before the first job and kept "
                              "(default $DFLASH_TARGET; jobs naming another target load it on demand, "
                              "if it lies in a --target-root)")
     parser.add_argument("--target-root", action="append", default=None, metavar="DIR",
@@ -75,8 +75,14 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.service.worker import serve, worker_name
     from dflash_train.progress import limit_repeated_warnings
 
+    from dflash_train.hub import resolve_target
+    from dflash_train.publication import CheckpointError
     from dflash_train.storage import StoreError
 
+    try:
+        args.target = resolve_target(args.target)  # a Hub model id: its snapshot in the Hugging Face cache
+    except CheckpointError as e:
+        return fail(str(e))
     path = lambda p: Path(p).expanduser() if p else None  # noqa: E731
     try:
         roots = parse_roots(args.checkpoint_root)

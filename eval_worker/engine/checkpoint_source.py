@@ -76,6 +76,10 @@ def open_drafter(path: str | Path, target: Target, dtype: torch.dtype | None = N
     info = identify(path, verified)
     drafter = load_drafter(info.files_dir, device=target.device, dtype=dtype).eval()
     drafter.config.bind_target(target.num_layers)  # a published config may leave depth and layer ids to the target
+    try:
+        drafter.config.resolve_mask_token(target.tokenizer)
+    except ConfigError as e:
+        raise CheckpointError(f"{info.files_dir}: {e}") from None
     target.check_drafter(drafter.config)
     check_own_vocab(drafter, target, info.files_dir)
     drafter.config.sliding_rule = sliding_rule

@@ -7,6 +7,10 @@ other line is one prompt:
     {"name": "fizzbuzz", "prompt": "Write a Python function ..."}
     {"name": "chat", "messages": [{"role": "user", "content": "..."}]}
     {"name": "raw", "ids": [12, 7, 99]}          # already tokenized (used verbatim)
+    {"turns": ["Write ...", "Now ..."]}           # z-lab cache/<bench>.jsonl, DeepSpec eval_datasets/*.jsonl
+
+A `turns` row is its first turn as one user prompt, as z-lab's `benchmark.py` and DeepSpec's
+`eval.py` read them (later turns would need the target's own answers; thinking off by default).
 
 Standard benchmarks come from Hugging Face datasets (`hf:NAME[:n=N][:seed=S][:thinking=on][:revision=R]`,
 see `HF_SUITES`): the rows the published DFlash benchmark script (z-lab/dflash `benchmark.py`)
@@ -232,9 +236,14 @@ def _parse_prompt(obj: dict, where: str, index: int) -> Prompt:
     name = str(obj.get("name") or f"prompt_{index:03d}")
     if len(name) > MAX_NAME:
         raise SuiteError(f"{where}: prompt name {shorten(name)} is longer than {MAX_NAME} characters")
-    kinds = [k for k in ("prompt", "messages", "ids") if k in obj]
+    kinds = [k for k in ("prompt", "messages", "ids", "turns") if k in obj]
     if len(kinds) != 1:
-        raise SuiteError(f"{where}: give exactly one of 'prompt', 'messages', 'ids' (got {kinds or 'none'})")
+        raise SuiteError(f"{where}: give exactly one of 'prompt', 'messages', 'ids', 'turns' (got {kinds or 'none'})")
+    if "turns" in obj:  # z-lab / DeepSpec benchmark rows: the first turn, as their evaluators use it
+        turns = obj["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
+            raise SuiteError(f"{where}: 'turns' must be a non-empty list whose first item is a non-empty string")
+        obj = {"prompt": turns[0]}  # checked as a prompt below (the same size limit)
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise SuiteError(f"{where}: 'prompt' must be a non-empty string")
@@ -289,6 +298,21 @@ def load_suite(spec: str | Path, *, hf_datasets_dir: str | Path | None = None) -
     if version is not None and suite.version != version:
         raise SuiteError(f"built-in suite {name!r} is version {suite.version}, not {version}")
     return suite
+
+
+def check_suite_spec(spec: str, *, hf_datasets_dir: str | Path | None = None) -> str | None:
+    """Check a suite name where it is given (a trainer's start-up): raise SuiteError for a bad
+    `builtin:` / `hf:` spec or a malformed local file; return a note when the name is a path
+    not found here (it may exist only on the worker's machine)."""
+    text = str(spec)
+    if text.startswith(HF_PREFIX):
+        parse_hf_spec(text)  # the rows are the worker's to fetch; the name and options are checked here
+        return None
+    path = Path(text)
+    if not text.startswith("builtin:") and (path.suffix == ".jsonl" or "/" in text) and not path.exists():
+        return f"{text}: not found on this machine; the eval worker must be able to read it"
+    load_suite(text, hf_datasets_dir=hf_datasets_dir)
+    return None
 
 
 def builtin_suites() -> list[str]:

@@ -1,0 +1,87 @@
+"""`dflash-eval watch DIR`: follow a training directory; import and queue each complete checkpoint once."""
+from __future__ import annotations
+
+import argparse
+
+from ._common import add_redis_args, connect_from_args, fail
+
+HELP = ("follow a training directory (HF Trainer checkpoint-N/, DeepSpec step_N/, SpecForge training_state.pt, "
+        "*.pt files, our published steps): each complete checkpoint is imported and queued once, with its step")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", metavar="DIR",
+                        help="the trainer's output directory, or an object-store run prefix (s3://bucket/runs/RUN: "
+                             "its published checkpoints are queued)")
+    parser.add_argument("--into", default=None, metavar="ROOT",
+                        help="checkpoint root for the converted checkpoints and the watch state (default: the first "
+                             "of --checkpoint-root / $DFLASH_CHECKPOINT_ROOTS); the worker must have it as a root")
+    parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
+                        help="the worker's checkpoint roots (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
+    parser.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                        help="the drafter's config.json for checkpoints without one (HF Trainer, *.pt)")
+    parser.add_argument("--run", default=None, help="run id of the records (default: the directory's name)")
+    parser.add_argument("--every", type=int, default=None, metavar="N", help="only steps that are multiples of N")
+    parser.add_argument("--suite", action="append", default=None, help="suite(s) to evaluate (default: builtin)")
+    parser.add_argument("--baseline", default=None, help="a published checkpoint / import record to compare with")
+    parser.add_argument("--target", default=None, help="target model: a directory or a Hub model id ORG/NAME[@REV] "
+                        "(default $DFLASH_TARGET / the worker's)")
+    parser.add_argument("--settle", type=float, default=30.0,
+                        help="seconds a file's size and mtime must stay unchanged before it counts as written "
+                             "(checkpoints without a completion marker; default %(default)s)")
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between scans (default %(default)s)")
+    parser.add_argument("--once", action="store_true", help="scan once and exit (cron, tests)")
+    add_redis_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from dflash_train.settings import parse_roots
+    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.queue import QueueConfig, enqueue
+    from eval_worker.service.watch import Watcher
+
+    import hashlib
+
+    from dflash_train import storage
+
+    roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
+    into = args.into or next((str(r) for r in roots or () if not storage.is_url(str(r))), None)
+    state_path = None
+    if storage.is_url(args.directory):  # nothing converted: only the watch state is kept, here
+        key = hashlib.sha256(args.directory.encode()).hexdigest()[:16]
+        state_path = args.settings.home / "watch" / f"{key}.json"
+    elif into is None:
+        return fail("no place for the converted checkpoints: give --into ROOT or set $DFLASH_CHECKPOINT_ROOTS "
+                    "(a local directory)")
+    try:
+        conn, url = connect_from_args(args)
+    except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why
+        return fail(str(e))
+    from dflash_train.hub import resolve_target
+    from dflash_train.publication import CheckpointError
+
+    try:
+        target = resolve_target(args.target or args.settings.target)
+    except CheckpointError as e:
+        return fail(str(e))
+    suites = list(dict.fromkeys(args.suite or ["builtin:coding-v1"]))
+    config = QueueConfig(base=args.queue)
+
+    def submit(record) -> str:
+        out = []
+        for suite in suites:
+            job = make_job(record, suite=suite, target=target, baseline=args.baseline, requested_by="hook",
+                           roots=roots)
+            o = enqueue(conn, job, config=config, roots=roots)
+            out.append(f"{o.status} {o.job_id}")
+        return "; ".join(out)
+
+    watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
+                      run_id=args.run, state_path=state_path, log=lambda line: print(line, flush=True))
+    print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
+          f"redis {url})", flush=True)
+    try:
+        watcher.run(args.interval, once=args.once)
+    except JobError as e:
+        return fail(str(e))
+    return 0

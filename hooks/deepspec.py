@@ -1,0 +1,45 @@
+"""A drop-in for DeepSpec's empty `BaseTrainer._launch_eval` (rank 0, after each save):
+
+    from hooks.deepspec import launch_eval
+    def _launch_eval(self, *args): return launch_eval(*args)      # in DeepSpec's trainer/base_trainer.py
+
+It converts `checkpoint_dir` (DeepSpec's `step_N/`: save_pretrained output, DSpark config read as a
+DFlash drafter) into a checkpoint under `$DFLASH_CHECKPOINT_ROOTS` (so DeepSpec's own retention may
+delete `step_N/` before the eval runs) and queues its eval on `$REDIS_URL`, run id = `exp_name`.
+It never raises into training: a failure is printed and returned.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir=None, exp_name=None, *,
+                into: str | None = None, suite: str = "builtin:coding-v1", redis_url: str | None = None,
+                queue: str = "dflash-eval") -> str:
+    """Import `checkpoint_dir` and queue its eval; returns the line it printed."""
+    try:
+        from dflash_train.hub import resolve_target
+        from dflash_train.publication import run_id_from
+        from dflash_train.settings import Settings
+        from dflash_train.training_state import import_checkpoint
+        from eval_worker.service.jobs import make_job
+        from eval_worker.service.queue import QueueConfig, enqueue
+        from eval_worker.service.redis_local import connect, resolve_redis_url
+
+        settings = Settings.from_env()
+        roots = settings.checkpoint_roots
+        into = into or (str(roots[0]) if roots else None)
+        if into is None:
+            raise ValueError("set $DFLASH_CHECKPOINT_ROOTS (or pass into=) for the converted checkpoints")
+        run = run_id_from(str(exp_name or Path(checkpoint_dir).parent.name), default="deepspec")
+        record, _, _ = import_checkpoint(into, run, int(step), checkpoint_dir,
+                                         config=Path(checkpoint_dir) / "config.json")
+        target = resolve_target(str(target_model_name_or_path)) if target_model_name_or_path else None
+        job = make_job(record, suite=suite, target=target, requested_by="hook", roots=roots)
+        outcome = enqueue(connect(resolve_redis_url(redis_url, settings)), job, config=QueueConfig(base=queue),
+                          roots=roots)
+        line = f"[dflash-eval] step {step}: {outcome.status} {outcome.job_id} ({record})"
+    except Exception as e:  # noqa: BLE001 - training goes on; the eval can be queued later (dflash-eval watch)
+        line = f"[dflash-eval] step {step}: eval not queued: {type(e).__name__}: {e}"
+    print(line, flush=True)
+    return line
