@@ -3,9 +3,12 @@
 One evaluation:
   1. encode the suite's prompts; get the target's greedy reference for each (cached);
   2. run the target once over prompt + reference for the drafter's feature layers (cached);
-  3. draft a block at every response position in a few batched multi-block passes;
+  3. draft the blocks the walks visit, each up to its first miss, all prompts of a group
+     stepping together (`walk.py`), or a block at every response position in a few batched
+     multi-block passes (`drafting.py`): `options.drafting`, the same numbers either way;
   4. replay the online greedy walk along the reference (what speculative decoding with
-     this drafter would do) and derive every metric from the same per-anchor drafts.
+     this drafter would do) and derive every metric from the same drafts (statistics over
+     every anchor from a fixed seeded sample of anchors, `options.anchor_sample`).
 With `options.temperatures`, steps 1-4 run again per temperature on K keyed samples of the
 target per prompt (`dflash_train.sampling`): τ under sampling, exact per sample.
 `Evaluator` keeps the target, the caches and baseline scores loaded across jobs.

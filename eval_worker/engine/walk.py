@@ -22,20 +22,21 @@ The walks themselves are then replayed by the same code as on the all-anchor dra
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dflash_train.model import DFlashDrafter, DraftCache, mask_blocks
-from dflash_train.masks import visible
+from dflash_train.masks import BlockLayout, dense_mask
 
 from eval_worker.engine import metrics
-from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, DEFAULT_QUERY_BUDGET, _CastEmbedding, head_topk
+from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, anchors_per_pass, head_topk
 from eval_worker.engine.scoring import walk_labels
 
 # the context keys/values a group of prompts holds at once (the rest of the suite waits its turn)
-WALK_KV_BUDGET = 256 * 1024 * 1024
+WALK_KV_BUDGET = 64 * 1024 * 1024
 SLOT_BOUNDS = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128)  # early-exit chunks grow ~1.4x
 
 
@@ -61,6 +62,7 @@ class WalkBlocks:
     tree_streaks: dict[int, int] = field(default_factory=dict)  # the tree walk's streak, where it drafted top-k
     blocks: int = 0  # blocks drafted (a block drafted twice counts twice)
     head_slots: int = 0  # slot rows the LM head ran on
+    need: dict[int, int] = field(default_factory=dict)  # per visited offset, the fewest head slots its readers need
 
 
 def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -80,8 +82,7 @@ class Walker:
     """Walk-driven drafting for one drafter over a group of references."""
 
     def __init__(self, drafter: DFlashDrafter, embed, head, *, topk: int = 0, tree_depth: int = 0,
-                 tree_spine: bool = False, tree_fn=None, head_rows: int | None = DEFAULT_HEAD_ROWS,
-                 query_budget: int = DEFAULT_QUERY_BUDGET):
+                 tree_spine: bool = False, tree_fn=None, head_rows: int | None = DEFAULT_HEAD_ROWS):
         self.drafter, self.head = drafter, head
         self.emb = _CastEmbedding(embed, drafter.fc.weight.dtype)
         self.B = drafter.config.block_size
@@ -89,7 +90,6 @@ class Walker:
         self.spine = tree_spine
         self.tree_fn = tree_fn  # (topk_ids [D, K], topk_logp [D, K], argmax [B-1], labels [B-1]) -> streak
         self.head_rows = head_rows
-        self.rows_per_pass = max(1, query_budget // self.B)
         self.dev = next(drafter.parameters()).device
 
     @torch.no_grad()
@@ -142,9 +142,19 @@ class Walker:
         return out
 
     def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]]) -> None:
-        """Draft (prompt, offset, with tree top-k, every slot) rows, a pass of rows at a time."""
-        for c in range(0, len(rows), self.rows_per_pass):
-            chunk = rows[c:c + self.rows_per_pass]
+        """Draft (prompt, offset, with tree top-k, every slot) rows, in passes of at most
+        `anchors_per_pass` blocks per prompt (the all-anchor pass's dense-mask sizing)."""
+        passes: list[list] = []
+        seen: dict[int, int] = {}
+        for row in rows:
+            i = row[0]
+            cap = anchors_per_pass(self.B, context_len=seqs[i].prompt_len + seqs[i].num_tokens,
+                                   heads=self.drafter.config.num_attention_heads, dense=True)
+            k = seen.get(i, 0) // cap
+            seen[i] = seen.get(i, 0) + 1
+            passes += [[] for _ in range(k + 1 - len(passes))]
+            passes[k].append(row)
+        for chunk in passes:
             slots = self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in chunk])
             labels = np.stack([walk_labels(seqs[i].ext, off, self.B) for i, off, _, _ in chunk])
             tree = np.array([t for _, _, t, _ in chunk], dtype=bool)
@@ -156,32 +166,48 @@ class Walker:
                 o.blocks += 1
                 o.head_slots += int(computed[r])
                 o.streak.setdefault(off, int(streak[r]))
+                least = self.B - 1 if full[r] else max(self.D if t else 0, min(int(streak[r]) + 1, self.B - 1))
+                o.need[off] = max(o.need.get(off, 0), least)
                 if f:
                     o.argmax.setdefault(off, arg[r].copy())
                 if t:
                     o.tree_streaks.setdefault(off, int(self.tree_fn(ids[r], logp[r], arg[r], labels[r])))
 
     def _blocks(self, seqs, kvs, rows: list[tuple[int, int]]) -> torch.Tensor:
-        """Final hiddens of slots 1..B-1 `[rows, B-1, H]`, one block per (prompt, offset)."""
+        """Final hiddens of slots 1..B-1 `[rows, B-1, H]`, one block per (prompt, offset): one
+        batch row per prompt, its blocks in the multi-block layout (`masks.BlockLayout`) over
+        its cached context keys, so a prompt's context is held once however many blocks it drafts."""
         B, dev, drafter = self.B, self.dev, self.drafter
-        anchors = torch.tensor([seqs[i].prompt_len + off for i, off in rows], device=dev)
+        prompts = list(dict.fromkeys(i for i, _ in rows))
+        batch_row = {i: b for b, i in enumerate(prompts)}
+        count = [0] * len(prompts)
+        where = []  # per row: (batch row, block)
+        for i, _ in rows:
+            b = batch_row[i]
+            where.append((b, count[b]))
+            count[b] += 1
+        N = max(count)
+        anchors = torch.zeros(len(prompts), N, dtype=torch.long)
+        valid = torch.zeros(len(prompts), N, dtype=torch.bool)
+        for r, (i, off) in enumerate(rows):
+            anchors[where[r]], valid[where[r]] = seqs[i].prompt_len + off, True
+        anchors, valid = anchors.to(dev), valid.to(dev)
         L = int(anchors.max())  # context keys beyond the last anchor are never visible
         cache = DraftCache(len(drafter.layers))
         for layer in range(len(drafter.layers)):
             for which, store in ((0, cache.keys), (1, cache.values)):
-                store[layer] = torch.stack([_fit(kvs[i][layer][which], L) for i, _ in rows])
-        first = torch.stack([seqs[i].ids[seqs[i].prompt_len + off] for i, off in rows]).to(dev)
-        block = mask_blocks(first, B, drafter.config.mask_token_id)
-        positions = anchors[:, None] + torch.arange(B, device=dev)
-        kv_pos = torch.cat([torch.arange(L, device=dev).expand(len(rows), L), positions], dim=1)
-        seen = torch.cat([kv_pos[:, :L] < anchors[:, None], torch.ones_like(positions, dtype=torch.bool)], dim=1)
+                store[layer] = torch.stack([_fit(kvs[i][layer][which], L) for i in prompts])
+        first = torch.stack([torch.stack([seqs[i].ids[a] for a in anchors[b].tolist()]) for b, i in enumerate(prompts)])
+        block = mask_blocks(first.to(dev), B, drafter.config.mask_token_id).reshape(len(prompts), N * B)
+        layout = BlockLayout(anchors=anchors, valid=valid, context_len=L, block_size=B)
         built = {}
         for spec in drafter.config.attention():
             if spec not in built:
-                built[spec] = visible(positions[:, None, :, None], kv_pos[:, None, None, :], *spec) & seen[:, None, None]
+                built[spec] = dense_mask(dataclasses.replace(layout, window=spec[0], causal=spec[1]))
         masks = [built[spec] for spec in drafter.config.attention()]
-        hidden = drafter(self.emb(block), positions, None, None, mask=masks, cache=cache)
-        return hidden[:, 1:]
+        hidden = drafter(self.emb(block), layout.block_positions(), None, None, mask=masks, cache=cache)
+        hidden = hidden.view(len(prompts), N, B, -1)
+        return torch.stack([hidden[b, j, 1:] for b, j in where])
 
     def _head(self, slots: torch.Tensor, labels: np.ndarray, tree: np.ndarray, full: np.ndarray):
         """Argmax per slot (-1: not computed), top-k for `tree` rows; slot chunks stop at the first miss."""

@@ -1,0 +1,261 @@
+"""Per-checkpoint cost: all-anchor drafting vs walk-driven drafting vs the reference loop, and the FLOP bound.
+
+    python bench/walk_cost.py [--cases demo,tau8,qwen3,qwen3_5] [--num-prompts 8] [--max-new-tokens 128]
+                              [--work DIR] [--threads 1] [--json OUT]
+
+Per case, one process, warm caches (references and features computed by a first evaluation,
+not timed), one thread:
+  - today: `Evaluator.evaluate(..., drafting="all")`, a block at every anchor (whole call);
+  - new: the same call with `drafting="walk"` (eval_worker/engine/walk.py); the two results
+    are checked equal field for field (provenance aside) before anything is printed;
+  - the reference loop: `speculative_generate` (step for step the published `dflash_generate`)
+    on the same prompts, same checkpoint, the target's KV cache warm within each prompt;
+  - the FLOP bound: drafter FLOPs of exactly the blocks the result needs (the greedy, tree and
+    stride walks' blocks with the LM head up to each block's first miss, top-k as deep as the
+    tree goes; the anchor sample and the leak probe's blocks on every slot; each prompt's
+    context projected once) divided by this machine's measured fp32 matmul rate;
+  - peak RSS above the loaded target during each call (sampled every 0.5 ms; large blocks via
+    mmap so RSS tracks live memory).
+
+Cases: `demo` the bundled tiny target with a 2-layer B=16 drafter fitted briefly to the suite's
+references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer (τ ≈ 8);
+`qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (tests/factories.py)
+with a drafter fitted briefly. Fitted drafters are kept in --work, so a rerun skips fitting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # RSS that tracks live memory (see eval_speed.py)
+    os.execve(sys.executable, [sys.executable, *sys.argv],
+              {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.eval_speed import TINY, rss_bytes  # noqa: E402
+
+CASES = {  # target, drafter layers, fit steps
+    "demo": ("tiny", 2, 8),
+    "tau8": ("tiny", 2, 60),
+    "qwen3": ("qwen3", 1, 3),
+    "qwen3_5": ("qwen3_5", 1, 3),
+}
+
+
+def matmul_gflops(reps: int = 7) -> float:
+    """Best fp32 GEMM rate of this machine (one [512, 1024] x [1024, 2048] product)."""
+    a, b = torch.randn(512, 1024), torch.randn(1024, 2048)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 512 * 1024 * 2048 / best / 1e9
+
+
+def load_case_target(kind: str):
+    from dflash_train.target import Target
+
+    if kind == "tiny":
+        return Target.load(TINY)
+    from tests.factories import qwen3_5_real_shape, qwen3_real_shape
+
+    return qwen3_real_shape() if kind == "qwen3" else qwen3_5_real_shape()
+
+
+def suite_for(target, n: int, max_new: int):
+    from eval_worker.engine.suite import load_suite
+
+    s = load_suite("coding").head(n)
+    s.max_new_tokens = max_new
+    return s
+
+
+def fitted_checkpoint(target, kind, layers, steps, suite, work: Path, ev) -> Path:
+    """A B=16 drafter fitted `steps` passes over the suite's own references (kept in `work`)."""
+    from dflash_train.checkpoint import save_drafter
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model import DFlashDrafter
+    from eval_worker.engine.cache import CacheReport
+    from tests.engine_helpers import fit_drafter
+
+    path = work / f"{kind}-L{layers}-s{steps}-p{len(suite.prompts)}-n{suite.max_new_tokens}"
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(1)
+    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(),
+                                   num_hidden_layers=layers, num_features=3, block_size=16)
+    eos = ev._eos(ev_options())
+    refs, _ = ev._references(suite, suite.encode(target.tokenizer), suite.max_new_tokens, eos, 15, CacheReport())
+    seqs = [r.prompt_ids + r.tokens for r in refs]
+    drafter = fit_drafter(target, DFlashDrafter(cfg), seqs, [len(r.prompt_ids) for r in refs], steps=steps, lr=5e-3)
+    save_drafter(drafter, path)
+    return path
+
+
+def ev_options():
+    from eval_worker.engine.options import EvalOptions
+
+    return EvalOptions.from_dict({})
+
+
+def drafter_flops(cfg, vocab: int) -> dict:
+    """Multiply-adds x 2 of the drafter's parts: per block at `keys` visible keys, per head slot, per context position."""
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q, kv, B = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.block_size
+    return {"block": L * (2 * B * H * (2 * q + 2 * kv) + 2 * 3 * B * H * I),
+            "block_per_key": L * 2 * 2 * B * q,  # scores and weighted values over each visible key
+            "slot": 2 * H * vocab,
+            "context": 2 * cfg.num_features * cfg.target_hidden_size * H + L * 2 * H * 2 * kv}
+
+
+def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
+    """FLOPs of the blocks the result needs, from the walk itself (`walk.Walker` on the same inputs)."""
+    from eval_worker.engine.cache import CacheReport
+    from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
+    from eval_worker.engine.scoring import sample_offsets, tree_streak_of
+    from eval_worker.engine.walk import Walker, WalkSeq, context_kv
+
+    f = drafter_flops(drafter.config, vocab)
+    B, D = drafter.config.block_size, min(opts.tree_budget, drafter.config.block_size - 1)
+    walker = Walker(drafter, ev.target.parts.embed_tokens, ev.target.parts.lm_head, topk=opts.tree_budget,
+                    tree_depth=opts.tree_budget,
+                    tree_fn=lambda i, lp, a, lab: tree_streak_of(i, lp, a, lab, opts.tree_budget, False))
+    quota = -(-opts.anchor_sample // len(refs))
+    probe_quota = LeakProbe(B, opts.leak_probe_anchors, len(refs)).quota
+    total = 0.0
+    for ref in refs:
+        P, n = len(ref.prompt_ids), len(ref.tokens)
+        feats = ev._features(ref, result_suite(result), drafter.config.target_layer_ids, CacheReport())["features"]
+        sample = sample_offsets(n, quota, opts.seed, ref.name)
+        probe = probe_offsets(n, probe_quota)
+        seq = WalkSeq(torch.tensor(ref.prompt_ids + ref.tokens), P, n, np.asarray(ref.ext), full=np.union1d(sample, probe))
+        got = walker.run([seq], [context_kv(drafter, feats[:P + n - 1])])[0]
+        total += (P + n - 1) * f["context"]
+        for off, need in got.need.items():
+            total += f["block"] + (P + off + B) * f["block_per_key"] + need * f["slot"]
+        total += len(probe) * (f["block"] + (P + n / 2 + B) * f["block_per_key"] + (B - 1) * f["slot"])  # its own pass
+    return total
+
+
+_SUITE = {}
+
+
+def result_suite(result):
+    return _SUITE["suite"]
+
+
+def peak_during(fn):
+    base, peak, stop = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.0005)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t = time.perf_counter()
+    out = fn()
+    el = time.perf_counter() - t
+    stop.set()
+    th.join()
+    return out, el, (max(peak[0], rss_bytes()) - base) / 2**20
+
+
+def run_case(name: str, args, work: Path) -> dict:
+    from dflash_train.checkpoint import load_drafter
+    from dflash_train.speculative import speculative_generate
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.cache import CacheReport
+    from eval_worker.engine.options import EvalOptions
+
+    kind, layers, steps = CASES[name]
+    max_new = args.max_new_tokens if kind == "tiny" else args.real_max_new_tokens
+    target = load_case_target(kind)
+    suite = suite_for(target, args.num_prompts, max_new)
+    _SUITE["suite"] = suite
+    cache = Path(tempfile.mkdtemp(dir=work))
+    ev = Evaluator(target, cache, progress=False)
+    ckpt = fitted_checkpoint(target, kind, layers, steps, suite, work, ev)
+    # the anchor sample and the leak probe, scaled to this suite as their defaults are to 23 x 1.5k tokens
+    tokens = len(suite.prompts) * max_new
+    base = {"measure_speed": False, "tree_budget": 8, "anchor_sample": max(8, round(512 * tokens / 34_500)),
+            "leak_probe_anchors": max(8, round(256 * tokens / 34_500))}
+    ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"})  # warm: references, features, one-time setup
+    old, old_s, old_mb = peak_during(lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}))
+    new, new_s, new_mb = peak_during(lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}))
+    a, b = old.to_dict(), new.to_dict()
+    for d in (a, b):
+        d.pop("provenance"), d.pop("cache")
+    assert a == b, "walk-driven and all-anchor results differ"
+    drafter = load_drafter(ckpt)
+    opts = EvalOptions.from_dict(base)
+    eos = new.settings["eos_token_id"]
+    refs, _ = ev._references(suite, suite.encode(target.tokenizer), new.settings["max_new_tokens"], eos,
+                             new.settings["lookahead"], CacheReport())
+    t = time.perf_counter()
+    steps_loop = 0
+    for ref in refs:
+        steps_loop += len(speculative_generate(target, drafter, ref.prompt_ids, len(ref.tokens), eos).accept_lengths)
+    loop_s = time.perf_counter() - t
+    flops = required_flops(drafter, target.vocab_size, ev, refs, new, opts)
+    bound_s = flops / (args.gflops * 1e9)
+    tp = lambda r: r.provenance["timings_s"]  # noqa: E731
+    return {"case": name, "vocab": target.vocab_size, "tau": new.tau["macro"], "tree_tau": new.tree["tau"],
+            "prompts": len(refs), "tokens": sum(len(r.tokens) for r in refs),
+            "today_s": old_s, "new_s": new_s, "today_draft_s": tp(old)["draft"], "new_draft_s": tp(new)["draft"],
+            "loop_s": loop_s, "loop_steps": steps_loop, "flops": flops, "bound_s": bound_s,
+            "blocks_today": old.provenance["drafting"]["blocks"], "blocks_new": new.provenance["drafting"]["blocks"],
+            "head_slots_today": old.provenance["drafting"]["head_slots"],
+            "head_slots_new": new.provenance["drafting"]["head_slots"],
+            "peak_today_mb": old_mb, "peak_new_mb": new_mb,
+            "speedup": old_s / new_s, "vs_loop": loop_s / new_s, "vs_bound": new_s / bound_s,
+            "draft_vs_bound": tp(new)["draft"] / bound_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="demo,tau8,qwen3,qwen3_5")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="reference tokens, tiny target")
+    p.add_argument("--real-max-new-tokens", type=int, default=64, help="reference tokens, real-shape targets")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dflash-walk-bench"))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    args.gflops = matmul_gflops()
+    print(f"matmul rate: {args.gflops:.1f} GFLOP/s fp32, {args.threads} thread(s)")
+    rows = []
+    hdr = (f"{'case':>8} {'vocab':>7} {'tau':>5} {'today s':>8} {'new s':>7} {'x':>5} {'loop s':>7} {'vs loop':>7} "
+           f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'peak MB':>13}")
+    for name in args.cases.split(","):
+        r = run_case(name, args, work)
+        rows.append(r)
+        if len(rows) == 1:
+            print(hdr)
+        print(f"{name:>8} {r['vocab']:>7} {r['tau']:>5.2f} {r['today_s']:>8.2f} {r['new_s']:>7.2f} "
+              f"{r['speedup']:>4.1f}x {r['loop_s']:>7.2f} {r['vs_loop']:>6.1f}x {r['bound_s']:>8.3f} "
+              f"{r['vs_bound']:>8.2f}x {r['draft_vs_bound']:>10.2f}x {r['blocks_today']:>5}/{r['blocks_new']:<5} "
+              f"{r['peak_today_mb']:>6.0f}/{r['peak_new_mb']:<6.0f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gflops": args.gflops, "cases": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
