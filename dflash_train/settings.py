@@ -52,11 +52,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["Settings", "KNOWN_SINKS", "parse_roots"]
+__all__ = ["Settings", "KNOWN_SINKS", "parse_roots", "parse_sinks"]
 
 KNOWN_SINKS = ("wandb", "tensorboard", "mlflow")
 DEFAULT_SINKS = ("wandb",)
 SINKS_OFF = ("", "none", "off", "0")
+
+
+def parse_sinks(raw: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`wandb,tensorboard` -> (known sinks, unknown names); `none`/`off`/empty -> no sink."""
+    raw = (raw or "").strip()
+    names = () if raw.lower() in SINKS_OFF else tuple(n.strip() for n in raw.split(",") if n.strip())
+    return tuple(n for n in names if n in KNOWN_SINKS), tuple(n for n in names if n not in KNOWN_SINKS)
 
 
 def parse_roots(roots) -> tuple[Path | str, ...] | None:
@@ -152,8 +159,7 @@ class Settings:
         else:
             cache = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             home = Path(cache) / "dflash-eval"
-        raw_sinks = env.get("DFLASH_SINKS", "wandb").strip()
-        names = () if raw_sinks.lower() in SINKS_OFF else tuple(n.strip() for n in raw_sinks.split(",") if n.strip())
+        sinks, unknown_sinks = parse_sinks(env.get("DFLASH_SINKS", "wandb"))
         wandb_dir = get("DFLASH_WANDB_DIR") or get("WANDB_DIR")
         return cls(
             home=home,
@@ -173,8 +179,8 @@ class Settings:
             redis_url=get("REDIS_URL"),
             redis_server=get("DFLASH_REDIS_SERVER"),
             redis_password=get("DFLASH_REDIS_PASSWORD"),
-            sinks=tuple(n for n in names if n in KNOWN_SINKS),
-            unknown_sinks=tuple(n for n in names if n not in KNOWN_SINKS),
+            sinks=sinks,
+            unknown_sinks=unknown_sinks,
             wandb_dir=Path(wandb_dir or "wandb-eval").expanduser().resolve(),
             wandb_mode=get("WANDB_MODE"),
             wandb_project=get("WANDB_PROJECT"),

@@ -22,7 +22,6 @@ from tests.eval_results import fake_checkpoint, make_result, write_ledger
 from tests.test_counting_rules import SpecDecodingStats, deepspec_generate_like, deepspec_metrics_row, \
     vllm_serve_like
 
-tb = pytest.importorskip("tensorboard")
 
 
 def record_for(tmp_path, run_id, step, p, **kw):
@@ -32,6 +31,7 @@ def record_for(tmp_path, run_id, step, p, **kw):
 
 
 def read_events(run_dir):
+    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0, "images": 0})
@@ -163,9 +163,6 @@ def test_tensorboard_sink_failure_keeps_the_result_and_publish_rebuilds(tmp_path
 
 # --------------------------------------------------------------------------- MLflow
 
-mlflow = pytest.importorskip("mlflow")
-
-
 def _mlflow_run(client, run_id):
     exps = client.search_experiments()
     runs = client.search_runs([e.experiment_id for e in exps], filter_string=f"tags.`dflash.train_run` = '{run_id}'")
@@ -177,6 +174,7 @@ def test_mlflow_sink_local_sqlite_store(tmp_path, monkeypatch):
     """Out-of-order results into a local sqlite tracking store: one run, each metric at its training
     step, params = the eval settings, every record and the report as artifacts; republishing logs
     nothing new (the metric history keeps one point per step)."""
+    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
@@ -220,6 +218,7 @@ def test_mlflow_sink_server_on_loopback_nested_under_trainer_run(tmp_path, monke
     the job; once it is up, `publish --sink mlflow --mlflow-parent-run` logs every ledger record into an
     eval run nested under the trainer's run (its experiment, `mlflow.parentRunId`); the worker path with
     the job's `mlflow.parent_run_id` then appends the next record to the same run."""
+    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     from tests.s3_server import free_port

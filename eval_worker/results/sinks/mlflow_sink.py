@@ -18,6 +18,7 @@ one writer per run (`wandb_lock.writer_lock`).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import tempfile
 import time
@@ -169,11 +170,12 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
 
 
 def _log_report(client, mid: str, run_id: str, results_dir) -> None:
-    try:
-        from eval_worker.results.report import build_report
-    except ImportError as e:  # jinja2/matplotlib are in the worker extra
-        log.warning("no HTML report artifact (%s)", e)
+    missing = [m for m in ("jinja2", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:  # the worker extra
+        log.warning("no HTML report artifact (not installed: %s)", ", ".join(missing))
         return
+    from eval_worker.results.report import build_report
+
     with tempfile.TemporaryDirectory() as tmp:
         try:
             build_report(run_id, results_dir=results_dir, out_dir=tmp)
