@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from tests.s3_server import free_port
+from tests.s3_server import free_port, wait_http
 
 
 class MlflowServer:
@@ -25,16 +23,10 @@ class MlflowServer:
                "--serve-artifacts", "--artifacts-destination", str(root / "artifacts")]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        deadline = time.monotonic() + 180  # first start migrates the sqlite schema (slow on 2 busy cores)
-        while True:
-            try:
-                urllib.request.urlopen(self.uri + "/health", timeout=2).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"mlflow server did not start: {self.log_path.read_text()[-3000:]}")
-                time.sleep(0.3)
+        # the first start migrates the sqlite schema (slow on 2 busy cores)
+        if not wait_http(self.uri + "/health", self.proc, 180):
+            self.stop()
+            raise RuntimeError(f"mlflow server did not start: {self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
