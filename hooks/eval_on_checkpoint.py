@@ -61,7 +61,9 @@ class EvalOnCheckpoint:
     queue: the queue base name (`dflash-eval`; priorities add `-high`/`-low`).
     redis_url: `None` -> $REDIS_URL -> the embedded local redis-server.
     suite: one suite or a list; each published checkpoint gets one job per suite.
-    target / baseline / options / wandb / priority: copied into each job.
+    target / baseline / options / wandb / priority / sinks / mlflow: copied into each job (`sinks`:
+    where the worker publishes this run's results, default the worker's; `mlflow`: `experiment`,
+    `parent_run_id` = the trainer's MLflow run to nest the eval run under).
     settings: the environment's settings (dflash_train.settings); read here when not given,
     the training script being the edge.
     """
@@ -70,6 +72,7 @@ class EvalOnCheckpoint:
                  suite: str | list[str] = "builtin:coding-v1",
                  target: str | os.PathLike | None = None, baseline: str | os.PathLike | None = None,
                  options: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
+                 sinks: list[str] | None = None, mlflow: dict[str, Any] | None = None,
                  priority: str = "default", redis_url: str | None = None, eval_final: bool = True,
                  train_end_timeout: float = 30.0, connect_timeout: float = 2.0, job_timeout: int | None = None,
                  min_backoff: float = 1.0, max_backoff: float = 60.0, reconcile_interval: float = 30.0,
@@ -83,6 +86,7 @@ class EvalOnCheckpoint:
             raise ValueError("suite: name at least one suite")
         self.target, self.baseline = target, baseline
         self.options, self.wandb, self.priority = options, wandb, priority
+        self.sinks, self.mlflow = sinks, mlflow
         self.redis_url = redis_url
         self.settings = settings or Settings.from_env()
         self.eval_final = eval_final
@@ -150,7 +154,8 @@ class EvalOnCheckpoint:
 
     def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> dict[str, Any]:
         return jobs_mod.make_job(path, manifest=manifest, suite=suite or self.suite, target=self.target,
-                                 baseline=self.baseline, wandb=self.wandb, requested_by="hook",
+                                 baseline=self.baseline, wandb=self.wandb, sinks=self.sinks, mlflow=self.mlflow,
+                                 requested_by="hook",
                                  priority=self.priority, options=self.options)
 
     def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> list[Path]:

@@ -30,6 +30,10 @@ project and entity, in its group (`WANDB_RUN_GROUP`, or `group=` at `wandb.init`
 group named after the callback's run id (the HF `run_name`); an explicit `wandb=` wins. The eval
 run's step axis `train/step` is HF's `state.global_step` at `on_save`; it is also logged as
 `train/global_step`, HF's own x-axis, so a panel of the group plots both runs on one axis.
+
+MLflow: with `report_to` including "mlflow" and an active MLflow run (HF's `MLflowCallback` starts
+it), the jobs carry `mlflow.parent_run_id` = that run, so the worker's MLflow sink nests the eval
+run under it (the worker must use the same tracking server); an explicit `mlflow=` wins.
 """
 from __future__ import annotations
 
@@ -107,6 +111,7 @@ class DFlashEvalCallback(TrainerCallback):
         self.errors: list[str] = []
         self._last_bucket = 0
         self._wandb_given = eval_kwargs.get("wandb") is not None
+        self._mlflow_given = eval_kwargs.get("mlflow") is not None
 
     # ---- HF events -----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -119,6 +124,7 @@ class DFlashEvalCallback(TrainerCallback):
             storage.preflight(self.publish_to)
         self.run_id = self.run_id or _run_id_from(args)
         self._join_hf_wandb(args)
+        self._nest_under_hf_mlflow(args)
         return control
 
     def on_save(self, args, state, control, model=None, **kwargs):
@@ -181,6 +187,18 @@ class DFlashEvalCallback(TrainerCallback):
         mode = "offline" if getattr(run, "offline", False) or getattr(run.settings, "mode", "") == "offline" else "online"
         self.hook.wandb = {"project": run.project, "entity": run.entity or None, "mode": mode,
                            "group": run.group or self.run_id or _run_id_from(args)}
+
+    def _nest_under_hf_mlflow(self, args) -> None:
+        """Nest the MLflow eval run under the HF run's MLflow run (unless `mlflow=` was given)."""
+        if self._mlflow_given or "mlflow" not in (getattr(args, "report_to", None) or []):
+            return
+        try:
+            import mlflow
+        except ImportError:
+            return
+        run = mlflow.active_run()
+        if run is not None:
+            self.hook.mlflow = {"parent_run_id": run.info.run_id}
 
     def _publisher(self, args):
         if self.publisher is None:

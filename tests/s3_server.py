@@ -24,6 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Until `url` answers (True), the server process exits or `timeout` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return True
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
 class S3Server:
     """`python -m moto.server` on 127.0.0.1:<free port>, its log in `log_path`."""
 
@@ -36,16 +49,9 @@ class S3Server:
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         from tests import waits
 
-        deadline = waits.deadline(60)
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=2).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"moto server did not start: {log_path.read_text()[-2000:]}")
-                time.sleep(0.2)
+        if not wait_http(self.endpoint + "/moto-api/", self.proc, waits.scaled(60)):
+            self.stop()
+            raise RuntimeError(f"moto server did not start: {log_path.read_text()[-2000:]}")
 
     def env(self) -> dict[str, str]:
         """What a client process needs: the endpoint and (fake) credentials, the standard variables."""

@@ -59,9 +59,10 @@ def _wait_gone(marker: str, timeout: float = 20.0) -> list[str]:
 
 @pytest.mark.slow  # ~3.5 min on 2 cores: the whole demo (CI's slow pass; bench/newcomer.sh runs the full one)
 def test_demo_runs_end_to_end_and_leaves_nothing_running_demo_pointer(tmp_path, tiny_target_path, capsys):
+    """... publishing to the three sinks (`--sink wandb,tensorboard,mlflow`): the same τ in each."""
     work = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "eval_worker.cli", "demo", "--workdir", str(work),
-                           "--run-id", "demo-test", *SHORT], capture_output=True, text=True, env=_env(tmp_path),
+                           "--run-id", "demo-test", "--sink", "wandb,tensorboard,mlflow", *SHORT], capture_output=True, text=True, env=_env(tmp_path),
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = ROW.findall(proc.stdout)
@@ -83,6 +84,22 @@ def test_demo_runs_end_to_end_and_leaves_nothing_running_demo_pointer(tmp_path, 
     assert log.points("eval/tau") == {2: pytest.approx(result["tau"]["macro"])}
     assert log.points("eval/prompts/nrows")[2] == len(result["prompts"])
     assert f"W&B offline: {pointer['run_dir']}" in proc.stdout
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(work / "tensorboard" / "demo-test-eval"))
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("eval/tau")} == {2: pytest.approx(result["tau"]["macro"], rel=1e-6)}
+    assert f"TensorBoard: tensorboard --logdir {work / 'tensorboard'}" in proc.stdout
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                filter_string="tags.`dflash.train_run` = 'demo-test'")
+    tau_history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/tau")}
+    assert tau_history == {2: pytest.approx(result["tau"]["macro"])}
+    assert f"MLflow:      run {run.info.run_id}" in proc.stdout
 
     assert _wait_gone(str(work)) == [], "processes left behind"
 

@@ -189,3 +189,42 @@ def test_hf_callback_publishes_to_an_s3_store(tmp_path, redis_url, s3_server):
     jobs = get_queue(conn, "dflash-eval-s3").jobs
     assert sorted(j.args[0]["checkpoint"] for j in jobs) == urls and not cb.errors and not cb.hook.errors
     conn.close()
+
+
+def test_mlflow_sink_nests_the_eval_run_under_the_hf_trainer_run(tmp_path, redis_url, monkeypatch):
+    """A real `Trainer` with report_to=["mlflow"] (HF's MLflowCallback, a local sqlite store): the jobs
+    carry the HF MLflow run as `mlflow.parent_run_id`, and the MLflow sink puts the eval run under it."""
+    import pytest
+
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from transformers import Trainer
+
+    from dflash_train.settings import Settings
+    from eval_worker.results.ledger import read_record
+    from eval_worker.results.sinks import publish_result
+    from tests.eval_results import make_result, write_ledger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # HF's MLflowCallback and the sink: one store
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-train")
+    drafter = drafter_for(qwen3_target(layers=6, hidden=32), layers=1, features=2)
+    cb = DFlashEvalCallback(tmp_path / "ckpts", run_id="hf-ml", every_n_steps=2, suite="builtin:coding-v1",
+                            redis_url=redis_url)
+    Trainer(model=DrafterWrapper(drafter), args=_hf_args(tmp_path, report_to=["mlflow"]), train_dataset=Rows(),
+            callbacks=[cb]).train()
+    assert not cb.errors and not cb.hook.errors
+    client = MlflowClient(tracking_uri=uri)
+    (hf_run,) = client.search_runs([client.get_experiment_by_name("hf-train").experiment_id])
+    job = get_queue(connect(redis_url), "dflash-eval").jobs[0].args[0]
+    assert job["mlflow"] == {"parent_run_id": hf_run.info.run_id}
+
+    monkeypatch.setenv("DFLASH_SINKS", "mlflow")
+    monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))
+    res = make_result("hf-ml", job["step"], block_size=4)
+    record = read_record(write_ledger(tmp_path / "results", res))
+    outcome = publish_result(record, job, Settings.from_env())
+    assert outcome["mlflow"]["ok"], outcome
+    (ev,) = client.search_runs([hf_run.info.experiment_id], filter_string="tags.`dflash.train_run` = 'hf-ml'")
+    assert ev.data.tags["mlflow.parentRunId"] == hf_run.info.run_id
+    assert {m.step for m in client.get_metric_history(ev.info.run_id, "eval/tau")} == {job["step"]}

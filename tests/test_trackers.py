@@ -6,6 +6,7 @@ tracking store (sqlite) and an `mlflow server` on 127.0.0.1.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,6 @@ from tests.eval_results import fake_checkpoint, make_result, write_ledger
 from tests.test_counting_rules import SpecDecodingStats, deepspec_generate_like, deepspec_metrics_row, \
     vllm_serve_like
 
-tb = pytest.importorskip("tensorboard")
 
 
 def record_for(tmp_path, run_id, step, p, **kw):
@@ -31,6 +31,7 @@ def record_for(tmp_path, run_id, step, p, **kw):
 
 
 def read_events(run_dir):
+    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0, "images": 0})
@@ -158,3 +159,120 @@ def test_tensorboard_sink_failure_keeps_the_result_and_publish_rebuilds(tmp_path
     assert out.returncode == 0, out.stderr
     acc = read_events(tmp_path / "tb" / "run-b-eval")
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/tau")] == [(50, round(res["tau"]["macro"], 6))]
+
+
+# --------------------------------------------------------------------------- MLflow
+
+def _mlflow_run(client, run_id):
+    exps = client.search_experiments()
+    runs = client.search_runs([e.experiment_id for e in exps], filter_string=f"tags.`dflash.train_run` = '{run_id}'")
+    assert len(runs) == 1, runs  # one MLflow run per training run
+    return runs[0]
+
+
+def test_mlflow_sink_local_sqlite_store(tmp_path, monkeypatch):
+    """Out-of-order results into a local sqlite tracking store: one run, each metric at its training
+    step, params = the eval settings, every record and the report as artifacts; republishing logs
+    nothing new (the metric history keeps one point per step)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
+    monkeypatch.setenv("DFLASH_SINKS", "mlflow")
+    monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("DFLASH_MLFLOW_TRACKING_URI", uri)
+    expected = {}
+    for step, p in ((300, 0.75), (100, 0.35), (200, 0.55)):
+        record, res = record_for(tmp_path, "run-m", step, p)
+        outcome = publish_result(record, record["job"], Settings.from_env())
+        assert outcome["mlflow"]["ok"], outcome
+        expected[step] = res
+    client = MlflowClient(tracking_uri=uri)
+    run = _mlflow_run(client, "run-m")
+    assert run.info.run_name == "run-m-eval"
+    name = expected[100]["suite"]["name"]
+    for step, res in expected.items():
+        for key, value in points(res, name).items():
+            hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key.replace("@", "_at_"))}
+            assert hist[step] == pytest.approx(value, rel=1e-9), (key, step)
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/tau")) == [100, 200, 300]
+    assert f"eval/{name}/accept_rate_at_0" in run.data.metrics and f"eval/{name}/accept_length" in run.data.metrics
+    assert run.data.params[f"{name}.block_size"] == str(expected[100]["settings"]["block_size"])
+    arts = sorted(a.path for a in client.list_artifacts(run.info.run_id, "results"))
+    assert [a.split("/")[1].split("-")[1] for a in arts] == ["100", "200", "300"]
+    (first,) = client.list_artifacts(run.info.run_id, arts[0])
+    local = client.download_artifacts(run.info.run_id, first.path, str(tmp_path / "dl"))
+    assert json.loads(open(local).read())["result"]["tau"] == expected[100]["tau"]
+    assert "report/report.html" in {a.path for a in client.list_artifacts(run.info.run_id, "report")}
+
+    out = subprocess.run([sys.executable, "-m", "eval_worker.cli", "publish", "--run", "run-m", "--sink", "mlflow",
+                          "--results", str(tmp_path / "results"), "--mlflow-uri", uri],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "logged 0 missing record(s), 3 in total" in out.stdout
+    assert len(client.get_metric_history(run.info.run_id, "eval/tau")) == 3  # idempotent
+
+
+def test_mlflow_sink_server_on_loopback_nested_under_trainer_run(tmp_path, monkeypatch):
+    """Against `mlflow server` on 127.0.0.1: a publication while the server is down fails the sink, not
+    the job; once it is up, `publish --sink mlflow --mlflow-parent-run` logs every ledger record into an
+    eval run nested under the trainer's run (its experiment, `mlflow.parentRunId`); the worker path with
+    the job's `mlflow.parent_run_id` then appends the next record to the same run."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from tests.s3_server import free_port
+    from tests.mlflow_server import MlflowServer
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("DFLASH_SINKS", "mlflow")
+    monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("DFLASH_MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast while the server is down
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    record, first = record_for(tmp_path, "run-s", 100, 0.4)
+    down = publish_result(record, record["job"], Settings.from_env())
+    assert not down["mlflow"]["ok"] and "mlflow" in down["mlflow"]["error"].lower()
+
+    server = MlflowServer(tmp_path / "server", port=port)
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.create_experiment("trainer-runs")
+        parent = client.create_run(exp, run_name="hf-trainer").info.run_id  # the trainer's own run
+        record_for(tmp_path, "run-s", 200, 0.6)
+        out = subprocess.run([sys.executable, "-m", "eval_worker.cli", "publish", "--run", "run-s", "--sink", "mlflow",
+                              "--results", str(tmp_path / "results"), "--mlflow-parent-run", parent],
+                             capture_output=True, text=True, timeout=300, env={**os.environ})
+        assert out.returncode == 0, out.stderr
+        assert "logged 2 missing record(s), 2 in total" in out.stdout
+        run = _mlflow_run(client, "run-s")
+        assert run.info.experiment_id == exp and run.data.tags["mlflow.parentRunId"] == parent
+
+        record, third = record_for(tmp_path, "run-s", 150, 0.5)  # late, between the two
+        job = {**record["job"], "mlflow": {"parent_run_id": parent}}
+        assert publish_result(record, job, Settings.from_env())["mlflow"]["ok"]
+        taus = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/tau")}
+        assert taus == pytest.approx({100: first["tau"]["macro"], 150: third["tau"]["macro"],
+                                      200: taus[200]}, rel=1e-9) and len(taus) == 3
+        arts = {a.path for a in client.list_artifacts(run.info.run_id, "results")}
+        assert len(arts) == 3  # served by the tracking server (--serve-artifacts)
+    finally:
+        server.stop()
+
+
+def test_tensorboard_sink_chosen_per_job_over_the_workers(tmp_path, monkeypatch):
+    """A job's `sinks` list wins over the worker's: W&B configured, the job asks for TensorBoard only."""
+    from eval_worker.service.jobs import JobError, validate_job
+
+    monkeypatch.setenv("DFLASH_SINKS", "wandb")
+    monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("DFLASH_TENSORBOARD_DIR", str(tmp_path / "tb"))
+    record, res = record_for(tmp_path, "run-j", 10, 0.5)
+    job = validate_job({**record["job"], "sinks": ["tensorboard"]})
+    outcome = publish_result(record, job, Settings.from_env())
+    assert set(outcome) == {"tensorboard"} and outcome["tensorboard"]["ok"], outcome
+    assert [e.step for e in read_events(tmp_path / "tb" / "run-j-eval").Scalars("eval/tau")] == [10]
+    assert publish_result(record, validate_job({**record["job"], "sinks": []}), Settings.from_env()) == {}
+    with pytest.raises(JobError, match="sinks"):
+        validate_job({**record["job"], "sinks": ["tensorbored"]})

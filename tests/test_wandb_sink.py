@@ -253,6 +253,25 @@ def test_object_store_checkpoint_is_logged_by_its_url(env):
     pointer, log = current_run(env["wandb"], "run-s3")
     (art,) = [a for a in log.artifacts if a["type"] == "model"]
     assert "step-100" in art["aliases"] and not any(ref and ref.startswith("file://") for ref in art["refs"])
-    assert art["paths"] == ["checkpoint.json"] and art["metadata"]["uri"] == url
-    if art["local_paths"][0] and Path(art["local_paths"][0]).is_file():  # the staged file, until synced
-        assert json.loads(Path(art["local_paths"][0]).read_text())["uri"] == url
+    assert sorted(art["paths"]) == sorted(["checkpoint.json", "config.json", "model.safetensors", "COMPLETE.json"])
+    assert art["metadata"]["uri"] == url
+    # native s3:// references: artifact.download() fetches the weights from the store, wherever it runs
+    assert sorted(r for r in art["refs"] if r) == sorted(f"{url}/{f}" for f in
+                                                         ("config.json", "model.safetensors", "COMPLETE.json"))
+    staged = art["local_paths"][art["paths"].index("checkpoint.json")]
+    if staged and Path(staged).is_file():  # the staged file, until synced
+        assert json.loads(Path(staged).read_text())["uri"] == url
+
+
+def test_local_checkpoint_upload_is_opt_in(env, monkeypatch):
+    """By default a local checkpoint is a file:// reference; with DFLASH_WANDB_UPLOAD_CHECKPOINTS=1
+    its files are in the artifact itself (usable away from the worker box)."""
+    record, _ = record_for(env, "run-up", 100, 0.5)
+    assert publish_result(record, record["job"], Settings.from_env())["wandb"]["ok"]
+    (art,) = [a for a in current_run(env["wandb"], "run-up")[1].artifacts if a["type"] == "model"]
+    assert all(r.startswith("file://") for r in art["refs"])
+    monkeypatch.setenv("DFLASH_WANDB_UPLOAD_CHECKPOINTS", "1")
+    record, _ = record_for(env, "run-up", 200, 0.6)
+    assert publish_result(record, record["job"], Settings.from_env())["wandb"]["ok"]
+    arts = [a for a in current_run(env["wandb"], "run-up")[1].artifacts if a["type"] == "model"]
+    assert len(arts) == 2 and all(not any(a["refs"]) and "model.safetensors" in a["paths"] for a in arts)

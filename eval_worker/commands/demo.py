@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wandb-mode", choices=("offline", "online", "disabled"), default=None,
                    help="W&B mode for the eval run (default: $WANDB_MODE, else offline)")
     p.add_argument("--wandb-project", default=None, help="W&B project (default: $WANDB_PROJECT, else dflash-eval)")
+    p.add_argument("--sink", default="wandb", help="comma-separated result sinks: wandb, tensorboard, mlflow "
+                                                "(default: wandb); TensorBoard and MLflow files go in the workdir")
     p.add_argument("--eval-timeout", type=float, default=900, help="seconds to wait for the evaluations after training")
 
 
@@ -97,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.service.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
-    paths = {k: work / k for k in ("runs", "results", "wandb", "report", "cache", "logs")}
+    paths = {k: work / k for k in ("runs", "results", "wandb", "tensorboard", "mlflow", "report", "cache", "logs")}
     for p in paths.values():
         p.mkdir(parents=True, exist_ok=True)
     mode = args.wandb_mode or args.settings.wandb_mode or "offline"  # passed to the trainer, the worker, the sink
@@ -131,10 +133,15 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     from eval_worker.service.redis_local import connect, redact_url
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import load_run
+    from dflash_train.settings import KNOWN_SINKS, parse_sinks
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
 
     from eval_worker.results import latest_demo
 
+    sinks, unknown = parse_sinks(args.sink)
+    if unknown:
+        raise ValueError(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
+    mlflow_uri = f"sqlite:///{paths['mlflow'] / 'mlflow.db'}"
     run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
     # `results`, `report` and `status` find this demo's ledger and report without flags
     pointer = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
@@ -161,7 +168,9 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     url = stack.start_redis()
     print(f"[demo] redis {redact_url(url)}; workdir {paths['runs'].parent}", flush=True)
     worker_env = {"OMP_NUM_THREADS": str(worker_threads), "MKL_NUM_THREADS": str(worker_threads),
-                  "DFLASH_WANDB_DIR": str(paths["wandb"]), "WANDB_MODE": mode, "TOKENIZERS_PARALLELISM": "false"}
+                  "DFLASH_WANDB_DIR": str(paths["wandb"]), "WANDB_MODE": mode, "TOKENIZERS_PARALLELISM": "false",
+                  "DFLASH_SINKS": ",".join(sinks) or "none", "DFLASH_TENSORBOARD_DIR": str(paths["tensorboard"]),
+                  "DFLASH_MLFLOW_TRACKING_URI": mlflow_uri}
     stack.start_worker("demo-worker", target=target_dir, checkpoint_root=paths["runs"], results=paths["results"],
                        cache=paths["cache"] / "eval", env=worker_env)
     settings = args.settings
@@ -188,8 +197,11 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         conn.close()
     stack.stop_workers()  # the worker's sink has published after each result; stop before the final pass
 
-    info = publish_run(run_id, target_from(wandb_cfg, settings, mode=mode, root=paths["wandb"]), results_dir=paths["results"],
-                       redis_url=url)
+    info = {}
+    if "wandb" in sinks:
+        info = publish_run(run_id, target_from(wandb_cfg, settings, mode=mode, root=paths["wandb"]),
+                           results_dir=paths["results"], redis_url=url)
+    extra = _publish_others(run_id, sinks, paths, mlflow_uri, settings, url)
     report = build_report(run_id, results_dir=paths["results"], out_dir=paths["report"] / run_id)
     rows = [r for r in load_run(run_id, paths["results"])]
     _print_table(rows)
@@ -205,12 +217,33 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         print(f"  to upload:   {info['sync']}")
     elif info.get("mode") == "online":
         print(f"  W&B online:  project {wandb_cfg['project']}, run {info['eval_run_id']}")
+    for line in extra:
+        print(line)
     print(f"  ledger:      {paths['results'] / run_id}")
     print(f"  total time:  {time.monotonic() - t0:.0f}s")
     ok = not failed and not collapsed
     latest_demo.record(args.settings, **pointer, state="finished" if ok else "failed")
     print("  (`dflash-eval results`, `dflash-eval report` and `dflash-eval status` find this demo without flags)")
     return 0 if ok else 1
+
+
+def _publish_others(run_id: str, sinks, paths: dict[str, Path], mlflow_uri: str, settings, url: str) -> list[str]:
+    """The final pass for TensorBoard and MLflow (the worker published after each result; this
+    makes sure every ledger record is there) and where to look."""
+    lines = []
+    if "tensorboard" in sinks:
+        from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget, publish_run
+
+        tb = publish_run(run_id, TensorBoardTarget(root=paths["tensorboard"]), results_dir=paths["results"],
+                         redis_url=url)
+        lines.append(f"  TensorBoard: {tb['view']}")
+    if "mlflow" in sinks:
+        from eval_worker.results.sinks.mlflow_sink import publish_run, target_from
+
+        ml = publish_run(run_id, target_from(None, settings, tracking_uri=mlflow_uri), results_dir=paths["results"],
+                         redis_url=url)
+        lines.append(f"  MLflow:      run {ml['mlflow_run_id']}; mlflow ui --backend-store-uri {mlflow_uri}")
+    return lines
 
 
 def _collapsed(rows) -> str | None:

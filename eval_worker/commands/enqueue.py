@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
                         help="W&B mode asked of the worker (default with --wandb-project/--wandb-entity: "
                              "online); the worker's $WANDB_MODE, when set, wins")
+    parser.add_argument("--sink", default=None, help="comma-separated sinks this job publishes to: wandb, tensorboard, "
+                                                     "mlflow, or none (default: the worker's)")
+    parser.add_argument("--mlflow-experiment", default=None, help="MLflow experiment of the eval run")
+    parser.add_argument("--mlflow-parent-run", default=None, help="nest the MLflow eval run under this run (the trainer's)")
     parser.add_argument("--job-timeout", type=int, default=None, help="seconds one evaluation may take")
     parser.add_argument("--retries", type=int, default=None, help="retries after a failure or a crashed worker")
     parser.add_argument("--outbox", action="append", default=[], metavar="DIR",
@@ -102,6 +106,15 @@ def main(args: argparse.Namespace) -> int:
     if args.wandb_project or args.wandb_entity or args.wandb_mode:
         wandb = {"project": args.wandb_project or "dflash-eval", "entity": args.wandb_entity,
                  "mode": args.wandb_mode or "online"}
+    sinks = None
+    if args.sink is not None:
+        from dflash_train.settings import KNOWN_SINKS, parse_sinks
+
+        sinks, unknown = parse_sinks(args.sink)
+        if unknown:
+            return fail(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
+    mlflow = {k: v for k, v in (("experiment", args.mlflow_experiment), ("parent_run_id", args.mlflow_parent_run))
+              if v} or None
     config = QueueConfig(base=args.queue)
     if args.job_timeout:
         config.job_timeout = args.job_timeout
@@ -140,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
         for suite in dict.fromkeys(args.suite or [DEFAULT_SUITE]):
             try:
                 jobs.append(make_job(path, suite=suite, target=target, baseline=baseline, wandb=wandb,
-                                     requested_by="user", priority=args.priority, options=options or None,
+                                     sinks=sinks, mlflow=mlflow, requested_by="user", priority=args.priority, options=options or None,
                                      roots=roots))
             except (JobError, StoreError, OSError) as e:  # OSError: StoreUnavailable, the store did not answer
                 errors.append({"checkpoint": path, "suite": suite, "error": str(e)})

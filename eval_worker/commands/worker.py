@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evaluator-factory", default=None, metavar="MODULE:CALLABLE",
                         help="build evaluators with this instead of eval_worker.engine.acceptance.Evaluator "
                              "(default $DFLASH_EVALUATOR_FACTORY)")
+    parser.add_argument("--sink", default=None, help="comma-separated result sinks: wandb, tensorboard, mlflow, or none "
+                                                     "(default $DFLASH_SINKS, else wandb; a job's own list wins)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -84,6 +87,13 @@ def main(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         return fail(str(e))
     path = lambda p: Path(p).expanduser() if p else None  # noqa: E731
+    if args.sink is not None:
+        from dflash_train.settings import KNOWN_SINKS, parse_sinks
+
+        sinks, unknown = parse_sinks(args.sink)
+        if unknown:
+            return fail(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
+        args.settings = dataclasses.replace(args.settings, sinks=sinks, unknown_sinks=())
     try:
         roots = parse_roots(args.checkpoint_root)
     except StoreError as e:

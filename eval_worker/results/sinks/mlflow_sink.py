@@ -4,9 +4,10 @@ Run identity: tag ``dflash.train_run=<run_id>`` in the experiment (``dflash-eval
 run's experiment when the job's ``mlflow.parent_run_id`` names the trainer's run, which then also
 becomes the tag ``mlflow.parentRunId``: the eval run shows nested under the training run). Metrics
 are logged with ``step=`` the training step (MLflow plots by step, so late and out-of-order results
-land at their own x): our keys and the field's aliases (``sinks/names.py``); params are the eval
+land at their own x): our keys and the field's aliases (``sinks/names.py``; ``@`` spelled ``_at_``,
+which MLflow names cannot hold); params are the eval
 settings per suite (``<suite>.block_size``, ...); each ledger record is an artifact
-(``results/<step>-<key>.json``) and the HTML report (``report/``) is replaced at each publication.
+(``results/step-<step>-<record hash>/attempt-<n>.json``) and the HTML report (``report/``) is replaced at each publication.
 
 Idempotent re-publication: every record's metrics go in one ``log_batch`` together with the tag
 ``dflash.record.<hash>``, so a publication logs exactly the records the run lacks and a repeated one
@@ -17,6 +18,7 @@ one writer per run (`wandb_lock.writer_lock`).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import tempfile
 import time
@@ -71,6 +73,11 @@ def _local_path(uri: str) -> Path | None:
     if "://" not in uri:
         return Path(uri)
     return None
+
+
+def metric_key(key: str) -> str:
+    """MLflow allows no '@' in a name: ``accept_rate@0`` is logged as ``accept_rate_at_0``."""
+    return key.replace("@", "_at_")
 
 
 def record_tag(res: RunResult) -> str:
@@ -148,12 +155,12 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
             client.log_batch(mid, params=[Param(k, v) for k, v in items[i:i + 100]])
         for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
             ts = int(time.time() * 1000)
-            ms = [Metric(k, float(v), ts, res.step) for k, v in sorted(points(res.result, primary).items())]
+            ms = [Metric(metric_key(k), float(v), ts, res.step) for k, v in sorted(points(res.result, primary).items())]
             for i in range(0, max(len(ms), 1), _BATCH):  # the tag rides with the last batch: logged means complete
                 last = i + _BATCH >= len(ms)
                 client.log_batch(mid, metrics=ms[i:i + _BATCH],
                                  tags=[RunTag(record_tag(res), str(res.step))] if last else [])
-            client.log_artifact(mid, str(res.path), artifact_path="results")
+            client.log_artifact(mid, str(res.path), artifact_path=f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}")
         if todo and target.report:
             _log_report(client, mid, run_id, results_dir)
         return {"eval_run_id": eid, "mlflow_run_id": mid, "experiment_id": run.info.experiment_id,
@@ -163,11 +170,12 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
 
 
 def _log_report(client, mid: str, run_id: str, results_dir) -> None:
-    try:
-        from eval_worker.results.report import build_report
-    except ImportError as e:  # jinja2/matplotlib are in the worker extra
-        log.warning("no HTML report artifact (%s)", e)
+    missing = [m for m in ("jinja2", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:  # the worker extra
+        log.warning("no HTML report artifact (not installed: %s)", ", ".join(missing))
         return
+    from eval_worker.results.report import build_report
+
     with tempfile.TemporaryDirectory() as tmp:
         try:
             build_report(run_id, results_dir=results_dir, out_dir=tmp)

@@ -16,6 +16,7 @@ Offline by nature; one writer per run (`wandb_lock.writer_lock`, Redis + file lo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -56,12 +57,12 @@ def _png_size(png: bytes) -> tuple[int, int]:
 
 
 def _curve_png(res: RunResult) -> bytes | None:
-    try:
-        from eval_worker.results.report_figures import per_position
-    except ImportError:  # matplotlib is in the worker extra; scalars and histograms need none
+    if importlib.util.find_spec("matplotlib") is None:  # the worker extra; scalars and histograms need none
         return None
     if not (res.result.get("per_position") or {}).get("conditional_accept"):
         return None
+    from eval_worker.results.report_figures import per_position
+
     return per_position([res])
 
 

@@ -23,12 +23,15 @@ logs exactly the missing ones. ``publish --mode offline`` rebuilds everything lo
 Every writer holds :func:`wandb_lock.writer_lock` (Redis + local file), never shared mode.
 Checkpoints are logged as reference artifacts (``file://`` URI, no checksum pass over
 the weights, no upload) with aliases ``step-<n>`` and ``best-tau`` on the best one; one named by a
-store URL (``s3://``, ``hf://``) as an artifact holding a small ``checkpoint.json`` with the URL.
+store URL (``s3://``, ``hf://``) as an artifact holding a small ``checkpoint.json`` with the URL, plus
+native ``s3://`` references to its files (usable away from the worker box). A local checkpoint is
+uploaded instead of referenced when ``$DFLASH_WANDB_UPLOAD_CHECKPOINTS=1`` (opt-in: weights are large).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -68,6 +71,7 @@ class WandbTarget:
     root: Path = field(default_factory=lambda: Path("wandb-eval").resolve())
     init_timeout_s: float = 60.0        # the wandb.init handshake
     primary_suite: str | None = None   # logged under plain eval/... (default: the first suite evaluated)
+    upload_checkpoints: bool = False   # local checkpoints: upload the files instead of file:// references
 
     def identity(self) -> dict:
         """What names the run on the server; kept in the pointer so `publish` reuses it."""
@@ -77,7 +81,8 @@ class WandbTarget:
     def to_json(self) -> dict:
         return {"project": self.project, "entity": self.entity, "group": self.group, "mode": self.mode,
                 "name": self.name, "tags": list(self.tags), "root": str(self.root),
-                "init_timeout_s": self.init_timeout_s, "primary_suite": self.primary_suite}
+                "init_timeout_s": self.init_timeout_s, "primary_suite": self.primary_suite,
+                "upload_checkpoints": self.upload_checkpoints}
 
     @classmethod
     def from_json(cls, data: dict) -> "WandbTarget":
@@ -97,7 +102,8 @@ def target_from(cfg: dict | None, settings: Settings, *, mode: str | None = None
                        entity=cfg.get("entity") or settings.wandb_entity or None,
                        group=cfg.get("group"), mode=chosen, name=cfg.get("name"), tags=list(cfg.get("tags") or []),
                        root=Path(root or cfg.get("root") or settings.wandb_dir).expanduser().resolve(),
-                       init_timeout_s=settings.wandb_init_timeout_s, primary_suite=settings.wandb_primary_suite)
+                       init_timeout_s=settings.wandb_init_timeout_s, primary_suite=settings.wandb_primary_suite,
+                       upload_checkpoints=settings.wandb_upload_checkpoints)
 
 
 def eval_run_id(run_id: str) -> str:
@@ -154,7 +160,7 @@ def _best(results: list[RunResult], primary: str | None) -> RunResult | None:
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "COMPLETE.json")  # not .pins/: those come and go
 
 
-def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) -> bool:
+def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None, upload: bool = False) -> bool:
     """Log the checkpoint as a reference artifact; False when its files are gone (retention)."""
     import wandb
 
@@ -169,8 +175,11 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) ->
     art = wandb.Artifact(f"{_SAFE.sub('_', run_id)}-drafter", type="model",
                          metadata={"train_step": res.step, "digest": ck.get("digest"), "path": str(ck_dir),
                                    "tau": res.result["tau"]["macro"], "suite": res.result["suite"]["name"]})
-    for f in files:  # checksum=False: URIs only, nothing reads (or uploads) the weights
-        art.add_reference(f.as_uri(), name=f.name, checksum=False)
+    for f in files:
+        if upload:  # opt-in: the files themselves, so the artifact is usable away from the worker box
+            art.add_file(str(f), name=f.name)
+        else:  # checksum=False: URIs only, nothing reads (or uploads) the weights
+            art.add_reference(f.as_uri(), name=f.name, checksum=False)
     aliases = [f"step-{res.step}"] + (["best-tau"] if best is not None and best.key == res.key else [])
     run.log_artifact(art, aliases=aliases)
     return True
@@ -178,8 +187,9 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) ->
 
 def _log_store_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None) -> bool:
     """A checkpoint named by a store URL: an artifact holding one small `checkpoint.json` (the URL,
-    digest, run and step). W&B's own s3:// references would need boto3 and store credentials in
-    the sink; the URL carries none, and nothing reads the weights."""
+    digest, run and step) and, for `s3://`, W&B's own references to the checkpoint's files, so
+    `artifact.download()` works on any box with credentials for the bucket. `checksum=False`: W&B
+    neither lists nor reads the objects (no credentials in the sink; the manifest digest is ours)."""
     import wandb
 
     ck = res.result["checkpoint"]
@@ -189,6 +199,10 @@ def _log_store_checkpoint(run, run_id: str, res: RunResult, best: RunResult | No
                                    "tau": res.result["tau"]["macro"], "suite": res.result["suite"]["name"]})
     with art.new_file("checkpoint.json") as fh:
         json.dump(info, fh, sort_keys=True)
+    if str(ck["path"]).startswith("s3://") and importlib.util.find_spec("boto3") is not None:
+        base = str(ck["path"]).rstrip("/")
+        for f in CHECKPOINT_FILES:
+            art.add_reference(f"{base}/{f}", name=f, checksum=False)
     aliases = [f"step-{res.step}"] + (["best-tau"] if best is not None and best.key == res.key else [])
     run.log_artifact(art, aliases=aliases)
     return True
@@ -203,7 +217,7 @@ def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunR
         digest = res.result["checkpoint"].get("digest") or res.result["checkpoint"]["path"]
         if digest not in logged_ckpts:
             logged_ckpts.add(digest)
-            _log_checkpoint(run, run_id, res, best)
+            _log_checkpoint(run, run_id, res, best, upload=target.upload_checkpoints)
 
 
 def _finish(run) -> None:
