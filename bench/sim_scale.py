@@ -139,7 +139,7 @@ class Scheduler:
 
 def simulate(runs_spec: list[dict], targets: dict, n_workers: int, policy: str, *, mtbf_s: float | None = None,
              repair_s: float = 600.0, grace_s: float = 70.0, sample_s: float = 30.0, seed: int = 0,
-             serves: list[tuple] | None = None) -> dict:
+             serves: list[tuple] | None = None, jitter: float = 0.1) -> dict:
     rng = random.Random(seed)
     runs = [Run(**r) for r in runs_spec]
     sched = Scheduler(policy, runs)
@@ -157,7 +157,8 @@ def simulate(runs_spec: list[dict], targets: dict, n_workers: int, policy: str, 
 
     for ri, r in enumerate(runs):
         for i in range(1, r.n_ckpt + 1):  # each interval drifts by up to +-10 % (data loading, saves)
-            push(r.start + r.cadence * (i + (rng.uniform(-0.1, 0.1) if i < r.n_ckpt else 0.0)), "publish", ri, i)
+            drift = rng.uniform(-jitter, jitter) if i < r.n_ckpt and jitter else 0.0
+            push(r.start + r.cadence * (i + drift), "publish", ri, i)
     horizon_train = max(r.end for r in runs)
     for w in workers:
         if mtbf_s:
@@ -253,7 +254,7 @@ def simulate(runs_spec: list[dict], targets: dict, n_workers: int, policy: str, 
             "util": sum(w.eval_time for w in workers) / up, "starved": starved, "runs": len(runs),
             "final_delay_max_s": max(r.final_done - r.published[-1] for r in runs),
             "evaluated": sum(len(r.evaluated) for r in runs), "published": sum(r.n_ckpt for r in runs),
-            "skipped": sched.skipped, "end_s": end}
+            "skipped": sched.skipped, "end_s": end, "lag_samples_ckpts": lag_steps}
 
 
 def pct(xs, q):
@@ -316,7 +317,7 @@ def main() -> None:
         for policy in POLICIES:
             outs = [simulate(sc["runs"], TARGETS, sc["workers"], policy, mtbf_s=sc.get("mtbf_s"), seed=s)
                     for s in range(args.seeds)]
-            m = {k: statistics.fmean(o[k] for o in outs) for k in outs[0] if k != "policy"}
+            m = {k: statistics.fmean(o[k] for o in outs) for k in outs[0] if k not in ("policy", "lag_samples_ckpts")}
             print(f"| {name} | {rho:.2f} | {policy} | {m['lag_p50_s'] / 60:.1f} min | {m['lag_p95_s'] / 60:.1f} min | "
                   f"{m['lag_p95_ckpts']:.1f} | {m['lag_end_ckpts']:.1f} | {m['loads']:.0f} | {m['util']:.0%} | {m['starved']:.1f}/{m['runs']:.0f} | "
                   f"{m['final_delay_max_s'] / 60:.1f} min | {m['evaluated']:.0f} / {m['published']:.0f} "

@@ -76,7 +76,7 @@ class EvalOnCheckpoint:
                  priority: str = "default", redis_url: str | None = None, eval_final: bool = True,
                  train_end_timeout: float = 30.0, connect_timeout: float = 2.0, job_timeout: int | None = None,
                  min_backoff: float = 1.0, max_backoff: float = 60.0, reconcile_interval: float = 30.0,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, backlog: str = "all", route_by_target: bool = False):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = int(every_n_steps)
@@ -95,6 +95,11 @@ class EvalOnCheckpoint:
         self.job_timeout = job_timeout
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.reconcile_interval = reconcile_interval
+        # many runs, several targets (eval_worker/service/routing.py): the run's backlog policy, target queues
+        from eval_worker.service.routing import parse_policy
+
+        parse_policy(backlog)  # a typo fails at construction, not at the first checkpoint
+        self.backlog, self.route_by_target = backlog, route_by_target
         self.outcomes: list[Any] = []          # EnqueueOutcome of every delivered job (for callers/tests)
         self.errors: list[str] = []            # what went wrong (also logged)
         self._last_bucket = 0                  # highest multiple of every_n_steps already evaluated
@@ -281,7 +286,7 @@ class EvalOnCheckpoint:
             return self._conn
 
     def _send(self, job: dict[str, Any]):
-        config = QueueConfig(base=self.queue)
+        config = QueueConfig(base=self.queue, backlog=self.backlog, route_by_target=self.route_by_target)
         if self.job_timeout:
             config.job_timeout = int(self.job_timeout)
         try:

@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="evaluate again under a new attempt id")
     parser.add_argument("--priority", choices=["high", "default", "low"], default="default",
                         help="queue: workers take high before default before low (default: %(default)s)")
+    parser.add_argument("--route-by-target", action="store_true",
+                        help="queue each job on its target's queues, taken only by workers started with "
+                             "`--serve-target` for that target (default: the plain queues, any worker)")
+    parser.add_argument("--backlog", default="all", metavar="POLICY",
+                        help="the run's backlog policy: all (every checkpoint, in order), newest-first (the "
+                             "newest next, older ones when idle), thin:K (every K-th and the newest; the rest "
+                             "skipped, re-queueable); the last checkpoint is always evaluated (default: %(default)s)")
     parser.add_argument("--checkpoint-root", action="append", default=None, metavar="DIR",
                         help="refuse checkpoints outside these roots: directories or store prefixes such as "
                              "s3://bucket/runs (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
@@ -115,7 +122,13 @@ def main(args: argparse.Namespace) -> int:
             return fail(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
     mlflow = {k: v for k, v in (("experiment", args.mlflow_experiment), ("parent_run_id", args.mlflow_parent_run))
               if v} or None
-    config = QueueConfig(base=args.queue)
+    from eval_worker.service.routing import parse_policy
+
+    try:
+        parse_policy(args.backlog)
+    except JobError as e:
+        return fail(f"--backlog: {e}")
+    config = QueueConfig(base=args.queue, route_by_target=args.route_by_target, backlog=args.backlog)
     if args.job_timeout:
         config.job_timeout = args.job_timeout
     if args.retries is not None:

@@ -18,12 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_args(parser)
 
 
-def _listed(title: str, jobs: list, line) -> None:
-    print(f"{title} ({len(jobs)}):")
+def _listed(title: str, jobs: list, line, total: int | None = None) -> None:
+    total = len(jobs) if total is None else total  # queued jobs: only the first SHOWN per queue are loaded
+    print(f"{title} ({total}):")
     for j in jobs[:SHOWN]:
         print("  " + line(j))
-    if len(jobs) > SHOWN:
-        print(f"  ... and {len(jobs) - SHOWN} more (`dflash-eval status --json` lists them all)")
+    if total > SHOWN:
+        print(f"  ... and {total - SHOWN} more (`dflash-eval status --json` lists them all)")
 
 
 def _tau(s) -> str:
@@ -38,6 +39,25 @@ def _spooled(j) -> str:
     return f" [result computed and kept in {j['spooled_result']}: only the ledger write is retried]"
 
 
+def _lag(lag) -> str:
+    """`; eval lag N steps (S s)`: the newest queued checkpoint vs the newest evaluated one."""
+    if not lag or lag.get("lag_steps") is None:
+        return ""
+    secs = f" ({lag['lag_s']:.0f} s)" if isinstance(lag.get("lag_s"), (int, float)) else ""
+    return f"; eval lag {lag['lag_steps']} steps{secs} (newest queued step {lag['newest_published_step']})"
+
+
+def _routing_lines(st: dict) -> None:
+    """Targets whose queued jobs no worker takes; checkpoints a thin backlog policy skipped."""
+    for t in st.get("targets_without_worker") or []:
+        print(f"target {t['target'] or t['target_key']}: {t['queued']} job(s) queued and no worker serves it "
+              f"(start one with `dflash-eval worker --serve-target {t['target'] or 'DIR'}`)")
+    if st.get("skipped"):
+        _listed("skipped by the backlog policy", st["skipped"],
+                lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}: {j['reason']}")
+        print("  (`dflash-eval requeue --run RUN --steps STEP,...` evaluates them)")
+
+
 def main(args: argparse.Namespace) -> int:
     from eval_worker.service.queue import status
 
@@ -45,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001
         return fail(str(e))
-    st = status(conn, args.queue, run=args.run)
+    st = status(conn, args.queue, run=args.run, limit=None if args.json else SHOWN)
     if args.json:
         from eval_worker.results import latest_demo
 
@@ -58,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {w['name']}  {w['state']}  {w['host']}:{w['pid']}  job={w['current_job'] or '-'}  "
               f"ok={w['successful']} failed={w['failed']}")
     _listed("queued", st["queued"], lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}  on {j['origin']}  "
-                                               f"since {j['enqueued_at']}")
+                                               f"since {j['enqueued_at']}", st["queued_total"])
     _listed("running", st["running"], lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}  on {j['worker']}  "
                                                  f"since {j['started_at']}")
     if st["scheduled"]:
@@ -74,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
     if st["failed"]:
         print("  (`dflash-eval requeue --failed [--job ID]` runs them again; `dflash-eval dismiss ID...|--all` "
               "removes them)")
+    _routing_lines(st)
     print("runs:")
     if not st["runs"]:
         print("  (no results recorded yet)")
@@ -81,9 +102,10 @@ def main(args: argparse.Namespace) -> int:
     for run, r in sorted(st["runs"].items()):
         suites = r.get("suites") or {}
         if len(suites) <= 1:
-            print(f"  {run}: {r['evaluated']} evaluated; latest τ {_tau(r['latest'])}; best τ {_tau(r['best'])}")
+            print(f"  {run}: {r['evaluated']} evaluated; latest τ {_tau(r['latest'])}; best τ {_tau(r['best'])}"
+                  f"{_lag(r.get('eval_lag'))}")
             continue
-        print(f"  {run}: {r['evaluated']} evaluated on {len(suites)} suites")
+        print(f"  {run}: {r['evaluated']} evaluated on {len(suites)} suites{_lag(r.get('eval_lag'))}")
         for suite, t in sorted(suites.items()):
             print(f"    {suite}: {t['evaluated']} evaluated; latest τ {_tau(t['latest'])}; best τ {_tau(t['best'])}")
     return 0

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device for the target (default $DFLASH_DEVICE, "
                                                        "else the engine's)")
     parser.add_argument("--max-targets", type=int, default=1, help="targets kept loaded at once (LRU)")
+    parser.add_argument("--serve-target", action="append", default=None, metavar="DIR",
+                        help="also take the jobs routed to this target (`enqueue --route-by-target`), repeatable; "
+                             "--target is served too. The queues of the targets held loaded are served first "
+                             "within each priority")
     parser.add_argument("--name", default=None, help="worker name (default dflash-<host>-<pid>)")
     parser.add_argument("--maintenance-interval", type=int, default=60,
                         help="seconds between registry cleanups that recover jobs of crashed workers")
@@ -74,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
     import logging
 
     from eval_worker.service.queue import queue_name
+    from eval_worker.service.routing import serving_queue_names
     from eval_worker.service.evaluators import WorkerSettings
     from eval_worker.service.worker import serve, worker_name
     from dflash_train.progress import limit_repeated_warnings
@@ -115,8 +120,15 @@ def main(args: argparse.Namespace) -> int:
                 storage.preflight(str(root))
             except (StoreError, OSError) as e:
                 return fail(f"--checkpoint-root {storage.redact(str(root))}: {e}")
+    serve_targets = None
+    if args.serve_target:
+        serve_targets = list(dict.fromkeys(os.path.abspath(t) for t in [*([args.target] if args.target else []),
+                                                                        *args.serve_target]))
     try:
-        queues = [queue_name(args.queue, p.strip()) for p in args.priorities.split(",") if p.strip()]
+        priorities = [p.strip() for p in args.priorities.split(",") if p.strip()]
+        for p in priorities:
+            queue_name(args.queue, p)  # an unknown priority is refused here
+        queues = serving_queue_names(args.queue, priorities, serve_targets or [])
     except ValueError as e:
         return fail(str(e))
     try:
@@ -132,5 +144,6 @@ def main(args: argparse.Namespace) -> int:
     serve(conn, queues, settings, burst=args.burst, preload=not args.no_preload, name=name,
           maintenance_interval=args.maintenance_interval, job_monitoring_interval=args.job_monitoring_interval,
           heartbeat_grace=args.heartbeat_grace, worker_ttl=args.worker_ttl, stop_timeout=args.stop_timeout,
-          with_scheduler=not args.no_scheduler, max_jobs=args.max_jobs, logging_level=args.log_level)
+          with_scheduler=not args.no_scheduler, max_jobs=args.max_jobs, logging_level=args.log_level,
+          route_base=args.queue, serve_targets=serve_targets)
     return 0

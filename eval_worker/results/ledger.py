@@ -54,6 +54,10 @@ RECORD_SCHEMA = "dflash-eval-record/1"
 INDEX_PREFIX = "dflash:ledger:"    # hash per run: "<step>:<record key>" -> summary of its newest attempt
 RUNS_KEY = "dflash:ledger-runs"    # set of the runs with records
 DONE_KEY = "dflash:ledger-jobs"    # hash: base job id -> summary of its newest recorded attempt
+# set per (run, step): digests of the checkpoints queued or recorded there. The queue asks it on every
+# enqueue ("another checkpoint at this step?"); a scan of the run's hashes was O(run's jobs) per enqueue.
+STEP_CKPTS_PREFIX = "dflash:step-ckpts:"  # "<run>:<step>" -> {digest, ...}
+STEP_CKPTS_DONE = "dflash:step-ckpts-migrated"  # runs whose older entries have been copied into the sets
 _ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.json$")
 FILE_MODE, DIR_MODE = 0o644, 0o755  # shared results: readable by the report/publish user, written by the worker
 
@@ -184,6 +188,31 @@ def _write_tmp(directory: Path, data: bytes) -> str:
     return tmp
 
 
+def note_step_checkpoint(pipe, run_id: str, step: int, digest: str) -> None:
+    """Remember (in `pipe`) that checkpoint `digest` was queued or recorded at (run, step)."""
+    pipe.sadd(f"{STEP_CKPTS_PREFIX}{run_id}:{int(step)}", digest)
+
+
+def step_checkpoints(connection, run_id: str, step: int, legacy_hashes: tuple[str, ...] = ()) -> set[str]:
+    """Digests of every checkpoint queued or recorded at (run, step), one SMEMBERS.
+
+    Entries written before these sets existed are copied in once per run, from the hashes in
+    `legacy_hashes` (the ledger index and the queue's per-run job hash), on the first call."""
+    if legacy_hashes and not connection.sismember(STEP_CKPTS_DONE, run_id):
+        with connection.pipeline() as pipe:
+            for key in legacy_hashes:
+                for field, raw in connection.hscan_iter(key):
+                    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                        entry = json.loads(raw)
+                        digest = entry.get("checkpoint_digest") or entry["job"]["checkpoint_digest"]
+                        step_of = int((field.decode() if isinstance(field, bytes) else field).split(":", 1)[0])
+                        note_step_checkpoint(pipe, run_id, step_of, digest)
+            pipe.sadd(STEP_CKPTS_DONE, run_id)
+            pipe.execute()
+    members = connection.smembers(f"{STEP_CKPTS_PREFIX}{run_id}:{int(step)}")
+    return {m.decode() if isinstance(m, bytes) else m for m in members}
+
+
 class Ledger:
     """Read and write records under `root` (`Settings.results_dir` by default, chosen by the
     caller); optionally index them in Redis (`connection`). Without a root only the index is
@@ -216,7 +245,8 @@ class Ledger:
 
     # ---- writing -------------------------------------------------------------------
     def write(self, *, job: dict[str, Any], job_id: str, result: dict[str, Any],
-              worker: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:
+              worker: dict[str, Any] | None = None,
+              queue: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:
         """Record `result` of `job`; return (path, record, created).
 
         `created` is False when this job's attempt was already recorded by an earlier
@@ -234,6 +264,8 @@ class Ledger:
             "checkpoint_digest": job.get("checkpoint_digest"), "recorded_at": _utcnow(), "job": job,
             "worker": worker or {"host": socket.gethostname(), "pid": os.getpid()}, "result": result,
         }
+        if queue:  # the queue's view when it was recorded (eval lag: service/routing.py)
+            record["queue"] = queue
         _mkdirs(record_dir)
         while True:
             path = record_dir / f"attempt-{attempt}.json"
@@ -313,6 +345,8 @@ class Ledger:
             if record.get("job_id"):
                 pipe.hset(DONE_KEY, strip_attempt(record["job_id"]), json.dumps(summary, sort_keys=True))
             pipe.sadd(RUNS_KEY, record["run_id"])
+            if record.get("checkpoint_digest"):
+                note_step_checkpoint(pipe, record["run_id"], record["step"], record["checkpoint_digest"])
             pipe.execute()
 
     def indexed(self, run_id: str | None = None) -> list[dict[str, Any]]:

@@ -33,6 +33,8 @@ class RunResult:
     # the training run's metrics when the checkpoint was published (its COMPLETE.json, via the job):
     # recent-window means of loss, accuracy and streak (1 + leading correct slots: the train-side accept length)
     train_metrics: dict | None = None
+    # the queue's view when the record was written: {"eval_lag": {"lag_steps", "lag_s", ...}} (service/routing.py)
+    queue: dict | None = None
 
     @property
     def key(self) -> str:
@@ -69,8 +71,16 @@ def load_run(run_id: str, results_dir: str | os.PathLike) -> list[RunResult]:
             result = result_of(record)
         except (LedgerError, ResultsError) as err:
             raise ResultsError(f"{e.path}: {err}") from None
-        out.append(RunResult(e.step, e.key, e.attempt, e.path, result, _train_metrics(record)))
+        out.append(RunResult(e.step, e.key, e.attempt, e.path, result, _train_metrics(record),
+                             record.get("queue") if isinstance(record.get("queue"), dict) else None))
     return out
+
+
+def lag_scalars(res: RunResult) -> dict[str, float]:
+    """`eval/lag_steps` and `eval/lag_s` of a record (the run's eval lag when it was recorded), if known."""
+    lag = (res.queue or {}).get("eval_lag") or {}
+    return {f"eval/{k}": float(lag[k]) for k in ("lag_steps", "lag_s")
+            if isinstance(lag.get(k), (int, float)) and math.isfinite(lag[k])}
 
 
 def _train_metrics(record: dict) -> dict | None:

@@ -31,7 +31,7 @@ from eval_worker.engine.options import options_identity
 from eval_worker.engine.suite import HF_PREFIX, load_suite
 from eval_worker.results import sinks
 from eval_worker.results.ledger import Ledger, tau_of
-from eval_worker.service import evaluators
+from eval_worker.service import evaluators, routing
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.evaluators import WorkerSettings, target_loads
 from eval_worker.service.jobs import JobError
@@ -112,7 +112,8 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
         else:
             result, worker_info = _evaluate(job, s, rq_job)
         try:
-            path, record, created = ledger.write(job=job, job_id=job_id, result=result, worker=worker_info)
+            path, record, created = ledger.write(job=job, job_id=job_id, result=result, worker=worker_info,
+                                                 queue=_queue_view(connection, job))
         except OSError as e:
             raise _spool(s, job, job_id, result, worker_info, e, rq_job) from e
         _drop_spool(s, job_id)
@@ -149,6 +150,18 @@ def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path,
              f(tau.get("macro")), f(ci[0]), f(ci[1]), tau.get("num_steps", "?"), extra,
              f"; diagnostics: {', '.join(errors)}" if errors else "", format_duration(seconds),
              "recorded at" if created else "already recorded at", path)
+
+
+def _queue_view(connection, job: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's eval lag once this job is recorded (service/routing.py); None outside a queue."""
+    if connection is None:
+        return None
+    try:
+        lag = routing.lag_at_completion(connection, job["run_id"], int(job["step"]))
+    except Exception as e:  # noqa: BLE001 - bookkeeping: never worth failing a computed result
+        log.warning("eval lag of %s not recorded: %s", job["run_id"], e)
+        return None
+    return {"eval_lag": lag} if lag else None
 
 
 def _local_job_id(job: dict[str, Any]) -> str:

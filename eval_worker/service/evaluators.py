@@ -99,6 +99,12 @@ def target_loads(target: str | None = None) -> int:
     return _loads.get(os.path.realpath(target), 0)
 
 
+def loaded_targets() -> list[str]:
+    """The targets this process holds loaded (real paths), least recently used first."""
+    with _lock:
+        return list(_evaluators)
+
+
 def _new_evaluator(target: str, s: WorkerSettings):
     if s.evaluator_factory:
         from importlib import import_module

@@ -14,7 +14,7 @@ takes a new attempt number (`-r<n>` id) from a Redis counter.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
@@ -31,8 +31,9 @@ from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.redaction import redact
 
 from eval_worker.service import jobs as jobs_mod
+from eval_worker.service import routing
 from eval_worker.service.jobs import JobError
-from eval_worker.results.ledger import Ledger
+from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
 
 JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an eval job may name (job_guard.EvalJob)
 DEFAULT_BASE = "dflash-eval"
@@ -56,6 +57,8 @@ class QueueConfig:
     result_ttl: int = 7 * 86400          # finished jobs stay visible (and deduped) a week
     failure_ttl: int = 30 * 86400        # failed jobs stay re-queueable a month
     ttl: int | None = None               # max time waiting in the queue (None: forever)
+    route_by_target: bool = False        # a job naming a target goes to its target's queues (service/routing.py)
+    backlog: str = "all"                 # the run's backlog policy: all | newest-first | thin:K (routing.py)
 
     def retry(self) -> Retry | None:
         return Retry(max=self.retry_max, interval=list(self.retry_intervals) or 0) if self.retry_max > 0 else None
@@ -150,7 +153,8 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     if force:
         job["attempt"] = int(connection.incr(ATTEMPT_PREFIX + base_id))
     job_id = jobs_mod.job_id_for(job, suite_fp)
-    qname = queue_name(config.base, job["priority"])
+    family = routing.routed_base(config.base, job["target"]) if config.route_by_target else config.base
+    qname = queue_name(family, job["priority"])
 
     if not force:
         done = Ledger(connection=connection).lookup_job(base_id)
@@ -186,7 +190,7 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
         raise
     others = other_checkpoints_at_step(connection, job)
     _remember(connection, job, job_id, suite_fp)
-    note = ""
+    note = _after_enqueue(connection, job, job_id, qname, family, config)
     if others:
         note = (f"; note: run {job['run_id']} step {job['step']} already has checkpoint(s) "
                 f"{', '.join(d[:12] + '...' for d in others)} and this one is {job['checkpoint_digest'][:12]}...: "
@@ -212,14 +216,21 @@ def workers_target(connection, queue: str) -> str | None:
     return targets.pop() if len(targets) == 1 and None not in targets else None
 
 
+def _after_enqueue(connection, job: dict[str, Any], job_id: str, qname: str, family: str,
+                   config: QueueConfig) -> str:
+    """Routing, backlog policy and eval-lag bookkeeping of a queued job (service/routing.py)."""
+    if family != config.base:
+        routing.remember_target(connection, job["target"])
+    routing.note_published(connection, job["run_id"], job["step"])
+    done = routing.apply_backlog(connection, job, job_id, qname, config.backlog, family)
+    return f"; {done}" if done else ""
+
+
 def other_checkpoints_at_step(connection, job: dict[str, Any]) -> list[str]:
-    """Digests of other checkpoints queued or recorded at the job's (run, step)."""
-    found = {s.get("checkpoint_digest") for s in Ledger(connection=connection).at_step(job["run_id"], job["step"])}
-    for _, raw in connection.hscan_iter(JOBS_PREFIX + job["run_id"], match=f"{int(job['step'])}:*"):
-        try:
-            found.add(json.loads(raw)["job"]["checkpoint_digest"])
-        except (ValueError, KeyError, TypeError):
-            continue
+    """Digests of other checkpoints queued or recorded at the job's (run, step) (one set read:
+    the run's job hash and ledger index are only scanned once, for entries older than the sets)."""
+    found = step_checkpoints(connection, job["run_id"], job["step"],
+                             legacy_hashes=(INDEX_PREFIX + job["run_id"], JOBS_PREFIX + job["run_id"]))
     return sorted(d for d in found if isinstance(d, str) and d != job["checkpoint_digest"])
 
 
@@ -253,6 +264,7 @@ def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> No
     with connection.pipeline() as pipe:
         pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{job['checkpoint_digest'][:12]}:{suite_fp}", entry)
         pipe.hdel(OWED_PREFIX + job["run_id"], job_key(job))  # queued: a trainer owes it no more
+        note_step_checkpoint(pipe, job["run_id"], job["step"], job["checkpoint_digest"])
         pipe.execute()
 
 
@@ -300,17 +312,55 @@ def _job_brief(job: Job) -> dict[str, Any]:
 
 
 def _jobs(connection, ids: Iterable[str]) -> list[Job]:
-    return [j for j in Job.fetch_many(list(ids), connection=connection, serializer=JSONSerializer) if j is not None]
+    ids, out = list(ids), []
+    for lo in range(0, len(ids), 1000):  # one pipeline per 1000 jobs: bounded reply buffers on long queues
+        out += [j for j in Job.fetch_many(ids[lo:lo + 1000], connection=connection, serializer=JSONSerializer)
+                if j is not None]
+    return out
 
 
-def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict[str, Any]:
-    """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run."""
+STATUS_CHUNK = 1000  # job ids read per round trip when a long queue is filtered by run
+
+
+def _queued_briefs(connection, q: Queue, run: str | None, limit: int | None) -> tuple[list[dict[str, Any]], int]:
+    """(briefs of the queued jobs in the order served, at most `limit` of them; how many there are).
+
+    Only the jobs shown are loaded: a queue of 100,000 jobs is read as ids (and, for `run`,
+    each job's meta field, in pipelined chunks), not as 100,000 job objects."""
+    if run is None:
+        total = q.count
+        ids = q.get_job_ids(0, limit) if limit is not None else q.get_job_ids()
+        return [_job_brief(j) for j in _jobs(connection, ids)], total
+    ids, total, mine = q.get_job_ids(), 0, []
+    for lo in range(0, len(ids), STATUS_CHUNK):
+        chunk = ids[lo:lo + STATUS_CHUNK]
+        with connection.pipeline() as pipe:
+            for job_id in chunk:
+                pipe.hget(Job.key_for(job_id), "meta")
+            metas = pipe.execute()
+        for job_id, raw in zip(chunk, metas):
+            try:
+                if raw is not None and json.loads(raw).get("run_id") == run:
+                    total += 1
+                    if limit is None or len(mine) < limit:
+                        mine.append(job_id)
+            except (ValueError, AttributeError):
+                continue
+    return [_job_brief(j) for j in _jobs(connection, mine)], total
+
+
+def status(connection, base: str = DEFAULT_BASE, run: str | None = None, limit: int | None = None) -> dict[str, Any]:
+    """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run.
+
+    `limit`: list at most this many queued jobs per queue (`queued_total` counts them all)."""
     out: dict[str, Any] = {"queues": {}, "queued": [], "running": [], "scheduled": [], "failed": [], "workers": [],
-                           "runs": {}, "owed": owed_jobs(connection, run)}
-    for name in queue_names(base):
+                           "runs": {}, "owed": owed_jobs(connection, run), "queued_total": 0}
+    for name in all_queue_names(connection, base):
         q = get_queue(connection, name)
         out["queues"][name] = q.count
-        out["queued"] += [_job_brief(j) for j in _jobs(connection, q.get_job_ids())]  # in the order served
+        briefs, total = _queued_briefs(connection, q, run, limit)
+        out["queued"] += briefs  # in the order served
+        out["queued_total"] += total
         started = StartedJobRegistry(name, connection=connection, serializer=JSONSerializer)
         out["running"] += [_job_brief(j) for j in _jobs(connection, started.get_job_ids(cleanup=False))]
         sched = ScheduledJobRegistry(name, connection=connection, serializer=JSONSerializer)
@@ -319,13 +369,17 @@ def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict
         for j in _jobs(connection, failed.get_job_ids()):
             out["failed"].append({**_job_brief(j), "reason": failure_reason(j),
                                   "ended_at": j.ended_at.isoformat() if j.ended_at else None})
-    names = set(queue_names(base))
+    names = set(all_queue_names(connection, base))
+    worker_queues = []
     for w in Worker.all(connection=connection, serializer=JSONSerializer):
+        worker_queues.append(w.queue_names())
         if not names.intersection(w.queue_names()):
             continue
         out["workers"].append({"name": w.name, "state": str(w.get_state()), "host": w.hostname, "pid": w.pid,
                                "current_job": w.get_current_job_id(), "queues": w.queue_names(),
                                "successful": w.successful_job_count, "failed": w.failed_job_count})
+    out["targets_without_worker"] = routing.orphan_targets(connection, base, worker_queues)
+    out["skipped"] = routing.skipped(connection, all_queue_names(connection, base), run)
     if run:
         for section in ("queued", "running", "scheduled", "failed"):
             out[section] = [j for j in out[section] if j["run_id"] == run]
@@ -340,7 +394,16 @@ def status(connection, base: str = DEFAULT_BASE, run: str | None = None) -> dict
                 tally["latest"] = s
             if isinstance(s.get("tau"), (int, float)) and (tally["best"] is None or s["tau"] > tally["best"]["tau"]):
                 tally["best"] = s
+    for run_id, r in out["runs"].items():
+        r["eval_lag"] = routing.eval_lag(connection, run_id, r["latest"]["step"] if r["latest"] else None)
     return out
+
+
+def all_queue_names(connection, base: str = DEFAULT_BASE) -> list[str]:
+    """`base`'s priority queues, then its backlog and routed target queues that RQ knows of."""
+    known = {q.name for q in Queue.all(connection=connection, serializer=JSONSerializer)}
+    extra = [routing.backlog_queue(base)] if routing.backlog_queue(base) in known else []
+    return queue_names(base) + extra + routing.routed_queue_names(connection, base)
 
 
 # --------------------------------------------------------------------------- requeue
@@ -350,7 +413,7 @@ def requeue_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] 
     """Put failed jobs back on their queues under the same id (RQ's FailedJobRegistry.requeue)."""
     wanted = set(job_ids) if job_ids else None
     done = []
-    for name in queue_names(base):
+    for name in all_queue_names(connection, base):
         registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
         for job in _jobs(connection, registry.get_job_ids()):
             if wanted is not None and job.id not in wanted:
@@ -414,8 +477,9 @@ def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, con
             results.append((job_id, f"re-queued failed job {job_id}" if requeued else f"{job_id}: not in failed registry"))
             continue
         payload = {**entry["job"], "requested_by": "requeue", "attempt": 0}
-        results.append(enqueue(connection, payload, force=True, config=config, roots=roots,
-                               suite_fp=entry["suite_fingerprint"]))
+        routed = current is not None and "@" in (current.origin or "")  # back to its target's queues
+        results.append(enqueue(connection, payload, force=True, config=replace(config, route_by_target=True)
+                               if routed else config, roots=roots, suite_fp=entry["suite_fingerprint"]))
     return RequeueReport(results, missing)
 
 
@@ -454,7 +518,7 @@ def dismiss_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] 
     never wrote to it). Returns (dismissed ids, problems: ids that are not failed jobs here)."""
     wanted = None if job_ids is None else list(dict.fromkeys(job_ids))
     found: dict[str, Job] = {}
-    for name in queue_names(base):
+    for name in all_queue_names(connection, base):
         registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
         for job in _jobs(connection, registry.get_job_ids()):
             if (wanted is None or job.id in wanted) and (run is None or (job.meta or {}).get("run_id") == run):

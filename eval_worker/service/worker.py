@@ -43,7 +43,8 @@ from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from dflash_train.redaction import install_log_redaction, redact
-from eval_worker.service.evaluators import WorkerSettings, configure, get_evaluator
+from eval_worker.service import routing
+from eval_worker.service.evaluators import WorkerSettings, configure, get_evaluator, loaded_targets
 from eval_worker.service.job_guard import EvalJob
 from eval_worker.service.queue import TARGET_FIELD, get_queue
 from eval_worker.service.redis_local import server_unavailable
@@ -169,8 +170,12 @@ class EvalScheduler(RQScheduler):
 class EvalWorker(SimpleWorker):
     """SimpleWorker + heartbeat thread + in-process stop/requeue (see the module docstring)."""
 
-    def __init__(self, *args, heartbeat_grace: int = 60, stop_timeout: float | None = None, **kwargs):
+    def __init__(self, *args, heartbeat_grace: int = 60, stop_timeout: float | None = None,
+                 route_base: str | None = None, serve_targets: list[str] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        # routing (service/routing.py): the targets served, by real path -> routing key
+        self._route_base = route_base
+        self._served = {os.path.realpath(t): routing.target_key(t) for t in serve_targets or []}
         self.heartbeat_grace = int(heartbeat_grace)
         self.stop_timeout = stop_timeout
         self._current = None            # the rq Job running in this process
@@ -256,8 +261,19 @@ class EvalWorker(SimpleWorker):
                 raise
             self._after_redis_outage(job, queue, execution, e)
 
+    # ---- routing: the loaded target's queues first ----------------------------------------
+    def _order_by_affinity(self) -> None:
+        if not self._served or self._route_base is None:
+            return
+        loaded = {self._served[t] for t in loaded_targets() if t in self._served}
+        self._ordered_queues = routing.affinity_order(self._ordered_queues, self._route_base, loaded)
+
+    def reorder_queues(self, reference_queue):
+        self._order_by_affinity()
+
     # ---- unreadable jobs -----------------------------------------------------------------
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        self._order_by_affinity()  # the target loaded by the last job may have changed
         # RQ's work loop quits when a dequeued job hash cannot even be loaded (a bad status or
         # date field): set such a job aside under dflash:quarantine:<id> and take the next one.
         # Likewise a server that is there but refuses writes (out of memory, MISCONF, BUSY: RQ
@@ -438,7 +454,7 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
           preload: bool = True, name: str | None = None, maintenance_interval: int = 60,
           job_monitoring_interval: int = 10, heartbeat_grace: int = 60, worker_ttl: int = 420,
           stop_timeout: float | None = None, with_scheduler: bool = True, max_jobs: int | None = None,
-          logging_level: str = "INFO") -> bool:
+          logging_level: str = "INFO", route_base: str | None = None, serve_targets: list[str] | None = None) -> bool:
     """Run a worker until stopped (or, with `burst`, until the queues are empty)."""
     from rq.serializers import JSONSerializer
 
@@ -449,7 +465,8 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
     worker = EvalWorker([get_queue(connection, n) for n in queue_names], connection=connection,
                         serializer=JSONSerializer, job_class=EvalJob, name=name or worker_name(),
                         maintenance_interval=maintenance_interval, job_monitoring_interval=job_monitoring_interval,
-                        worker_ttl=worker_ttl, heartbeat_grace=heartbeat_grace, stop_timeout=stop_timeout)
+                        worker_ttl=worker_ttl, heartbeat_grace=heartbeat_grace, stop_timeout=stop_timeout,
+                        route_base=route_base, serve_targets=serve_targets)
     if settings_.default_target:
         from eval_worker.service.jobs import canonical_target
 

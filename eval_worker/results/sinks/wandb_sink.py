@@ -46,7 +46,7 @@ from pathlib import Path
 from dflash_train import storage
 from dflash_train.fsutil import atomic_write_text
 from dflash_train.settings import Settings
-from eval_worker.results.run_results import RunResult, load_run
+from eval_worker.results.run_results import RunResult, lag_scalars, load_run
 from eval_worker.results.sinks.base import SinkError, run_child  # noqa: F401 - SinkError: the sinks' one error
 from eval_worker.results.sinks.wandb_lock import writer_lock
 from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log, suite_prefix
@@ -213,7 +213,7 @@ def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunR
     best = _best(all_results, primary)
     logged_ckpts: set[str] = set()
     for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
-        run.log(run_log(res.result, primary))
+        run.log({**run_log(res.result, primary), **lag_scalars(res)})
         digest = res.result["checkpoint"].get("digest") or res.result["checkpoint"]["path"]
         if digest not in logged_ckpts:
             logged_ckpts.add(digest)
