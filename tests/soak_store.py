@@ -233,7 +233,8 @@ def scenario_store_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int =
             observed = (f"cache on a {int(one * 3.5) // 1024} kB tmpfs ({one // 1024} kB per checkpoint), "
                         f"--checkpoint-cache-gb 1000: {jobs} checkpoints evaluated one after another, "
                         f"{evicted} downloads met ENOSPC and evicted the least recently used idle entry; "
-                        f"{c.recorded}/{c.accepted} recorded, {cached} entries left, no partial download left, "
+                        f"{c.recorded}/{c.accepted} recorded, {cached} entries left, "
+                        f"{len(st.leftovers()) or 'no'} partial download(s) left, "
                         f"{mis} mis-attributed")
             return Row.of("Checkpoint cache disk full (ENOSPC)", "idle entries evicted (LRU) and the download "
                           "retried; a clear retryable error only when none is idle", observed, c, t0,
@@ -324,7 +325,7 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
         observed = (f"{flaky} jobs over a link cutting 2 responses mid-body each: all recorded; "
                     f"weights downloads cut / answered 503 for good: "
                     + "; ".join(f"{k}: failed ({_short(v)})" for k, v in failed_now.items())
-                    + f", no partial download left; after the store came back `requeue --failed` recorded both; "
+                    + f", {len(leftovers) or 'no'} partial download(s) left; after the store came back `requeue --failed` recorded both; "
                     f"{c.recorded}/{c.accepted} recorded, {mis} mis-attributed; "
                     f"requests through the proxy by fault {dict(st.proxy.counts)}")
         return Row.of("Store connection cut mid-body, or answered 503", "retried inside the cache; a visible "
