@@ -449,4 +449,5 @@ def test_clock_skew_soak_two_workers_one_box_ahead(tmp_path, zygote, target):
     row = soak.scenario_clock_skew(tmp_path, zygote, target, **soak.QUICK["skew"])
     assert row.lost == 0 and row.duplicated == 0 and row.recorded == row.accepted == 6
     assert row.details["duplicate_executions"] == 0 and row.details["executions"] == 6, row.observed
+    assert row.details["duplicate_evaluations"] == 0, row.observed
     assert not row.details["problems"], row.observed
