@@ -308,7 +308,9 @@ def _hook_user(conn, redis_url: str, *, queue_writes: bool) -> str:
     return f"redis://hook:hook-pw@{u.hostname}:{u.port}{u.path or ''}"
 
 
-def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redis_url, full_outbox, tmp_path):
+def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redis_url, full_outbox, tmp_path,
+                                                                      capsys):
+    from eval_worker.cli import main as cli
     from eval_worker.service.queue import status
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
     from tests.sidecar_support import wait_for
@@ -327,6 +329,9 @@ def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redi
         owed = wait_for(lambda: status(conn)["owed"], 30, "status to list the owed job")
         assert [(o["run_id"], o["step"], o["lost"]) for o in owed] == [("run-full", 11, False)]
         assert "No space left on device" in owed[0]["why"]
+        assert cli(["status", "--redis-url", redis_url]) == 0
+        text = capsys.readouterr().out
+        assert "owed by a trainer, not queued" in text and "run=run-full step=11" in text, text
         assert hook.protects(ckpts[11]) and _pins(ckpts[11])  # retention keeps it while it is owed
 
         # 2. the queue takes writes again, the disk is still full: queued straight from memory
