@@ -77,18 +77,18 @@ def test_pin_race_a_worker_done_before_enqueue_returns_leaves_no_pin(conn, tmp_p
         assert again.status in ("duplicate", "evaluated")
     assert _pins(path) == []
 
-
-def test_pin_race_an_enqueue_that_fails_leaves_no_pin(conn, tmp_path, monkeypatch):
-    root = tmp_path / "ck"
-    path = publish_random(root, "run-pin", 6, seed=6)
+    # and an enqueue that fails takes its pin back: nothing was queued to release it
+    other = publish_random(root, "run-pin", 6, seed=6)
 
     def refused(self, *args, **kwargs):
         raise redis.exceptions.ConnectionError("connection refused")
 
     monkeypatch.setattr(Queue, "enqueue_call", refused)
     with pytest.raises(redis.exceptions.ConnectionError):
-        enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
-    assert _pins(path) == []  # nothing queued, so nothing would ever have released it
+        enqueue(conn, jobs.make_job(other, suite="builtin:coding-v1", target=str(tmp_path)))
+    assert _pins(other) == []
+
+
 
 
 # --------------------------------------------------------------------------- clock skew between boxes
@@ -390,7 +390,7 @@ def test_secret_redaction_redact_masks_every_url_in_any_text():
     """Property: whatever surrounds a URL with credentials, neither its secret nor the pair survives."""
     from hypothesis import given, settings, strategies as st
 
-    from dflash_train.redaction import redact
+    from dflash_train.storage import redact  # = dflash_train.redaction.redact
 
     secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="-_.~!$"),
                            min_size=6, max_size=30)
