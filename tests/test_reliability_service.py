@@ -77,18 +77,18 @@ def test_pin_race_a_worker_done_before_enqueue_returns_leaves_no_pin(conn, tmp_p
         assert again.status in ("duplicate", "evaluated")
     assert _pins(path) == []
 
-
-def test_pin_race_an_enqueue_that_fails_leaves_no_pin(conn, tmp_path, monkeypatch):
-    root = tmp_path / "ck"
-    path = publish_random(root, "run-pin", 6, seed=6)
+    # and an enqueue that fails takes its pin back: nothing was queued to release it
+    other = publish_random(root, "run-pin", 6, seed=6)
 
     def refused(self, *args, **kwargs):
         raise redis.exceptions.ConnectionError("connection refused")
 
     monkeypatch.setattr(Queue, "enqueue_call", refused)
     with pytest.raises(redis.exceptions.ConnectionError):
-        enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
-    assert _pins(path) == []  # nothing queued, so nothing would ever have released it
+        enqueue(conn, jobs.make_job(other, suite="builtin:coding-v1", target=str(tmp_path)))
+    assert _pins(other) == []
+
+
 
 
 # --------------------------------------------------------------------------- clock skew between boxes
@@ -308,7 +308,9 @@ def _hook_user(conn, redis_url: str, *, queue_writes: bool) -> str:
     return f"redis://hook:hook-pw@{u.hostname}:{u.port}{u.path or ''}"
 
 
-def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redis_url, full_outbox, tmp_path):
+def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redis_url, full_outbox, tmp_path,
+                                                                      capsys):
+    from eval_worker.cli import main as cli
     from eval_worker.service.queue import status
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
     from tests.sidecar_support import wait_for
@@ -327,6 +329,9 @@ def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redi
         owed = wait_for(lambda: status(conn)["owed"], 30, "status to list the owed job")
         assert [(o["run_id"], o["step"], o["lost"]) for o in owed] == [("run-full", 11, False)]
         assert "No space left on device" in owed[0]["why"]
+        assert cli(["status", "--redis-url", redis_url]) == 0
+        text = capsys.readouterr().out
+        assert "owed by a trainer, not queued" in text and "run=run-full step=11" in text, text
         assert hook.protects(ckpts[11]) and _pins(ckpts[11])  # retention keeps it while it is owed
 
         # 2. the queue takes writes again, the disk is still full: queued straight from memory
@@ -385,7 +390,7 @@ def test_secret_redaction_redact_masks_every_url_in_any_text():
     """Property: whatever surrounds a URL with credentials, neither its secret nor the pair survives."""
     from hypothesis import given, settings, strategies as st
 
-    from dflash_train.redaction import redact
+    from dflash_train.storage import redact  # = dflash_train.redaction.redact
 
     secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="-_.~!$"),
                            min_size=6, max_size=30)
@@ -449,4 +454,5 @@ def test_clock_skew_soak_two_workers_one_box_ahead(tmp_path, zygote, target):
     row = soak.scenario_clock_skew(tmp_path, zygote, target, **soak.QUICK["skew"])
     assert row.lost == 0 and row.duplicated == 0 and row.recorded == row.accepted == 6
     assert row.details["duplicate_executions"] == 0 and row.details["executions"] == 6, row.observed
+    assert row.details["duplicate_evaluations"] == 0, row.observed
     assert not row.details["problems"], row.observed

@@ -35,9 +35,8 @@ import redis
 from rq import worker_registration
 from rq.defaults import RQ_KEY_PREFIX
 from rq.job import JobStatus
-from rq.rate_limit import RateLimitRegistry
-from rq.registry import (DeferredJobRegistry, FailedJobRegistry, FinishedJobRegistry, ReadyJobRegistry,
-                         StartedJobRegistry)
+from rq import registry as rq_registry
+from rq.registry import StartedJobRegistry
 from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
@@ -110,12 +109,13 @@ class HeartbeatStartedJobRegistry(StartedJobRegistry):
 def clean_queue_registries(queue, exception_handlers: list | None = None) -> None:
     """rq.registry.clean_registries, with the started registry judged by heartbeat keys."""
     kw = dict(name=queue.name, connection=queue.connection, job_class=queue.job_class, serializer=queue.serializer)
-    FinishedJobRegistry(**kw).cleanup()
+    rq_registry.FinishedJobRegistry(**kw).cleanup()
     HeartbeatStartedJobRegistry(**kw).cleanup(exception_handlers=exception_handlers)
-    FailedJobRegistry(**kw).cleanup()
-    DeferredJobRegistry(**kw).cleanup()
-    ReadyJobRegistry(**kw).cleanup()
-    for registry in RateLimitRegistry.all(queue.connection):
+    for name in ("FailedJobRegistry", "DeferredJobRegistry", "ReadyJobRegistry"):  # Ready: rq >= 3
+        if hasattr(rq_registry, name):
+            getattr(rq_registry, name)(**kw).cleanup()
+    rate_limits = getattr(rq_registry, "RateLimitRegistry", None)  # rq >= 3 (rq.rate_limit)
+    for registry in rate_limits.all(queue.connection) if rate_limits is not None else ():
         registry.cleanup()
 
 
