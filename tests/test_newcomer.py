@@ -139,7 +139,7 @@ def identity_ckpts(tmp_path_factory):
     return root, [publish_random(root, "run-id", step, seed=step) for step in (100, 200)]
 
 
-def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tmp_path):
+def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tmp_path, capsys):
     """A baseline changes the result (Δτ), so it is a different job; one target spelled two ways, or
     named explicitly vs. left to the worker that has it as its own --target, is the same job."""
     from rq.serializers import JSONSerializer
@@ -168,8 +168,12 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
     worker = Worker(["dflash-eval"], connection=conn, serializer=JSONSerializer, name="w-identity")
     worker.register_birth()
     conn.hset(worker.key, TARGET_FIELD, jobs.canonical_target(target))
-    implicit = enqueue(conn, make())
-    assert implicit.job_id == explicit.job_id and implicit.job["target"] == str(target.resolve())
+    import json
+
+    argv = ["enqueue", str(c200), "--checkpoint-root", str(root), "--redis-url", redis_url, "--json"]
+    assert cli(argv) == 0  # `enqueue` without --target
+    [implicit] = json.loads(capsys.readouterr().out)["outcomes"]
+    assert implicit["job_id"] == explicit.job_id and implicit["status"] == "enqueued"
     assert enqueue(conn, make(target=target)).status == "duplicate"
     conn.close()
 
