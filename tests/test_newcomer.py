@@ -86,25 +86,29 @@ def test_warning_rate_one_line_per_window_per_message():
             shown.append(record.getMessage())
 
     logger = logging.getLogger("test.warning_rate")
-    logger.propagate, handler = False, Keep()
+    logger.propagate, handler, second = False, Keep(), Keep()  # two handlers: each record counted once
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
+    logger.addHandler(second)
     try:
         limiter = limit_repeated_warnings(logger=logger)
         limiter._clock = lambda: now[0]
         assert limit_repeated_warnings(logger=logger) is limiter and handler.filters == [limiter]  # idempotent
+        assert second.filters == [limiter]
         for i in range(35):
             logger.warning("could not connect to Redis: %s, retrying in %d seconds", "refused", 2)
             logger.warning("heartbeat failed")
             logger.info("line %d", i)
             now[0] += 1.0
-        warned = [m for m in shown if not m.startswith("line")]
+        warned = [m for m in shown if not m.startswith("line")][::2]  # each record reached both handlers
+        assert shown.count("heartbeat failed") == 2 * 1
         assert warned[:2] == ["could not connect to Redis: refused, retrying in 2 seconds", "heartbeat failed"]
         assert len(warned) == 4
         assert "[29 more like this in the last 30s not shown]" in warned[2]
-        assert len([m for m in shown if m.startswith("line")]) == 35
+        assert len([m for m in shown if m.startswith("line")]) == 2 * 35
     finally:
         logger.removeHandler(handler)
+        logger.removeHandler(second)
     assert isinstance(limiter, RepeatLimiter)
 
 
