@@ -148,15 +148,20 @@ class RepeatLimiter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
+        decided = getattr(record, "_dflash_shown", None)
+        if decided is not None:  # the same record at the logger's next handler: the same answer
+            return decided
         key = (record.name, record.levelno, str(record.msg))
         with self._lock:
             now, entry = self._clock(), self._seen.get(key)
             if entry is not None and now - entry[0] < self.window_s:
                 entry[1] += 1
+                record._dflash_shown = False
                 return False
             if entry is not None and entry[1]:
                 record.msg = f"{record.msg} [{entry[1]} more like this in the last {self.window_s:.0f}s not shown]"
             self._seen[key] = [now, 0]
+        record._dflash_shown = True
         return True
 
 

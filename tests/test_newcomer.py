@@ -86,25 +86,29 @@ def test_warning_rate_one_line_per_window_per_message():
             shown.append(record.getMessage())
 
     logger = logging.getLogger("test.warning_rate")
-    logger.propagate, handler = False, Keep()
+    logger.propagate, handler, second = False, Keep(), Keep()  # two handlers: each record counted once
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
+    logger.addHandler(second)
     try:
         limiter = limit_repeated_warnings(logger=logger)
         limiter._clock = lambda: now[0]
         assert limit_repeated_warnings(logger=logger) is limiter and handler.filters == [limiter]  # idempotent
+        assert second.filters == [limiter]
         for i in range(35):
             logger.warning("could not connect to Redis: %s, retrying in %d seconds", "refused", 2)
             logger.warning("heartbeat failed")
             logger.info("line %d", i)
             now[0] += 1.0
-        warned = [m for m in shown if not m.startswith("line")]
+        warned = [m for m in shown if not m.startswith("line")][::2]  # each record reached both handlers
+        assert shown.count("heartbeat failed") == 2 * 1
         assert warned[:2] == ["could not connect to Redis: refused, retrying in 2 seconds", "heartbeat failed"]
         assert len(warned) == 4
         assert "[29 more like this in the last 30s not shown]" in warned[2]
-        assert len([m for m in shown if m.startswith("line")]) == 35
+        assert len([m for m in shown if m.startswith("line")]) == 2 * 35
     finally:
         logger.removeHandler(handler)
+        logger.removeHandler(second)
     assert isinstance(limiter, RepeatLimiter)
 
 
@@ -139,7 +143,7 @@ def identity_ckpts(tmp_path_factory):
     return root, [publish_random(root, "run-id", step, seed=step) for step in (100, 200)]
 
 
-def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tmp_path):
+def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tmp_path, capsys):
     """A baseline changes the result (Δτ), so it is a different job; one target spelled two ways, or
     named explicitly vs. left to the worker that has it as its own --target, is the same job."""
     from rq.serializers import JSONSerializer
@@ -168,8 +172,12 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
     worker = Worker(["dflash-eval"], connection=conn, serializer=JSONSerializer, name="w-identity")
     worker.register_birth()
     conn.hset(worker.key, TARGET_FIELD, jobs.canonical_target(target))
-    implicit = enqueue(conn, make())
-    assert implicit.job_id == explicit.job_id and implicit.job["target"] == str(target.resolve())
+    import json
+
+    argv = ["enqueue", str(c200), "--checkpoint-root", str(root), "--redis-url", redis_url, "--json"]
+    assert cli(argv) == 0  # `enqueue` without --target
+    [implicit] = json.loads(capsys.readouterr().out)["outcomes"]
+    assert implicit["job_id"] == explicit.job_id and implicit["status"] == "enqueued"
     assert enqueue(conn, make(target=target)).status == "duplicate"
     conn.close()
 

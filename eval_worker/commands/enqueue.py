@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dflash_train.settings import parse_roots
     from eval_worker.service.jobs import JobError, make_job
-    from eval_worker.service.queue import QueueConfig, enqueue
+    from eval_worker.service.queue import QueueConfig, enqueue, queue_name, workers_target
     from eval_worker.engine.suite import DEFAULT_SUITE
 
     if not args.checkpoints and not args.outbox:
@@ -175,6 +175,8 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost
         return fail(str(e))
     for job in jobs:
+        if not job["target"]:  # the workers' own target, spelled out: the same job as naming it
+            job["target"] = workers_target(conn, queue_name(config.base, job["priority"]))
         try:
             outcomes.append(enqueue(conn, job, force=args.force, config=config, roots=roots))
         except (JobError, StoreError, OSError) as e:

@@ -146,8 +146,6 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     job = jobs_mod.validate_job(payload)
     if check:
         jobs_mod.check_checkpoint(job, roots)
-    if not job.get("target") and suite_fp is None:
-        job["target"] = workers_target(connection, queue_name(config.base, job["priority"]))
     suite_fp = suite_fp or jobs_mod.job_fingerprint(job)
     base_id = jobs_mod.base_job_id(job["run_id"], job["step"], job["checkpoint_digest"], suite_fp)
     if force:
