@@ -57,14 +57,15 @@ _IMPLEMENTED = {
     "head_dim", "vocab_size", "num_target_layers", "target_layer_ids", "mask_token_id", "block_size",
     "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
     "target_hidden_size", "torch_dtype", "dtype", "layer_types", "sliding_window", "use_sliding_window",
-    "max_window_layers", "is_causal", "dflash_config", "architectures", "model_type", "sliding_window_non_causal"}
+    "max_window_layers", "is_causal", "dflash_config", "architectures", "model_type"}
 _METADATA = {
     "auto_map", "transformers_version", "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id",
     "initializer_range", "use_cache", "attention_dropout", "tie_word_embeddings", "return_dict",
     "output_hidden_states", "output_attentions", "id2label", "label2id", "problem_type", "tokenizer_class",
     "chunk_size_feed_forward", "is_encoder_decoder", "task_specific_params", "prefix", "finetuning_task"}
 # metadata whose value matters: any other value is a different network
-_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "is_neox_style": True}
+_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "is_neox_style": True,
+          "use_qk_norm": True}  # use_qk_norm: speculators' decoder config spells out Qwen3's q/k norms
 _DFLASH_IMPLEMENTED = {"mask_token_id", "target_layer_ids", "block_size", "num_target_layers", "causal",
                        "use_swa", "swa_window_size", "mask_token"}
 _DFLASH_FIXED = {"attention_sink_bias": False, "output_multiplier": 1.0, "final_logit_softcapping": None,

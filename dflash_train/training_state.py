@@ -127,15 +127,26 @@ def read_config(path: str | Path) -> DrafterConfig:
         raise CheckpointError(f"{path}: unreadable config ({e})") from None
 
 
+def only_prefix(tensors: dict[str, torch.Tensor], prefix: str, where: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` (stripped): the drafter inside a wrapper that also holds other modules
+    (a frozen target, a loss head), which would otherwise be named as unknown tensors."""
+    kept = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not kept:
+        heads = sorted({k.split(".", 1)[0] + "." for k in tensors})[:20]
+        raise CheckpointError(f"{where}: no tensor under prefix {prefix!r} (top-level names: {heads})")
+    return kept
+
+
 def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None, source: str | Path, *,
-                      config: str | Path | None = None) -> tuple[Path, bool, dict]:
+                      config: str | Path | None = None, prefix: str | None = None) -> tuple[Path, bool, dict]:
     """Make a trainer's checkpoint evaluable: (the record's path, written now, `describe`'s facts).
 
     A drafter directory whose config.json reads (and no `config` given) becomes an import record
     (nothing copied). Anything else is converted: the drafter's tensors taken out (wrapper
     prefixes stripped, optimizer state never read), checked against `config` (a config.json of any
     published layout; the checkpoint's own when it has one) by building the drafter, and published
-    under `<root>/<run_id>/step-<step>/` with its provenance (`imported_from`). Importing the same
+    under `<root>/<run_id>/step-<step>/` with its provenance (`imported_from`); `prefix` keeps only the
+    tensors under it (the drafter inside a wrapper that also holds the target). Importing the same
     unchanged source again returns the existing record."""
     from types import SimpleNamespace
 
@@ -150,7 +161,7 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
             raise CheckpointError(f"{src}: no step in the checkpoint or its name; give --step")
     at = 0 if at is None else at  # a release directory: step 0, as `dflash-eval import` has it
     facts["step"] = at
-    if facts["kind"] == "drafter_dir" and config is None:
+    if facts["kind"] == "drafter_dir" and config is None and prefix is None:
         path, created = import_directory(checkpoint_root, run_id, at, src)
         return path, created, facts
     cfg_path = config or facts["config"]
@@ -159,7 +170,7 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
                               "with --config CONFIG_JSON (any published layout: z-lab, DeepSpec, speculators, ...)")
     st = facts["weights"].stat()
     provenance = {"path": str(src), "kind": facts["kind"], "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                  "config": str(Path(cfg_path).resolve())}
+                  "config": str(Path(cfg_path).resolve()), **({"prefix": prefix} if prefix else {})}
     final = Path(checkpoint_root) / run_id / step_dir_name(at)
     if (final / MARKER_NAME).exists():
         old = read_manifest(final).get("imported_from")
@@ -172,6 +183,8 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
         tensors, _, _ = model_tensors(load_pt(facts["weights"]), facts["weights"])
     else:
         tensors = read_drafter_tensors(facts["weights"])
+    if prefix:
+        tensors = only_prefix(tensors, prefix, src)
     # names, shapes, finiteness checked; written straight from the mapped file (the drafter's pages only)
     drafter_tensors, own_vocab = checked_tensors(tensors, cfg, src)
     del tensors

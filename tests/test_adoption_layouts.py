@@ -84,6 +84,10 @@ def test_layout_speculators_same_tau_and_refusals(zlab, zlab_result, ev, tmp_pat
     cfg = json.loads((path / "config.json").read_text())
     with pytest.raises(ConfigError, match="speculators_model_type=\"eagle3\""):
         DrafterConfig.from_dict({**cfg, "speculators_model_type": "eagle3"})
+    inner = cfg["transformer_layer_config"]
+    DrafterConfig.from_dict({**cfg, "transformer_layer_config": {**inner, "use_qk_norm": True}})  # Qwen3's own
+    with pytest.raises(ConfigError, match="use_qk_norm=false"):
+        DrafterConfig.from_dict({**cfg, "transformer_layer_config": {**inner, "use_qk_norm": False}})
 
 
 def test_layout_vllm_same_tau_and_refusals(zlab, zlab_result, ev, tmp_path):

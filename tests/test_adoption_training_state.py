@@ -140,3 +140,22 @@ def test_trainer_checkpoint_deepspec_converted_keeps_its_vocab_check(zlab, ev, t
     assert created and read_manifest(record)["imported_from"]["kind"] == "drafter_dir"
     with pytest.raises(CheckpointError, match=r"own (embed_tokens|lm_head)\.weight differs from the target's"):
         ev.evaluate(record, SUITE, options=OPTS)
+
+
+def test_trainer_checkpoint_wrapper_holding_the_target_needs_prefix(zlab, ev, zlab_tau, tmp_path, capsys):
+    """An HF checkpoint of a wrapper that also saved the frozen target: the extra tensors are named,
+    and --prefix takes the drafter's sub-tree."""
+    sd = load_file(str(zlab / "model.safetensors"))
+    ck = tmp_path / "wrap" / "checkpoint-7"
+    ck.mkdir(parents=True)
+    target_sd = {f"target.{k}": v.contiguous() for k, v in TARGET.model.state_dict().items()}
+    save_file({**{f"draft_model.{k}": v for k, v in sd.items()}, **target_sd}, str(ck / "model.safetensors"))
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
+    assert _import(tmp_path, ck, "--config", str(zlab / "config.json")) == 2
+    assert "unknown tensor" in capsys.readouterr().err
+    assert _import(tmp_path, ck, "--config", str(zlab / "config.json"), "--prefix", "nope.") == 2
+    assert "no tensor under prefix 'nope.'" in capsys.readouterr().err
+    assert _import(tmp_path, ck, "--config", str(zlab / "config.json"), "--prefix", "draft_model.") == 0
+    rec = json.loads(capsys.readouterr().out)["records"][0]
+    assert rec["step"] == 7 and read_manifest(rec["record"])["imported_from"]["prefix"] == "draft_model."
+    _evaluated(ev, rec["record"], zlab_tau)

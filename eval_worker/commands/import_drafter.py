@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the drafter's config.json (any published layout) for checkpoints that do not hold "
                              "one (HF Trainer checkpoint-N/, *.pt, training_state.pt); the weights are then "
                              "converted into a checkpoint under --into")
+    parser.add_argument("--prefix", default=None, metavar="PREFIX",
+                        help="keep only the tensors under PREFIX (e.g. draft_model.), for a checkpoint of a wrapper "
+                             "that also holds the target or other modules")
     add_import_arguments(parser)
     parser.add_argument("--run", default=None,
                         help="run id of the record (default: read off the path: a HF snapshot's repo name, a "
@@ -41,7 +44,8 @@ def add_import_arguments(parser: argparse.ArgumentParser, *, roots: bool = True)
 
 
 def import_drafters(args: argparse.Namespace, sources: list[str], run: str | None = None,
-                    step: int | None = None, config: str | None = None) -> tuple[list[dict], list[dict]]:
+                    step: int | None = None, config: str | None = None,
+                    prefix: str | None = None) -> tuple[list[dict], list[dict]]:
     """Import each source; ([{source, record, run_id, step, digest, created, given}], [{source, error, given}]),
     `given` being the path as passed."""
     import os
@@ -72,7 +76,7 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
                             f"{what} {path} is outside the checkpoint roots ({os.pathsep.join(map(str, roots))}); "
                             "the worker would refuse it: add its root with --checkpoint-root / "
                             "$DFLASH_CHECKPOINT_ROOTS (for a Hugging Face snapshot, the cache's hub directory)")
-            path, created, _ = import_checkpoint(Path(into), run_id, at, source, config=config)
+            path, created, _ = import_checkpoint(Path(into), run_id, at, source, config=config, prefix=prefix)
         except (CheckpointError, OSError) as e:
             errors.append({"source": source, "error": str(e), "given": source})
             continue
@@ -104,7 +108,7 @@ def _warn_unconfined(into: str, records: list[dict]) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.run is not None and args.step is not None and len(args.drafters) > 1:
         return fail("--run and --step together name one record; import one DRAFTER_DIR at a time with both")
-    records, errors = import_drafters(args, args.drafters, args.run, args.step, args.config)
+    records, errors = import_drafters(args, args.drafters, args.run, args.step, args.config, args.prefix)
     if args.json:
         print_json({"records": records, "errors": errors})
     else:

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the worker's checkpoint roots (repeatable; default $DFLASH_CHECKPOINT_ROOTS)")
     parser.add_argument("--config", default=None, metavar="CONFIG_JSON",
                         help="the drafter's config.json for checkpoints without one (HF Trainer, *.pt)")
+    parser.add_argument("--prefix", default=None, metavar="PREFIX",
+                        help="keep only the tensors under PREFIX (a wrapper that also saved the target)")
     parser.add_argument("--run", default=None, help="run id of the records (default: the directory's name)")
     parser.add_argument("--every", type=int, default=None, metavar="N", help="only steps that are multiples of N")
     parser.add_argument("--suite", action="append", default=None, help="suite(s) to evaluate (default: builtin)")
@@ -77,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         return "; ".join(out)
 
     watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
-                      run_id=args.run, state_path=state_path, log=lambda line: print(line, flush=True))
+                      run_id=args.run, state_path=state_path, prefix=args.prefix, log=lambda line: print(line, flush=True))
     print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
           f"redis {url})", flush=True)
     try:

@@ -44,13 +44,13 @@ class Watcher:
 
     def __init__(self, directory: str | Path, into: str | Path, *, submit: Callable[[Path], str],
                  config: str | Path | None = None, every: int | None = None, settle: float = 30.0,
-                 run_id: str | None = None, state_path: str | Path | None = None,
+                 run_id: str | None = None, state_path: str | Path | None = None, prefix: str | None = None,
                  log: Callable[[str], None] = print, clock: Callable[[], float] = time.time):
         # an object-store run prefix (s3://...): its published checkpoints (COMPLETE.json written last) are queued
         self.url = storage.check_url(str(directory)) if storage.is_url(str(directory)) else None
         self.directory = None if self.url else Path(directory).resolve()
         self.into = Path(into) if into is not None else None
-        self.submit, self.config, self.every, self.settle = submit, config, every, settle
+        self.submit, self.config, self.every, self.settle, self.prefix = submit, config, every, settle, prefix
         name = self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else self.directory.name
         self.run_id = run_id or run_id_from(name, default="watch")
         if state_path is None and self.into is None:
@@ -135,7 +135,8 @@ class Watcher:
                         continue
                     # always converted (its own config.json when it has one): the trainer may delete its copy
                     own = p / "config.json" if p.is_dir() and (p / "config.json").is_file() else None
-                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p, config=self.config or own)
+                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p, config=self.config or own,
+                                                         prefix=self.prefix)
                     step = facts["step"]
                 if self.every and step % self.every:
                     events.append(self._record(key, {"status": "skipped", "step": step,
