@@ -125,14 +125,13 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
     """FLOPs of the blocks the result needs, from the walk itself (`walk.Walker` on the same inputs)."""
     from eval_worker.engine.cache import CacheReport
     from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
-    from eval_worker.engine.scoring import sample_offsets, tree_streak_of
+    from eval_worker.engine.scoring import sample_offsets
     from eval_worker.engine.walk import Walker, WalkSeq, context_kv
 
     f = drafter_flops(drafter.config, vocab)
     B, D = drafter.config.block_size, min(opts.tree_budget, drafter.config.block_size - 1)
     walker = Walker(drafter, ev.target.parts.embed_tokens, ev.target.parts.lm_head, topk=opts.tree_budget,
-                    tree_depth=opts.tree_budget,
-                    tree_fn=lambda i, lp, a, lab: tree_streak_of(i, lp, a, lab, opts.tree_budget, False))
+                    tree_budget=opts.tree_budget)
     quota = -(-opts.anchor_sample // len(refs))
     probe_quota = LeakProbe(B, opts.leak_probe_anchors, len(refs)).quota
     total = 0.0
