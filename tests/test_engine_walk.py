@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dflash_train.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.drafting import draft_anchors, draft_one_block
-from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt, summarize, tree_streak_of
+from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.walk import Walker, WalkSeq, context_kv
 
 from .engine_helpers import fit_drafter, references
@@ -61,8 +61,7 @@ def both_paths(drafter, feats, prompt, ext, n, *, tree_budget, spine, max_blocks
                            backend="sdpa")
     kw = dict(max_blocks=max_blocks, counting=counting, ends_with_stop=stop)
     old = score_prompt("p", ext, n, drafts, B, tree_budget=tree_budget, tree_spine=spine, sample=sample, **kw)
-    walker = Walker(drafter, EMBED, HEAD, topk=topk, tree_depth=tree_budget, tree_spine=spine,
-                    tree_fn=lambda i, lp, a, lab: tree_streak_of(i, lp, a, lab, tree_budget, spine))
+    walker = Walker(drafter, EMBED, HEAD, topk=topk, tree_budget=tree_budget, tree_spine=spine)
     seq = WalkSeq(ids, P, n, np.asarray(ext), full=sample, max_blocks=max_blocks,
                   greedy_steps=None if full_walk else max_blocks)
     got = walker.run([seq], [context_kv(drafter, feats[:max(P + n - 1, 1)])])[0]
@@ -201,3 +200,21 @@ def test_auto_measures_both_paths_then_takes_the_cheaper(engine):
     assert [p["path"] for p in paths[:2]] == ["walk", "all"]
     costs = paths[1]["draft_s_per_token"]
     assert paths[2]["path"] == min(costs, key=costs.get) and paths[2]["chosen"] == "auto"
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10_000), D=st.integers(1, 15), K=st.integers(1, 8), budget=st.integers(1, 40),
+       k=st.integers(1, 15), flat=st.floats(0.05, 5.0))
+def test_early_exit_tree_on_the_depths_it_read_is_the_whole_tree(seed, D, K, budget, k, flat):
+    """The walk's top-k stops at depth k when a tree built on k depths never popped a node at depth k:
+    that tree is then the tree of all D depths (same nodes, same walk for any labels)."""
+    from eval_worker.engine.tree import build_tree
+
+    rng = np.random.default_rng(seed)
+    logp = -np.sort(rng.exponential(flat, (D, K)), axis=1)
+    ids = np.stack([rng.choice(VOCAB, K, replace=False) for _ in range(D)])
+    k = min(k, D)
+    part, whole = build_tree(logp[:k], ids[:k], budget), build_tree(logp, ids, budget)
+    if part.read_depth < k or k == D:
+        assert (part.tokens, part.parents, part.depths) == (whole.tokens, whole.parents, whole.depths)
+    assert whole.read_depth <= D and part.read_depth <= k

@@ -43,8 +43,7 @@ from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
 from eval_worker.engine.options import EvalOptions, temperature_key
 from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError
 from eval_worker.engine.result import EvalResult, PromptResult
-from eval_worker.engine.scoring import (PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize,
-                                        tree_streak_of)
+from eval_worker.engine.scoring import PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.speed import measure_step_costs
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
 from eval_worker.engine.walk import WALK_KV_BUDGET, Walker, WalkSeq, context_kv, kv_bytes
@@ -391,8 +390,7 @@ class Evaluator:
         cfg = drafter.config
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
-        walker = Walker(drafter, embed, head, topk=topk, tree_depth=opts.tree_budget, tree_spine=opts.tree_spine,
-                        tree_fn=lambda i, lp, a, lab: tree_streak_of(i, lp, a, lab, opts.tree_budget, opts.tree_spine),
+        walker = Walker(drafter, embed, head, topk=topk, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
                         head_rows=opts.head_rows or DEFAULT_HEAD_ROWS)
         groups, size = [[]], 0
         for ref in refs:  # context keys/values of a group stay within WALK_KV_BUDGET

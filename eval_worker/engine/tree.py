@@ -29,6 +29,7 @@ class DraftTree:
     depths: list[int] = field(default_factory=list)  # 1-based depth (slot) of node i
     children: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
     spine_depth: int = 0  # how deep the drafter's top-1 chain goes inside the tree
+    read_depth: int = 0  # depths of the top-k the best-first construction popped from (1 + deepest index)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -70,6 +71,7 @@ def build_tree(topk_logp: np.ndarray, topk_ids: np.ndarray, budget: int, *, spin
     while heap and popped < budget:
         neg, _, parent, pscore, d, r = heapq.heappop(heap)
         score = -neg
+        tree.read_depth = max(tree.read_depth, d + 1)
         before = len(tree)
         node = tree._add(parent, d + 1, int(ids[d, r]))
         popped += len(tree) > before  # a spine node popped again costs nothing

@@ -34,10 +34,12 @@ from dflash_train.masks import BlockLayout, dense_mask
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, anchors_per_pass, head_topk
 from eval_worker.engine.scoring import walk_labels
+from eval_worker.engine.tree import DraftTree, build_tree, tree_streak
 
 # the context keys/values a group of prompts holds at once (the rest of the suite waits its turn)
 WALK_KV_BUDGET = 64 * 1024 * 1024
 SLOT_BOUNDS = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128)  # early-exit chunks grow ~1.4x
+TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with (doubling while its tree reads the last)
 
 
 @dataclass
@@ -81,14 +83,13 @@ def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
 class Walker:
     """Walk-driven drafting for one drafter over a group of references."""
 
-    def __init__(self, drafter: DFlashDrafter, embed, head, *, topk: int = 0, tree_depth: int = 0,
-                 tree_spine: bool = False, tree_fn=None, head_rows: int | None = DEFAULT_HEAD_ROWS):
+    def __init__(self, drafter: DFlashDrafter, embed, head, *, topk: int = 0, tree_budget: int = 0,
+                 tree_spine: bool = False, head_rows: int | None = DEFAULT_HEAD_ROWS):
         self.drafter, self.head = drafter, head
         self.emb = _CastEmbedding(embed, drafter.fc.weight.dtype)
         self.B = drafter.config.block_size
-        self.topk, self.D = topk, (min(tree_depth, self.B - 1) if topk else 0)
-        self.spine = tree_spine
-        self.tree_fn = tree_fn  # (topk_ids [D, K], topk_logp [D, K], argmax [B-1], labels [B-1]) -> streak
+        self.topk, self.D = topk, (min(tree_budget, self.B - 1) if topk else 0)  # top-k depths at most
+        self.budget, self.spine = tree_budget, tree_spine
         self.head_rows = head_rows
         self.dev = next(drafter.parameters()).device
 
@@ -96,7 +97,7 @@ class Walker:
     def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
         """`kvs[i]`: `context_kv` of seqs[i]'s features (computed as each prompt's features arrive)."""
         out = [WalkBlocks() for _ in seqs]
-        tree_on = self.topk > 0 and self.tree_fn is not None
+        tree_on = self.topk > 0 and self.D > 0
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot)
         fixed = []
         for i, s in enumerate(seqs):
@@ -159,19 +160,19 @@ class Walker:
             labels = np.stack([walk_labels(seqs[i].ext, off, self.B) for i, off, _, _ in chunk])
             tree = np.array([t for _, _, t, _ in chunk], dtype=bool)
             full = np.array([f or (t and self.spine) for _, _, t, f in chunk], dtype=bool)
-            arg, ids, logp, computed = self._head(slots, labels, tree, full)
+            arg, trees, computed = self._head(slots, labels, tree, full)
             streak = _streaks(arg, labels)
             for r, (i, off, t, f) in enumerate(chunk):
                 o = out[i]
                 o.blocks += 1
                 o.head_slots += int(computed[r])
                 o.streak.setdefault(off, int(streak[r]))
-                least = self.B - 1 if full[r] else max(self.D if t else 0, min(int(streak[r]) + 1, self.B - 1))
+                least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0, min(int(streak[r]) + 1, self.B - 1))
                 o.need[off] = max(o.need.get(off, 0), least)
                 if f:
                     o.argmax.setdefault(off, arg[r].copy())
                 if t:
-                    o.tree_streaks.setdefault(off, int(self.tree_fn(ids[r], logp[r], arg[r], labels[r])))
+                    o.tree_streaks.setdefault(off, tree_streak(trees[r], labels[r]))
 
     def _blocks(self, seqs, kvs, rows: list[tuple[int, int]]) -> torch.Tensor:
         """Final hiddens of slots 1..B-1 `[rows, B-1, H]`, one block per (prompt, offset): one
@@ -210,35 +211,60 @@ class Walker:
         return torch.stack([hidden[b, j, 1:] for b, j in where])
 
     def _head(self, slots: torch.Tensor, labels: np.ndarray, tree: np.ndarray, full: np.ndarray):
-        """Argmax per slot (-1: not computed), top-k for `tree` rows; slot chunks stop at the first miss."""
+        """Argmax per slot (-1: not computed) and, for `tree` rows, the draft tree; each row's head
+        runs only as deep as its readers need. Returns (argmax, {row: DraftTree}, slots computed)."""
         R, W, H = slots.shape
         arg = np.full((R, W), -1, dtype=np.int64)
         done = np.zeros(R, dtype=np.int64)  # slots computed per row (a prefix)
-        ids = logp = None
-        D = self.D
-        if tree.any() and D:
-            rows = np.flatnonzero(tree)
-            a, tids, tlogp = head_topk(self.head, slots[torch.as_tensor(rows), :D].reshape(-1, H), self.topk, self.head_rows)
-            arg[rows, :D] = a.view(len(rows), D).numpy()
-            ids = np.zeros((R, D, tids.shape[1]), dtype=np.int64)
-            logp = np.zeros((R, D, tids.shape[1]), dtype=np.float32)
-            ids[rows], logp[rows] = tids.view(len(rows), D, -1).numpy(), tlogp.view(len(rows), D, -1).numpy()
-            done[rows] = D
-        for lo in sorted(set(done[full].tolist())):  # every slot of the sample's rows
+        trees, ids, logp = self._topk(slots, np.flatnonzero(tree), arg, done)
+        for lo in sorted(set(done[full].tolist())):  # every slot of the sample's rows (and spine trees')
             rows = np.flatnonzero(full & (done == lo))
             if lo < W:
-                a, _, _ = head_topk(self.head, slots[torch.as_tensor(rows), lo:].reshape(-1, H), 0, self.head_rows)
-                arg[rows, lo:] = a.view(len(rows), W - lo).numpy()
+                arg[rows, lo:] = self._argmax(slots, rows, lo, W)
             done[rows] = W
-        bounds = sorted({0, W, *(b for b in SLOT_BOUNDS if b < W), *([D] if D else [])})
-        for lo, hi in zip(bounds, bounds[1:]):
-            alive = (done == lo) & (_streaks(arg, labels) >= lo)
-            rows = np.flatnonzero(alive)
+        if self.spine:  # the top-1 chain is part of the tree: built once the whole argmax is known
+            trees = {r: build_tree(logp[r], ids[r], self.budget, spine=True, spine_ids=arg[r])
+                     for r in np.flatnonzero(tree).tolist()}
+        bounds = sorted({0, W, *(b for b in SLOT_BOUNDS if b < W), *set(done.tolist())})
+        for lo, hi in zip(bounds, bounds[1:]):  # the rest: slot chunks up to each block's first miss
+            rows = np.flatnonzero((done == lo) & (_streaks(arg, labels) >= lo))
             if rows.size:
-                a, _, _ = head_topk(self.head, slots[torch.as_tensor(rows), lo:hi].reshape(-1, H), 0, self.head_rows)
-                arg[rows, lo:hi] = a.view(len(rows), hi - lo).numpy()
+                arg[rows, lo:hi] = self._argmax(slots, rows, lo, hi)
                 done[rows] = hi
-        return arg, ids, logp, done
+        return arg, trees, done
+
+    def _argmax(self, slots, rows, lo, hi) -> np.ndarray:
+        a, _, _ = head_topk(self.head, slots[torch.as_tensor(rows), lo:hi].reshape(-1, slots.shape[-1]), 0,
+                            self.head_rows)
+        return a.view(len(rows), hi - lo).numpy()
+
+    def _topk(self, slots, rows: np.ndarray, arg, done):
+        """Top-k of the tree rows, as deep as each row's tree reads: a best-first tree built on the
+        first k depths is the tree of all D depths unless it popped a node at depth k
+        (`DraftTree.read_depth == k`); those rows get the next depths (k doubling) and are built
+        again. A spine tree is built later (its chain is the whole argmax): all D depths at once."""
+        W = slots.shape[1]
+        ids = np.zeros((len(arg), self.D, self.topk), dtype=np.int64)
+        logp = np.zeros((len(arg), self.D, self.topk), dtype=np.float32)
+        trees: dict[int, DraftTree] = {}
+        lo, hi = 0, self.D if self.spine else min(TREE_FIRST_DEPTHS, self.D)
+        while rows.size and hi > lo:
+            a, tids, tlogp = head_topk(self.head, slots[torch.as_tensor(rows), lo:hi].reshape(-1, slots.shape[-1]),
+                                       self.topk, self.head_rows)
+            n, K = len(rows), tids.shape[1]
+            arg[rows, lo:hi] = a.view(n, hi - lo).numpy()
+            ids[rows, lo:hi, :K] = tids.view(n, hi - lo, K).numpy()
+            logp[rows, lo:hi, :K] = tlogp.view(n, hi - lo, K).numpy()
+            done[rows] = hi
+            if self.spine:
+                break
+            deeper = []
+            for r in rows.tolist():
+                trees[r] = build_tree(logp[r, :hi], ids[r, :hi], self.budget)
+                if trees[r].read_depth == hi and hi < self.D:
+                    deeper.append(r)
+            rows, lo, hi = np.array(deeper, dtype=np.int64), hi, min(2 * hi, self.D)
+        return trees, ids, logp
 
 
 def _streaks(arg: np.ndarray, labels: np.ndarray) -> np.ndarray:
