@@ -205,6 +205,7 @@ def test_mlflow_sink_nests_the_eval_run_under_the_hf_trainer_run(tmp_path, redis
     from eval_worker.results.sinks import publish_result
     from tests.eval_results import make_result, write_ledger
 
+    monkeypatch.chdir(tmp_path)  # HF's experiment keeps its artifacts in ./mlruns (MLflow's default for sqlite)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # HF's MLflowCallback and the sink: one store
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-train")
@@ -228,3 +229,4 @@ def test_mlflow_sink_nests_the_eval_run_under_the_hf_trainer_run(tmp_path, redis
     (ev,) = client.search_runs([hf_run.info.experiment_id], filter_string="tags.`dflash.train_run` = 'hf-ml'")
     assert ev.data.tags["mlflow.parentRunId"] == hf_run.info.run_id
     assert {m.step for m in client.get_metric_history(ev.info.run_id, "eval/tau")} == {job["step"]}
+    assert (tmp_path / "mlruns").is_dir()  # the parent experiment's artifact root, not the repository's

@@ -276,3 +276,14 @@ def test_tensorboard_sink_chosen_per_job_over_the_workers(tmp_path, monkeypatch)
     assert publish_result(record, validate_job({**record["job"], "sinks": []}), Settings.from_env()) == {}
     with pytest.raises(JobError, match="sinks"):
         validate_job({**record["job"], "sinks": ["tensorbored"]})
+
+
+@pytest.mark.parametrize("command", [["worker", "--checkpoint-root", "/tmp"], ["enqueue", "/tmp/x"], ["publish", "--run", "r"],
+                                     ["demo"]])
+def test_sink_flag_refuses_unknown_names(command, tmp_path):
+    """`--sink` on every command that takes it names the unknown sink and the known ones, before any work."""
+    out = subprocess.run([sys.executable, "-m", "eval_worker.cli", *command, "--sink", "wandb,tensorbored"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "DFLASH_HOME": str(tmp_path / "home")})
+    assert out.returncode != 0
+    assert "tensorbored" in out.stderr and "wandb, tensorboard, mlflow" in out.stderr, out.stderr

@@ -36,6 +36,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from dflash_train import storage
 from dflash_train.errors import DFlashError
+from dflash_train.settings import KNOWN_SINKS as SINK_NAMES
 from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, files_dir,
                                       parse_manifest, read_manifest, read_marker, valid_run_id, verify_checkpoint,
                                       within)
@@ -126,7 +127,6 @@ class MlflowSettings(BaseModel):
     parent_run_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-zA-Z_-]{1,64}$")] | None = None
 
 
-from dflash_train.settings import KNOWN_SINKS as SINK_NAMES  # noqa: E402 - next to its one use
 
 
 class JobPayload(BaseModel):
