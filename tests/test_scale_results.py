@@ -83,3 +83,31 @@ def test_scale_status_loads_only_the_jobs_it_lists(conn):
     assert st["queued_total"] == 50 and [j["job_id"] for j in st["queued"]] == [i for i in served if "run-y" in i][:5]
     full = status(conn)  # --json: every job, in the order served
     assert [j["job_id"] for j in full["queued"]] == served and full["queued_total"] == 150
+
+
+def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tmp_path, wandb_offline, monkeypatch):
+    """A backlog of one run's jobs: each leaves the sinks to the run's next queued job; the last one
+    publishes every record (an offline W&B rebuild costs ~0.1 s per record: per job, it was quadratic)."""
+    import json
+
+    from eval_worker.service import jobs
+    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.worker import serve
+    from tests.eval_results import fake_checkpoint
+    from tests.wandb_reader import read_run
+
+    monkeypatch.delenv("DFLASH_SINKS", raising=False)  # the default: W&B (offline here)
+    root = tmp_path / "ck"
+    ids = [enqueue(conn, jobs.make_job(fake_checkpoint(root, "run-s", step)[0], suite="builtin:coding-v1")).job_id
+           for step in (100, 200, 300)]
+    other = enqueue(conn, jobs.make_job(fake_checkpoint(root, "run-o", 100)[0], suite="builtin:coding-v1")).job_id
+    serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root],
+                                                default_target=str(tmp_path),
+                                                evaluator_factory="tests.fake_evaluator:FakeEvaluator"),
+          burst=True, preload=False, with_scheduler=False, name=f"ws-{tmp_path.name}"[:60])
+    deferred = [fetch_job(conn, i).return_value()["sinks_deferred_to"] for i in ids + [other]]
+    assert deferred == [ids[1], ids[2], None, None]
+    pointer = json.loads((wandb_offline / "run-s-eval.json").read_text())
+    assert sorted(read_run(pointer["wandb_file"]).points("eval/tau")) == [100, 200, 300]
+    assert (wandb_offline / "run-o-eval.json").is_file()  # another run's job is no reason to wait

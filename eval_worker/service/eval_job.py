@@ -97,7 +97,7 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
     ledger = Ledger(s.results_dir, connection=connection)
 
     existing = ledger.find_job(job, job_id)
-    sink_error, spooled = None, None
+    sink_error, spooled, deferred = None, None, None
     if existing is not None:  # an earlier execution recorded it, then died: do not evaluate twice
         path, record = existing
         created = False
@@ -120,13 +120,18 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
         if spooled is not None:
             _note(rq_job, spooled_result=None)
         if created:
-            sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
+            deferred = _next_job_of_run(rq_job, job) if _rebuilds_run(job, s) else None
+            if deferred:
+                log.info("job %s: result sinks left to %s, queued next for run %s (its publication includes "
+                         "this record)", job_id, deferred, job["run_id"])
+            else:
+                sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
     unpin_checkpoint(job["checkpoint"], job_id)
     tau = tau_of(record)
     _log_outcome(job_id, job, record, path, time.monotonic() - t0, created)
     return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": record.get("attempt"),
             "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
-            "from_spool": existing is None and spooled is not None,
+            "from_spool": existing is None and spooled is not None, "sinks_deferred_to": deferred,
             "worker_pid": os.getpid(), "target_loads": target_loads(), "seconds": round(time.monotonic() - t0, 3)}
 
 
@@ -150,6 +155,45 @@ def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path,
              f(tau.get("macro")), f(ci[0]), f(ci[1]), tau.get("num_steps", "?"), extra,
              f"; diagnostics: {', '.join(errors)}" if errors else "", format_duration(seconds),
              "recorded at" if created else "already recorded at", path)
+
+
+PEEK = 20  # queued jobs looked at for a later job of the same run
+
+
+def _rebuilds_run(job: dict[str, Any], s: WorkerSettings) -> bool:
+    """Whether publishing this job rebuilds its run from the ledger: W&B offline is the only sink
+    on (online W&B appends the missing records; a sink that logs the record it is given must get it)."""
+    if tuple(s.env.sinks) != ("wandb",):
+        return False
+    try:
+        from eval_worker.results.sinks.wandb_sink import target_from
+
+        return target_from(job.get("wandb"), s.env).mode == "offline"
+    except Exception:  # noqa: BLE001 - when in doubt, publish now
+        return False
+
+
+def _next_job_of_run(rq_job, job: dict[str, Any]) -> str | None:
+    """A job of the same run (and W&B settings) among the next ones queued where this one came from.
+
+    Publishing rebuilds the run's sink state from the whole ledger (an offline W&B run: ~0.1 s per
+    record, bench/README.md), so a worker catching up on a backlog would pay that once per job,
+    quadratic in the run's length; the last job of the run in line publishes every record instead.
+    A job that then never runs leaves its records to `dflash-eval publish` (the ledger has them)."""
+    if rq_job is None:
+        return None
+    try:
+        from eval_worker.service.queue import _jobs, get_queue
+
+        ids = [i for i in get_queue(rq_job.connection, rq_job.origin).get_job_ids(0, PEEK) if i != rq_job.id]
+        for other in _jobs(rq_job.connection, ids):
+            payload = other.args[0] if other.args else {}
+            if (isinstance(payload, dict) and payload.get("run_id") == job["run_id"]
+                    and payload.get("wandb") == job.get("wandb")):
+                return other.id
+    except Exception as e:  # noqa: BLE001 - when in doubt, publish now
+        log.debug("could not look for a later job of %s: %s", job["run_id"], e)
+    return None
 
 
 def _queue_view(connection, job: dict[str, Any]) -> dict[str, Any] | None:
