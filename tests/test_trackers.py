@@ -307,4 +307,6 @@ def test_tensorboard_sink_concurrent_writers_leave_one_complete_file(tmp_path, r
     assert sum(not i.get("skipped") for i in infos) == 1  # the writers that waited found it up to date
     (event_file,) = (tmp_path / "tb" / "run-c-eval").glob("events.out.tfevents.*")
     assert [e.step for e in read_events(event_file.parent).Scalars("eval/tau")] == [1, 2, 3]
-    assert not any((tmp_path / "tb" / ".staging").iterdir())
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == [".tensorboard-run-c-eval.lock", "run-c-eval",
+                                                                    "run-c-eval.tensorboard.json"]
+    assert not any((tmp_path / ".tb-staging").iterdir())  # staged beside the logdir, nothing left
