@@ -252,3 +252,16 @@ def test_counting_engine_sglang_equals_its_counters(case):
     # prefill's token over the steps, i.e. (1 + Σ committed) / steps
     for (tokens, _, _), lengths in zip(prompts, per):
         assert 1 + sum(lengths) == len(tokens)
+
+
+def test_counting_engine_run_table_names_the_pooled_figure():
+    """`dflash-eval run` under another project's rule says which of its numbers is theirs."""
+    from eval_worker.commands.run import format_table
+    from tests.eval_results import make_result
+
+    r = make_result("r", 1)
+    assert "pooled τ (" not in format_table(r)
+    for counting, name in (("deepspec", "DeepSpec's accept_length"), ("vllm", "vLLM's mean acceptance length"),
+                           ("sglang", "SGLang's avg_spec_accept_length")):
+        r["settings"]["counting"] = counting
+        assert f"--counting {counting}: its figure is the pooled τ ({name})" in format_table(r)

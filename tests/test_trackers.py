@@ -287,3 +287,26 @@ def test_sink_flag_refuses_unknown_names(command, tmp_path):
                          env={**os.environ, "DFLASH_HOME": str(tmp_path / "home")})
     assert out.returncode != 0
     assert "tensorbored" in out.stderr and "wandb, tensorboard, mlflow" in out.stderr, out.stderr
+
+
+def test_tensorboard_sink_concurrent_writers_leave_one_complete_file(tmp_path, redis_url):
+    """Three processes publish the same run at once (the Redis + file writer lock): each succeeds, and the
+    run directory ends with one event file holding every ledger point, no staging debris."""
+    from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget
+
+    for step, p in ((1, 0.3), (2, 0.5), (3, 0.7)):
+        record_for(tmp_path, "run-c", step, p)
+    target = json.dumps(TensorBoardTarget(root=tmp_path / "tb").to_json())
+    cmd = [sys.executable, "-m", "eval_worker.results.sinks.base", "--sink", "tensorboard", "--run", "run-c",
+           "--target", target, "--results", str(tmp_path / "results")]
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(input=redis_url + "\n", timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-500:] for o in outs]
+    infos = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert sum(not i.get("skipped") for i in infos) == 1  # the writers that waited found it up to date
+    (event_file,) = (tmp_path / "tb" / "run-c-eval").glob("events.out.tfevents.*")
+    assert [e.step for e in read_events(event_file.parent).Scalars("eval/tau")] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == [".tensorboard-run-c-eval.lock", "run-c-eval",
+                                                                    "run-c-eval.tensorboard.json"]
+    assert not any((tmp_path / ".tb-staging").iterdir())  # staged beside the logdir, nothing left

@@ -73,6 +73,14 @@ def test_out_of_order_results_land_at_their_training_step(env):
     assert tau_def["summary_max"] and tau_def["step_metric"] == "train/step"
     assert log.summary["eval/tau"] == {"max": pytest.approx(expected[300]["tau"]["macro"])}
 
+    # the field's names beside ours (sinks/names.py): DeepSpec's/SpecForge's accept_length, accept_rate@i
+    from eval_worker.results.sinks.names import aliases
+
+    for step, res in expected.items():
+        for key, value in aliases(res).items():
+            assert log.points(key)[step] == pytest.approx(value), (key, step)
+    assert any(k.endswith("/accept_rate@0") for k in aliases(expected[100]))
+
     # histogram over accept lengths 1..B, baseline delta, per-position curve, per-prompt table
     for step, res in expected.items():
         row = next(r for r in log.history if r["train/step"] == step)

@@ -187,6 +187,11 @@ def _f(x, nd=3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+# what the pooled τ is called where each of the other projects' counting rules comes from
+_POOLED_AS = {"deepspec": "DeepSpec's accept_length", "vllm": "vLLM's mean acceptance length",
+              "sglang": "SGLang's avg_spec_accept_length"}
+
+
 def format_table(r: dict) -> str:
     """A readable summary: headline, per prompt, per position, diagnostics."""
     s, tau = r["settings"], r["tau"]
@@ -200,6 +205,8 @@ def format_table(r: dict) -> str:
         "",
         f"τ (macro)   {_f(tau['macro'])}   95% CI [{_f(ci[0])}, {_f(ci[1])}]   pooled {_f(tau['pooled'])} "
         f"over {tau['num_steps']} verify steps",
+        *([f"            --counting {s['counting']}: its figure is the pooled τ ({_POOLED_AS[s['counting']]})"]
+          if s.get("counting") in _POOLED_AS else []),
         f"tree τ      {_f(r['tree'].get('tau'))}   (budget {r['tree'].get('budget')})",
         f"mean streak {_f(r['mean_streak_all_anchors'])}  (all anchors)     "
         f"stride τ {_f(r.get('stride', {}).get('tau'))}",

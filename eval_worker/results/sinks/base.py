@@ -30,16 +30,17 @@ class SinkError(DFlashError, RuntimeError):
     retryable = True
 
 
-def run_child(cmd: list[str], *, label: str, redis_url: str | None, timeout_s: float) -> dict:
+def run_child(cmd: list[str], *, label: str, redis_url: str | None, timeout_s: float, stdin_extra: str = "") -> dict:
     """Run one publication command in its own process group; the Redis URL goes on stdin (it may
-    hold a password), the last JSON line of stdout is the outcome. Killed whole on timeout."""
+    hold a password; `stdin_extra` follows it), the last JSON line of stdout is the outcome. Killed
+    whole on timeout."""
     # A process that ran W&B itself exports WANDB_SERVICE; a child inheriting it would publish
     # through that parent's service (its settings, its run ids) and outlive its own kill.
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
     try:
-        out, err = proc.communicate(input=(redis_url or "") + "\n", timeout=timeout_s)
+        out, err = proc.communicate(input=(redis_url or "") + "\n" + stdin_extra, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -61,22 +62,25 @@ def sink_module(name: str):
 
 def publish_in_child(sink: str, run_id: str, target, *, results_dir, redis_url: str | None = None,
                      timeout_s: float = 300.0) -> dict:
+    # the target on stdin too: a tracking URI may carry credentials, and argv is visible to every user
     cmd = [sys.executable, "-m", "eval_worker.results.sinks.base", "--sink", sink, "--run", run_id,
-           "--target", json.dumps(target.to_json()), "--results", str(results_dir)]
-    return run_child(cmd, label=f"{sink} publication for {run_id!r}", redis_url=redis_url, timeout_s=timeout_s)
+           "--target", "-", "--results", str(results_dir)]
+    return run_child(cmd, label=f"{sink} publication for {run_id!r}", redis_url=redis_url, timeout_s=timeout_s,
+                     stdin_extra=json.dumps(target.to_json()) + "\n")
 
 
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="internal: one publication to a sink (used by the worker)")
     p.add_argument("--sink", required=True, choices=sorted(MODULES))
     p.add_argument("--run", required=True)
-    p.add_argument("--target", required=True, help="the sink's target as JSON")
+    p.add_argument("--target", required=True, help="the sink's target as JSON ('-': the line after the Redis URL)")
     p.add_argument("--results", required=True)
     args = p.parse_args(argv)
     redis_url = sys.stdin.readline().strip() or None  # from the worker (not argv: it may hold a password)
+    raw_target = sys.stdin.readline() if args.target == "-" else args.target
     try:
         mod, cls = sink_module(args.sink)
-        info = mod.publish_run(args.run, cls.from_json(json.loads(args.target)), results_dir=args.results,
+        info = mod.publish_run(args.run, cls.from_json(json.loads(raw_target)), results_dir=args.results,
                                redis_url=redis_url)
     except Exception as e:  # one line for the parent's log
         from eval_worker.service.redis_local import redact_url

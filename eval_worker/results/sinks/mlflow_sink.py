@@ -129,6 +129,8 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
+    from eval_worker.service.redis_local import redact_url  # the outcome is logged: no password in it
+
     lock_dir = Path(target.lock_dir or _local_path(target.tracking_uri) or tempfile.gettempdir())
     lock_dir.mkdir(parents=True, exist_ok=True)
     local = _local_path(target.tracking_uri)
@@ -164,7 +166,7 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
         if todo and target.report:
             _log_report(client, mid, run_id, results_dir)
         return {"eval_run_id": eid, "mlflow_run_id": mid, "experiment_id": run.info.experiment_id,
-                "tracking_uri": target.tracking_uri, "logged": [r.key for r in todo],
+                "tracking_uri": redact_url(target.tracking_uri), "logged": [r.key for r in todo],
                 "records": [r.key for r in results], "steps": sorted({r.step for r in results}),
                 "parent_run_id": target.parent_run_id}
 

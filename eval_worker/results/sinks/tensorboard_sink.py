@@ -9,8 +9,8 @@ curve as an image (``eval/<suite>/pos_curve``, when matplotlib is installed).
 
 Why a rebuild: TensorBoard reads an event file in order and, seeing a step lower than one before it,
 drops the later points as a restart's orphans. So a re-evaluated old checkpoint must not be appended;
-each publication writes the complete run, in step order, into a staging directory and swaps the event
-file in (the run directory always holds one complete file; the old one is deleted after the swap).
+each publication writes the complete run, in step order, into a staging directory beside the root
+(``.<root name>-staging``, same filesystem) and swaps the event file in (the run directory always holds one complete file; the old one is deleted after the swap).
 Offline by nature; one writer per run (`wandb_lock.writer_lock`, Redis + file lock).
 """
 from __future__ import annotations
@@ -100,7 +100,8 @@ def rebuild(run_id: str, results: list[RunResult], target: TensorBoardTarget) ->
 
     eid = eval_run_id(run_id)
     run_dir = target.root / eid
-    staging = target.root / ".staging" / f"{eid}-{uuid.uuid4().hex[:8]}"
+    # beside the logdir, not in it: a TensorBoard watching the root would show a half-written build as a run
+    staging = target.root.parent / f".{target.root.name}-staging" / f"{eid}-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
         writer = SummaryWriter(log_dir=str(staging), flush_secs=3600)
