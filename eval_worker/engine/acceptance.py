@@ -358,7 +358,7 @@ class Evaluator:
     def _run_all(self, drafter, refs, suite, opts, report, timings, check, written, sampling_id, leak, quota,
                  drafted) -> list[PromptScore]:
         """A block at every anchor, one prompt at a time (`drafting.draft_anchors`)."""
-        cfg = drafter.config
+        cfg, eos = drafter.config, self._eos(opts)
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
         scores = []
@@ -375,7 +375,7 @@ class Evaluator:
             with _timer(timings, "score"):
                 sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
                                   tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
-                                  ends_with_stop=ref.finish == "eos",
+                                  ends_with_stop=ref.finish == "eos", stop_offset=_stop_offset(ref.ext, eos),
                                   sample=sample_offsets(n, quota, opts.seed, _label(ref)))
                 sc.greedy = feats["greedy"].numpy()
             if leak is not None:
@@ -387,7 +387,7 @@ class Evaluator:
     def _run_walk(self, drafter, refs, suite, opts, report, timings, check, written, sampling_id, leak, quota,
                   drafted) -> list[PromptScore]:
         """Only the blocks the walks visit (`walk.Walker`), prompts in groups that walk together."""
-        cfg = drafter.config
+        cfg, eos = drafter.config, self._eos(opts)
         B, embed, head = cfg.block_size, self.target.parts.embed_tokens, self.target.parts.lm_head
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
         walker = Walker(drafter, embed, head, topk=topk, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
@@ -431,7 +431,7 @@ class Evaluator:
                     sc = score_blocks(ref.name, ref.ext, seq.num_tokens, B, streaks,
                                       got.tree_streaks.__getitem__ if topk else None, sample, sample_arg,
                                       max_blocks=opts.max_blocks, counting=opts.counting,
-                                      ends_with_stop=ref.finish == "eos")
+                                      ends_with_stop=ref.finish == "eos", stop_offset=_stop_offset(ref.ext, eos))
                     sc.greedy = greedy
                 if probed is not None:
                     rows, seen = probed
@@ -635,6 +635,12 @@ def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, o
                      "num_tokens": [len(r.tokens) for r in refs[i * K:(i + 1) * K]]}
                     for i, (t, g) in enumerate(zip(per_prompt, groups))],
         "validation": None}
+
+
+def _stop_offset(ext: list[int], eos: int | None) -> int | None:
+    """Where the reference's first stop token lies, its lookahead included (DeepSpec's counting stops
+    there; a reference cut at max_new_tokens can hold one in its lookahead)."""
+    return ext.index(eos) if eos is not None and eos in ext else None
 
 
 def _label(ref: Reference) -> str:
