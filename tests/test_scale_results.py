@@ -11,7 +11,7 @@ import hashlib
 import pytest
 
 from eval_worker.results.ledger import STEP_CKPTS_DONE, STEP_CKPTS_PREFIX, Ledger
-from eval_worker.service.queue import QueueConfig, enqueue, get_queue, status
+from eval_worker.service.queue import QueueConfig, _job_brief, _jobs, enqueue, get_queue, status
 from eval_worker.service.redis_local import connect
 
 
@@ -83,6 +83,8 @@ def test_scale_status_loads_only_the_jobs_it_lists(conn):
     assert st["queued_total"] == 50 and [j["job_id"] for j in st["queued"]] == [i for i in served if "run-y" in i][:5]
     full = status(conn)  # --json: every job, in the order served
     assert [j["job_id"] for j in full["queued"]] == served and full["queued_total"] == 150
+    # read field by field, each brief is what the whole job says
+    assert full["queued"] == [_job_brief(j) for j in _jobs(conn, served)]
 
 
 def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tmp_path, wandb_offline, monkeypatch):
