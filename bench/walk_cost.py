@@ -19,6 +19,8 @@ not timed), one thread:
 
 Cases: `demo` the bundled tiny target with a 2-layer B=16 drafter fitted briefly to the suite's
 references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer (τ ≈ 8);
+`forced8` / `forced8_spine` τ ≈ 9 by construction, drafting phase only (`forced_case`; a random
+drafter's flat distributions keep a plain tree near τ 1.9 there, a spine tree holds the chain);
 `qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (tests/factories.py)
 with a random drafter (τ ≈ 1 on their random weights). Fitted drafters are kept in --work, so a rerun skips fitting.
 """
@@ -252,7 +254,7 @@ def qwen3_8b_estimate(row: dict) -> dict:
             "h200_s_today": today / (H200_GFLOPS * 1e9), "h200_s_new": new / (H200_GFLOPS * 1e9)}
 
 
-def forced_case(args) -> dict:
+def forced_case(args, spine: bool = False) -> dict:
     """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
     drafter, random features, and references that follow the drafter's own blocks for a random
     `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
@@ -288,7 +290,7 @@ def forced_case(args) -> dict:
         seqs.append((prompt, feats, ext))
     tokens = n * len(seqs)
     quota = max(1, -(-max(8, round(512 * tokens / 34_500)) // len(seqs)))
-    opts = dict(tree_budget=8, tree_spine=False, max_blocks=None, counting="response", ends_with_stop=False)
+    opts = dict(tree_budget=8, tree_spine=spine, max_blocks=None, counting="response", ends_with_stop=False)
 
     def today():
         out = []
@@ -299,7 +301,7 @@ def forced_case(args) -> dict:
             out.append(score_prompt(f"p{j}", ext, n, d, B, sample=sample_offsets(n, quota, 0, f"p{j}"), **opts))
         return out
 
-    walker = Walker(drafter, embed, head, topk=8, tree_budget=8)
+    walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
 
     def new():
         ws, kvs = [], []
@@ -330,7 +332,7 @@ def forced_case(args) -> dict:
             flops += f["block"] + (w.prompt_len + off + B) * f["block_per_key"] + need * f["slot"]
     tau_ = float(np.mean([a.online.tau for a in old]))
     bound_s = flops / (args.gflops * 1e9)
-    return {"case": "forced8", "vocab": V, "tau": tau_, "tree_tau": float(np.mean([a.tree_online.tau for a in old])),
+    return {"case": "forced8_spine" if spine else "forced8", "vocab": V, "tau": tau_, "tree_tau": float(np.mean([a.tree_online.tau for a in old])),
             "prompts": len(seqs), "tokens": tokens, "today_s": old_s, "new_s": new_s, "today_draft_s": old_s,
             "new_draft_s": new_s, "loop_s": float("nan"), "loop_steps": 0, "flops": flops, "bound_s": bound_s,
             "blocks_today": tokens, "blocks_new": sum(g.blocks for g in got),
@@ -358,7 +360,7 @@ def main() -> None:
     hdr = (f"{'case':>8} {'vocab':>7} {'tau':>5} {'today s':>8} {'new s':>7} {'x':>5} {'loop s':>7} {'vs loop':>7} "
            f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'peak MB':>13}")
     for name in args.cases.split(","):
-        r = forced_case(args) if name == "forced8" else run_case(name, args, work)
+        r = forced_case(args, name.endswith("spine")) if name.startswith("forced8") else run_case(name, args, work)
         rows.append(r)
         if len(rows) == 1:
             print(hdr)
