@@ -19,6 +19,8 @@ not timed), one thread:
 
 Cases: `demo` the bundled tiny target with a 2-layer B=16 drafter fitted briefly to the suite's
 references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer (τ ≈ 8);
+`forced8` / `forced8_spine` τ ≈ 9 by construction, drafting phase only (`forced_case`; a random
+drafter's flat distributions keep a plain tree near τ 1.9 there, a spine tree holds the chain);
 `qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (tests/factories.py)
 with a random drafter (τ ≈ 1 on their random weights). Fitted drafters are kept in --work, so a rerun skips fitting.
 """
@@ -252,6 +254,93 @@ def qwen3_8b_estimate(row: dict) -> dict:
             "h200_s_today": today / (H200_GFLOPS * 1e9), "h200_s_new": new / (H200_GFLOPS * 1e9)}
 
 
+def forced_case(args, spine: bool = False) -> dict:
+    """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
+    drafter, random features, and references that follow the drafter's own blocks for a random
+    `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
+    construction of tests/test_engine_walk.py). `draft_anchors` + `score_prompt` (today) vs
+    `Walker` + `score_blocks` (new) on the same inputs, results checked equal."""
+    from dflash_train.checkpoint import load_drafter
+    from eval_worker.engine.drafting import draft_anchors
+    from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt
+    from eval_worker.engine.walk import Walker, WalkSeq, context_kv
+    from tests.test_engine_walk import forced_reference
+
+    target = load_case_target("tiny")
+    torch.manual_seed(1)
+    from dflash_train.config import DrafterConfig
+    from dflash_train.model import DFlashDrafter
+
+    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
+                                   num_features=3, block_size=16)
+    drafter = DFlashDrafter(cfg).eval()
+    embed, head = target.parts.embed_tokens, target.parts.lm_head
+    B, n, V = 16, args.max_new_tokens, target.vocab_size
+    rng = np.random.default_rng(0)
+    import tests.test_engine_walk as tw
+
+    tw.EMBED, tw.HEAD, tw.VOCAB = embed, head, V  # the construction drafts with this target's parts
+
+    seqs = []
+    for i in range(args.num_prompts):
+        prompt = rng.integers(4, V - 1, 24).tolist()
+        feats = torch.randn(len(prompt) + n + B, cfg.num_features * target.hidden_size,
+                            generator=torch.Generator().manual_seed(i))
+        ext = forced_reference(drafter, feats, prompt, n, "random", rng)  # accepts uniform in 0..B-1: τ ≈ 8.5
+        seqs.append((prompt, feats, ext))
+    tokens = n * len(seqs)
+    quota = max(1, -(-max(8, round(512 * tokens / 34_500)) // len(seqs)))
+    opts = dict(tree_budget=8, tree_spine=spine, max_blocks=None, counting="response", ends_with_stop=False)
+
+    def today():
+        out = []
+        for j, (prompt, feats, ext) in enumerate(seqs):
+            P = len(prompt)
+            ids = torch.tensor(prompt + ext[:n])
+            d = draft_anchors(drafter, embed, head, ids, feats, np.arange(P, P + n), topk=8, topk_slots=8)
+            out.append(score_prompt(f"p{j}", ext, n, d, B, sample=sample_offsets(n, quota, 0, f"p{j}"), **opts))
+        return out
+
+    walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
+
+    def new():
+        ws, kvs = [], []
+        for j, (prompt, feats, ext) in enumerate(seqs):
+            P = len(prompt)
+            ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext), full=sample_offsets(n, quota, 0, f"p{j}")))
+            kvs.append(context_kv(drafter, feats[:P + n - 1]))
+        got = walker.run(ws, kvs)
+        out = []
+        for j, (w, g) in enumerate(zip(ws, got)):
+            st = np.full(n, -1)
+            st[list(g.streak)] = list(g.streak.values())
+            out.append(score_blocks(f"p{j}", seqs[j][2], n, B, st, g.tree_streaks.__getitem__, w.full,
+                                    np.stack([g.argmax[o] for o in w.full.tolist()]), max_blocks=None,
+                                    counting="response", ends_with_stop=False))
+        return out, got, ws
+
+    old, old_s, old_mb = peak_during(today)
+    (fresh, got, ws), new_s, new_mb = peak_during(new)
+    for a, b in zip(old, fresh):
+        assert a.online.accept_lengths == b.online.accept_lengths and a.tree_online.accept_lengths == b.tree_online.accept_lengths
+        assert a.stride == b.stride and a.tree_below_chain == b.tree_below_chain and (a.match_sum == b.match_sum).all()
+    f = drafter_flops(cfg, V)
+    flops = 0.0
+    for w, g in zip(ws, got):
+        flops += (w.prompt_len + n - 1) * f["context"]
+        for off, need in g.need.items():
+            flops += f["block"] + (w.prompt_len + off + B) * f["block_per_key"] + need * f["slot"]
+    tau_ = float(np.mean([a.online.tau for a in old]))
+    bound_s = flops / (args.gflops * 1e9)
+    return {"case": "forced8_spine" if spine else "forced8", "vocab": V, "tau": tau_, "tree_tau": float(np.mean([a.tree_online.tau for a in old])),
+            "prompts": len(seqs), "tokens": tokens, "today_s": old_s, "new_s": new_s, "today_draft_s": old_s,
+            "new_draft_s": new_s, "loop_s": float("nan"), "loop_steps": 0, "flops": flops, "bound_s": bound_s,
+            "blocks_today": tokens, "blocks_new": sum(g.blocks for g in got),
+            "head_slots_today": tokens * (B - 1), "head_slots_new": sum(g.head_slots for g in got),
+            "peak_today_mb": old_mb, "peak_new_mb": new_mb, "speedup": old_s / new_s, "vs_loop": float("nan"),
+            "vs_bound": new_s / bound_s, "draft_vs_bound": new_s / bound_s}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="demo,tau8,qwen3,qwen3_5")
@@ -271,7 +360,7 @@ def main() -> None:
     hdr = (f"{'case':>8} {'vocab':>7} {'tau':>5} {'today s':>8} {'new s':>7} {'x':>5} {'loop s':>7} {'vs loop':>7} "
            f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'peak MB':>13}")
     for name in args.cases.split(","):
-        r = run_case(name, args, work)
+        r = forced_case(args, name.endswith("spine")) if name.startswith("forced8") else run_case(name, args, work)
         rows.append(r)
         if len(rows) == 1:
             print(hdr)
