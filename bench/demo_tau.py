@@ -27,9 +27,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from dflash_train.checkpoint import load_drafter  # noqa: E402
-from dflash_train.publication import list_checkpoints, read_manifest  # noqa: E402
 from dflash_train.data import encode_record, stdlib_code_prompts, stdlib_instruct_prompts  # noqa: E402
 from dflash_train.model import DFlashDrafter  # noqa: E402
+from dflash_train.publication import list_checkpoints, read_manifest  # noqa: E402
 from dflash_train.speculative import speculative_generate  # noqa: E402
 from dflash_train.target import Target  # noqa: E402
 from dflash_train.train_config import load_config  # noqa: E402

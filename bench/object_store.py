@@ -46,7 +46,6 @@ def _median_time(fn, n: int) -> float:
 def transfer(tmp: Path, mb: int, repeats: int) -> dict:
     from dflash_train.checkpoint_cache import CheckpointCache
     from dflash_train.publication import publish_directory, upload_checkpoint, verify_checkpoint
-    from dflash_train import storage
 
     def write(d: Path) -> None:
         (d / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))

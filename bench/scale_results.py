@@ -184,12 +184,12 @@ def main() -> None:
 
     logging.disable(logging.WARNING)  # the sink's "checkpoint is gone" notes: the bench's checkpoints are not on disk
 
-    from eval_worker.service.redis_local import LocalRedis, connect
     # every module measured, imported now: the run takes a while and must measure one version of the code
     import eval_worker.commands.results  # noqa: F401
     import eval_worker.results.report  # noqa: F401
     import eval_worker.results.sinks.wandb_sink  # noqa: F401
     import eval_worker.service.queue  # noqa: F401
+    from eval_worker.service.redis_local import LocalRedis, connect
 
     print("| operation | small size | time | peak | full size | time | peak | time ratio |")
     print("|---|---|---|---|---|---|---|---|", flush=True)

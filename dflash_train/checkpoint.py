@@ -26,12 +26,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import storage
 from .config import ConfigError, DrafterConfig
 from .model import DFlashDrafter
-from . import storage
-from .publication import (CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory,
-                          read_manifest, upload_checkpoint)
-
+from .publication import (
+    CONFIG_NAME,
+    FILE_MODE,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    publish_directory,
+    read_manifest,
+    upload_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 

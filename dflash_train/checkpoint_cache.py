@@ -39,8 +39,8 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from . import storage
 from .errors import DFlashError

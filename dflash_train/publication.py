@@ -41,9 +41,9 @@ import json
 import os
 import re
 import shutil
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable, Iterable
 
 from . import storage
 from .errors import DFlashError
@@ -183,7 +183,7 @@ def _place(run_dir: Path, step: int, write_files: Callable[[Path], None]) -> tup
 def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train_metrics: dict | None,
               **extra) -> dict:
     return {"format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": weights_digest(files),
-            "files": files, "config": config, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": files, "config": config, "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "train_metrics": dict(train_metrics or {}), **extra}
 
 

@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 __all__ = ["Settings", "KNOWN_SINKS", "parse_roots", "parse_sinks"]
 
@@ -149,7 +149,7 @@ class Settings:
         return self.home / "file-digests"
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
 
         def get(name: str) -> str | None:
@@ -199,6 +199,6 @@ class Settings:
             worker_id=get("RQ_WORKER_ID"),
         )
 
-    def replace(self, **changes) -> "Settings":
+    def replace(self, **changes) -> Settings:
         """A copy with `changes` applied (None values are skipped: an unset flag keeps the setting)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -25,8 +25,8 @@ import errno
 import functools
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from . import redaction
 from .errors import DFlashError

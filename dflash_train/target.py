@@ -88,7 +88,7 @@ class Target:
     # --- loading ----------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | None = None,
-             device_map: str | dict | None = None, trust_remote_code: bool = False) -> "Target":
+             device_map: str | dict | None = None, trust_remote_code: bool = False) -> Target:
         """Load a local HF causal LM (or conditional-generation wrapper) and its tokenizer.
 
         Never downloads: `path` must be a local directory.

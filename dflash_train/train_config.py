@@ -165,7 +165,7 @@ class TrainConfig:
 
     # --- files ------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -173,13 +173,13 @@ class TrainConfig:
         return cls(**{k: _coerce(cls, k, v) for k, v in data.items()})
 
     @classmethod
-    def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+    def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
         return load_config(path, overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **{k: _coerce(type(self), k, v) for k, v in changes.items()})
 
 

@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -28,14 +28,14 @@ from .anchors import block_labels, sample_anchors
 from .callbacks import CallbackList
 from .checkpoint import load_drafter
 from .checkpointer import Checkpointer
-from .metric_logger import MetricLogger
-from .publication import list_checkpoints
 from .config import ConfigError, DrafterConfig
 from .data import Batch, BatchPlan, Example, build_examples
 from .hidden_queue import HiddenStateQueue, Slot
 from .loss import block_loss, summarize_stats
+from .metric_logger import MetricLogger
 from .model import DFlashDrafter
 from .progress import Progress
+from .publication import list_checkpoints
 from .target import Target, TargetError
 from .train_config import BUNDLED_TARGET, TrainConfig, TrainConfigError, load_config
 from .train_state import latest_training_state, load_training_state, set_rng_state
@@ -124,7 +124,7 @@ class Trainer:
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
         self.device = self.dist.device
-        self.run_id = c.run_id or datetime.now(timezone.utc).strftime("train-%Y%m%d-%H%M%S")
+        self.run_id = c.run_id or datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
         self.run_id = dist_util.broadcast_object(self.run_id, self.dist)  # ranks may start a second apart
         self.run_dir = Path(c.checkpoint_root) / self.run_id
         self.state_dir = Path(c.state_dir) if c.state_dir else self.run_dir / "train_state"

@@ -39,12 +39,11 @@ from dflash_train.errors import retryable
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.redaction import redact
 from dflash_train.settings import Settings
-from eval_worker.service import jobs as jobs_mod
 from eval_worker.results.ledger import Ledger
+from eval_worker.service import jobs as jobs_mod
+from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_key
 from eval_worker.service.queue import QueueConfig, enqueue, record_owed
 from eval_worker.service.redis_local import connect, resolve_redis_url
-
-from eval_worker.service.outbox import Deliverer, Outbox, OUTBOX_DIRNAME, job_key
 
 log = logging.getLogger("hooks.eval")
 

@@ -39,12 +39,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from transformers import TrainerCallback
 
-from dflash_train.checkpoint import AsyncPublisher, drafter_from_module
+# drafter_from_module is re-exported: users convert other trainers' modules with it from here
+from dflash_train.checkpoint import AsyncPublisher
+from dflash_train.checkpoint import drafter_from_module as drafter_from_module
 from dflash_train.model import DFlashDrafter
 from dflash_train.publication import run_id_from
 

@@ -41,14 +41,28 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from eval_worker.service.queue import JOB_FUNC
 from tests import soak_store
-from tests.soak_stack import (HIDDEN, OPTIONS, REPO, RUN, Row, Stack, Zygote, build_micro_target, drafter_config,
-                              publish, retry_now, shared_zygote, wait_for)
+from tests.soak_stack import (
+    HIDDEN,
+    OPTIONS,
+    REPO,
+    RUN,
+    Row,
+    Stack,
+    Zygote,
+    build_micro_target,
+    drafter_config,
+    publish,
+    retry_now,
+    shared_zygote,
+    wait_for,
+)
 
 # =========================================================================== scenarios
 
@@ -245,13 +259,12 @@ class Blackhole:
         self.thread.start()
 
     def _run(self):
-        import socket
 
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
                 self.conns.append(conn)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -646,8 +659,8 @@ def trainer_main(argv: list[str]) -> int:
     import torch
 
     from dflash_train.checkpoint import AsyncPublisher
-    from dflash_train.publication import apply_retention, cleanup_incomplete, list_checkpoints
     from dflash_train.model import DFlashDrafter
+    from dflash_train.publication import apply_retention, cleanup_incomplete, list_checkpoints
     from hooks import EvalOnCheckpoint
 
     p = argparse.ArgumentParser()
@@ -685,8 +698,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
                           timeout: float = 180) -> Row:
     """SIGKILL the trainer at random moments while it publishes checkpoints back to back (so
     most kills land inside a write); restart it each time, as a scheduler would."""
-    from eval_worker.service.queue import remembered
     from eval_worker.service.outbox import Outbox
+    from eval_worker.service.queue import remembered
 
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
@@ -943,8 +956,8 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
         w = s.start_worker()
         s.wait_settled([good], timeout)
         wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the planted entries to be taken")
-        from eval_worker.service.queue import failure_reason, fetch_job
         from eval_worker.service.jobs import JobError
+        from eval_worker.service.queue import failure_reason, fetch_job
 
         result = {}
         for jid, name in planted.items():
@@ -1395,8 +1408,8 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
     """Every file the system writes, made under umask 000 (the trainer, the hook, the worker and
     the embedded Redis all under it): modes as documented, not as the umask says."""
     from eval_worker.service.jobs import JobError, make_job
-    from eval_worker.service.queue import QueueConfig, requeue_failed
     from eval_worker.service.outbox import Outbox
+    from eval_worker.service.queue import QueueConfig, requeue_failed
 
     t0 = time.monotonic()
     old = os.umask(0)

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from dflash_train.cli import eval_hook, main as train_main
+from dflash_train.cli import eval_hook
+from dflash_train.cli import main as train_main
 from dflash_train.hub import resolve_target
 from dflash_train.publication import CheckpointError
 from dflash_train.settings import Settings

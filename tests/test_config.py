@@ -2,7 +2,8 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_train.config import LAYER_IDS_FALLBACK, ConfigError, DrafterConfig, default_target_layer_ids
 

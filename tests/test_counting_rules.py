@@ -14,7 +14,8 @@ equals the target's token, which along the reference is `ext[start + i + 1]`):
 """
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import AnchorDrafts

@@ -17,7 +17,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dflash_train.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator

@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import soak, soak_stack
 from dflash_train.checkpoint import load_drafter, publish_checkpoint
-from dflash_train.publication import CheckpointError, read_manifest
 from dflash_train.config import ConfigError, DrafterConfig
+from dflash_train.publication import CheckpointError, read_manifest
+from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
 from eval_worker.service import jobs
 from eval_worker.service.jobs import JobError
-from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
 from eval_worker.service.queue import JOB_FUNC
+from tests import soak, soak_stack
 
 FUZZ = settings(max_examples=150, deadline=5000, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

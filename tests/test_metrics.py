@@ -1,7 +1,8 @@
 """Metric arithmetic: the walk mirrors the real loop's control flow; intervals, histograms, deltas."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import AnchorDrafts

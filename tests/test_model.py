@@ -1,14 +1,15 @@
 """The drafter: no context leak, multi-block == one block at a time, checkpoint layout."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from dflash_train.checkpoint import load_drafter, save_drafter
-from dflash_train.publication import CheckpointError
 from dflash_train.model import DraftCache
+from dflash_train.publication import CheckpointError
 
-from .factories import MASK_ID, VOCAB, drafter_for, qwen3_target
+from .factories import MASK_ID, drafter_for, qwen3_target
 
 TARGET = qwen3_target()
 DRAFTER = drafter_for(TARGET, block_size=4)

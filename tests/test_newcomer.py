@@ -1,8 +1,6 @@
 """A new user's first hour: leftover daemons, state that can be found, checks before a long run."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from dflash_train.fsutil import pid_alive
@@ -184,7 +182,9 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
 
 def test_job_identity_baseline_property(identity_ckpts):
     """Property: the fingerprint changes with each part that changes the result, and only with those."""
-    from hypothesis import given, settings as hsettings, strategies as st
+    from hypothesis import given
+    from hypothesis import settings as hsettings
+    from hypothesis import strategies as st
 
     from eval_worker.service.jobs import suite_fingerprint
 

@@ -8,14 +8,13 @@ Select with `pytest -k "object_store or s3"`.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 from dflash_train import storage
 from dflash_train.publication import MARKER_NAME, read_manifest, upload_checkpoint
 from eval_worker.cli import main as cli
-from eval_worker.service.jobs import make_job
 from eval_worker.results.ledger import Ledger
+from eval_worker.service.jobs import make_job
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.redis_local import connect
 from tests.s3_server import CREDENTIALS

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rq.job import JobStatus
 
 from dflash_train.publication import is_pinned
-from eval_worker.engine import acceptance, options
 from eval_worker.cli import main as cli
+from eval_worker.engine import acceptance, options
 from eval_worker.service.jobs import JobError, make_job, validate_job
 from eval_worker.service.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
 from eval_worker.service.redis_local import connect

@@ -13,16 +13,17 @@ import time
 
 import pytest
 import redis
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from dflash_train.errors import retryable
 from dflash_train.publication import read_manifest
 from eval_worker.cli import main as cli
 from eval_worker.service.jobs import JobError
-from dflash_train.errors import retryable
+from eval_worker.service.outbox import OUTBOX_DIRNAME
 from eval_worker.service.queue import get_queue
 from eval_worker.service.redis_local import LocalRedis, connect
 from hooks import EvalOnCheckpoint, Outbox
-from eval_worker.service.outbox import OUTBOX_DIRNAME
 from tests.sidecar_support import publish_random
 
 SUITE = "builtin:coding-v1"

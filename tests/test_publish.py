@@ -6,14 +6,26 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_train.checkpoint import AsyncPublisher, drafter_state_dict, load_drafter, publish_checkpoint
-from dflash_train.publication import (MARKER_NAME, CheckpointError, apply_retention, cleanup_incomplete, is_pinned,
-                                      list_checkpoints, pin_checkpoint, read_manifest, run_id_from,
-                                      unpin_checkpoint, valid_run_id, verify_checkpoint)
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
+from dflash_train.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    apply_retention,
+    cleanup_incomplete,
+    is_pinned,
+    list_checkpoints,
+    pin_checkpoint,
+    read_manifest,
+    run_id_from,
+    unpin_checkpoint,
+    valid_run_id,
+    verify_checkpoint,
+)
 
 from .factories import drafter_for, qwen3_target
 
@@ -199,8 +211,8 @@ def test_one_run_id_rule_for_trainer_jobs_and_ledger(text):
     """The trainer's config, the job schema and the ledger accept exactly the same run ids,
     and `run_id_from` turns any text into one of them."""
     from dflash_train.train_config import TrainConfig, TrainConfigError
-    from eval_worker.service.jobs import JobError, validate_job
     from eval_worker.results.ledger import Ledger, LedgerError
+    from eval_worker.service.jobs import JobError, validate_job
 
     ok = valid_run_id(text)
     try:

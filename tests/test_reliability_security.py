@@ -6,8 +6,6 @@ processes (bench/soak.py's zygote), the real Evaluator on a micro target, the re
 """
 from __future__ import annotations
 
-from eval_worker.service.queue import JOB_FUNC
-
 import base64
 import binascii
 import contextlib
@@ -20,10 +18,10 @@ from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from eval_worker.service.queue import JOB_FUNC
 from tests import soak, soak_stack
 from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 

@@ -204,7 +204,8 @@ def _suite_file(path: Path, header: dict, prompts: list[dict] | None = None) -> 
 
 def test_suite_limits_max_new_tokens_has_the_job_options_cap():
     """Property: a suite header's max_new_tokens is accepted exactly where the option's is."""
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from eval_worker.engine.options import EvalOptions, OptionsError
     from eval_worker.engine.suite import SuiteError, parse_suite
@@ -388,7 +389,8 @@ def _cli(args: list[str], env: dict | None = None) -> str:
 
 def test_secret_redaction_redact_masks_every_url_in_any_text():
     """Property: whatever surrounds a URL with credentials, neither its secret nor the pair survives."""
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from dflash_train.storage import redact  # = dflash_train.redaction.redact
 

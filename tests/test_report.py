@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import base64
-import json
 import io
+import json
 import os
 import re
 import shutil

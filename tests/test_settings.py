@@ -5,7 +5,8 @@ import ast
 import os
 from pathlib import Path
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_train.settings import Settings, parse_roots
 

@@ -15,13 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.service import jobs
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
+from eval_worker.service import jobs
 from eval_worker.service.queue import QueueConfig, cancel, enqueue, fetch_job, status
 from eval_worker.service.redis_local import connect
-from tests.sidecar_support import (REPO_ROOT, WorkerProcess, publish_random, read_calls, tiny_target_drafter_config,
-                                   wait_for, write_suite)
+from tests.sidecar_support import (
+    REPO_ROOT,
+    WorkerProcess,
+    publish_random,
+    read_calls,
+    tiny_target_drafter_config,
+    wait_for,
+    write_suite,
+)
 
 TINY = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
 GATED = ["--evaluator-factory", "tests.sidecar_support:gated_evaluator"]

@@ -19,9 +19,7 @@ from eval_worker.results.ledger import read_record
 from eval_worker.results.sinks import publish_result
 from eval_worker.results.sinks.names import aliases, points
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
-from tests.test_counting_rules import SpecDecodingStats, deepspec_generate_like, deepspec_metrics_row, \
-    vllm_serve_like
-
+from tests.test_counting_rules import SpecDecodingStats, deepspec_generate_like, deepspec_metrics_row, vllm_serve_like
 
 
 def record_for(tmp_path, run_id, step, p, **kw):
@@ -221,8 +219,8 @@ def test_mlflow_sink_server_on_loopback_nested_under_trainer_run(tmp_path, monke
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    from tests.s3_server import free_port
     from tests.mlflow_server import MlflowServer
+    from tests.s3_server import free_port
 
     port = free_port()
     uri = f"http://127.0.0.1:{port}"

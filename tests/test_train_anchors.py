@@ -1,6 +1,7 @@
 """Anchor sampling and label alignment: slot k of a block at anchor a <-> token a + k."""
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_train.anchors import block_labels, eligible_anchors, sample_anchors
 

@@ -1,12 +1,20 @@
 """Training data: sharded deterministic batches, record parsing, cached regeneration, builtin sources."""
-import json
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dflash_train.data import (BatchPlan, DataError, Example, encode_record, load_records, regenerate,
-                               stdlib_code_prompts, stdlib_instruct_prompts)
+from dflash_train.data import (
+    BatchPlan,
+    DataError,
+    Example,
+    encode_record,
+    load_records,
+    regenerate,
+    stdlib_code_prompts,
+    stdlib_instruct_prompts,
+)
 
 from .train_helpers import target_and_examples
 

@@ -3,7 +3,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_train.anchors import block_labels, sample_anchors
 from dflash_train.loss import block_loss, default_gamma, dpace_weights, slot_weights, summarize_stats, token_ce

@@ -6,13 +6,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from eval_worker.results.ledger import Ledger, read_record
 from dflash_train.settings import Settings
+from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.results.sinks import publish_result
 from eval_worker.results.sinks.wandb_lock import LockTimeout, writer_lock
 from eval_worker.results.sinks.wandb_payload import marked_html, marked_text, scalars

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from datetime import UTC
 from pathlib import Path
 
 HELP = "run the end-to-end demo: Redis + worker + training with evals + W&B (offline) + HTML report"
@@ -125,24 +126,23 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from dflash_train.cli import eval_hook  # the trainer's eval wiring builds the hook: eval_worker never imports hooks
+    from dflash_train.settings import KNOWN_SINKS, parse_sinks
     from dflash_train.train_config import load_config
     from dflash_train.trainer import resolve_target_path, train
-    from eval_worker.service.redis_local import connect, redact_url
+    from eval_worker.results import latest_demo
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import load_run
-    from dflash_train.settings import KNOWN_SINKS, parse_sinks
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
-
-    from eval_worker.results import latest_demo
+    from eval_worker.service.redis_local import connect, redact_url
 
     sinks, unknown = parse_sinks(args.sink)
     if unknown:
         raise ValueError(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
     mlflow_uri = f"sqlite:///{paths['mlflow'] / 'mlflow.db'}"
-    run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
+    run_id = args.run_id or datetime.now(UTC).strftime("demo-%Y%m%d-%H%M%S")
     # `results`, `report` and `status` find this demo's ledger and report without flags
     pointer = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
                    report=paths["report"] / run_id / "report.html")

@@ -93,9 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from dflash_train.settings import parse_roots
+    from eval_worker.engine.suite import DEFAULT_SUITE
     from eval_worker.service.jobs import JobError, make_job
     from eval_worker.service.queue import QueueConfig, enqueue, queue_name, workers_target
-    from eval_worker.engine.suite import DEFAULT_SUITE
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -238,8 +238,8 @@ def _expand(paths: list[str]) -> list[str]:
 
 
 def _deliver_outbox(directory: str, conn, config, *, retry_rejected: bool = False) -> dict:
-    from eval_worker.service.queue import enqueue
     from eval_worker.service.outbox import Outbox
+    from eval_worker.service.queue import enqueue
 
     box = Outbox(directory)
     restored = box.restore_rejected() if retry_rejected else []

@@ -25,12 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.results.report import build_report
-    from eval_worker.results.run_results import ResultsError
-
     from pathlib import Path
 
     from eval_worker.results import latest_demo
+    from eval_worker.results.report import build_report
+    from eval_worker.results.run_results import ResultsError
 
     run, results, note = latest_demo.results_dir_for(args.run, args.results, args.settings)
     if run is None:

@@ -70,17 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
     import torch
 
-    from dflash_train.publication import CheckpointError
     from dflash_train.config import ConfigError
+    from dflash_train.publication import CheckpointError
     from dflash_train.target import TargetError
-
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.references import ReferenceSourceError, ServerReferences
     from eval_worker.engine.suite import SuiteError, load_suite
-
-    import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # progress lines
     if args.threads:

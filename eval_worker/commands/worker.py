@@ -77,15 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from eval_worker.service.queue import queue_name
-    from eval_worker.service.routing import serving_queue_names
-    from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.worker import serve, worker_name
-    from dflash_train.progress import limit_repeated_warnings
-
     from dflash_train.hub import resolve_target
+    from dflash_train.progress import limit_repeated_warnings
     from dflash_train.publication import CheckpointError
     from dflash_train.storage import StoreError
+    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.queue import queue_name
+    from eval_worker.service.routing import serving_queue_names
+    from eval_worker.service.worker import serve, worker_name
 
     try:
         args.target = resolve_target(args.target)  # a Hub model id: its snapshot in the Hugging Face cache

@@ -20,7 +20,7 @@ import platform
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,6 @@ from dflash_train.sampling import Sampler, SamplingParams
 from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
 from dflash_train.tau import tau
-
 from eval_worker.engine import metrics
 from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
@@ -584,7 +583,7 @@ class Evaluator:
             mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=speed, baseline=baseline,
             prompts=prompts, diagnostics=diagnose(facts), cache=report.to_dict(),
             provenance={"software_version": software_version(),
-                        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in timings.items()},
                         "drafting": {k: v for k, v in main.drafting.items() if k != "anchor_sample"},
                         "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},

@@ -22,7 +22,6 @@ the evaluated path would inflate the replayed τ instead of deflating it).
 from __future__ import annotations
 
 import numpy as np
-
 import torch
 
 from eval_worker.engine import metrics

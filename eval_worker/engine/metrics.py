@@ -7,8 +7,8 @@ predicts `ext[s + k]` in slot k = 1..B-1 (column k-1 of the draft arrays).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -125,13 +125,13 @@ class EvalOptions(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _counting_is_for_the_online_walk(self) -> "EvalOptions":
+    def _counting_is_for_the_online_walk(self) -> EvalOptions:
         if self.counting != "response" and self.mode == "stride":
             raise ValueError("counting applies to the online walk; stride mode drafts fixed blocks")
         return self
 
     @model_validator(mode="after")
-    def _sampling_needs_temperatures(self) -> "EvalOptions":
+    def _sampling_needs_temperatures(self) -> EvalOptions:
         if len(set(self.temperatures)) != len(self.temperatures):
             raise ValueError("temperatures must not repeat")
         if not self.temperatures:
@@ -146,7 +146,7 @@ class EvalOptions(BaseModel):
         return self.validate_loop
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "EvalOptions":
+    def from_dict(cls, d: dict[str, Any] | None) -> EvalOptions:
         """Check `d` (a job's `options`, or None); raise OptionsError naming every problem."""
         if d is not None and not isinstance(d, dict):
             raise OptionsError(f"options must be an object or null, got {type(d).__name__}")

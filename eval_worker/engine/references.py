@@ -55,7 +55,7 @@ class Reference:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Reference":
+    def from_dict(cls, d: dict[str, Any]) -> Reference:
         return cls(name=str(d["name"]), prompt_ids=[int(i) for i in d["prompt_ids"]],
                    tokens=[int(i) for i in d["tokens"]], lookahead=[int(i) for i in d["lookahead"]],
                    finish=str(d["finish"]), source=str(d["source"]),

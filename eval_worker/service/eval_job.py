@@ -26,7 +26,6 @@ from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
 from dflash_train.progress import format_duration
 from dflash_train.publication import CheckpointError, unpin_checkpoint
-
 from eval_worker.engine.options import options_identity
 from eval_worker.engine.suite import HF_PREFIX, load_suite
 from eval_worker.results import sinks

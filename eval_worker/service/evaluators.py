@@ -12,12 +12,12 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dflash_train.settings import Settings
-
 from eval_worker.service.jobs import JobError
 
 log = logging.getLogger("eval_worker.service.evaluators")
@@ -49,7 +49,7 @@ class WorkerSettings:
             self.env = Settings.from_env()
 
     @classmethod
-    def from_settings(cls, settings: Settings, **overrides) -> "WorkerSettings":
+    def from_settings(cls, settings: Settings, **overrides) -> WorkerSettings:
         """The worker's settings: `settings` (the environment), with `overrides` (flags given) applied."""
         values = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
                       target_roots=settings.target_roots, suite_roots=settings.suite_roots,
@@ -63,7 +63,7 @@ class WorkerSettings:
 
 _settings: WorkerSettings | None = None
 _checkpoint_cache = None
-_evaluators: "OrderedDict[str, Any]" = OrderedDict()
+_evaluators: OrderedDict[str, Any] = OrderedDict()
 _loads: dict[str, int] = {}
 _lock = threading.Lock()
 

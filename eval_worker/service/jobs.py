@@ -29,20 +29,37 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from dflash_train import storage
 from dflash_train.errors import DFlashError
+from dflash_train.publication import (
+    MARKER_NAME,
+    RUN_ID_PATTERN,
+    RUN_ID_RULE,
+    CheckpointError,
+    files_dir,
+    parse_manifest,
+    read_manifest,
+    read_marker,
+    valid_run_id,
+    verify_checkpoint,
+    within,
+)
 from dflash_train.settings import KNOWN_SINKS as SINK_NAMES
-from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, files_dir,
-                                      parse_manifest, read_manifest, read_marker, valid_run_id, verify_checkpoint,
-                                      within)
-
-from eval_worker.engine.options import (MAX_NAME, MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity,
-                                       shorten)
+from eval_worker.engine.options import (
+    MAX_NAME,
+    MAX_SHOWN,
+    EvalOptions,
+    OptionsError,
+    describe_one,
+    options_identity,
+    shorten,
+)
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
 
 SCHEMA = "dflash-eval-job/1"

@@ -31,9 +31,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dflash_train.errors import retryable
 from dflash_train.fsutil import atomic_write_bytes, fsync_dir
@@ -294,7 +295,7 @@ class Deliverer:
         self._busy = False
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "Deliverer":
+    def start(self) -> Deliverer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="eval-outbox-delivery", daemon=True)
             self._thread.start()

@@ -14,10 +14,11 @@ takes a new attempt number (`-r<n>` id) from a Redis counter.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
@@ -29,11 +30,10 @@ from rq.worker import Worker
 
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.redaction import redact
-
+from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service import routing
 from eval_worker.service.jobs import JobError
-from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
 
 JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an eval job may name (job_guard.EvalJob)
 DEFAULT_BASE = "dflash-eval"
@@ -281,7 +281,7 @@ def record_owed(connection, run_id: str, owed: list[tuple[dict[str, Any], str]],
         for job, why in owed:
             pipe.hset(key, job_key(job), json.dumps({"step": job.get("step"), "checkpoint": job.get("checkpoint"),
                                                      "suite": job.get("suite"), "why": why, "lost": lost,
-                                                     "since": datetime.now(timezone.utc).isoformat()}))
+                                                     "since": datetime.now(UTC).isoformat()}))
         pipe.execute()
 
 

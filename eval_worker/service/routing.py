@@ -34,7 +34,8 @@ import hashlib
 import os
 import re
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from eval_worker.service.jobs import PRIORITIES, JobError
 

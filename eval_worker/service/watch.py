@@ -17,14 +17,20 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from dflash_train import storage
 from dflash_train.fsutil import atomic_write_json
-from dflash_train.publication import (MARKER_NAME, CheckpointError, checkpoint_step, list_checkpoints, read_manifest,
-                                      run_id_from)
+from dflash_train.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    checkpoint_step,
+    list_checkpoints,
+    read_manifest,
+    run_id_from,
+)
 
 # HF Trainer, DeepSpec, ours, SpecForge, speculators (a directory per epoch/step number)
 _DIR = re.compile(r"^(checkpoint-\d+|step_\d+|step-\d+|.+-step\d+|epoch_\d+_step_\d+|\d+)$")

@@ -32,10 +32,10 @@ import time
 from datetime import timedelta
 
 import redis
+from rq import registry as rq_registry
 from rq import worker_registration
 from rq.defaults import RQ_KEY_PREFIX
 from rq.job import JobStatus
-from rq import registry as rq_registry
 from rq.registry import StartedJobRegistry
 from rq.scheduler import RQScheduler
 from rq.utils import now

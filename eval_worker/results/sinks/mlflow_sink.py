@@ -52,7 +52,7 @@ class MlflowTarget:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, data: dict) -> "MlflowTarget":
+    def from_json(cls, data: dict) -> MlflowTarget:
         return cls(**data)
 
 

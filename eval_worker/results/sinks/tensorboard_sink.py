@@ -47,7 +47,7 @@ class TensorBoardTarget:
         return {"root": str(self.root), "primary_suite": self.primary_suite, "images": self.images}
 
     @classmethod
-    def from_json(cls, data: dict) -> "TensorBoardTarget":
+    def from_json(cls, data: dict) -> TensorBoardTarget:
         return cls(**{**data, "root": Path(data["root"])})
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from filelock import FileLock, Timeout
 
