@@ -42,7 +42,7 @@ def prompt_sets(tok, names: list[str], per_set: int) -> dict[str, list[list[int]
     out = {}
     for name in names:
         if name == "suite":
-            recs = [json.loads(l) for l in SUITE.read_text().splitlines() if l.strip()]
+            recs = [json.loads(line) for line in SUITE.read_text().splitlines() if line.strip()]
             recs = [r for r in recs if "prompt" in r or "messages" in r][:per_set]
             out[name] = [encode_record(tok, r, "auto")[0] for r in recs]
         elif name == "heldout-code":

@@ -82,7 +82,7 @@ def setup(args):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, MASK_ID, (48,), generator=g).tolist() for _ in range(64)]
         responses = regenerate(target, prompts, 96, batch_size=64)
-        return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses)], MASK_ID
+        return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses, strict=True)], MASK_ID
     from dflash_train.target import Target
     from dflash_train.trainer import resolve_target_path
 
@@ -108,7 +108,8 @@ def run(args, mode, target, examples, mask_id, root, redis_url, suite):
         callbacks.append(timed)
     Trainer(cfg, callbacks, target=target, examples=examples).train()
     w = args.warmup
-    steps = [b - a for a, b in zip(clock.times[:-1], clock.times[1:])]  # steps[i]: step i+2 (after i+1's end)
+    # steps[i]: step i+2 (after i+1's end)
+    steps = [b - a for a, b in zip(clock.times[:-1], clock.times[1:], strict=False)]
     W, excess, stalls = args.window, [], []
     for k in range(args.every, args.steps - W, args.every):  # checkpoints at k (or would-be, for `no hook`)
         before = steps[k - 1 - W:k - 1]                          # steps k-W+1 .. k

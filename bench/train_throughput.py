@@ -46,7 +46,7 @@ def random_setup(args):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, MASK_ID, (64,), generator=g).tolist() for _ in range(64)]
     responses = regenerate(target, prompts, 128, batch_size=64)
-    return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses)], MASK_ID
+    return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses, strict=True)], MASK_ID
 
 
 def run(args, depth, target, examples, mask_id, root):

@@ -115,9 +115,9 @@ def ev_options():
 
 def drafter_flops(cfg, vocab: int) -> dict:
     """Multiply-adds x 2 of the drafter's parts: per block at `keys` visible keys, per head slot, per context position."""
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    H, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers  # F: the MLP width
     q, kv, B = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.block_size
-    return {"block": L * (2 * B * H * (2 * q + 2 * kv) + 2 * 3 * B * H * I),
+    return {"block": L * (2 * B * H * (2 * q + 2 * kv) + 2 * 3 * B * H * F),
             "block_per_key": L * 2 * 2 * B * q,  # scores and weighted values over each visible key
             "slot": 2 * H * vocab,
             "context": 2 * cfg.num_features * cfg.target_hidden_size * H + L * 2 * H * 2 * kv}
@@ -131,7 +131,7 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
     from eval_worker.engine.walk import Walker, WalkSeq, context_kv
 
     f = drafter_flops(drafter.config, vocab)
-    B, D = drafter.config.block_size, min(opts.tree_budget, drafter.config.block_size - 1)
+    B = drafter.config.block_size
     walker = Walker(drafter, ev.target.parts.embed_tokens, ev.target.parts.lm_head, topk=opts.tree_budget,
                     tree_budget=opts.tree_budget)
     quota = -(-opts.anchor_sample // len(refs))

@@ -108,7 +108,7 @@ def map_checkpoint_keys(tensors: dict[str, torch.Tensor], cfg: DrafterConfig,
                                       f"implies {sum(sizes)} rows ({' + '.join(map(str, sizes))} for "
                                       f"{'/'.join(parts)})")
             base = pattern.match(key).group(1)
-            for part, piece in zip(parts, torch.split(t, list(sizes), dim=0)):
+            for part, piece in zip(parts, torch.split(t, list(sizes), dim=0), strict=True):
                 name = f"{base}{part}.weight"
                 if name in out:
                     raise CheckpointError(f"{where}: both fused {origin[key]!r} and {origin[name]!r} are present")

@@ -132,7 +132,7 @@ def summarize_stats(stats: torch.Tensor, block_size: int) -> dict:
         "ce": s[2] / n if n else math.nan,
         "accuracy": sum(correct) / n if n else math.nan,
         "streak": 1.0 + s[3] / s[4] if s[4] else math.nan,  # 1 + leading correct = accept length on train blocks
-        "per_slot_accuracy": [c / m if m else math.nan for c, m in zip(correct[1:], count[1:])],
+        "per_slot_accuracy": [c / m if m else math.nan for c, m in zip(correct[1:], count[1:], strict=False)],
         "label_tokens": n,
         "blocks": s[4],
     }

@@ -167,7 +167,7 @@ class DFlashDrafter(nn.Module):
         if context_features is not None and context_features.shape[1] > 0:
             ctx = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
             cos_c, sin_c = self.rotary_emb(ctx, context_positions)
-        for i, (layer, (window, causal)) in enumerate(zip(self.layers, self.config.attention())):
+        for i, (layer, (window, causal)) in enumerate(zip(self.layers, self.config.attention(), strict=False)):
             if ctx is not None:
                 kv = layer.self_attn.key_value(ctx, cos_c, sin_c)
             else:

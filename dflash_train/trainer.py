@@ -325,7 +325,7 @@ class Trainer:
             while self.step < c.max_steps:
                 slot = q.take()
                 meta: SlotMeta = slot.meta
-                metrics = self.train_step(slot, lambda: q.release(slot))
+                metrics = self.train_step(slot, lambda slot=slot: q.release(slot))
                 self.step += 1
                 self.data_position = meta.position + 1
                 logger.step(self.step, metrics, meta.tokens, q.health)

@@ -245,7 +245,7 @@ class EvalOnCheckpoint:
         ids = list(self._pins)
         done = {JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED}
         released = 0
-        for job_id, job in zip(ids, Job.fetch_many(ids, connection=conn, serializer=JSONSerializer)):
+        for job_id, job in zip(ids, Job.fetch_many(ids, connection=conn, serializer=JSONSerializer), strict=True):
             gone = job is None and Ledger(connection=conn).lookup_job(jobs_mod.strip_attempt(job_id)) is not None
             if gone or (job is not None and job.get_status(refresh=False) in done):
                 checkpoint = self._pins.pop(job_id, None)

@@ -210,7 +210,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
                 before = len(accepted)
                 thread = threading.Thread(target=outage, args=(at[step], step), daemon=True)
                 thread.start()
-                wait_for(lambda: downs and downs[-1]["at_step"] == step, 30, "Redis to go down")
+                wait_for(lambda step=step: downs and downs[-1]["at_step"] == step, 30, "Redis to go down")
                 downs[-1]["_accepted_before"] = before
             time.sleep(interval)
         if thread is not None:
@@ -436,7 +436,8 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
                 all_recorded_after_fix=c.recorded == c.accepted,
                 evaluated_once=c.executions == c.accepted,
                 reasons_say_kept=all("a retry only writes it" in r for p in phases.values() for r in p["reasons"]))
-            def why(reasons):  # "... ([Errno 30] Read-only file system: '/path'); ..." -> "[Errno 30] Read-only file system"
+            # "... ([Errno 30] Read-only file system: '/path'); ..." -> "[Errno 30] Read-only file system"
+            def why(reasons):
                 return "; ".join(sorted({m.group(0) for r in reasons if (m := re.search(r"\[Errno \d+\][^:;')]*", r))}))
 
             observed = "; ".join(f"{k}: {v['failed']}/{jobs} failed at once ({why(v['reasons'])}), "
@@ -567,7 +568,7 @@ def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: f
         half = s.publish(200)
         _republish(half, _half_dtype)
         good_half = s.enqueue(half, config=config)
-        for jid, (name, ck) in planned.items():  # after enqueue, before any worker picks them up
+        for name, ck in planned.values():  # after enqueue, before any worker picks them up
             if name not in BROKEN_WHEN_PUBLISHED:
                 _apply_fault(name, ck)
         good = s.enqueue(s.publish(300), config=config)
@@ -576,7 +577,7 @@ def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: f
         s.wait_settled(ids, timeout)
         c = s.audit(ids)
         outcome = {}
-        for jid, (name, ck) in planned.items():
+        for jid, (name, _ck) in planned.items():
             job = fetch_job(s.conn, jid)
             reason = c.failures.get(jid, "")
             outcome[name] = {"status": job.get_status().value, "reason": reason[:300],
@@ -718,7 +719,7 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
                 if tr.wait(120) != 0:
                     raise RuntimeError(f"final trainer run failed:\n{tr.log()[-2000:]}")
                 break
-            wait_for(lambda: '"cleaned"' in tr.log(), 60, "the trainer to start")
+            wait_for(lambda tr=tr: '"cleaned"' in tr.log(), 60, "the trainer to start")
             time.sleep(rng.uniform(0.2, 1.5))
             aim = (None, "tmp", "unmarked")[k % 3]  # a random moment, or aimed at a write in progress
             deadline = time.monotonic() + 5
@@ -967,7 +968,7 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
                 continue
             try:
                 job = fetch_job(s.conn, jid)
-                wait_for(lambda: job.get_status(refresh=True).value in ("failed", "finished"), 60, f"{jid} to end")
+                wait_for(lambda job=job: job.get_status(refresh=True).value in ("failed", "finished"), 60, f"{jid} to end")
                 result[name] = {"outcome": job.get_status().value, "reason": failure_reason(job)}
             except JobError as e:
                 result[name] = {"outcome": "gone", "reason": str(e)}
@@ -1415,7 +1416,7 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
     old = os.umask(0)
     try:
         with Stack(base, zygote=zygote, target=target) as s:
-            w = s.start_worker(umask=0)
+            s.start_worker(umask=0)
             ck = s.publish(1)
             box = Outbox(s.root / RUN / ".eval-outbox")
             box.put(make_job(ck, suite=str(s.suite)))
@@ -1499,7 +1500,7 @@ def scenario_orphan(base: Path, zygote: Zygote, target: Path, *, workers: int = 
             killed_at = time.monotonic()
             w.wait(10)
             try:
-                wait_for(lambda: not _running(sched), 10, f"scheduler {sched} to stop")
+                wait_for(lambda sched=sched: not _running(sched), 10, f"scheduler {sched} to stop")
                 exits.append(round(time.monotonic() - killed_at, 1))
             except TimeoutError:
                 orphans.append(sched)

@@ -258,16 +258,16 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
         w = st.start_worker()
         good, *broken = [st.publish(step) for step in (1, 2, 3)]
         names = ["config.json", WEIGHTS]
-        for url, name in zip(broken, names):
+        for url, name in zip(broken, names, strict=True):
             storage.store_for(url).remove(f"{url}/{name}")
         bad_ids = [st.enqueue(url, retries=2) for url in broken]
         good_id = st.enqueue(good)
         st.s.wait_settled(bad_ids + [good_id], timeout)
         c = st.s.audit()
-        reasons = {name: failure_reason(fetch_job(st.s.conn, jid)) for jid, name in zip(bad_ids, names)}
+        reasons = {name: failure_reason(fetch_job(st.s.conn, jid)) for jid, name in zip(bad_ids, names, strict=False)}
         log = w.log()  # one traceback's last line per failed execution: "<exception class>: <reason>"
         runs = {name: len(re.findall(rf"(?m)^[A-Za-z_][\w.]*: .*{re.escape(url)}\b", log))
-                for url, name in zip(broken, names)}
+                for url, name in zip(broken, names, strict=True)}
         evaluated = {call.get("job") for call in st.s.calls_made()}
         problems = _problem_list(
             failed_visibly=c.failed == len(broken), good_recorded=c.recorded == 1,
@@ -304,7 +304,7 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
         flaky_recorded = st.s.audit(ids).recorded
         failed_now: dict[str, str] = {}
         leftovers = []
-        for url, fault in zip(urls[flaky:], ("cut", "5xx")):
+        for url, fault in zip(urls[flaky:], ("cut", "5xx"), strict=False):
             st.proxy.set_fault(fault, only=b"/model.safetensors")  # the marker is read; the weights are not
             jid = st.run(url, timeout)
             ids.append(jid)

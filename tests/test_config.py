@@ -23,7 +23,7 @@ def test_layer_ids_spread_from_1_to_L_minus_3(L, n):
         return
     ids = default_target_layer_ids(L, n)
     assert ids[0] == 1 and ids[-1] == L - 3 and len(ids) == n
-    assert all(a < b for a, b in zip(ids, ids[1:]))
+    assert all(a < b for a, b in zip(ids, ids[1:], strict=False))
 
 
 ZLAB_QWEN3_8B = {  # the fields of a published z-lab drafter config.json

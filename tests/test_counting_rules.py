@@ -107,7 +107,7 @@ def deepspec_metrics_row(responses, max_proposal_tokens):
     count = acc_sum = 0
     at_pos, acc_at_pos = [0] * max_proposal_tokens, [0] * max_proposal_tokens
     for acceptance_lengths, proposal_lengths, accepted_draft_lengths in responses:
-        for a, p, d in zip(acceptance_lengths, proposal_lengths, accepted_draft_lengths):
+        for a, p, d in zip(acceptance_lengths, proposal_lengths, accepted_draft_lengths, strict=False):
             count += 1
             acc_sum += int(a)
             for i in range(max_proposal_tokens):
@@ -251,5 +251,5 @@ def test_counting_engine_sglang_equals_its_counters(case):
         assert pooled == pytest.approx(sched.avg_spec_accept_length(), rel=1e-12)
     # per request SGLang's meta_info spec_accept_length = completion_tokens / spec_verify_ct: the
     # prefill's token over the steps, i.e. (1 + Σ committed) / steps
-    for (tokens, _, _), lengths in zip(prompts, per):
+    for (tokens, _, _), lengths in zip(prompts, per, strict=True):
         assert 1 + sum(lengths) == len(tokens)

@@ -123,7 +123,8 @@ def test_dashboard(compose):
     cmd = _cmd_list(dash["command"])
     assert "--redis-url" in cmd
     assert cmd[cmd.index("--redis-url") + 1].startswith("redis://:${REDIS_PASSWORD")
-    assert dash["entrypoint"] == ["dflash-eval", "dashboard"]  # JSON jobs and workers (eval_worker/commands/dashboard.py)
+    # JSON jobs and workers (eval_worker/commands/dashboard.py)
+    assert dash["entrypoint"] == ["dflash-eval", "dashboard"]
 
 
 def test_named_volumes_declared(compose):
@@ -194,7 +195,7 @@ def test_trainer_dockerfile():
 
 
 def test_constraints_pin_torch():
-    lines = [l.strip() for l in (REPO_ROOT / "constraints.txt").read_text().splitlines()]
+    lines = [line.strip() for line in (REPO_ROOT / "constraints.txt").read_text().splitlines()]
     assert "torch==2.13.0" in lines
 
 

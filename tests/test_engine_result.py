@@ -138,7 +138,7 @@ def test_layer_formula_fallback_is_named_in_the_result(tmp_path, ev):
 
 # --- collapse: a degenerate reference is flagged (issue 17) ---------------------------------
 from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
+from hypothesis import strategies as st  # noqa: E402
 
 from eval_worker.engine.diagnostics import (  # noqa: E402
     COLLAPSE_MAX_LINES,

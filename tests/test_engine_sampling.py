@@ -76,7 +76,7 @@ def test_sampling_replay_equals_real_loop_on_the_tiny_target_at_temperature_0_7(
         **FAST, "max_new_tokens": 24, "temperatures": [0.7], "num_samples": 2, "seed": 3})
     entry = res.sampling["by_temperature"]["0.7"]
     seen = set()
-    for p, pr in zip(prompts, entry["prompts"]):
+    for p, pr in zip(prompts, entry["prompts"], strict=False):
         assert pr["name"] == p.name and len(pr["sample_taus"]) == 2
         for k in range(2):
             real = speculative_generate(tiny, drafter, p.ids, 24, eos_token_id=eos,

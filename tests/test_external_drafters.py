@@ -186,7 +186,7 @@ def test_external_drafter_queued_evaluated_and_used_as_baseline(tmp_path, redis_
         assert compared["imports"][0]["record"] == str(record) and not compared["imports"][0]["created"]
         for o in alone["outcomes"] + compared["outcomes"]:
             j = fetch_job(conn, o["job_id"])
-            wait_for(lambda: j.get_status(refresh=True).value in ("finished", "failed"), 240, o["job_id"])
+            wait_for(lambda j=j: j.get_status(refresh=True).value in ("finished", "failed"), 240, o["job_id"])
             assert j.get_status().value == "finished", j.latest_result().exc_string
         ledger = Ledger(tmp_path / "results")
         [ext] = [e.read() for e in ledger.entries("specforge-out")]

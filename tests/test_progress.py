@@ -19,7 +19,7 @@ def test_off_a_terminal_it_logs_counts_rate_and_eta_every_interval(caplog):
     clock = Clock()
     caplog.set_level(logging.INFO, logger="dflash.progress")
     with Progress("references", 64, unit="prompts", every_s=10, stream=io.StringIO(), clock=clock) as p:
-        for i in range(64):
+        for _ in range(64):
             clock.t += 1.0  # one prompt a second
             p.update()
     lines = [r.getMessage() for r in caplog.records]

@@ -62,7 +62,7 @@ def test_dismiss_failed_jobs(redis_url, conn, tmp_path, capsys):
     paths = [publish_random(root, "run-d", step, seed=step) for step in (1, 2, 3)]
     ids = _fail_jobs(conn, root, tmp_path, paths)
     assert {j["job_id"] for j in status(conn)["failed"]} == set(ids)
-    assert all((p / ".pins" / i).exists() for p, i in zip(paths, ids))  # failed jobs stay pinned
+    assert all((p / ".pins" / i).exists() for p, i in zip(paths, ids, strict=True))  # failed jobs stay pinned
 
     with pytest.raises(jobs.JobError, match="dismiss"):  # cancel points at the right command
         from eval_worker.service.queue import cancel

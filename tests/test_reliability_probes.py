@@ -11,7 +11,6 @@ test_sidecar_worker.py).
 from __future__ import annotations
 
 from tests import soak
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.test_reliability_faults import _check
 
 

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from eval_worker.service.queue import JOB_FUNC
 from tests import soak, soak_stack
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
 def test_hostile_queue_entries_run_no_code_and_read_nothing_outside_the_roots(tmp_path, zygote, target):
@@ -210,7 +209,7 @@ def _report(tmp: Path, texts: list[str], name: str) -> str:
     from tests.eval_results import make_result, write_ledger
 
     res = make_result("run-x", 100, p=0.5)
-    for prompt, text in zip(res["prompts"], texts):
+    for prompt, text in zip(res["prompts"], texts, strict=False):
         prompt["name"], prompt["reference_text"] = text[:30], text
         prompt["accepted_spans"] = [[0, len(text)]]
     res["diagnostics"] = [{"code": "NOTE", "severity": "warning", "message": texts[-1]}]

@@ -23,7 +23,6 @@ from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.sidecar_support import REPO_ROOT, publish_random
 
 FAKE = "tests.fake_evaluator:FakeEvaluator"

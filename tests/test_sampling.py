@@ -38,7 +38,7 @@ def test_sampling_filter_keeps_exactly_top_k_then_the_smallest_top_p_set(seed, t
     params = SamplingParams(temperature, top_p, top_k)
     probs = filtered_probs(logits, params)
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, dtype=torch.float64))
-    for row, p in zip(logits, probs):
+    for row, p in zip(logits, probs, strict=True):
         kept = (p > 0).nonzero()[:, 0]
         order = row.argsort(descending=True)
         # the kept tokens are the most likely ones, in order
@@ -107,7 +107,7 @@ def _exact_prefix_probs(target, prompt, params, depth, min_prob):
     """P(first `depth` tokens = s) under the target's own filtered distribution, for every s whose
     probability is at least min_prob (the rest is pooled by the caller)."""
     out, frontier = {}, [((), 1.0)]
-    for d in range(depth):
+    for _ in range(depth):
         nxt = []
         for prefix, p in frontier:
             last = target.forward(torch.tensor([prompt + list(prefix)]), []).last_hidden[0, -1:]

@@ -56,7 +56,7 @@ def test_metric_aliases_equal_deepspec_and_vllm_figures():
             drafts = rng.integers(0, 3, size=(len(tokens), B - 1)).tolist()
             prompts.append((tokens, ext, drafts))
 
-        def result(counting):
+        def result(counting, prompts=prompts):
             from eval_worker.engine.drafting import AnchorDrafts
             from eval_worker.engine.scoring import score_prompt
 

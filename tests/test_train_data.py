@@ -101,7 +101,8 @@ def test_regeneration_is_cached_and_equals_greedy(tmp_path):
     finally:
         target.model.generate = real
     assert again == first and len(calls) == n == 1  # one batch (left-padded); nothing rerun from cache
-    for p, r in zip(prompts, first):  # equals the target's own greedy decode, prompt by prompt (padded one too)
+    # equals the target's own greedy decode, prompt by prompt (padded one too)
+    for p, r in zip(prompts, first, strict=False):
         ids = torch.tensor([p])
         ref = real(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert r == ref[0, len(p):].tolist()

@@ -150,14 +150,14 @@ class Evaluator:
 
         `sampling` (params, seed): the loop samples with each reference's keyed draws (its sample index)."""
         mismatched, token_mismatch, steps = [], [], 0
-        for ref, replay in zip(refs, replays):
+        for ref, replay in zip(refs, replays, strict=False):
             sampler = None if sampling is None else Sampler.for_prompt(sampling[0], sampling[1], ref.prompt_ids,
                                                                        ref.sample or 0)
             real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos,
                                         counting=counting, sampler=sampler)
             steps += len(real.accept_lengths)
             if real.accept_lengths != replay:
-                first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay)) if a != b),
+                first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay, strict=False)) if a != b),
                              min(len(real.accept_lengths), len(replay)))
                 mismatched.append({"name": ref.name, "sample": ref.sample, "first_step": first,
                                    "real": real.accept_lengths, "replay": replay})
@@ -222,7 +222,7 @@ class Evaluator:
                 made = src.generate_samples(p.name, p.ids, max_new, eos, lookahead, [x[5] for x in missing])
             else:
                 made = [src.generate(p.name, p.ids, max_new, eos, lookahead, sampler=x[5]) for x in missing]
-            fresh = dict(zip([x[0] for x in missing], made))
+            fresh = dict(zip([x[0] for x in missing], made, strict=False))
             for label, slot, key, look, ref, _ in lookups:
                 if ref is None:
                     ref = fresh[label]
@@ -419,7 +419,7 @@ class Evaluator:
             with _timer(timings, "draft"):
                 walked = walker.run(seqs, kvs)
             del kvs
-            for ref, seq, got, (sample, probed, greedy) in zip(group, seqs, walked, extra):
+            for ref, seq, got, (sample, probed, greedy) in zip(group, seqs, walked, extra, strict=False):
                 drafted["blocks"] += got.blocks
                 drafted["head_slots"] += got.head_slots
                 with _timer(timings, "score"):
@@ -525,9 +525,9 @@ class Evaluator:
         decode = self._decoder()
         base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
         prompts, divergence, empty, degenerate = [], {}, [], {}
-        for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus):
+        for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus, strict=False):
             walk_spans = sc.online.spans if opts.mode == "online" else [
-                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride)]
+                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride, strict=False)]
             text, spans = _char_spans(decode, ref.tokens, walk_spans)
             first = _first_divergence(sc.greedy.tolist(), ref.ext)
             if first is not None:
@@ -632,7 +632,7 @@ def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, o
         "mean_streak_all_anchors": s.mean_streak_all_anchors,
         "prompts": [{"name": refs[i * K].name, "tau": t, "sample_taus": g,
                      "num_tokens": [len(r.tokens) for r in refs[i * K:(i + 1) * K]]}
-                    for i, (t, g) in enumerate(zip(per_prompt, groups))],
+                    for i, (t, g) in enumerate(zip(per_prompt, groups, strict=False))],
         "validation": None}
 
 
@@ -646,7 +646,7 @@ def _on(value: dict, device: torch.device) -> dict:
 
 def _first_divergence(greedy: list[int], ext: list[int]) -> int | None:
     """First response offset where the target's own argmax differs from the reference."""
-    for i, (g, r) in enumerate(zip(greedy, ext)):
+    for i, (g, r) in enumerate(zip(greedy, ext, strict=False)):
         if g != r:
             return i
     return None

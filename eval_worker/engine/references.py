@@ -99,7 +99,7 @@ class LocalReferences:
         """One sampled reference per sampler, the prompt's samples decoded as one batch."""
         rows = sample_continuations(self.target, prompt_ids, samplers, max_new_tokens, eos_token_id, lookahead)
         refs = []
-        for ids, sampler in zip(rows, samplers):
+        for ids, sampler in zip(rows, samplers, strict=False):
             tokens, more, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
             refs.append(Reference(name, list(prompt_ids), tokens, more[:lookahead], finish, "local", lookahead,
                                   sample=sampler.sample))
@@ -159,7 +159,7 @@ def sample_continuations(target: Target, prompt_ids: list[int], samplers: list[S
     out: list[list[int]] = [[] for _ in samplers]
     ends: list[int | None] = [None] * n  # a row's response length once it is complete
     pos = 0
-    while any(e is None or len(o) < e + lookahead for o, e in zip(out, ends)):
+    while any(e is None or len(o) < e + lookahead for o, e in zip(out, ends, strict=True)):
         last = target.forward(inp, [], past_key_values=cache, use_cache=True,
                               position_ids=torch.arange(pos, pos + inp.shape[1], device=dev).expand(n, -1)).last_hidden
         pos += inp.shape[1]
@@ -170,7 +170,7 @@ def sample_continuations(target: Target, prompt_ids: list[int], samplers: list[S
             if ends[i] is None and (out[i][-1] == eos_token_id or len(out[i]) == max_new_tokens):
                 ends[i] = len(out[i])
         inp = torch.tensor([[o[-1]] for o in out], device=dev)
-    return [o[: e + lookahead] for o, e in zip(out, ends)]
+    return [o[: e + lookahead] for o, e in zip(out, ends, strict=True)]
 
 
 class ServerReferences:

@@ -112,7 +112,7 @@ class Walker:
         g_steps, t_steps = [0] * len(seqs), [0] * len(seqs)
         while True:
             need: dict[tuple[int, int], list[bool]] = {}
-            for i, s in enumerate(seqs):
+            for i in range(len(seqs)):
                 for cur, is_tree in ((greedy[i], False), (tree[i], True)):
                     if cur is None:
                         continue
@@ -225,7 +225,7 @@ class Walker:
             trees = {r: build_tree(logp[r], ids[r], self.budget, spine=True, spine_ids=arg[r])
                      for r in np.flatnonzero(tree).tolist()}
         bounds = sorted({0, W, *(b for b in SLOT_BOUNDS if b < W), *set(done.tolist())})
-        for lo, hi in zip(bounds, bounds[1:]):  # the rest: slot chunks up to each block's first miss
+        for lo, hi in zip(bounds, bounds[1:], strict=False):  # the rest: slot chunks up to each block's first miss
             rows = np.flatnonzero((done == lo) & (_streaks(arg, labels) >= lo))
             if rows.size:
                 arg[rows, lo:hi] = self._argmax(slots, rows, lo, hi)
@@ -242,7 +242,6 @@ class Walker:
         first k depths is the tree of all D depths unless it popped a node at depth k
         (`DraftTree.read_depth == k`); those rows get the next depths (k doubling) and are built
         again. A spine tree is built later (its chain is the whole argmax): all D depths at once."""
-        W = slots.shape[1]
         ids = np.zeros((len(arg), self.D, self.topk), dtype=np.int64)
         logp = np.zeros((len(arg), self.D, self.topk), dtype=np.float32)
         trees: dict[int, DraftTree] = {}

@@ -336,7 +336,7 @@ def _queued_briefs(connection, q: Queue, run: str | None, limit: int | None) -> 
             for job_id in chunk:
                 pipe.hget(Job.key_for(job_id), "meta")
             metas = pipe.execute()
-        for job_id, raw in zip(chunk, metas):
+        for job_id, raw in zip(chunk, metas, strict=True):
             try:
                 if raw is not None and json.loads(raw).get("run_id") == run:
                     total += 1

@@ -94,7 +94,7 @@ class HeartbeatStartedJobRegistry(StartedJobRegistry):
             for m in members:
                 pipe.exists(f"{RQ_KEY_PREFIX}:execution:{m}")
             alive = pipe.execute()
-        return [m for m, a in zip(members, alive) if not a]
+        return [m for m, a in zip(members, alive, strict=True) if not a]
 
     def cleanup(self, timestamp: float | None = None, exception_handlers: list | None = None):
         lapsed = self.lapsed()
