@@ -38,7 +38,7 @@ from .train_state import save_training_state
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:

@@ -23,7 +23,7 @@ import sys
 from .settings import Settings
 from .train_config import TrainConfig, TrainConfigError, field_types, help_of, load_config, unwrap_optional
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:

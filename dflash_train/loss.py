@@ -1,6 +1,6 @@
 """The block loss: position-weighted cross-entropy over draft slots, plus train metrics.
 
-DFlash loss (notes §2.4): `w_k = exp(-(k-1)/γ)` for slot k >= 1, 0 for slot 0, the loss
+DFlash loss (the paper's position decay): `w_k = exp(-(k-1)/γ)` for slot k >= 1, 0 for slot 0, the loss
 normalised by the sum of the weights. D-PACE (optional) replaces the fixed decay by a
 detached weight from the drafter's own running acceptance probability.
 

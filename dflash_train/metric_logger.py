@@ -19,7 +19,7 @@ import torch
 from . import distributed as dist_util
 from .progress import Progress
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 
 
 class MetricLogger:

@@ -21,7 +21,7 @@ from typing import TypeVar
 T = TypeVar("T")
 DEFAULT_EVERY_S = 15.0
 
-log = logging.getLogger("dflash.progress")
+log = logging.getLogger(__name__)
 
 
 def format_duration(seconds: float) -> str:

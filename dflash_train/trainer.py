@@ -1,6 +1,6 @@
 """The drafter trainer: multi-anchor block training on the target's own greedy labels.
 
-One step (notes §2): the frozen target runs on a batch (in the hidden-state queue's
+One step (the DFlash training recipe): the frozen target runs on a batch (in the hidden-state queue's
 producer) giving context features and, from the same forward, its greedy tokens; anchors
 are sampled among response positions; the drafter drafts every block at once through the
 shared multi-block mask; the target's frozen LM head turns drafter states into logits;
@@ -40,7 +40,7 @@ from .target import Target, TargetError
 from .train_config import BUNDLED_TARGET, TrainConfig, TrainConfigError, load_config
 from .train_state import latest_training_state, load_training_state, set_rng_state
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 TINY_TARGET_DIR = Path(__file__).resolve().parent / "assets" / "tiny_target"
 
 __all__ = ["Trainer", "TrainConfig", "TrainSummary", "train", "load_config"]

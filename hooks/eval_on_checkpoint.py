@@ -45,7 +45,7 @@ from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_ke
 from eval_worker.service.queue import QueueConfig, enqueue, record_owed
 from eval_worker.service.redis_local import connect, resolve_redis_url
 
-log = logging.getLogger("hooks.eval")
+log = logging.getLogger(__name__)
 
 
 def is_rank0() -> bool:

@@ -53,7 +53,7 @@ from dflash_train.publication import run_id_from
 
 from .eval_on_checkpoint import EvalOnCheckpoint
 
-log = logging.getLogger("hooks.hf")
+log = logging.getLogger(__name__)
 
 
 class DrafterNotFound(TypeError):

@@ -1043,7 +1043,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
                       problems=problems)
 
 
-# --------------------------------------------------------------------------- issue 11: probes from outside
+# --------------------------------------------------------------------------- probes from outside
 
 def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
     """Four evaluations of one (run, step): the run's options, other options (max_new_tokens), a
@@ -1590,7 +1590,7 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "kill": scenario_kill, "redis": scenario_redis, "wandb": scenario_wandb, "disk": scenario_disk,
     "checkpoints": scenario_checkpoints, "cache": scenario_cache, "trainer": scenario_trainer_kill,
     "security": scenario_security, "fuzz": scenario_fuzz_queue, "burst": scenario_burst, "memory": scenario_memory,
-    # issue 11: found by probing from outside
+    # found by probing from outside
     "collision": scenario_collision, "refusing": scenario_refusing, "spool": scenario_spool,
     "password": scenario_password, "suites": scenario_suites, "badfields": scenario_bad_fields,
     "modes": scenario_modes, "orphan": scenario_orphan, "bundled": scenario_bundled_redis,

@@ -136,7 +136,7 @@ def test_layer_formula_fallback_is_named_in_the_result(tmp_path, ev):
     assert plain.settings["layer_ids_origin"] == "config" and "LAYER_IDS_FROM_FALLBACK" not in plain.diagnostic_codes()
 
 
-# --- collapse: a degenerate reference is flagged (issue 17) ---------------------------------
+# --- collapse: a degenerate reference is flagged ----------------------------------------------
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -1,6 +1,6 @@
 """One schema for a job and its options, at enqueue and at the worker; oversized fields refused early and briefly.
 
-Observed before (issue 11): a 10 MB string in `chat_template` (a flag) was accepted and made a
+Observed before: a 10 MB string in `chat_template` (a flag) was accepted and made a
 21 MB ledger record; a typo was enqueued, pinned and hashed before it failed in the engine; a
 10 MB `suite` failed with `OSError: File name too long` (retried) and `dflash-eval status`
 printed the whole 10 MB line.

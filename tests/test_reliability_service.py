@@ -360,7 +360,7 @@ def test_outbox_disk_full_train_end_lists_every_owed_step_and_drops_its_pin(conn
     url = _hook_user(conn, redis_url, queue_writes=False)
     hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
                             min_backoff=0.05, max_backoff=0.2, train_end_timeout=1.0, eval_final=False)
-    caplog.set_level(logging.ERROR, logger="hooks.eval")
+    caplog.set_level(logging.ERROR, logger="hooks.eval_on_checkpoint")
     for s in (20, 21):
         hook.on_checkpoint_published(None, s, ckpts[s], None)
     hook.on_train_end(None)

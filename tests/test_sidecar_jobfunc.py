@@ -47,7 +47,7 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
 
 def test_a_job_hashes_its_checkpoint_files_once(env, monkeypatch):
     """The worker verifies the digests (inside its roots) and hands the verified manifest to the
-    engine, which does not hash the weights again (issue 12: they were hashed twice per job)."""
+    engine, which does not hash the weights again (they were once hashed twice per job)."""
     from dflash_train import publication
 
     _, (j1, _) = env
@@ -117,7 +117,7 @@ def test_a_job_may_only_name_targets_inside_the_target_roots(env, monkeypatch, t
     assert r["tau"] is not None and evaluators.target_loads(str(elsewhere)) == 1
 
 
-# ---- issue 11: results never mis-attributed, a failed write never re-evaluates ---------------
+# ---- results never mis-attributed, a failed write never re-evaluates ------------------------
 
 def _count_evaluations(monkeypatch) -> list[str]:
     """Wrap the worker's Evaluator so the test sees every evaluation it runs."""

@@ -133,7 +133,7 @@ def test_builtin_sources_and_templates(tiny_target_path):
 
 def test_builtin_training_prompts_are_held_out_from_the_suite_and_the_targets_pairs(tiny_target_path):
     """The demo drafter's requests (builtin:stdlib-mix) are not the eval suite's prompts, and
-    not chat pairs the target trained on: the target writes them a fresh answer (issue 17)."""
+    not chat pairs the target trained on: the target writes them a fresh answer."""
     from transformers import AutoTokenizer
 
     from dflash_train.assets.build_tiny_target import collect_chat_pairs

@@ -95,8 +95,10 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.progress import limit_repeated_warnings
 
     limit_repeated_warnings()
-    for name in ("dflash_train", "hooks.eval"):  # training progress and the hook's enqueue lines
+    for name in ("dflash_train", "hooks.eval_on_checkpoint"):  # training progress and the hook's enqueue lines
         logging.getLogger(name).setLevel(logging.INFO)
+    # the progress module's lines stay at WARNING, as before it was named under dflash_train
+    logging.getLogger("dflash_train.progress").setLevel(logging.WARNING)
     from eval_worker.service.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
@@ -248,7 +250,7 @@ def _publish_others(run_id: str, sinks, paths: dict[str, Path], mlflow_uri: str,
 
 def _collapsed(rows) -> str | None:
     """A loud line when most references of an evaluation are degenerate: τ would then say that a
-    drafter learns to repeat the target's collapse, not how well it drafts (issue 17)."""
+    drafter learns to repeat the target's collapse, not how well it drafts."""
     from eval_worker.engine.diagnostics import mostly_degenerate
 
     for r in rows:

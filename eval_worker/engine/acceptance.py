@@ -47,7 +47,7 @@ from eval_worker.engine.speed import measure_step_costs
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
 from eval_worker.engine.walk import WALK_KV_BUDGET, Walker, WalkSeq, context_kv, kv_bytes
 
-log = logging.getLogger("eval_worker.engine")
+log = logging.getLogger(__name__)
 # what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
 SAMPLED_STATS = ("mean_streak_all_anchors", "per_position.top1_accuracy", "prompts[].mean_streak")
 

@@ -35,7 +35,7 @@ from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.evaluators import WorkerSettings, target_loads
 from eval_worker.service.jobs import JobError
 
-log = logging.getLogger("eval_worker.service.eval_job")
+log = logging.getLogger(__name__)
 
 SPOOL_SCHEMA = "dflash-eval-spool/1"
 

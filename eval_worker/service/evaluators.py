@@ -20,7 +20,7 @@ from typing import Any
 from dflash_train.settings import Settings
 from eval_worker.service.jobs import JobError
 
-log = logging.getLogger("eval_worker.service.evaluators")
+log = logging.getLogger(__name__)
 
 
 @dataclass

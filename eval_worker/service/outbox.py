@@ -40,7 +40,7 @@ from dflash_train.errors import retryable
 from dflash_train.fsutil import atomic_write_bytes, fsync_dir
 from dflash_train.redaction import redact
 
-log = logging.getLogger("eval_worker.service.outbox")
+log = logging.getLogger(__name__)
 
 OUTBOX_DIRNAME = ".eval-outbox"
 FILE_MODE, DIR_MODE = 0o600, 0o700  # the trainer's private spool of undelivered jobs
