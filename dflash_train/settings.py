@@ -108,8 +108,8 @@ class Settings:
     checkpoint_cache_dir: Path | None = None
     publish_to: str | None = None
     checkpoint_cache_gb: float = 20.0
-    target_roots: tuple[Path, ...] | None = None
-    suite_roots: tuple[Path, ...] | None = None
+    target_roots: tuple[Path | str, ...] | None = None
+    suite_roots: tuple[Path | str, ...] | None = None
     hf_datasets_dir: Path | None = None
     target: str | None = None
     device: str | None = None
@@ -156,8 +156,8 @@ class Settings:
             value = env.get(name, "").strip()
             return value or None
 
-        if get("DFLASH_HOME"):
-            home = Path(get("DFLASH_HOME")).expanduser()
+        if home_env := get("DFLASH_HOME"):
+            home = Path(home_env).expanduser()
         else:
             cache = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             home = Path(cache) / "dflash-eval"
@@ -174,7 +174,7 @@ class Settings:
             publish_to=get("DFLASH_PUBLISH_TO"),
             target_roots=parse_roots(get("DFLASH_TARGET_ROOTS")),
             suite_roots=parse_roots(get("DFLASH_SUITE_ROOTS")),
-            hf_datasets_dir=Path(get("DFLASH_HF_DATASETS_DIR")).expanduser() if get("DFLASH_HF_DATASETS_DIR") else None,
+            hf_datasets_dir=Path(hf_dir).expanduser() if (hf_dir := get("DFLASH_HF_DATASETS_DIR")) else None,
             target=get("DFLASH_TARGET"),
             device=get("DFLASH_DEVICE"),
             evaluator_factory=get("DFLASH_EVALUATOR_FACTORY"),

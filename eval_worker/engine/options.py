@@ -12,6 +12,7 @@ options equal to their default, so `{}` and `{"tree_budget": 8}` name the same e
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,7 +53,7 @@ def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
     return text
 
 
-def describe_one(e: dict[str, Any], prefix: str = "") -> str:
+def describe_one(e: Mapping[str, Any], prefix: str = "") -> str:
     """One pydantic error (from `.errors()`) as `<where> must be ...`; the input is not echoed."""
     where = prefix + ".".join(str(x) for x in e["loc"]) if e["loc"] else prefix.rstrip(".") or "value"
     msg = e["msg"].removeprefix("Value error, ")

@@ -452,7 +452,7 @@ class Ledger:
             tau = tau_of(record)
             if tau is None:
                 continue
-            key = (tau, -record["step"])
-            if best_key is None or key > best_key:
-                best, best_key = record, key
+            rank = (tau, -record["step"])
+            if best_key is None or rank > best_key:
+                best, best_key = record, rank
         return best

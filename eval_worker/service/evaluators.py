@@ -29,10 +29,10 @@ class WorkerSettings:
     command line's choices applied (`from_settings`)."""
 
     results_dir: Path
-    roots: Sequence[Path] | None
+    roots: Sequence[Path | str] | None
     cache_dir: Path | None = None
-    target_roots: Sequence[Path] | None = None  # where a job's own `target` may lie (see jobs.check_target)
-    suite_roots: Sequence[Path] | None = None   # where a job's suite file may lie (see jobs.check_suite)
+    target_roots: Sequence[Path | str] | None = None  # where a job's own `target` may lie (see jobs.check_target)
+    suite_roots: Sequence[Path | str] | None = None   # where a job's suite file may lie (see jobs.check_suite)
     default_target: str | None = None
     device: str | None = None
     max_targets: int = 1
@@ -51,7 +51,7 @@ class WorkerSettings:
     @classmethod
     def from_settings(cls, settings: Settings, **overrides) -> WorkerSettings:
         """The worker's settings: `settings` (the environment), with `overrides` (flags given) applied."""
-        values = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
+        values: dict[str, Any] = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
                       target_roots=settings.target_roots, suite_roots=settings.suite_roots,
                       cache_dir=settings.cache_dir, default_target=settings.target, device=settings.device,
                       evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings,

@@ -319,7 +319,7 @@ def strip_attempt(job_id: str) -> str:
 
 # --------------------------------------------------------------------------- roots
 
-def confine(path: str | os.PathLike, roots: Sequence[Path], what: str = "checkpoint",
+def confine(path: str | os.PathLike, roots: Sequence[Path | str], what: str = "checkpoint",
             how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> Path:
     """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError.
     A store URL must lie under one of the URL prefixes among `roots`."""
@@ -342,8 +342,8 @@ def confine(path: str | os.PathLike, roots: Sequence[Path], what: str = "checkpo
     raise JobError(f"{path} is outside the {what} roots ({shown}); add its root with {how}")
 
 
-def check_target(target: str, default_target: str | None, target_roots: Sequence[Path] | None,
-                 checkpoint_roots: Sequence[Path]) -> None:
+def check_target(target: str, default_target: str | None, target_roots: Sequence[Path | str] | None,
+                 checkpoint_roots: Sequence[Path | str]) -> None:
     """A job may name the worker's own target, or one inside the target roots.
 
     Loading a target reads gigabytes and runs its tokenizer/config code paths, so a job may
@@ -360,7 +360,7 @@ def check_target(target: str, default_target: str | None, target_roots: Sequence
                 "in a target root, or in a checkpoint root when no target root is set)")
 
 
-def check_suite(suite: str, suite_roots: Sequence[Path] | None, checkpoint_roots: Sequence[Path] | None) -> str:
+def check_suite(suite: str, suite_roots: Sequence[Path | str] | None, checkpoint_roots: Sequence[Path | str] | None) -> str:
     """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), a
     standard benchmark `hf:NAME[:...]` (read from the worker's dataset copies or the datasets
     cache, never from a path the job names), or a file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
@@ -395,7 +395,7 @@ def check_suite(suite: str, suite_roots: Sequence[Path] | None, checkpoint_roots
 
 # --------------------------------------------------------------------------- checkpoints
 
-def check_checkpoint(job: dict[str, Any], roots: Sequence[Path] | None, *,
+def check_checkpoint(job: dict[str, Any], roots: Sequence[Path | str] | None, *,
                      verify_digest: bool = False) -> dict[str, dict[str, Any]]:
     """Check the job's checkpoint on disk; return the manifests read, keyed by real path.
 
@@ -415,7 +415,7 @@ def check_checkpoint(job: dict[str, Any], roots: Sequence[Path] | None, *,
     return manifests
 
 
-def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
+def _check_one(path: str, roots: Sequence[Path | str] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
     if storage.is_url(path):
         url, _, manifest = _check_remote(path, roots, what)
         return url, manifest
@@ -445,10 +445,10 @@ def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, wha
     return real, manifest
 
 
-def _check_remote(url: str, roots: Sequence[Path] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
+def _check_remote(url: str, roots: Sequence[Path | str] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
     """(canonical url, marker bytes, manifest) of a checkpoint in a store, confined to the store
     prefixes among `roots`. A store that cannot be reached raises StoreUnavailable (retryable)."""
-    url = confine(url, roots) if roots is not None else storage.check_url(url)
+    url = str(confine(url, roots)) if roots is not None else storage.check_url(url)
     try:
         raw = read_marker(url)
         return str(url), raw, parse_manifest(raw, url)
@@ -457,7 +457,7 @@ def _check_remote(url: str, roots: Sequence[Path] | None, what: str) -> tuple[st
 
 
 @contextlib.contextmanager
-def materialize(job: dict[str, Any], roots: Sequence[Path] | None, cache=None):
+def materialize(job: dict[str, Any], roots: Sequence[Path | str] | None, cache=None):
     """What the worker evaluates: `(checkpoint dir, baseline dir or None, verified manifests)`.
 
     Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
@@ -466,8 +466,8 @@ def materialize(job: dict[str, Any], roots: Sequence[Path] | None, cache=None):
     publication, every file's digest verified), held for the block so it is not evicted.
     """
     if not any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline")):
-        verified = check_checkpoint(job, roots, verify_digest=True)
-        yield job["checkpoint"], job.get("baseline"), verified
+        manifests = check_checkpoint(job, roots, verify_digest=True)
+        yield job["checkpoint"], job.get("baseline"), manifests
         return
     if cache is None:
         raise JobError("this worker has no checkpoint cache to pull store checkpoints into")
@@ -529,7 +529,7 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
              baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
              sinks: Sequence[str] | None = None, mlflow: dict[str, Any] | None = None,
              requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
-             manifest: dict[str, Any] | None = None, roots: Sequence[Path] | None = None) -> dict[str, Any]:
+             manifest: dict[str, Any] | None = None, roots: Sequence[Path | str] | None = None) -> dict[str, Any]:
     """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
     checkpoint = _canonical(checkpoint)
     if manifest is None:

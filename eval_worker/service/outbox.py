@@ -283,7 +283,7 @@ class Deliverer:
                  is_invalid: Callable[[BaseException], bool] = _refused_for_the_job, min_backoff: float = 1.0,
                  max_backoff: float = 60.0,
                  on_report: Callable[[DeliveryReport], None] | None = None,
-                 on_idle: Callable[[], None] | None = None, idle_interval: float | None = None):
+                 on_idle: Callable[[], object] | None = None, idle_interval: float | None = None):
         self.outbox, self.send, self.is_invalid = outbox, send, is_invalid
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.on_report = on_report

@@ -14,7 +14,7 @@ takes a new attempt number (`-r<n>` id) from a Redis counter.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -132,7 +132,7 @@ class EnqueueOutcome:
 
 
 def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config: QueueConfig | None = None,
-            roots: list[Path] | None = None, check: bool = True, suite_fp: str | None = None) -> EnqueueOutcome:
+            roots: Sequence[Path | str] | None = None, check: bool = True, suite_fp: str | None = None) -> EnqueueOutcome:
     """Validate `payload` and put it on its priority queue (or say why not).
 
     - validation: schema, then (with `check`) the checkpoint: inside `roots` when given,
@@ -199,7 +199,7 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
 def _recorded(connection, job_id: str) -> bool:
     """Whether the ledger index holds this very job id (attempt included) as recorded."""
     done = Ledger(connection=connection).lookup_job(jobs_mod.strip_attempt(job_id))
-    return bool(done) and done.get("job_id") == job_id
+    return bool(done and done.get("job_id") == job_id)
 
 
 def workers_target(connection, queue: str) -> str | None:
@@ -329,7 +329,8 @@ def _queued_briefs(connection, q: Queue, run: str | None, limit: int | None) -> 
         total = q.count
         ids = q.get_job_ids(0, limit) if limit is not None else q.get_job_ids()
         return [_job_brief(j) for j in _jobs(connection, ids)], total
-    ids, total, mine = q.get_job_ids(), 0, []
+    ids, total = q.get_job_ids(), 0
+    mine: list = []
     for lo in range(0, len(ids), STATUS_CHUNK):
         chunk = ids[lo:lo + STATUS_CHUNK]
         with connection.pipeline() as pipe:
@@ -446,7 +447,7 @@ class RequeueReport:
 
 
 def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, config: QueueConfig | None = None,
-                roots: list[Path] | None = None) -> RequeueReport:
+                roots: Sequence[Path | str] | None = None) -> RequeueReport:
     """Evaluate steps of a run again: failed jobs are re-queued as they are, finished ones get a new
     attempt, pending ones are left alone. `steps=None` means every step the queue has seen.
 

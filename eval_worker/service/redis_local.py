@@ -769,8 +769,8 @@ def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True
     With ``start=False`` and no running local server, raises :class:`RedisLocalError`.
     When this call started the server, ``notice`` (default: a log warning) gets :func:`started_notice`.
     """
-    if url or settings.redis_url:
-        return url or settings.redis_url
+    if given := url or settings.redis_url:
+        return given
     local = LocalRedis(settings.redis_dir, password=settings.redis_password, binary=settings.redis_server)
     if start:
         local.start()

@@ -57,7 +57,7 @@ class Watcher:
         self.directory = None if self.url else Path(directory).resolve()
         self.into = Path(into) if into is not None else None
         self.submit, self.config, self.every, self.settle, self.prefix = submit, config, every, settle, prefix
-        name = self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else self.directory.name
+        name = self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else Path(directory).resolve().name
         self.run_id = run_id or run_id_from(name, default="watch")
         if state_path is None and self.into is None:
             raise ValueError("give `into` (converted checkpoints and the state file) or `state_path`")
@@ -76,6 +76,7 @@ class Watcher:
 
     # --- what is there -------------------------------------------------------------------
     def candidates(self) -> list[Path]:
+        assert self.directory is not None, "a local directory is watched"
         out = []
         for p in sorted(self.directory.iterdir()) if self.directory.is_dir() else []:
             if p.name.startswith(".") or p.is_symlink():
@@ -161,11 +162,13 @@ class Watcher:
         return events
 
     def _scan_store(self) -> list[dict]:
+        assert self.url is not None, "a store prefix is watched"
         events = []
         for url in list_checkpoints(self.url):  # marked ones only: a store upload writes the marker last
             if url in self.state:
                 continue
             step = checkpoint_step(url)
+            assert step is not None, url  # list_checkpoints lists step directories only
             if self.every and step % self.every:
                 events.append(self._record(url, {"status": "skipped", "step": step,
                                                  "reason": f"not a multiple of --every {self.every}"}))

@@ -86,7 +86,7 @@ class HeartbeatStartedJobRegistry(StartedJobRegistry):
     """
 
     def lapsed(self) -> list[str]:
-        members = [m.decode() if isinstance(m, bytes) else m for m in self.connection.zrange(self.key, 0, -1)]
+        members = [m.decode() if isinstance(m, bytes) else str(m) for m in self.connection.zrange(self.key, 0, -1)]
         members = [m for m in members if ":" in m]  # job:execution (an older entry has no key to judge by)
         if not members:
             return []
@@ -399,7 +399,9 @@ class EvalWorker(SimpleWorker):
             raise JobInterrupted(f"job {self._current.id} {reason}")
 
     def _interrupt_main(self) -> None:
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        ident = threading.main_thread().ident
+        assert ident is not None, "the main thread has started"
+        signal.pthread_kill(ident, signal.SIGUSR1)
 
     def kill_horse(self, sig=None):
         """`stop-job` command (from the pubsub thread): interrupt the in-process job."""
