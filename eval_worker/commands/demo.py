@@ -15,6 +15,7 @@ import sys
 import time
 from datetime import UTC
 from pathlib import Path
+from typing import Any
 
 HELP = "run the end-to-end demo: Redis + worker + training with evals + W&B (offline) + HTML report"
 
@@ -49,7 +50,8 @@ def _threads() -> tuple[int, int]:
 def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float) -> dict[str, str]:
     from eval_worker.service.queue import fetch_job
 
-    deadline, status = time.monotonic() + timeout_s, {}
+    deadline = time.monotonic() + timeout_s
+    status: dict[str, str] = {}
     while True:
         for jid in job_ids:
             if status.get(jid) not in ("finished", "failed", "stopped", "canceled"):
@@ -118,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
             return 130
         print(f"dflash-eval demo: {type(e).__name__}: {e}", file=sys.stderr)
         for w in stack.workers:
-            print(f"--- {w.log_path} (last lines) ---\n{tail(w.log_path)}", file=sys.stderr)
+            print(f"--- {w.log_path} (last lines) ---\n{tail(w.log_path)}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
     finally:
         # Cleanup is bounded (worker grace, then SIGKILL); a second Ctrl-C must not cut it short.
@@ -146,7 +148,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     mlflow_uri = f"sqlite:///{paths['mlflow'] / 'mlflow.db'}"
     run_id = args.run_id or datetime.now(UTC).strftime("demo-%Y%m%d-%H%M%S")
     # `results`, `report` and `status` find this demo's ledger and report without flags
-    pointer = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
+    pointer: dict[str, Any] = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
                    report=paths["report"] / run_id / "report.html")
     latest_demo.record(args.settings, **pointer, state="running")
     trainer_threads, worker_threads = _threads()
@@ -234,15 +236,17 @@ def _publish_others(run_id: str, sinks, paths: dict[str, Path], mlflow_uri: str,
     makes sure every ledger record is there) and where to look."""
     lines = []
     if "tensorboard" in sinks:
-        from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget, publish_run
+        from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget
+        from eval_worker.results.sinks.tensorboard_sink import publish_run as publish_tb
 
-        tb = publish_run(run_id, TensorBoardTarget(root=paths["tensorboard"]), results_dir=paths["results"],
+        tb = publish_tb(run_id, TensorBoardTarget(root=paths["tensorboard"]), results_dir=paths["results"],
                          redis_url=url)
         lines.append(f"  TensorBoard: {tb['view']}")
     if "mlflow" in sinks:
-        from eval_worker.results.sinks.mlflow_sink import publish_run, target_from
+        from eval_worker.results.sinks.mlflow_sink import publish_run as publish_ml
+        from eval_worker.results.sinks.mlflow_sink import target_from
 
-        ml = publish_run(run_id, target_from(None, settings, tracking_uri=mlflow_uri), results_dir=paths["results"],
+        ml = publish_ml(run_id, target_from(None, settings, tracking_uri=mlflow_uri), results_dir=paths["results"],
                          redis_url=url)
         lines.append(f"  MLflow:      run {ml['mlflow_run_id']}; mlflow ui --backend-store-uri {mlflow_uri}")
     return lines

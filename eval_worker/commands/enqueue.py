@@ -148,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(e))
 
     outcomes, errors = [], []
-    paths, baseline, records = _expand(args.checkpoints), args.baseline, []
+    paths, baseline = _expand(args.checkpoints), args.baseline
+    records: list = []
     if args.external:  # drafters trained elsewhere: queue their import records instead
         external = [p for p in paths + ([baseline] if baseline else []) if not _published(p)]
         records, import_errors = import_drafters(args, external)
@@ -199,8 +200,8 @@ def main(args: argparse.Namespace) -> int:
                 print(f"  set aside {key}: {reason}")
             if d["set_aside"]:
                 print(f"  (fix the cause, then `dflash-eval enqueue --outbox {d['dir']} --retry-rejected`)")
-        for e in errors:
-            print(f"error     {e['checkpoint']}: {e['error']}")
+        for err in errors:
+            print(f"error     {err['checkpoint']}: {err['error']}")
     return 2 if errors or any(d["remaining"] or d["rejected"] or d["set_aside"] for d in delivered) else 0
 
 
@@ -222,7 +223,7 @@ def _expand(paths: list[str]) -> list[str]:
     from dflash_train import storage
     from dflash_train.publication import MARKER_NAME, list_checkpoints
 
-    out = []
+    out: list = []
     for p in paths:
         if storage.is_url(p):  # a run prefix in a store stands for its marked step prefixes
             try:

@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train import storage
 
     pulls = ExitStack()
-    urls = {}
+    urls: dict[str, str] = {}
     try:
         for key in ("checkpoint", "baseline"):  # a store or Hub location: evaluate a verified local copy
             where = getattr(args, key)
@@ -119,7 +119,9 @@ def main(args: argparse.Namespace) -> int:
             raise SuiteError(f"two suites share a name ({names}); their results could not be told apart")
         from dflash_train.hub import resolve_target
 
-        evaluator = Evaluator(resolve_target(args.target), None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
+        target = resolve_target(args.target)
+        assert target is not None, "--target is required"
+        evaluator = Evaluator(target, None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
                               progress=not args.no_progress, dtype=args.dtype,
                               device=args.device)
         if args.reference_server:

@@ -48,7 +48,7 @@ class Watcher:
     """`scan()` once per poll; `submit(record_path) -> str` queues a record and says how (the CLI
     enqueues on Redis). `clock` is injectable so tests step time instead of sleeping."""
 
-    def __init__(self, directory: str | Path, into: str | Path, *, submit: Callable[[Path], str],
+    def __init__(self, directory: str | Path, into: str | Path | None, *, submit: Callable[[Path], str],
                  config: str | Path | None = None, every: int | None = None, settle: float = 30.0,
                  run_id: str | None = None, state_path: str | Path | None = None, prefix: str | None = None,
                  log: Callable[[str], None] = print, clock: Callable[[], float] = time.time):
@@ -61,7 +61,11 @@ class Watcher:
         self.run_id = run_id or run_id_from(name, default="watch")
         if state_path is None and self.into is None:
             raise ValueError("give `into` (converted checkpoints and the state file) or `state_path`")
-        self.state_path = Path(state_path) if state_path else self.into / self.run_id / STATE_NAME
+        if state_path:
+            self.state_path = Path(state_path)
+        else:
+            assert self.into is not None  # checked just above
+            self.state_path = self.into / self.run_id / STATE_NAME
         self.log, self.clock = log, clock
         self.state: dict[str, dict] = {}
         self._seen: dict[str, Seen] = {}  # written but not yet settled (kept across restarts: `--once` from cron)
@@ -142,8 +146,9 @@ class Watcher:
                         continue
                     # always converted (its own config.json when it has one): the trainer may delete its copy
                     own = p / "config.json" if p.is_dir() and (p / "config.json").is_file() else None
-                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p, config=self.config or own,
-                                                         prefix=self.prefix)
+                    # a local directory watched with no `into` fails here, as it always did: kept as is
+                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p,  # type: ignore[arg-type]
+                                                         config=self.config or own, prefix=self.prefix)
                     step = facts["step"]
                 if self.every and step % self.every:
                     events.append(self._record(key, {"status": "skipped", "step": step,
