@@ -165,7 +165,8 @@ def main():
                       "paired_ratio": 1 + overhead, "paired_ratio_sem": sem, "events": len(excess),
                       "longest_checkpoint_stall_ms": 1000 * max(stalls) if stalls else 0.0,
                       "callback_max_ms": 1000 * max(r["callback_max_s"] for r in runs[m]),
-                      "jobs": sum(len(r["outcomes"]) for r in runs[m]), "hook_errors": sum(r["errors"] for r in runs[m])}
+                      "jobs": sum(len(r["outcomes"]) for r in runs[m]),
+                      "hook_errors": sum(r["errors"] for r in runs[m])}
     base = summary["no hook"]
     print(f"\n{args.steps} steps x {args.repeats} repeats, a checkpoint every {args.every} steps, "
           f"window {args.window}, warmup {args.warmup} excluded, {args.threads} thread(s)")

@@ -131,7 +131,8 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
     out = []
     for tag, root in (("small", small_results), ("full", results)):
         target = target_from({"project": "bench"}, settings, mode="offline", root=tmp / f"wandb-{tag}")
-        t, m, _ = measure(lambda target=target, root=root: publish_run(run, target, results_dir=root, force=True), peak=False, repeat=1)
+        t, m, _ = measure(lambda target=target, root=root: publish_run(run, target, results_dir=root, force=True),
+                          peak=False, repeat=1)
         out += [t, None]
     return ("publish --run (one run, offline W&B rebuild)", per_small, per_full, *out)
 

@@ -62,7 +62,8 @@ def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     for i, t in enumerate(targets):
         extra = ["--serve-target", str(t)] if policy == "routing" else []
         workers.append(WorkerProcess(wtmp, redis_url, [root], name=f"sim-{policy}-{i}", target=t,
-                                     args=common + extra, env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'bench'}"}))
+                                     args=common + extra,
+                                     env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'bench'}"}))
     for w in workers:
         w.wait_registered(conn)
     config = QueueConfig(route_by_target=policy == "routing", retry_max=0)
@@ -103,7 +104,8 @@ def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     busy = sum((j.ended_at - j.started_at).total_seconds() for j in map(lambda i: fetch_job(conn, i), ids))
     overhead = (busy - loads * args.load) / len(ids) - args.eval
     conn.close()
-    return {"overhead": overhead, "loads": loads, "lag_p50": _pct(samples, 50), "lag_p95": _pct(samples, 95), "lag_max": max(samples)}
+    return {"overhead": overhead, "loads": loads, "lag_p50": _pct(samples, 50), "lag_p95": _pct(samples, 95),
+            "lag_max": max(samples)}
 
 
 def simulated(policy: str, args, overhead: float = 0.0) -> dict:

@@ -142,7 +142,8 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
         feats = ev._features(ref, result_suite(result), drafter.config.target_layer_ids, CacheReport())["features"]
         sample = sample_offsets(n, quota, opts.seed, ref.name)
         probe = probe_offsets(n, probe_quota)
-        seq = WalkSeq(torch.tensor(ref.prompt_ids + ref.tokens), P, n, np.asarray(ref.ext), full=np.union1d(sample, probe))
+        seq = WalkSeq(torch.tensor(ref.prompt_ids + ref.tokens), P, n, np.asarray(ref.ext),
+                      full=np.union1d(sample, probe))
         got = walker.run([seq], [context_kv(drafter, feats[:P + n - 1])])[0]
         total += (P + n - 1) * f["context"]
         for off, need in got.need.items():
@@ -248,7 +249,8 @@ def qwen3_8b_estimate(row: dict) -> dict:
     new = n * (row["blocks_new"] / row["tokens"] * per_block + row["head_slots_new"] / row["tokens"] * f["slot"]
                + f["context"])
     return {"today_pflop": today / 1e15, "new_pflop": new / 1e15, "ratio": today / new,
-            "cpu_h_today": today / (CPU_ENGINE_GFLOPS * 1e9) / 3600, "cpu_h_new": new / (CPU_ENGINE_GFLOPS * 1e9) / 3600,
+            "cpu_h_today": today / (CPU_ENGINE_GFLOPS * 1e9) / 3600,
+            "cpu_h_new": new / (CPU_ENGINE_GFLOPS * 1e9) / 3600,
             "h200_s_today": today / (H200_GFLOPS * 1e9), "h200_s_new": new / (H200_GFLOPS * 1e9)}
 
 

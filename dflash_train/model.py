@@ -224,7 +224,8 @@ def mask_blocks(first: torch.Tensor, block_size: int, mask_token_id: int) -> tor
     return ids
 
 
-def block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+def block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                    mask_token_id: int) -> torch.Tensor:
     """`[batch, N*B]` ids: each block is `[token at anchor, MASK x (B-1)]`."""
     first = torch.gather(input_ids, 1, anchors.clamp(0, input_ids.shape[1] - 1))
     return mask_blocks(first, block_size, mask_token_id).reshape(anchors.shape[0], -1)

@@ -175,7 +175,8 @@ class Target:
     # --- the one extraction path -------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, layer_ids: list[int], *, attention_mask: torch.Tensor | None = None,
-                past_key_values=None, use_cache: bool = False, position_ids: torch.Tensor | None = None) -> TargetOutput:
+                past_key_values=None, use_cache: bool = False,
+                position_ids: torch.Tensor | None = None) -> TargetOutput:
         """Run the decoder stack once; return concatenated features and the final hidden.
 
         Feature i is the output of decoder layer `layer_ids[i]`, i.e. HF

@@ -105,7 +105,8 @@ class TrainConfig:
     wandb: bool = opt(False, "log train metrics to W&B (train/* against train/step)")
     wandb_project: str = opt("dflash-train", "W&B project of the training run")
     wandb_entity: str | None = opt(None, "W&B entity (team or user)")
-    wandb_mode: str = opt("offline", "W&B mode: offline | online | disabled (the --wandb-mode flag wins over $WANDB_MODE, which wins over the config file)")
+    wandb_mode: str = opt("offline",
+                          "W&B mode: offline | online | disabled (the --wandb-mode flag wins over $WANDB_MODE, which wins over the config file)")
 
     # --- evaluation (the eval sidecar; docs/sidecar.md) ------------------------------------
     eval_every: int | None = opt(None, "queue an acceptance eval of the published checkpoint every N steps "

@@ -149,7 +149,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=c.lr, weight_decay=c.weight_decay,
                                            betas=tuple(c.adam_betas))
         warmup = int(round(c.warmup_ratio * c.max_steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(warmup, c.max_steps, c.min_lr_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lr_lambda(warmup, c.max_steps, c.min_lr_ratio))
         self.data_position = 0
         self.resumed_from: str | None = None
         self._maybe_resume()
@@ -263,7 +264,8 @@ class Trainer:
         buf["pred"][:, :L].copy_(self.target.greedy_tokens(out.last_hidden))
         feats = out.features
         if c.noise_std > 0:  # context features only; last_hidden (labels) stays clean
-            noise = torch.stack([torch.randn(feats.shape[1:], generator=torch.Generator(feats.device).manual_seed(s ^ 0x5EED),
+            noise = torch.stack([torch.randn(feats.shape[1:],
+                                             generator=torch.Generator(feats.device).manual_seed(s ^ 0x5EED),
                                              device=feats.device, dtype=torch.float32) for s in batch.row_seeds])
             feats = feats + (c.noise_std * noise).to(feats.dtype)
         buf["features"][:, :L].copy_(feats)
@@ -293,7 +295,8 @@ class Trainer:
                              loss_scale=float(self.dist.world_size))
         out.loss.backward()
         release()  # backward done: nothing reads the slot any more
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(),
+                                                   c.grad_clip if c.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -156,7 +156,8 @@ class EvalOnCheckpoint:
         """The first suite (the hook's jobs run every one of `suites`)."""
         return self.suites[0]
 
-    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> dict[str, Any]:
+    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> dict[str,
+                                                                                                                Any]:
         return jobs_mod.make_job(path, manifest=manifest, suite=suite or self.suite, target=self.target,
                                  baseline=self.baseline, wandb=self.wandb, sinks=self.sinks, mlflow=self.mlflow,
                                  requested_by="hook",

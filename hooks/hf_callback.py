@@ -187,7 +187,8 @@ class DFlashEvalCallback(TrainerCallback):
         run = wandb.run
         if run is None:
             return
-        mode = "offline" if getattr(run, "offline", False) or getattr(run.settings, "mode", "") == "offline" else "online"
+        mode = "offline" if getattr(run, "offline", False) or getattr(run.settings, "mode",
+                                                                      "") == "offline" else "online"
         self.hook.wandb = {"project": run.project, "entity": run.entity or None, "mode": mode,
                            "group": run.group or self.run_id or _run_id_from(args)}
 

@@ -763,7 +763,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
         c = s.audit(ids)
         calls = s.calls_made()
         left = partial_checkpoints(run_dir)
-        problems = _problem_list(no_partial_enqueued=not leaked, all_evaluated_had_marker=all(x["marker"] for x in calls),
+        problems = _problem_list(no_partial_enqueued=not leaked,
+                                 all_evaluated_had_marker=all(x["marker"] for x in calls),
                                  all_recorded=c.recorded == c.accepted, cleaned_up=not left,
                                  outbox_empty=not Outbox(outbox).pending())
         observed = (f"{kills} kills: " + ", ".join(f"{v} {k}" for k, v in outcomes.items() if v)
@@ -964,11 +965,13 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
         for jid, name in planted.items():
             if s.conn.exists(f"dflash:quarantine:{jid}"):
                 result[name] = {"outcome": "quarantined",
-                                "reason": (s.conn.hget(f"dflash:quarantine:{jid}", "dflash_quarantined") or b"").decode()}
+                                "reason": (s.conn.hget(f"dflash:quarantine:{jid}",
+                                                       "dflash_quarantined") or b"").decode()}
                 continue
             try:
                 job = fetch_job(s.conn, jid)
-                wait_for(lambda job=job: job.get_status(refresh=True).value in ("failed", "finished"), 60, f"{jid} to end")
+                wait_for(lambda job=job: job.get_status(refresh=True).value in ("failed", "finished"), 60,
+                         f"{jid} to end")
                 result[name] = {"outcome": job.get_status().value, "reason": failure_reason(job)}
             except JobError as e:
                 result[name] = {"outcome": "gone", "reason": str(e)}
@@ -1325,7 +1328,8 @@ def scenario_suites(base: Path, zygote: Zygote, target: Path, *, timeout: float 
         probes = {"/etc/passwd": "/etc/passwd", "a missing file": str(base / "missing" / "x.jsonl"),
                   "a directory": str(s.root), "a valid suite outside the roots": str(outside),
                   "a symlink out of the roots": str(s.suite.parent / "escape.jsonl"),
-                  "a relative path": "../../etc/passwd", "a missing file in the roots": str(s.suite.parent / "no.jsonl")}
+                  "a relative path": "../../etc/passwd",
+                  "a missing file in the roots": str(s.suite.parent / "no.jsonl")}
         planted = _plant_jobs(s, {name: {**good_job, "suite": spec} for name, spec in probes.items()})
         good = s.enqueue(good_ck)
         w = s.start_worker()
@@ -1362,8 +1366,10 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
     with Stack(base, zygote=zygote, target=target) as s:
         ck = s.publish(1)
         good_job = s.job(ck)
-        bad = {"a typo": {"options": {"max_new_token": 16}}, "a string for a number": {"options": {"max_new_tokens": "16"}},
-               "a flag that is a number": {"options": {"validate": 1}}, "10 MB in a flag": {"options": {"chat_template": big}},
+        bad = {"a typo": {"options": {"max_new_token": 16}},
+               "a string for a number": {"options": {"max_new_tokens": "16"}},
+               "a flag that is a number": {"options": {"validate": 1}},
+               "10 MB in a flag": {"options": {"chat_template": big}},
                "an unknown mode": {"options": {"mode": "fast"}}, "10 MB suite": {"suite": big},
                "10 MB W&B project": {"wandb": {"project": big}}, "10 MB checkpoint path": {"checkpoint": "/" + big},
                "10 000 metrics": {"train_metrics": {f"m{i}": 1.0 for i in range(10_000)}}}
@@ -1447,7 +1453,8 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
             off = {k: v for k, v in off.items() if v}
             checked = sum(len(v) for v in found.values())
             problems = _problem_list(all_recorded=c.recorded == 2, modes_as_documented=not off,
-                                     spool_seen=len(spool) == 1, aof_checked=any("appendonly" in p for p in found["redis"]))
+                                     spool_seen=len(spool) == 1,
+                                     aof_checked=any("appendonly" in p for p in found["redis"]))
             observed = (f"under umask 000: {checked} files and directories checked, {sum(map(len, off.values()))} off: "
                         "checkpoint files 0644 (model.safetensors too) in 0755 directories, ledger records 0644 "
                         "in 0755, outbox and set-aside jobs 0600 in 0700, spooled result 0600 in 0700, Redis "
@@ -1537,7 +1544,8 @@ def scenario_clock_skew(base: Path, zygote: Zygote, target: Path, *, jobs: int =
         ids = [s.enqueue(ck, config=retry_now(2)) for ck in cks]
         # each evaluation sleeps up to eval_s (SOAK_EVAL_DELAY_S is uniform in [0, eval_s]): longer than the TTL
         env = {"SOAK_EVAL_DELAY_S": str(eval_s)}
-        ws = [s.start_worker("w-true", env=env), s.start_worker("w-ahead", env={**env, "SOAK_CLOCK_SKEW_S": str(skew_s)})]
+        ws = [s.start_worker("w-true", env=env),
+              s.start_worker("w-ahead", env={**env, "SOAK_CLOCK_SKEW_S": str(skew_s)})]
         s.wait_settled(ids, timeout)
         c = s.audit(ids)
         calls = s.calls_made()  # evaluate() calls: a re-run after the record exists does not evaluate

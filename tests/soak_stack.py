@@ -546,7 +546,8 @@ class Stack:
         out = {}
         for i in range(0, len(ids), 200):
             chunk = ids[i:i + 200]
-            for jid, job in zip(chunk, Job.fetch_many(chunk, connection=self.conn, serializer=JSONSerializer), strict=True):
+            for jid, job in zip(chunk, Job.fetch_many(chunk, connection=self.conn, serializer=JSONSerializer),
+                                strict=True):
                 out[jid] = job.get_status(refresh=False).value if job is not None else None
         return out
 

@@ -150,7 +150,8 @@ def test_yarn_rope_in_either_layout_matches_transformers():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     old = DrafterConfig.from_dict({**small, "rope_theta": 1e7, "rope_scaling": yarn, "max_position_embeddings": 131072})
     v5 = {k: v for k, v in small.items() if k != "rope_theta"}
-    new = DrafterConfig.from_dict({**v5, "rope_parameters": {**yarn, "rope_theta": 1e7}, "max_position_embeddings": 131072})
+    new = DrafterConfig.from_dict({**v5, "rope_parameters": {**yarn, "rope_theta": 1e7},
+                                   "max_position_embeddings": 131072})
     assert old == new and old.rope_scaling["rope_type"] == "yarn"
     pos = torch.tensor([[0, 5, 40000, 100000]])
     cos, sin = _rotary(old, pos)

@@ -158,7 +158,8 @@ def test_run_evaluates_several_suites_side_by_side(tiny_target_path, hf_dir, tmp
     assert all(doc["tau"][n] == by_name[n]["tau"]["macro"] for n in doc["tau"])
     g = by_name["gsm8k-n2"]
     assert g["suite"]["origin"]["dataset"] == "openai/gsm8k" and g["suite"]["num_prompts"] == 2
-    assert [p["name"] for p in g["prompts"]] == [p.name for p in load_suite("hf:gsm8k:n=2", hf_datasets_dir=hf_dir).prompts]
+    assert [p["name"] for p in g["prompts"]] == [p.name for p in load_suite("hf:gsm8k:n=2",
+                                                                            hf_datasets_dir=hf_dir).prompts]
     text = capsys.readouterr().out
     table = text[text.rindex("suite "):].splitlines()  # the side-by-side table closes the output
     assert [line.split()[0] for line in table[1:]] == ["coding", "gsm8k-n2"]

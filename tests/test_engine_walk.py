@@ -101,7 +101,8 @@ def test_walk_driven_early_exit_equals_all_anchor_path(seed, B, layers, n, polic
     drafter = drafter_for(TARGET, block_size=B, layers=layers, seed=seed)
     prompt = rng.integers(0, VOCAB - 1, int(rng.integers(1, 8))).tolist()
     S = len(prompt) + n + B
-    feats = torch.randn(S, drafter.config.num_features * TARGET.hidden_size, generator=torch.Generator().manual_seed(seed))
+    feats = torch.randn(S, drafter.config.num_features * TARGET.hidden_size,
+                        generator=torch.Generator().manual_seed(seed))
     ext = forced_reference(drafter, feats, prompt, n, policy, rng)
     sample = sample_offsets(n, quota, seed, "p")
     old, new, got = both_paths(drafter, feats, prompt, ext, n, tree_budget=tree_budget, spine=spine,

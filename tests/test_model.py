@@ -153,7 +153,8 @@ def test_checkpoint_layout_and_round_trip(tmp_path):
     L = DRAFTER.config.num_hidden_layers
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(L):
-        expected |= {f"layers.{i}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+        expected |= {f"layers.{i}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
+                                                                  "k_norm")}
         expected |= {f"layers.{i}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
         expected |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
     assert keys == expected

@@ -71,7 +71,8 @@ def test_object_store_hub_manifest_is_derived_and_deterministic(hub_cache):
     m = read_manifest(url)
     assert m["digest"] == sha256_file(hub_cache / "model.safetensors")
     assert m["files"] == {n: sha256_file(hub_cache / n) for n in ("config.json", "model.safetensors")}
-    assert (m["run_id"], m["step"], m["hub"]) == ("org--drafter-01234567", 0, {"repo": "org/drafter", "revision": COMMIT})
+    assert (m["run_id"], m["step"], m["hub"]) == ("org--drafter-01234567", 0,
+                                                  {"repo": "org/drafter", "revision": COMMIT})
 
 
 def test_object_store_hub_is_read_only(hub_cache, tmp_path):

@@ -64,7 +64,8 @@ def test_s3_two_boxes_publish_enqueue_pull_verify_evaluate(tmp_path, redis_url, 
                 "--checkpoint-root", prefix, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert sorted(o["job_id"].split("-")[2] for o in out["outcomes"]) == ["100", "200"]  # not 300: no marker
-    assert cli(["enqueue", partial, "--suite", str(suite_a), "--redis-url", redis_url, "--checkpoint-root", prefix]) == 2
+    assert cli(["enqueue", partial, "--suite", str(suite_a), "--redis-url", redis_url, "--checkpoint-root",
+                prefix]) == 2
     assert "no COMPLETE.json" in capsys.readouterr().out
     assert cli(["enqueue", outside, "--suite", str(suite_a), "--redis-url", redis_url,
                 "--checkpoint-root", prefix]) == 2

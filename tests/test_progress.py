@@ -61,4 +61,5 @@ def test_count_to_learns_the_total_late(caplog):
 
 
 def test_durations_read_as_time():
-    assert [format_duration(s) for s in (0.4, 59, 61, 3599, 3600 * 2 + 180)] == ["0s", "59s", "1m01s", "59m59s", "2h03m"]
+    assert [format_duration(s) for s in (0.4, 59, 61, 3599, 3600 * 2 + 180)] == ["0s", "59s", "1m01s", "59m59s",
+                                                                                 "2h03m"]

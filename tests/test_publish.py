@@ -32,7 +32,8 @@ from .factories import drafter_for, qwen3_target
 
 def _drafter(hidden=32, layers=1, seed=0):
     torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=4,
                         num_key_value_heads=2, head_dim=hidden // 4, vocab_size=96, num_target_layers=6,
                         target_layer_ids=[1, 3], mask_token_id=95, block_size=8)
     return DFlashDrafter(cfg)
@@ -169,7 +170,8 @@ def test_retention_keeps_last_k_pinned_and_protected(tmp_path):
     assert is_pinned(run / "step-00000001")
     removed = apply_retention(run, 2, protect=lambda p: p.name == "step-00000003")
     assert sorted(p.name for p in removed) == ["step-00000002", "step-00000004"]
-    assert [p.name for p in list_checkpoints(run)] == ["step-00000001", "step-00000003", "step-00000005", "step-00000006"]
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000001", "step-00000003", "step-00000005",
+                                                       "step-00000006"]
     assert not (run / "step-00000002").exists()
     unpin_checkpoint(run / "step-00000001", "job-a")
     assert [p.name for p in apply_retention(run, 2)] == ["step-00000001", "step-00000003"]

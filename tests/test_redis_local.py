@@ -207,7 +207,8 @@ def test_stale_state_file_is_replaced(tmp_path):
     data_dir = tmp_path / "r"
     data_dir.mkdir()
     dead_port = redis_local.free_port()
-    (data_dir / redis_local.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port, "pid": 999999999}))
+    (data_dir / redis_local.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
+                                                               "pid": 999999999}))
     server = LocalRedis(data_dir)
     try:
         server.start()
@@ -461,7 +462,8 @@ def _make_certs(d: Path) -> dict[str, Path]:
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=dflash-test-ca")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj",
+        "/CN=dflash-test-ca")
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
     (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",

@@ -189,7 +189,8 @@ def test_password_and_tls_urls_work_and_the_password_is_never_printed(tmp_path, 
 # --------------------------------------------------------------------------- the report escapes text
 
 XSS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>', "</pre><script>x()</script>", "{{ 7*7 }}",
-       "{% raw %}", "<!--", "]]>", "javascript:alert(1)", "&lt;b&gt;", "<svg/onload=alert(1)>", "'\"`<>&", "\r", "a\r\nb"]
+       "{% raw %}", "<!--", "]]>", "javascript:alert(1)", "&lt;b&gt;", "<svg/onload=alert(1)>", "'\"`<>&", "\r",
+       "a\r\nb"]
 HOSTILE = st.one_of(st.sampled_from(XSS), st.text(alphabet=st.sampled_from(list("<>&\"'/=` ;:(){}!-ab\n")),
                                                   min_size=1, max_size=40),
                     st.text(min_size=1, max_size=40))

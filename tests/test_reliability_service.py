@@ -393,7 +393,8 @@ def test_secret_redaction_redact_masks_every_url_in_any_text():
 
     from dflash_train.storage import redact  # = dflash_train.redaction.redact
 
-    secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="-_.~!$"),
+    secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"),
+                                                  whitelist_characters="-_.~!$"),
                            min_size=6, max_size=30)
 
     @settings(max_examples=200, deadline=None)

@@ -97,7 +97,8 @@ def peaked():
     with torch.no_grad():
         target.parts.lm_head.weight.mul_(40.0)
     prompt = [3, 14, 15]
-    rows = torch.tensor([prompt + sample_continuation(target, prompt, Sampler.for_prompt(SamplingParams(1.0), 1, prompt, k),
+    rows = torch.tensor([prompt + sample_continuation(target, prompt,
+                                                      Sampler.for_prompt(SamplingParams(1.0), 1, prompt, k),
                                                       13, None, 0) for k in range(64)])
     drafter, _ = fit_on_target_predictions(target, drafter_for(target, block_size=4), rows, steps=150)
     return target, drafter, prompt

@@ -34,7 +34,8 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
     told = []
     from eval_worker.results import sinks
 
-    monkeypatch.setattr(sinks, "publish_result", lambda record, job, settings: told.append(record["path"]) or {"x": {"ok": True}})
+    monkeypatch.setattr(sinks, "publish_result", lambda record, job,
+                        settings: told.append(record["path"]) or {"x": {"ok": True}})
     r1, r2 = run_eval_job(j1), run_eval_job(j2)
     assert r1["recorded_now"] and r2["recorded_now"] and r1["sink_error"] is None
     assert evaluators.target_loads() == 1 and r2["target_loads"] == 1

@@ -61,7 +61,8 @@ def ctx(setup, redis_url, tmp_path):
     workers: list[WorkerProcess] = []
 
     def start(name, *, gated=False, args=(), env=None):
-        extra = {"SIDECAR_GATE": str(tmp_path / "gate"), "SIDECAR_CALLS": str(tmp_path / "calls.jsonl")} if gated else {}
+        extra = {"SIDECAR_GATE": str(tmp_path / "gate"),
+                 "SIDECAR_CALLS": str(tmp_path / "calls.jsonl")} if gated else {}
         w = WorkerProcess(tmp_path, redis_url, [setup["root"]], name=name, target=setup["target"],
                           args=(GATED if gated else []) + list(args), env={**extra, **(env or {})})
         workers.append(w)

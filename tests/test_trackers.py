@@ -276,7 +276,8 @@ def test_tensorboard_sink_chosen_per_job_over_the_workers(tmp_path, monkeypatch)
         validate_job({**record["job"], "sinks": ["tensorbored"]})
 
 
-@pytest.mark.parametrize("command", [["worker", "--checkpoint-root", "/tmp"], ["enqueue", "/tmp/x"], ["publish", "--run", "r"],
+@pytest.mark.parametrize("command",
+                         [["worker", "--checkpoint-root", "/tmp"], ["enqueue", "/tmp/x"], ["publish", "--run", "r"],
                                      ["demo"]])
 def test_sink_flag_refuses_unknown_names(command, tmp_path):
     """`--sink` on every command that takes it names the unknown sink and the known ones, before any work."""

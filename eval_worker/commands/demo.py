@@ -158,7 +158,8 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         if not sep or not key.strip():
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value.strip()
-    config = load_config(args.config, {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
+    config = load_config(args.config,
+                         {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
                                        "max_steps": args.max_steps, "num_threads": trainer_threads,
                                        "data_cache_dir": str(paths["cache"] / "train-data"), "wandb_mode": mode})
     every = args.eval_every or config.publish_every

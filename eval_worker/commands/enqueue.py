@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink", default=None, help="comma-separated sinks this job publishes to: wandb, tensorboard, "
                                                      "mlflow, or none (default: the worker's)")
     parser.add_argument("--mlflow-experiment", default=None, help="MLflow experiment of the eval run")
-    parser.add_argument("--mlflow-parent-run", default=None, help="nest the MLflow eval run under this run (the trainer's)")
+    parser.add_argument("--mlflow-parent-run", default=None,
+                        help="nest the MLflow eval run under this run (the trainer's)")
     parser.add_argument("--job-timeout", type=int, default=None, help="seconds one evaluation may take")
     parser.add_argument("--retries", type=int, default=None, help="retries after a failure or a crashed worker")
     parser.add_argument("--outbox", action="append", default=[], metavar="DIR",
@@ -167,7 +168,8 @@ def main(args: argparse.Namespace) -> int:
         for suite in dict.fromkeys(args.suite or [DEFAULT_SUITE]):
             try:
                 jobs.append(make_job(path, suite=suite, target=target, baseline=baseline, wandb=wandb,
-                                     sinks=sinks, mlflow=mlflow, requested_by="user", priority=args.priority, options=options or None,
+                                     sinks=sinks, mlflow=mlflow, requested_by="user", priority=args.priority,
+                                     options=options or None,
                                      roots=roots))
             except (JobError, StoreError, OSError) as e:  # OSError: StoreUnavailable, the store did not answer
                 errors.append({"checkpoint": path, "suite": suite, "error": str(e)})

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "directory)")
     p.add_argument("--results", help="results (ledger) directory (default $DFLASH_RESULTS_DIR, else "
                                      "$DFLASH_HOME/results: the worker's)")
-    p.add_argument("--steps", type=_steps, help="checkpoints shown in detail, e.g. 100,400 (default: first, best, latest)")
+    p.add_argument("--steps", type=_steps,
+                   help="checkpoints shown in detail, e.g. 100,400 (default: first, best, latest)")
     p.add_argument("--suite", help="suite shown in detail (default: the one with the most evaluations)")
 
 

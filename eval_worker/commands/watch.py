@@ -78,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
         return "; ".join(out)
 
     watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
-                      run_id=args.run, state_path=state_path, prefix=args.prefix, log=lambda line: print(line, flush=True))
+                      run_id=args.run, state_path=state_path, prefix=args.prefix,
+                      log=lambda line: print(line, flush=True))
     print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
           f"redis {url})", flush=True)
     try:

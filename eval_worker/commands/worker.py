@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evaluator-factory", default=None, metavar="MODULE:CALLABLE",
                         help="build evaluators with this instead of eval_worker.engine.acceptance.Evaluator "
                              "(default $DFLASH_EVALUATOR_FACTORY)")
-    parser.add_argument("--sink", default=None, help="comma-separated result sinks: wandb, tensorboard, mlflow, or none "
+    parser.add_argument("--sink", default=None,
+                        help="comma-separated result sinks: wandb, tensorboard, mlflow, or none "
                                                      "(default $DFLASH_SINKS, else wandb; a job's own list wins)")
     parser.add_argument("--log-level", default="INFO")
 

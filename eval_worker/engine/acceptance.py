@@ -145,7 +145,8 @@ class Evaluator:
         return result
 
     def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
-                 eos: int | None, counting: str = "response", sampling: tuple[SamplingParams, int] | None = None) -> dict:
+                 eos: int | None, counting: str = "response",
+                 sampling: tuple[SamplingParams, int] | None = None) -> dict:
         """Run the real draft-verify loop on every prompt and compare step by step with the replay.
 
         `sampling` (params, seed): the loop samples with each reference's keyed draws (its sample index)."""
@@ -413,7 +414,8 @@ class Evaluator:
                 with _timer(timings, "draft"):
                     kvs.append(context_kv(drafter, feats["features"][:max(P + n - 1, 1)]))
                 seqs.append(WalkSeq(ids, P, n, np.asarray(ref.ext, dtype=np.int64), full=full,
-                                    max_blocks=opts.max_blocks, greedy_steps=None if opts.validate else opts.max_blocks))
+                                    max_blocks=opts.max_blocks,
+                                    greedy_steps=None if opts.validate else opts.max_blocks))
                 extra.append((sample, probed, feats["greedy"].numpy()))
                 del feats
             with _timer(timings, "draft"):
@@ -504,7 +506,8 @@ class Evaluator:
         ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx,
                        "committed": committed})
         if ckey not in self._costs:
-            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8),
+            self._costs[ckey] = measure_step_costs(self.target, drafter,
+                                                   context_len=max(ctx, drafter.config.block_size + 8),
                                                    committed=committed)
         costs = self._costs[ckey]
         if costs is None:
@@ -527,7 +530,8 @@ class Evaluator:
         prompts, divergence, empty, degenerate = [], {}, [], {}
         for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus, strict=False):
             walk_spans = sc.online.spans if opts.mode == "online" else [
-                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride, strict=False)]
+                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a,
+                n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride, strict=False)]
             text, spans = _char_spans(decode, ref.tokens, walk_spans)
             first = _first_divergence(sc.greedy.tolist(), ref.ext)
             if first is not None:
@@ -560,7 +564,8 @@ class Evaluator:
                       target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
                       tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
                       empty_prompts=empty, degenerate=degenerate, num_prompts=len(refs), validation=validation,
-                      sampled_validation={k: e["validation"] for k, e in (sampled or {}).get("by_temperature", {}).items()
+                      sampled_validation={k: e["validation"] for k,
+                                          e in (sampled or {}).get("by_temperature", {}).items()
                                           if e.get("validation")},
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),

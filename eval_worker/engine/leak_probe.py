@@ -87,7 +87,8 @@ class LeakProbe:
             self.contract_checked += 1
 
     def to_dict(self) -> dict:
-        top1 = {f"{v}_top1": [float(h / c) if c else None for h, c in zip(self.hits[v].tolist(), self.valid[v].tolist(), strict=True)]
+        top1 = {f"{v}_top1": [float(h / c) if c else None for h,
+                              c in zip(self.hits[v].tolist(), self.valid[v].tolist(), strict=True)]
                 for v in VIEWS}
         return {"anchors": self.anchors, **top1, "contract_checked": self.contract_checked,
                 "future_reads": self.future_reads}

@@ -166,7 +166,8 @@ class Walker:
                 o.blocks += 1
                 o.head_slots += int(computed[r])
                 o.streak.setdefault(off, int(streak[r]))
-                least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0, min(int(streak[r]) + 1, self.B - 1))
+                least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0,
+                                                       min(int(streak[r]) + 1, self.B - 1))
                 o.need[off] = max(o.need.get(off, 0), least)
                 if f:
                     o.argmax.setdefault(off, arg[r].copy())

@@ -360,7 +360,8 @@ def check_target(target: str, default_target: str | None, target_roots: Sequence
                 "in a target root, or in a checkpoint root when no target root is set)")
 
 
-def check_suite(suite: str, suite_roots: Sequence[Path | str] | None, checkpoint_roots: Sequence[Path | str] | None) -> str:
+def check_suite(suite: str, suite_roots: Sequence[Path | str] | None,
+                checkpoint_roots: Sequence[Path | str] | None) -> str:
     """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), a
     standard benchmark `hf:NAME[:...]` (read from the worker's dataset copies or the datasets
     cache, never from a path the job names), or a file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
@@ -415,7 +416,8 @@ def check_checkpoint(job: dict[str, Any], roots: Sequence[Path | str] | None, *,
     return manifests
 
 
-def _check_one(path: str, roots: Sequence[Path | str] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
+def _check_one(path: str, roots: Sequence[Path | str] | None, verify_digest: bool, what: str) -> tuple[str,
+                                                                                                       dict[str, Any]]:
     if storage.is_url(path):
         url, _, manifest = _check_remote(path, roots, what)
         return url, manifest
@@ -555,7 +557,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
         "checkpoint_digest": digest, "target": canonical_target(target) if target else None,
         "suite": suite, "baseline": _canonical(baseline) if baseline else None,
         "wandb": wandb, "requested_by": requested_by,
-        **({"sinks": list(sinks)} if sinks is not None else {}), **({"mlflow": mlflow} if mlflow else {}), "priority": priority, "attempt": 0,
+        **({"sinks": list(sinks)} if sinks is not None else {}), **({"mlflow": mlflow} if mlflow else {}),
+        "priority": priority, "attempt": 0,
         "train_metrics": metrics or None, "options": options or None,
     }
     return validate_job(payload)

@@ -132,7 +132,8 @@ class EnqueueOutcome:
 
 
 def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config: QueueConfig | None = None,
-            roots: Sequence[Path | str] | None = None, check: bool = True, suite_fp: str | None = None) -> EnqueueOutcome:
+            roots: Sequence[Path | str] | None = None, check: bool = True,
+            suite_fp: str | None = None) -> EnqueueOutcome:
     """Validate `payload` and put it on its priority queue (or say why not).
 
     - validation: schema, then (with `check`) the checkpoint: inside `roots` when given,
@@ -473,7 +474,8 @@ def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, con
             continue
         if state == JobStatus.FAILED:
             requeued = requeue_failed(connection, config.base, [job_id])
-            results.append((job_id, f"re-queued failed job {job_id}" if requeued else f"{job_id}: not in failed registry"))
+            results.append((job_id,
+                            f"re-queued failed job {job_id}" if requeued else f"{job_id}: not in failed registry"))
             continue
         payload = {**entry["job"], "requested_by": "requeue", "attempt": 0}
         routed = current is not None and "@" in (current.origin or "")  # back to its target's queues

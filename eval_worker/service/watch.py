@@ -188,7 +188,8 @@ class Watcher:
     def _save(self) -> None:
         atomic_write_json(self.state_path, {
             "checkpoints": self.state,
-            "pending": {k: {"signature": [list(x) for x in v.signature], "since": v.since} for k, v in self._seen.items()}})
+            "pending": {k: {"signature": [list(x) for x in v.signature], "since": v.since} for k,
+                        v in self._seen.items()}})
 
     def _record(self, key: str, entry: dict) -> dict:
         self.state[key] = entry
