@@ -89,7 +89,8 @@ def main():
         report.update(train_wall_s=time.perf_counter() - t, setup_wall_s=setup_wall, setup_cpu_s=setup_cpu,
                       loop_wall_s=summary.wall_s, loop_cpu_s=summary.cpu_s, train_tokens_per_s=summary.tokens_per_s)
         print(f"trained {summary.step} steps in {report['train_wall_s']:.0f}s wall: setup (target, data, regeneration) "
-              f"{setup_wall:.0f}s wall / {setup_cpu:.0f}s CPU, loop {summary.wall_s:.0f}s wall / {summary.cpu_s:.0f}s CPU; "
+              f"{setup_wall:.0f}s wall / {setup_cpu:.0f}s CPU, loop {summary.wall_s:.0f}s wall / {summary.cpu_s:.0f}s "
+              f"CPU; "
               f"{summary.tokens_per_s:.0f} target tok/s. CPU seconds ~ wall seconds on an idle core.")
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.checkpoint_root) / cfg.run_id
     target = Target.load(resolve_target_path(cfg.target))

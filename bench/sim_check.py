@@ -139,7 +139,8 @@ def main() -> None:
     args = ap.parse_args()
     from eval_worker.service.redis_local import LocalRedis
 
-    print(f"2 runs x {args.checkpoints} checkpoints every {args.cadence} s / {args.cadence_b or args.cadence} s, 2 targets, 2 workers; "
+    print(f"2 runs x {args.checkpoints} checkpoints every {args.cadence} s / {args.cadence_b or args.cadence} s, 2 "
+          f"targets, 2 workers; "
           f"eval {args.eval} s, load {args.load} s")
     print("| policy | side | target loads | lag p50 (ckpts) | lag p95 (ckpts) | lag max (ckpts) |")
     print("|---|---|---|---|---|---|", flush=True)

@@ -309,7 +309,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5, help="seeds averaged (publication jitter, failure draws)")
     ap.add_argument("--scenario", action="append", default=None, choices=sorted(SCENARIOS))
     args = ap.parse_args()
-    print("| scenario | load/worker | policy | lag p50 | lag p95 | lag p95 (ckpts) | lag at train end (ckpts) | target loads | worker util | "
+    print("| scenario | load/worker | policy | lag p50 | lag p95 | lag p95 (ckpts) | lag at train end (ckpts) | "
+          "target loads | worker util | "
           "starved runs | train-end eval after | evaluated / published (skipped) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.scenario or list(SCENARIOS):
@@ -320,7 +321,8 @@ def main() -> None:
                     for s in range(args.seeds)]
             m = {k: statistics.fmean(o[k] for o in outs) for k in outs[0] if k not in ("policy", "lag_samples_ckpts")}
             print(f"| {name} | {rho:.2f} | {policy} | {m['lag_p50_s'] / 60:.1f} min | {m['lag_p95_s'] / 60:.1f} min | "
-                  f"{m['lag_p95_ckpts']:.1f} | {m['lag_end_ckpts']:.1f} | {m['loads']:.0f} | {m['util']:.0%} | {m['starved']:.1f}/{m['runs']:.0f} | "
+                  f"{m['lag_p95_ckpts']:.1f} | {m['lag_end_ckpts']:.1f} | {m['loads']:.0f} | {m['util']:.0%} | "
+                  f"{m['starved']:.1f}/{m['runs']:.0f} | "
                   f"{m['final_delay_max_s'] / 60:.1f} min | {m['evaluated']:.0f} / {m['published']:.0f} "
                   f"({m['skipped']:.0f}) |")
 

@@ -284,7 +284,8 @@ def main() -> None:
     print("\nQwen3-8B estimate (arithmetic: each case's blocks and head slots per token at Qwen3-8B shapes):")
     for r in rows:
         e = r["qwen3_8b"] = qwen3_8b_estimate(r)
-        print(f"{r['case']:>8} τ {r['tau']:.2f}: {e['today_pflop']:.2f} -> {e['new_pflop']:.2f} PFLOP ({e['ratio']:.1f}x); "
+        print(f"{r['case']:>8} τ {r['tau']:.2f}: {e['today_pflop']:.2f} -> {e['new_pflop']:.2f} PFLOP "
+              f"({e['ratio']:.1f}x); "
               f"CPU {e['cpu_h_today']:.0f} h -> {e['cpu_h_new']:.1f} h; one H200 {e['h200_s_today']:.1f} s -> "
               f"{e['h200_s_new']:.1f} s")
     if args.json:

@@ -158,14 +158,17 @@ class Target:
             problems.append(f"drafter hidden_size {cfg.hidden_size} != target hidden size {self.hidden_size} "
                             "(the drafter shares the target's embeddings and LM head)")
         if cfg.target_hidden_size != self.hidden_size:
-            problems.append(f"drafter expects {cfg.target_hidden_size}-wide target features, target gives {self.hidden_size}")
+            problems.append(f"drafter expects {cfg.target_hidden_size}-wide target features, target gives "
+                            f"{self.hidden_size}")
         too_deep = [i for i in cfg.target_layer_ids or [] if i >= self.num_layers]
         if too_deep:
             problems.append(f"target_layer_ids {too_deep} beyond the target's {self.num_layers} layers")
         if cfg.num_target_layers is not None and cfg.num_target_layers != self.num_layers:
-            problems.append(f"drafter was built for a {cfg.num_target_layers}-layer target, this one has {self.num_layers}")
+            problems.append(f"drafter was built for a {cfg.num_target_layers}-layer target, this one has "
+                            f"{self.num_layers}")
         if not 0 <= cfg.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's embedding ({self.vocab_size} rows)")
+            problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's embedding ({self.vocab_size} "
+                            f"rows)")
         head_rows = self.parts.lm_head.weight.shape[0]
         if cfg.vocab_size != head_rows:
             problems.append(f"drafter vocab_size {cfg.vocab_size} != target LM head rows {head_rows}")

@@ -106,7 +106,8 @@ class TrainConfig:
     wandb_project: str = opt("dflash-train", "W&B project of the training run")
     wandb_entity: str | None = opt(None, "W&B entity (team or user)")
     wandb_mode: str = opt("offline",
-                          "W&B mode: offline | online | disabled (the --wandb-mode flag wins over $WANDB_MODE, which wins over the config file)")
+                          "W&B mode: offline | online | disabled (the --wandb-mode flag wins over $WANDB_MODE, which "
+                          "wins over the config file)")
 
     # --- evaluation (the eval sidecar; docs/sidecar.md) ------------------------------------
     eval_every: int | None = opt(None, "queue an acceptance eval of the published checkpoint every N steps "
@@ -250,5 +251,6 @@ def _coerce(cls, name: str, value: Any) -> Any:
                 raise ValueError(value)
             return base(value)
     except (TypeError, ValueError):
-        raise TrainConfigError(f"option {name}: cannot use {value!r} as {base.__name__ if hasattr(base, '__name__') else base}") from None
+        raise TrainConfigError(f"option {name}: cannot use {value!r} as "
+                               f"{base.__name__ if hasattr(base, '__name__') else base}") from None
     return value

@@ -11,7 +11,8 @@ import random
 from pathlib import Path
 
 PROMPTS = {
-    "fizzbuzz": "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n",
+    "fizzbuzz": "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            "
+                "print('FizzBuzz')\n",
     "html <escape> & \"quotes\"": "<script>alert('x')</script> & <b>bold</b> should stay text, not markup.\n",
     "binary_search": "def search(xs, t):\n    lo, hi = 0, len(xs)\n    while lo < hi:\n        mid = (lo + hi) // 2\n",
     "unicode": "Résumé — naïve café, 東京, emoji 🙂 and tabs\tare fine.\n",

@@ -279,7 +279,8 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
                                  for r in reasons.values()}))
         observed = (f"{len(broken)} checkpoints with a listed file deleted from the store (config.json, "
                     f"model.safetensors), enqueued with 2 retries: each ran "
-                    f"{'once' if set(runs.values()) == {1} else f'{runs} times'} and failed at download, reason names the file ({said}); nothing evaluated; the good job next to them recorded")
+                    f"{'once' if set(runs.values()) == {1} else f'{runs} times'} and failed at download, reason names "
+                    f"the file ({said}); nothing evaluated; the good job next to them recorded")
         return Row.of("Object listed by COMPLETE.json missing from the store",
                       "a permanent failure naming the file, not retried", observed, c, t0,
                       reasons=reasons, runs=runs, problems=problems)
@@ -325,7 +326,8 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
         observed = (f"{flaky} jobs over a link cutting 2 responses mid-body each: all recorded; "
                     f"weights downloads cut / answered 503 for good: "
                     + "; ".join(f"{k}: failed ({_short(v)})" for k, v in failed_now.items())
-                    + f", {len(leftovers) or 'no'} partial download(s) left; after the store came back `requeue --failed` recorded both; "
+                    + f", {len(leftovers) or 'no'} partial download(s) left; after the store came back `requeue "
+                      f"--failed` recorded both; "
                     f"{c.recorded}/{c.accepted} recorded, {mis} mis-attributed; "
                     f"requests through the proxy by fault {dict(st.proxy.counts)}")
         return Row.of("Store connection cut mid-body, or answered 503", "retried inside the cache; a visible "

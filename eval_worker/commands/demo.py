@@ -73,7 +73,8 @@ def _print_table(rows) -> None:
         ci = t.get("ci95") or [float("nan")] * 2
         tree = (r.result.get("tree") or {}).get("tau")
         sp = (r.result.get("speedup") or {}).get("estimated")
-        print(f"  {r.step:>4} | {t['macro']:>11.3f} | [{ci[0]:6.3f}, {ci[1]:6.3f}] | {t.get('pooled', float('nan')):>8.3f}"
+        print(f"  {r.step:>4} | {t['macro']:>11.3f} | [{ci[0]:6.3f}, {ci[1]:6.3f}] | "
+              f"{t.get('pooled', float('nan')):>8.3f}"
               f" | {tree if tree is None else f'{tree:6.3f}':>6} | {'' if sp is None else f'{sp:.2f}x':>11}")
     budget = next(((r.result.get("tree") or {}).get("budget") for r in rows if r.result.get("tree")), None)
     if budget:  # a tree of N nodes accepts at most N + 1 tokens a step, a chain up to the block size

@@ -29,11 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(all its published checkpoints)")
     parser.add_argument("--suite", action="append", default=None, metavar="SUITE",
                         help="builtin:NAME, a .jsonl file (under the worker's suite roots), or a standard benchmark "
-                             "hf:NAME[:n=N][:seed=S][:thinking=on] (gsm8k, math500, humaneval, mbpp, mt-bench, alpaca); "
+                             "hf:NAME[:n=N][:seed=S][:thinking=on] (gsm8k, math500, humaneval, mbpp, mt-bench, "
+                             "alpaca); "
                              "repeatable: one job per suite, each logged as eval/<suite>/... "
                              "(default builtin:coding-v1)")
     parser.add_argument("--target", default=None,
-                        help="target model directory as the worker sees it, or a Hub model id ORG/NAME[@REV] (its snapshot "
+                        help="target model directory as the worker sees it, or a Hub model id ORG/NAME[@REV] (its "
+                             "snapshot "
                              "in the Hugging Face cache) (default $DFLASH_TARGET, "
                              "else the worker's own --target)")
     parser.add_argument("--baseline", default=None,
@@ -61,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="drafted nodes of the best-first tree behind tree τ (default: the engine's, 8)")
     parser.add_argument("--sliding-rule", choices=["serving", "reference"], default=None,
-                        help="sliding-window layers a drafter config leaves without a causal flag: serving (vLLM/SGLang: "
+                        help="sliding-window layers a drafter config leaves without a causal flag: serving "
+                             "(vLLM/SGLang: "
                         "causal within the block; default) or reference (z-lab loop: non-causal, windowed)")
     parser.add_argument("--counting", choices=COUNTING_RULES, default=None,
                         help="step-counting rule of the online walk (default: the engine's, response; "

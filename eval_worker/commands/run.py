@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Face cache; downloaded unless HF_HUB_OFFLINE is set)")
     p.add_argument("--baseline", help="baseline drafter dir or URL, as --checkpoint (paired Δτ per prompt)")
     p.add_argument("--suite", action="append", default=None, metavar="SUITE",
-                   help="builtin:NAME[-vN], a .jsonl file, or a standard benchmark hf:NAME[:n=N][:seed=S][:thinking=on] "
+                   help="builtin:NAME[-vN], a .jsonl file, or a standard benchmark "
+                        "hf:NAME[:n=N][:seed=S][:thinking=on] "
                         f"(NAME one of {', '.join(hf_suites())}; local copies: $DFLASH_HF_DATASETS_DIR); repeatable: "
                         "every suite is evaluated and their τ shown side by side (default builtin:coding-v1)")
     p.add_argument("--json", dest="json_out", help="write the full result JSON here (several suites: "
@@ -197,7 +198,8 @@ def format_table(r: dict) -> str:
         f"target      {r['target']['path']}  ({r['target']['num_layers']} layers, {r['target']['dtype']}, "
         f"fp {r['target']['fingerprint'][:12]})",
         f"suite       {r['suite']['name']}-v{r['suite']['version']}  ({r['suite']['num_prompts']} prompts, "
-        f"fp {r['suite']['fingerprint'][:8]})  mode={s['mode']}  counting={s.get('counting', 'response')}  B={s['block_size']}  max_new={s['max_new_tokens']}",
+        f"fp {r['suite']['fingerprint'][:8]})  mode={s['mode']}  counting={s.get('counting', 'response')}  "
+        f"B={s['block_size']}  max_new={s['max_new_tokens']}",
         "",
         f"τ (macro)   {_f(tau['macro'])}   95% CI [{_f(ci[0])}, {_f(ci[1])}]   pooled {_f(tau['pooled'])} "
         f"over {tau['num_steps']} verify steps",

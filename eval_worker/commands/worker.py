@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which priority queues to serve, in order (default: %(default)s)")
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     parser.add_argument("--target", default=None,
-                        help="target model directory (or a Hub model id ORG/NAME[@REV], from the Hugging Face cache): loaded before the first job and kept "
+                        help="target model directory (or a Hub model id ORG/NAME[@REV], from the Hugging Face cache): "
+                             "loaded before the first job and kept "
                              "(default $DFLASH_TARGET; jobs naming another target load it on demand, "
                              "if it lies in a --target-root)")
     parser.add_argument("--target-root", action="append", default=None, metavar="DIR",
