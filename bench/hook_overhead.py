@@ -147,7 +147,8 @@ def main():
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp, LocalRedis(Path(tmp) / "redis") as redis:
         suite = Path(tmp) / "suite.jsonl"
-        suite.write_text('{"suite": "bench", "version": "1", "chat_template": false}\n{"name": "a", "ids": [1, 2, 3]}\n')
+        suite.write_text('{"suite": "bench", "version": "1", "chat_template": false}\n'
+                         '{"name": "a", "ids": [1, 2, 3]}\n')
         for r in range(args.repeats):
             for m in (modes if r % 2 == 0 else modes[::-1]):
                 runs[m].append(run(args, m, target, examples, mask_id, Path(tmp) / "ck", redis.url, str(suite)))

@@ -114,7 +114,8 @@ def ev_options():
 
 
 def drafter_flops(cfg, vocab: int) -> dict:
-    """Multiply-adds x 2 of the drafter's parts: per block at `keys` visible keys, per head slot, per context position."""
+    """Multiply-adds x 2 of the drafter's parts: per block at `keys` visible keys, per head slot,
+    per context position."""
     H, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers  # F: the MLP width
     q, kv, B = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.block_size
     return {"block": L * (2 * B * H * (2 * q + 2 * kv) + 2 * 3 * B * H * F),

@@ -82,7 +82,8 @@ def _flex(q, k, v, block_mask):
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         H = cfg.hidden_size
         self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)

@@ -78,7 +78,8 @@ def parse_roots(roots) -> tuple[Path | str, ...] | None:
         return None
     if isinstance(roots, str):
         roots = _split_roots(roots)
-    out = tuple(check_url(str(r).strip()) if is_url(str(r).strip()) else Path(os.path.realpath(os.path.expanduser(str(r))))
+    out = tuple(check_url(str(r).strip()) if is_url(str(r).strip())
+                else Path(os.path.realpath(os.path.expanduser(str(r))))
                 for r in roots if str(r).strip())
     return out or None
 

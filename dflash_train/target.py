@@ -104,7 +104,8 @@ class Target:
             kwargs["device_map"] = device_map  # placement through accelerate
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         archs = getattr(config, "architectures", None) or []
-        loader = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in archs) else AutoModelForCausalLM
+        wrapped = any("ConditionalGeneration" in a for a in archs)
+        loader = AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
         before = directory_state(path)
         try:
             files = FileDigests().directory_digest(path)  # identity of exactly what is read below

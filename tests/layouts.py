@@ -73,7 +73,8 @@ def vllm(zdir: Path, out: Path, target=None, **extra) -> Path:
     fused = {}
     for layer in sorted({k.split(".")[1] for k in tensors if k.startswith("layers.")}):
         b = f"layers.{layer}."
-        fused[b + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(b + f"self_attn.{p}_proj.weight") for p in "qkv"])
+        fused[b + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(b + f"self_attn.{p}_proj.weight")
+                                                           for p in "qkv"])
         fused[b + "mlp.gate_up_proj.weight"] = torch.cat([tensors.pop(b + f"mlp.{p}_proj.weight") for p in ("gate",
                                                                                                             "up")])
     return _write(out, d, {**tensors, **fused})

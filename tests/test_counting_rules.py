@@ -150,7 +150,8 @@ class SpecDecodingStats:
     """vLLM `SpecDecodingStats` + `compute_acceptance_len` (per-position rates as its logger prints)."""
 
     def __init__(self, num_spec_tokens):
-        self.num_spec_tokens, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens = num_spec_tokens, 0, 0, 0
+        self.num_spec_tokens = num_spec_tokens
+        self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens = 0, 0, 0
         self.num_accepted_tokens_per_pos = [0] * num_spec_tokens
 
     def observe_draft(self, num_draft_tokens, num_accepted_tokens):

@@ -249,7 +249,8 @@ def test_s3_profile_runs_without_a_shared_volume(compose):
     assert wenv["DFLASH_CHECKPOINT_ROOTS"] == tenv["DFLASH_PUBLISH_TO"]  # the worker serves what the trainer writes
     for env in (wenv, tenv):
         assert env["AWS_ENDPOINT_URL"].endswith("minio:9000}")
-        assert env["AWS_ACCESS_KEY_ID"].startswith("${S3_ACCESS_KEY") and env["AWS_SECRET_ACCESS_KEY"].startswith("${S3_SECRET_KEY")
+        assert env["AWS_ACCESS_KEY_ID"].startswith("${S3_ACCESS_KEY")
+        assert env["AWS_SECRET_ACCESS_KEY"].startswith("${S3_SECRET_KEY")
         assert env["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
     assert worker["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
     assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"

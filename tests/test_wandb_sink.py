@@ -99,7 +99,8 @@ def test_out_of_order_results_land_at_their_training_step(env):
     assert any(ref.endswith("step-00000300/model.safetensors") for ref in best[0]["refs"])
 
     # exactly one build is kept: it is the complete run that `wandb sync` should upload
-    assert [p.name for p in (env["wandb"] / "builds" / "run-a-eval").iterdir()] == [Path(pointer["run_dir"]).parents[1].name]
+    builds = (env["wandb"] / "builds" / "run-a-eval").iterdir()
+    assert [p.name for p in builds] == [Path(pointer["run_dir"]).parents[1].name]
     keys = {e.step: e.key for e in Ledger(env["results"]).entries("run-a")}  # the ledger's record keys
     assert pointer["records"] == [f"{s}:{keys[s]}:0" for s in (100, 200, 300)]
 

@@ -198,7 +198,8 @@ def main(args: argparse.Namespace) -> int:
         for o in outcomes:
             print(f"{o.status:9s} {o.job_id}  {o.message}")
         for d in delivered:
-            print(f"outbox {d['dir']}: " + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
+            print(f"outbox {d['dir']}: "
+                  + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
                   + f"delivered {len(d['delivered'])}, rejected {len(d['rejected'])}, "
                   f"remaining {d['remaining']}" + (f" ({d['error']})" if d["error"] else ""))
             for key, reason in d["set_aside"].items():

@@ -570,7 +570,8 @@ class Evaluator:
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
                       layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe,
-                      sliding_rule_implicit=drafter.config.attention_rule() if drafter.config.sliding_implicit else None)
+                      sliding_rule_implicit=(drafter.config.attention_rule() if drafter.config.sliding_implicit
+                                             else None))
         return EvalResult(
             checkpoint=info.to_dict(),
             target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
@@ -625,7 +626,8 @@ def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, o
     figures over every (prompt, sample) step."""
     s, K = run.summary, opts.num_samples
     groups = [s.per_prompt_tau[i:i + K] for i in range(0, len(refs), K)]
-    per_prompt = [None if all(t is None for t in g) else float(np.mean([t for t in g if t is not None])) for g in groups]
+    per_prompt = [None if all(t is None for t in g) else float(np.mean([t for t in g if t is not None]))
+                  for g in groups]
     macro = [t for t in per_prompt if t is not None]
     ci = metrics.nested_bootstrap_ci(groups, n_resamples=opts.bootstrap, seed=opts.seed)
     return {

@@ -221,7 +221,8 @@ class ServerReferences:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode(errors="replace")
-            raise ReferenceSourceError(f"reference server {self.url} answered HTTP {e.code} to {path}: {detail}") from None
+            raise ReferenceSourceError(
+                f"reference server {self.url} answered HTTP {e.code} to {path}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ReferenceSourceError(f"cannot reach reference server {self.url} ({reason}); is it running? "
@@ -229,7 +230,8 @@ class ServerReferences:
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
-            raise ReferenceSourceError(f"reference server {self.url} returned non-JSON from {path}: {raw[:200]!r}") from None
+            raise ReferenceSourceError(
+                f"reference server {self.url} returned non-JSON from {path}: {raw[:200]!r}") from None
 
 
 def token_ids_from_response(data: Any, where: str) -> list[int]:

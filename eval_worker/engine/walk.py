@@ -76,7 +76,8 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
 
 def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
     cfg = drafter.config
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * length * drafter.fc.weight.element_size()
+    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * length
+            * drafter.fc.weight.element_size())
 
 
 class Walker:

@@ -364,8 +364,9 @@ def check_suite(suite: str, suite_roots: Sequence[Path | str] | None,
                 checkpoint_roots: Sequence[Path | str] | None) -> str:
     """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), a
     standard benchmark `hf:NAME[:...]` (read from the worker's dataset copies or the datasets
-    cache, never from a path the job names), or a file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
-    spec to load (a bare name gets its `builtin:` prefix; a file its real path).
+    cache, never from a path the job names), or a file whose real path lies in the suite roots
+    (default: the checkpoint roots). Returns the spec to load (a bare name gets its `builtin:`
+    prefix; a file its real path).
 
     A job comes from whoever can reach the queue, and a suite is read and parsed on the
     worker, so its path is confined like checkpoints and targets. Anything else fails with

@@ -15,9 +15,10 @@ job and execution keys every `job_monitoring_interval` seconds, and the heartbea
 `interval + heartbeat_grace` (RQ hard-codes +60 s) so a crashed worker's job is
 recovered quickly. A job is abandoned when its execution key's TTL ran out on the Redis
 server (HeartbeatStartedJobRegistry), never by comparing two boxes' wall clocks, so a
-worker whose clock runs minutes ahead does not retry other workers' running jobs. Timeouts still work (SIGALRM death penalty in the main thread). A
-crash of the process takes its job with it: StartedJobRegistry cleanup in a surviving
-worker's maintenance then retries it (Retry), and the ledger keeps it recorded once.
+worker whose clock runs minutes ahead does not retry other workers' running jobs. Timeouts
+still work (SIGALRM death penalty in the main thread). A crash of the process takes its job
+with it: StartedJobRegistry cleanup in a surviving worker's maintenance then retries it (Retry),
+and the ledger keeps it recorded once.
 SIGTERM: finish the current job, then exit (warm); with `stop_timeout`, or on a second
 SIGTERM/SIGINT, the current job is put back at the front of its queue and the worker exits.
 """

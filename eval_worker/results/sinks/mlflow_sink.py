@@ -7,7 +7,8 @@ are logged with ``step=`` the training step (MLflow plots by step, so late and o
 land at their own x): our keys and the field's aliases (``sinks/names.py``; ``@`` spelled ``_at_``,
 which MLflow names cannot hold); params are the eval
 settings per suite (``<suite>.block_size``, ...); each ledger record is an artifact
-(``results/step-<step>-<record hash>/attempt-<n>.json``) and the HTML report (``report/``) is replaced at each publication.
+(``results/step-<step>-<record hash>/attempt-<n>.json``) and the HTML report (``report/``) is
+replaced at each publication.
 
 Idempotent re-publication: every record's metrics go in one ``log_batch`` together with the tag
 ``dflash.record.<hash>``, so a publication logs exactly the records the run lacks and a repeated one
