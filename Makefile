@@ -1,6 +1,7 @@
 # dflash-eval developer entry points.
 #   make demo   create the venv, install the core and the `demo` extra (report only), run the main job end to end
 #   make test   create/reuse the venv, install the `dev` extra (test tools, moto, rq-dashboard), run the test suite
+#   make lint   ruff check and mypy (the `dev` extra)
 # Override the venv location with VENV=/path, pass pytest flags with PYTEST_ARGS='-k redis'.
 
 VENV ?= .venv
@@ -16,7 +17,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: venv install test demo bench clean distclean
+.PHONY: venv install test lint demo bench clean distclean
 
 venv: $(PY)
 
@@ -33,6 +34,11 @@ $(VENV)/.dflash-eval-installed-%: $(PY) setup.cfg pyproject.toml $(CONSTRAINTS)
 
 test: $(VENV)/.dflash-eval-installed-dev
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff and mypy read their configuration from pyproject.toml (mypy: the torch-free modules)
+lint: $(VENV)/.dflash-eval-installed-dev
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 demo: $(VENV)/.dflash-eval-installed-demo
 	$(VENV)/bin/dflash-eval demo $(DEMO_ARGS)

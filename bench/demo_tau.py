@@ -27,9 +27,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from dflash_train.checkpoint import load_drafter  # noqa: E402
-from dflash_train.publication import list_checkpoints, read_manifest  # noqa: E402
 from dflash_train.data import encode_record, stdlib_code_prompts, stdlib_instruct_prompts  # noqa: E402
 from dflash_train.model import DFlashDrafter  # noqa: E402
+from dflash_train.publication import list_checkpoints, read_manifest  # noqa: E402
 from dflash_train.speculative import speculative_generate  # noqa: E402
 from dflash_train.target import Target  # noqa: E402
 from dflash_train.train_config import load_config  # noqa: E402
@@ -42,7 +42,7 @@ def prompt_sets(tok, names: list[str], per_set: int) -> dict[str, list[list[int]
     out = {}
     for name in names:
         if name == "suite":
-            recs = [json.loads(l) for l in SUITE.read_text().splitlines() if l.strip()]
+            recs = [json.loads(line) for line in SUITE.read_text().splitlines() if line.strip()]
             recs = [r for r in recs if "prompt" in r or "messages" in r][:per_set]
             out[name] = [encode_record(tok, r, "auto")[0] for r in recs]
         elif name == "heldout-code":
@@ -89,7 +89,8 @@ def main():
         report.update(train_wall_s=time.perf_counter() - t, setup_wall_s=setup_wall, setup_cpu_s=setup_cpu,
                       loop_wall_s=summary.wall_s, loop_cpu_s=summary.cpu_s, train_tokens_per_s=summary.tokens_per_s)
         print(f"trained {summary.step} steps in {report['train_wall_s']:.0f}s wall: setup (target, data, regeneration) "
-              f"{setup_wall:.0f}s wall / {setup_cpu:.0f}s CPU, loop {summary.wall_s:.0f}s wall / {summary.cpu_s:.0f}s CPU; "
+              f"{setup_wall:.0f}s wall / {setup_cpu:.0f}s CPU, loop {summary.wall_s:.0f}s wall / {summary.cpu_s:.0f}s "
+              f"CPU; "
               f"{summary.tokens_per_s:.0f} target tok/s. CPU seconds ~ wall seconds on an idle core.")
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.checkpoint_root) / cfg.run_id
     target = Target.load(resolve_target_path(cfg.target))

@@ -99,7 +99,7 @@ def time_per_block(args) -> dict:
         ev = Evaluator(target, Path(tmp) / "cache")
         opts = {"measure_speed": False, "tree_budget": 8}
         t = time.perf_counter()
-        cold = ev.evaluate(ckpt, suite, options=opts)
+        ev.evaluate(ckpt, suite, options=opts)
         cold_s = time.perf_counter() - t
         warm_ev = Evaluator(target, Path(tmp) / "cache")  # new evaluator: the disk cache is what is warm
         t = time.perf_counter()
@@ -116,7 +116,7 @@ def time_per_block(args) -> dict:
         seeds_s, seeds_n = 0.0, 0
         refs, _ = warm_ev._references(suite, suite.encode(target.tokenizer), warm.settings["max_new_tokens"],
                                    warm.settings["eos_token_id"], warm.settings["lookahead"], CacheReport())
-        for ref, pr in zip(refs, warm.prompts):  # the same cached inputs the engine used
+        for ref, pr in zip(refs, warm.prompts, strict=False):  # the same cached inputs the engine used
             ids = torch.tensor(ref.prompt_ids + ref.tokens)
             feats = warm_ev._features(ref, suite, drafter.config.target_layer_ids, CacheReport())["features"]
             P = len(ref.prompt_ids)
@@ -298,7 +298,7 @@ def main() -> None:
         for n in sorted({m['anchors'] for m in mem}):
             e = next(m for m in mem if m["anchors"] == n and m["mode"] == "engine")
             u = next((m for m in mem if m["anchors"] == n and m["mode"] == "unchunked"), None)
-            print(f"{n:>6} {e['peak_extra_mb']:>10.1f} {('%.1f' % u['peak_extra_mb']) if u else '-':>13} "
+            print(f"{n:>6} {e['peak_extra_mb']:>10.1f} {format(u['peak_extra_mb'], '.1f') if u else '-':>13} "
                   f"{e['seconds']:>9.2f}")
         from eval_worker.engine.drafting import anchors_per_pass
 

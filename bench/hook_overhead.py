@@ -82,7 +82,7 @@ def setup(args):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, MASK_ID, (48,), generator=g).tolist() for _ in range(64)]
         responses = regenerate(target, prompts, 96, batch_size=64)
-        return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses)], MASK_ID
+        return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses, strict=True)], MASK_ID
     from dflash_train.target import Target
     from dflash_train.trainer import resolve_target_path
 
@@ -108,7 +108,8 @@ def run(args, mode, target, examples, mask_id, root, redis_url, suite):
         callbacks.append(timed)
     Trainer(cfg, callbacks, target=target, examples=examples).train()
     w = args.warmup
-    steps = [b - a for a, b in zip(clock.times[:-1], clock.times[1:])]  # steps[i]: step i+2 (after i+1's end)
+    # steps[i]: step i+2 (after i+1's end)
+    steps = [b - a for a, b in zip(clock.times[:-1], clock.times[1:], strict=False)]
     W, excess, stalls = args.window, [], []
     for k in range(args.every, args.steps - W, args.every):  # checkpoints at k (or would-be, for `no hook`)
         before = steps[k - 1 - W:k - 1]                          # steps k-W+1 .. k
@@ -146,7 +147,8 @@ def main():
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp, LocalRedis(Path(tmp) / "redis") as redis:
         suite = Path(tmp) / "suite.jsonl"
-        suite.write_text('{"suite": "bench", "version": "1", "chat_template": false}\n{"name": "a", "ids": [1, 2, 3]}\n')
+        suite.write_text('{"suite": "bench", "version": "1", "chat_template": false}\n'
+                         '{"name": "a", "ids": [1, 2, 3]}\n')
         for r in range(args.repeats):
             for m in (modes if r % 2 == 0 else modes[::-1]):
                 runs[m].append(run(args, m, target, examples, mask_id, Path(tmp) / "ck", redis.url, str(suite)))
@@ -164,7 +166,8 @@ def main():
                       "paired_ratio": 1 + overhead, "paired_ratio_sem": sem, "events": len(excess),
                       "longest_checkpoint_stall_ms": 1000 * max(stalls) if stalls else 0.0,
                       "callback_max_ms": 1000 * max(r["callback_max_s"] for r in runs[m]),
-                      "jobs": sum(len(r["outcomes"]) for r in runs[m]), "hook_errors": sum(r["errors"] for r in runs[m])}
+                      "jobs": sum(len(r["outcomes"]) for r in runs[m]),
+                      "hook_errors": sum(r["errors"] for r in runs[m])}
     base = summary["no hook"]
     print(f"\n{args.steps} steps x {args.repeats} repeats, a checkpoint every {args.every} steps, "
           f"window {args.window}, warmup {args.warmup} excluded, {args.threads} thread(s)")

@@ -51,8 +51,7 @@ def main():
     from eval_worker.service.jobs import make_job
     from eval_worker.service.queue import enqueue, fetch_job
     from eval_worker.service.redis_local import LocalRedis, connect
-    from tests.sidecar_support import (WorkerProcess, publish_random, tiny_target_drafter_config, worker_env,
-                                       write_suite)
+    from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, worker_env, write_suite
 
     target = Path(args.target)
     cfg, mask = tiny_target_drafter_config(target)

@@ -46,7 +46,6 @@ def _median_time(fn, n: int) -> float:
 def transfer(tmp: Path, mb: int, repeats: int) -> dict:
     from dflash_train.checkpoint_cache import CheckpointCache
     from dflash_train.publication import publish_directory, upload_checkpoint, verify_checkpoint
-    from dflash_train import storage
 
     def write(d: Path) -> None:
         (d / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
@@ -176,7 +175,8 @@ def main():
                 print(f"  upload                     {t['upload_s']:.2f} s  ({t['upload_mb_s']:.0f} MB/s)")
                 print(f"  cold pull (download+verify){t['cold_pull_s']:6.2f} s  ({t['download_mb_s']:.0f} MB/s)"
                       f"  = {t['cold_over_local']:.1f}x the local read")
-                print(f"  warm pull (cache hit)      {t['warm_pull_s']:.3f} s  = {t['warm_over_local']:.3f}x the local read")
+                print(f"  warm pull (cache hit)      {t['warm_pull_s']:.3f} s  = {t['warm_over_local']:.3f}x the "
+                      f"local read")
             if args.jobs:
                 big = None if args.no_transfer else next((tmp / "local" / "bench").glob("step-*"))
                 out["jobs"] = j = jobs(tmp, args.jobs, big)

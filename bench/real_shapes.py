@@ -76,7 +76,8 @@ def build(shape: str):
     from dflash_train.target import Target
     from tests.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
 
-    target = Target.load(TINY) if shape == "tiny" else {"qwen3": qwen3_real_shape, "qwen3_5": qwen3_5_real_shape}[shape]()
+    target = Target.load(TINY) if shape == "tiny" else {"qwen3": qwen3_real_shape,
+                                                        "qwen3_5": qwen3_5_real_shape}[shape]()
     if shape == "tiny":
         from dflash_train.config import DrafterConfig
         from dflash_train.model import DFlashDrafter

@@ -84,7 +84,7 @@ def main():
     ci = r["tau"]["ci95"]
     rows = [{"temperature": 0.0, "tau": r["tau"]["macro"], "ci95": ci, "pooled": r["tau"]["pooled"],
              "num_steps": r["tau"]["num_steps"]}]
-    for key, e in r["sampling"]["by_temperature"].items():
+    for e in r["sampling"]["by_temperature"].values():
         rows.append({"temperature": e["temperature"], "tau": e["tau"]["macro"], "ci95": e["tau"]["ci95"],
                      "pooled": e["tau"]["pooled"], "num_steps": e["tau"]["num_steps"]})
     for row in rows:

@@ -131,7 +131,8 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
     out = []
     for tag, root in (("small", small_results), ("full", results)):
         target = target_from({"project": "bench"}, settings, mode="offline", root=tmp / f"wandb-{tag}")
-        t, m, _ = measure(lambda: publish_run(run, target, results_dir=root, force=True), peak=False, repeat=1)
+        t, m, _ = measure(lambda target=target, root=root: publish_run(run, target, results_dir=root, force=True),
+                          peak=False, repeat=1)
         out += [t, None]
     return ("publish --run (one run, offline W&B rebuild)", per_small, per_full, *out)
 
@@ -184,12 +185,12 @@ def main() -> None:
 
     logging.disable(logging.WARNING)  # the sink's "checkpoint is gone" notes: the bench's checkpoints are not on disk
 
-    from eval_worker.service.redis_local import LocalRedis, connect
     # every module measured, imported now: the run takes a while and must measure one version of the code
     import eval_worker.commands.results  # noqa: F401
     import eval_worker.results.report  # noqa: F401
     import eval_worker.results.sinks.wandb_sink  # noqa: F401
     import eval_worker.service.queue  # noqa: F401
+    from eval_worker.service.redis_local import LocalRedis, connect
 
     print("| operation | small size | time | peak | full size | time | peak | time ratio |")
     print("|---|---|---|---|---|---|---|---|", flush=True)

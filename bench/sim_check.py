@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -63,7 +62,8 @@ def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     for i, t in enumerate(targets):
         extra = ["--serve-target", str(t)] if policy == "routing" else []
         workers.append(WorkerProcess(wtmp, redis_url, [root], name=f"sim-{policy}-{i}", target=t,
-                                     args=common + extra, env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'bench'}"}))
+                                     args=common + extra,
+                                     env={**env, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'bench'}"}))
     for w in workers:
         w.wait_registered(conn)
     config = QueueConfig(route_by_target=policy == "routing", retry_max=0)
@@ -104,7 +104,8 @@ def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     busy = sum((j.ended_at - j.started_at).total_seconds() for j in map(lambda i: fetch_job(conn, i), ids))
     overhead = (busy - loads * args.load) / len(ids) - args.eval
     conn.close()
-    return {"overhead": overhead, "loads": loads, "lag_p50": _pct(samples, 50), "lag_p95": _pct(samples, 95), "lag_max": max(samples)}
+    return {"overhead": overhead, "loads": loads, "lag_p50": _pct(samples, 50), "lag_p95": _pct(samples, 95),
+            "lag_max": max(samples)}
 
 
 def simulated(policy: str, args, overhead: float = 0.0) -> dict:
@@ -138,7 +139,8 @@ def main() -> None:
     args = ap.parse_args()
     from eval_worker.service.redis_local import LocalRedis
 
-    print(f"2 runs x {args.checkpoints} checkpoints every {args.cadence} s / {args.cadence_b or args.cadence} s, 2 targets, 2 workers; "
+    print(f"2 runs x {args.checkpoints} checkpoints every {args.cadence} s / {args.cadence_b or args.cadence} s, 2 "
+          f"targets, 2 workers; "
           f"eval {args.eval} s, load {args.load} s")
     print("| policy | side | target loads | lag p50 (ckpts) | lag p95 (ckpts) | lag max (ckpts) |")
     print("|---|---|---|---|---|---|", flush=True)

@@ -250,7 +250,8 @@ def simulate(runs_spec: list[dict], targets: dict, n_workers: int, policy: str, 
     up = sum(w.up_time for w in workers) or 1.0
     return {"policy": policy, "lag_p50_s": pct(lag_s, 50), "lag_p95_s": pct(lag_s, 95), "lag_max_s": max(lag_s),
             "lag_p95_ckpts": pct(lag_steps, 95),
-            "lag_end_ckpts": statistics.fmean(samples[ri][-1][1] for ri in samples if samples[ri]), "loads": sum(w.loads for w in workers),
+            "lag_end_ckpts": statistics.fmean(samples[ri][-1][1] for ri in samples if samples[ri]),
+            "loads": sum(w.loads for w in workers),
             "util": sum(w.eval_time for w in workers) / up, "starved": starved, "runs": len(runs),
             "final_delay_max_s": max(r.final_done - r.published[-1] for r in runs),
             "evaluated": sum(len(r.evaluated) for r in runs), "published": sum(r.n_ckpt for r in runs),
@@ -308,7 +309,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5, help="seeds averaged (publication jitter, failure draws)")
     ap.add_argument("--scenario", action="append", default=None, choices=sorted(SCENARIOS))
     args = ap.parse_args()
-    print("| scenario | load/worker | policy | lag p50 | lag p95 | lag p95 (ckpts) | lag at train end (ckpts) | target loads | worker util | "
+    print("| scenario | load/worker | policy | lag p50 | lag p95 | lag p95 (ckpts) | lag at train end (ckpts) | "
+          "target loads | worker util | "
           "starved runs | train-end eval after | evaluated / published (skipped) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.scenario or list(SCENARIOS):
@@ -319,7 +321,8 @@ def main() -> None:
                     for s in range(args.seeds)]
             m = {k: statistics.fmean(o[k] for o in outs) for k in outs[0] if k not in ("policy", "lag_samples_ckpts")}
             print(f"| {name} | {rho:.2f} | {policy} | {m['lag_p50_s'] / 60:.1f} min | {m['lag_p95_s'] / 60:.1f} min | "
-                  f"{m['lag_p95_ckpts']:.1f} | {m['lag_end_ckpts']:.1f} | {m['loads']:.0f} | {m['util']:.0%} | {m['starved']:.1f}/{m['runs']:.0f} | "
+                  f"{m['lag_p95_ckpts']:.1f} | {m['lag_end_ckpts']:.1f} | {m['loads']:.0f} | {m['util']:.0%} | "
+                  f"{m['starved']:.1f}/{m['runs']:.0f} | "
                   f"{m['final_delay_max_s'] / 60:.1f} min | {m['evaluated']:.0f} / {m['published']:.0f} "
                   f"({m['skipped']:.0f}) |")
 

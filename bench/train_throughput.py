@@ -23,8 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from dflash_train.trainer import Trainer  # noqa: E402
 from dflash_train.train_config import TrainConfig  # noqa: E402
+from dflash_train.trainer import Trainer  # noqa: E402
 
 
 class StepClock:
@@ -37,8 +37,8 @@ class StepClock:
 
 
 def random_setup(args):
-    from tests.factories import MASK_ID, qwen3_target
     from dflash_train.data import Example, regenerate
+    from tests.factories import MASK_ID, qwen3_target
 
     target = qwen3_target(layers=8, hidden=args.random_hidden)
     if args.device == "cuda":
@@ -46,7 +46,7 @@ def random_setup(args):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, MASK_ID, (64,), generator=g).tolist() for _ in range(64)]
     responses = regenerate(target, prompts, 128, batch_size=64)
-    return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses)], MASK_ID
+    return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses, strict=True)], MASK_ID
 
 
 def run(args, depth, target, examples, mask_id, root):
@@ -90,8 +90,8 @@ def main():
     target, examples, mask_id = (random_setup(args) if args.target == "random" else (None, None, None))
     with tempfile.TemporaryDirectory() as root:
         if target is None:  # load once, share between both runs
-            from dflash_train.trainer import resolve_target_path
             from dflash_train.target import Target
+            from dflash_train.trainer import resolve_target_path
             dtype = "bfloat16" if args.device == "cuda" else "float32"
             target = Target.load(resolve_target_path(args.target), dtype=dtype, device=args.device)
         results = [run(args, d, target, examples, mask_id, root) for d in (0, args.depth)]

@@ -116,10 +116,11 @@ def ev_options():
 
 
 def drafter_flops(cfg, vocab: int) -> dict:
-    """Multiply-adds x 2 of the drafter's parts: per block at `keys` visible keys, per head slot, per context position."""
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    """Multiply-adds x 2 of the drafter's parts: per block at `keys` visible keys, per head slot,
+    per context position."""
+    H, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers  # F: the MLP width
     q, kv, B = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.block_size
-    return {"block": L * (2 * B * H * (2 * q + 2 * kv) + 2 * 3 * B * H * I),
+    return {"block": L * (2 * B * H * (2 * q + 2 * kv) + 2 * 3 * B * H * F),
             "block_per_key": L * 2 * 2 * B * q,  # scores and weighted values over each visible key
             "slot": 2 * H * vocab,
             "context": 2 * cfg.num_features * cfg.target_hidden_size * H + L * 2 * H * 2 * kv}
@@ -133,7 +134,7 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
     from eval_worker.engine.walk import Walker, WalkSeq, context_kv
 
     f = drafter_flops(drafter.config, vocab)
-    B, D = drafter.config.block_size, min(opts.tree_budget, drafter.config.block_size - 1)
+    B = drafter.config.block_size
     walker = Walker(drafter, ev.target.parts.embed_tokens, ev.target.parts.lm_head, topk=opts.tree_budget,
                     tree_budget=opts.tree_budget)
     quota = -(-opts.anchor_sample // len(refs))
@@ -144,7 +145,8 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
         feats = ev._features(ref, result_suite(result), drafter.config.target_layer_ids, CacheReport())["features"]
         sample = sample_offsets(n, quota, opts.seed, ref.name)
         probe = probe_offsets(n, probe_quota)
-        seq = WalkSeq(torch.tensor(ref.prompt_ids + ref.tokens), P, n, np.asarray(ref.ext), full=np.union1d(sample, probe))
+        seq = WalkSeq(torch.tensor(ref.prompt_ids + ref.tokens), P, n, np.asarray(ref.ext),
+                      full=np.union1d(sample, probe))
         got = walker.run([seq], [context_kv(drafter, feats[:P + n - 1])])[0]
         total += (P + n - 1) * f["context"]
         for off, need in got.need.items():
@@ -250,7 +252,8 @@ def qwen3_8b_estimate(row: dict) -> dict:
     new = n * (row["blocks_new"] / row["tokens"] * per_block + row["head_slots_new"] / row["tokens"] * f["slot"]
                + f["context"])
     return {"today_pflop": today / 1e15, "new_pflop": new / 1e15, "ratio": today / new,
-            "cpu_h_today": today / (CPU_ENGINE_GFLOPS * 1e9) / 3600, "cpu_h_new": new / (CPU_ENGINE_GFLOPS * 1e9) / 3600,
+            "cpu_h_today": today / (CPU_ENGINE_GFLOPS * 1e9) / 3600,
+            "cpu_h_new": new / (CPU_ENGINE_GFLOPS * 1e9) / 3600,
             "h200_s_today": today / (H200_GFLOPS * 1e9), "h200_s_new": new / (H200_GFLOPS * 1e9)}
 
 
@@ -260,7 +263,6 @@ def forced_case(args, spine: bool = False) -> dict:
     `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
     construction of tests/test_engine_walk.py). `draft_anchors` + `score_prompt` (today) vs
     `Walker` + `score_blocks` (new) on the same inputs, results checked equal."""
-    from dflash_train.checkpoint import load_drafter
     from eval_worker.engine.drafting import draft_anchors
     from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt
     from eval_worker.engine.walk import Walker, WalkSeq, context_kv
@@ -307,11 +309,12 @@ def forced_case(args, spine: bool = False) -> dict:
         ws, kvs = [], []
         for j, (prompt, feats, ext) in enumerate(seqs):
             P = len(prompt)
-            ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext), full=sample_offsets(n, quota, 0, f"p{j}")))
+            ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
+                              full=sample_offsets(n, quota, 0, f"p{j}")))
             kvs.append(context_kv(drafter, feats[:P + n - 1]))
         got = walker.run(ws, kvs)
         out = []
-        for j, (w, g) in enumerate(zip(ws, got)):
+        for j, (w, g) in enumerate(zip(ws, got, strict=True)):
             st = np.full(n, -1)
             st[list(g.streak)] = list(g.streak.values())
             out.append(score_blocks(f"p{j}", seqs[j][2], n, B, st, g.tree_streaks.__getitem__, w.full,
@@ -321,18 +324,20 @@ def forced_case(args, spine: bool = False) -> dict:
 
     old, old_s, old_mb = peak_during(today)
     (fresh, got, ws), new_s, new_mb = peak_during(new)
-    for a, b in zip(old, fresh):
-        assert a.online.accept_lengths == b.online.accept_lengths and a.tree_online.accept_lengths == b.tree_online.accept_lengths
+    for a, b in zip(old, fresh, strict=True):
+        assert a.online.accept_lengths == b.online.accept_lengths
+        assert a.tree_online.accept_lengths == b.tree_online.accept_lengths
         assert a.stride == b.stride and a.tree_below_chain == b.tree_below_chain and (a.match_sum == b.match_sum).all()
     f = drafter_flops(cfg, V)
     flops = 0.0
-    for w, g in zip(ws, got):
+    for w, g in zip(ws, got, strict=True):
         flops += (w.prompt_len + n - 1) * f["context"]
         for off, need in g.need.items():
             flops += f["block"] + (w.prompt_len + off + B) * f["block_per_key"] + need * f["slot"]
     tau_ = float(np.mean([a.online.tau for a in old]))
     bound_s = flops / (args.gflops * 1e9)
-    return {"case": "forced8_spine" if spine else "forced8", "vocab": V, "tau": tau_, "tree_tau": float(np.mean([a.tree_online.tau for a in old])),
+    return {"case": "forced8_spine" if spine else "forced8", "vocab": V, "tau": tau_,
+            "tree_tau": float(np.mean([a.tree_online.tau for a in old])),
             "prompts": len(seqs), "tokens": tokens, "today_s": old_s, "new_s": new_s, "today_draft_s": old_s,
             "new_draft_s": new_s, "loop_s": float("nan"), "loop_steps": 0, "flops": flops, "bound_s": bound_s,
             "blocks_today": tokens, "blocks_new": sum(g.blocks for g in got),
@@ -371,7 +376,8 @@ def main() -> None:
     print("\nQwen3-8B estimate (arithmetic: each case's blocks and head slots per token at Qwen3-8B shapes):")
     for r in rows:
         e = r["qwen3_8b"] = qwen3_8b_estimate(r)
-        print(f"{r['case']:>8} τ {r['tau']:.2f}: {e['today_pflop']:.2f} -> {e['new_pflop']:.2f} PFLOP ({e['ratio']:.1f}x); "
+        print(f"{r['case']:>8} τ {r['tau']:.2f}: {e['today_pflop']:.2f} -> {e['new_pflop']:.2f} PFLOP "
+              f"({e['ratio']:.1f}x); "
               f"CPU {e['cpu_h_today']:.0f} h -> {e['cpu_h_new']:.1f} h; one H200 {e['h200_s_today']:.1f} s -> "
               f"{e['h200_s_new']:.1f} s")
     if args.json:

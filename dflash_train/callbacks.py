@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable

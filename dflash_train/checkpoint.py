@@ -26,12 +26,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import storage
 from .config import ConfigError, DrafterConfig
 from .model import DFlashDrafter
-from . import storage
-from .publication import (CONFIG_NAME, FILE_MODE, INDEX_NAME, WEIGHTS_NAME, CheckpointError, publish_directory,
-                          read_manifest, upload_checkpoint)
-
+from .publication import (
+    CONFIG_NAME,
+    FILE_MODE,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    publish_directory,
+    read_manifest,
+    upload_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +46,8 @@ log = logging.getLogger(__name__)
 # (`draft_model.`), HF-style `*ForCausalLM` wrappers (`model.`), DDP/FSDP/accelerate
 # (`module.`), torch.compile (`_orig_mod.`), a wrapper holding it as `.drafter` (ours, HF).
 KNOWN_PREFIXES = ("draft_model.", "model.", "module.", "_orig_mod.", "drafter.")
-_OURS = re.compile(r"^(layers\.\d+\.|fc\.weight$|hidden_norm\.weight$|norm\.weight$|embed_tokens\.weight$|lm_head\.weight$)")
+_OURS = re.compile(r"^(layers\.\d+\.|fc\.weight$|hidden_norm\.weight$|norm\.weight$"
+                   r"|embed_tokens\.weight$|lm_head\.weight$)")
 _VOCAB = re.compile(r"^(embed_tokens|lm_head)\.weight$")  # a drafter's own copies of the target's (DeepSpec)
 _DERIVED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # recomputed from the config, never trained
 _FUSED_QKV = re.compile(r"^(layers\.\d+\.self_attn\.)qkv_proj\.weight$")      # vLLM/SGLang-style stacked q, k, v
@@ -93,7 +101,8 @@ def map_checkpoint_keys(tensors: dict[str, torch.Tensor], cfg: DrafterConfig,
             sizes = ((cfg.num_attention_heads * cfg.head_dim,) + (cfg.num_key_value_heads * cfg.head_dim,) * 2
                      if label == "qkv_proj" else (int(cfg.intermediate_size),) * 2)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{where}: config.json cannot size the fused {label} ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{where}: config.json cannot size the fused {label} ({type(e).__name__}: {e})") from None
         for key in fused:
             t = out[key]
             if t.dim() != 2 or t.shape[0] != sum(sizes) or min(sizes) <= 0:
@@ -101,7 +110,7 @@ def map_checkpoint_keys(tensors: dict[str, torch.Tensor], cfg: DrafterConfig,
                                       f"implies {sum(sizes)} rows ({' + '.join(map(str, sizes))} for "
                                       f"{'/'.join(parts)})")
             base = pattern.match(key).group(1)
-            for part, piece in zip(parts, torch.split(t, list(sizes), dim=0)):
+            for part, piece in zip(parts, torch.split(t, list(sizes), dim=0), strict=True):
                 name = f"{base}{part}.weight"
                 if name in out:
                     raise CheckpointError(f"{where}: both fused {origin[key]!r} and {origin[name]!r} are present")
@@ -306,7 +315,8 @@ class AsyncPublisher:
     later optimizer steps cannot leak into the checkpoint; a background thread writes,
     fsyncs, renames, marks and then calls `on_published(step, path, manifest)` (from that
     thread). With `publish_to` (an object-store prefix), the same thread then uploads the
-    checkpoint (`publication.upload_checkpoint`: files, then the marker) and `path` is its URL. At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
+    checkpoint (`publication.upload_checkpoint`: files, then the marker) and `path` is its URL.
+    At most `max_pending` snapshots wait; `submit` blocks beyond that. A failed
     publication is raised by the next `submit` or `wait`.
     """
 

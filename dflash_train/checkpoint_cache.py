@@ -39,15 +39,15 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from . import storage
 from .errors import DFlashError
 from .fsutil import atomic_write_bytes, fsync_dir, fsync_path, pid_alive
 from .publication import MARKER_NAME, CheckpointError, parse_manifest, read_marker, sha256_file
 
-log = logging.getLogger("dflash_train.checkpoint_cache")
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 20 * 2**30
 _USED = ".used"

@@ -20,22 +20,29 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from . import storage
 from .checkpoint import AsyncPublisher
-from .publication import (MARKER_NAME, apply_retention, checkpoint_step, cleanup_incomplete, list_checkpoints,
-                          step_dir_name)
+from .publication import (
+    MARKER_NAME,
+    apply_retention,
+    checkpoint_step,
+    cleanup_incomplete,
+    list_checkpoints,
+    step_dir_name,
+)
 from .train_state import save_training_state
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    def __init__(self, trainer: "Trainer", dtype=None):
+    def __init__(self, trainer: Trainer, dtype=None):
         c = trainer.config
         self.trainer, self.config = trainer, c
         self.publish_every = c.publish_every

@@ -23,7 +23,7 @@ import sys
 from .settings import Settings
 from .train_config import TrainConfig, TrainConfigError, field_types, help_of, load_config, unwrap_optional
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML/JSON config file, or a bundled config name (demo, long); "
                                     "without one, the built-in values shown below")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    p.add_argument("--log-level", default="INFO", help="logging level of rank 0 (other ranks log warnings only; default: INFO)")
+    p.add_argument("--log-level", default="INFO",
+                   help="logging level of rank 0 (other ranks log warnings only; default: INFO)")
     p.add_argument("--redis-url", default=None,
                    help="Redis of the eval queue, with --eval-every (default $REDIS_URL, else a local redis-server "
                         "started on demand)")

@@ -7,7 +7,6 @@ target_layer_ids}`, plus the Qwen3 decoder fields).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -301,7 +300,7 @@ class DrafterConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         """Parse a published config (z-lab, SpecForge, SGLang/vLLM layouts), refusing by name
         every field that would make the network differ from what is built here."""
         if not isinstance(d, dict):
@@ -347,7 +346,7 @@ class DrafterConfig:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "DrafterConfig":
+    def load(cls, directory: str | Path) -> DrafterConfig:
         path = Path(directory) / "config.json"
         try:
             data = json.loads(path.read_text())
@@ -383,7 +382,7 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target_config: Any, *, mask_token_id: int, num_hidden_layers: int = 1,
                    num_features: int | None = None, target_layer_ids: list[int] | None = None,
-                   block_size: int = 16, intermediate_size: int | None = None, **fields) -> "DrafterConfig":
+                   block_size: int = 16, intermediate_size: int | None = None, **fields) -> DrafterConfig:
         """A drafter shaped for a target's (text) config: same width, heads, vocab, rope.
         `fields`: any other DrafterConfig field (layer_types, sliding_window, ...)."""
         tc = getattr(target_config, "text_config", None) or target_config

@@ -22,9 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -311,9 +311,9 @@ def build_examples(target, data: str, *, num_prompts: int = 512, prompt_tokens: 
     if todo:
         regen = regenerate(target, [pairs[i][0] for i in todo], max_new_tokens, cache_dir=cache_dir,
                            batch_size=regen_batch_size, eos_token_id=eos, progress=progress)
-        for i, r in zip(todo, regen):
+        for i, r in zip(todo, regen, strict=True):
             pairs[i] = (pairs[i][0], r)
-    out = [Example(p + r, len(p), n) for (p, r), n in zip(pairs, names) if len(r) >= 2]
+    out = [Example(p + r, len(p), n) for (p, r), n in zip(pairs, names, strict=True) if len(r) >= 2]
     if not out:
         raise DataError(f"{data}: no example has a response of 2+ tokens")
     return out

@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import xxhash

@@ -21,8 +21,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 

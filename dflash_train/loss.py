@@ -1,6 +1,6 @@
 """The block loss: position-weighted cross-entropy over draft slots, plus train metrics.
 
-DFlash loss (notes §2.4): `w_k = exp(-(k-1)/γ)` for slot k >= 1, 0 for slot 0, the loss
+DFlash loss (the paper's position decay): `w_k = exp(-(k-1)/γ)` for slot k >= 1, 0 for slot 0, the loss
 normalised by the sum of the weights. D-PACE (optional) replaces the fixed decay by a
 detached weight from the drafter's own running acceptance probability.
 
@@ -132,7 +132,7 @@ def summarize_stats(stats: torch.Tensor, block_size: int) -> dict:
         "ce": s[2] / n if n else math.nan,
         "accuracy": sum(correct) / n if n else math.nan,
         "streak": 1.0 + s[3] / s[4] if s[4] else math.nan,  # 1 + leading correct = accept length on train blocks
-        "per_slot_accuracy": [c / m if m else math.nan for c, m in zip(correct[1:], count[1:])],
+        "per_slot_accuracy": [c / m if m else math.nan for c, m in zip(correct[1:], count[1:], strict=False)],
         "label_tokens": n,
         "blocks": s[4],
     }

@@ -19,7 +19,7 @@ import torch
 from . import distributed as dist_util
 from .progress import Progress
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 
 
 class MetricLogger:
@@ -89,7 +89,8 @@ class MetricLogger:
                  q.get("queue/producer_wait_fraction", 0.0))
         if self.wandb_run is not None:
             data = {"train/step": step, "train/loss": metrics["loss"], "train/acc": metrics["accuracy"],
-                    "train/streak": metrics["streak"], "train/lr": metrics["lr"], "train/grad_norm": metrics["grad_norm"],
+                    "train/streak": metrics["streak"], "train/lr": metrics["lr"],
+                    "train/grad_norm": metrics["grad_norm"],
                     "train/tokens_per_s": metrics.get("tokens_per_s", 0.0)}
             data.update({f"train/{k}": v for k, v in q.items()})
             data.update({f"train/slot_acc/{k}": a for k, a in enumerate(metrics["per_slot_accuracy"], 1)})

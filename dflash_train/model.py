@@ -82,7 +82,8 @@ def _flex(q, k, v, block_mask):
 class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         H = cfg.hidden_size
         self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
@@ -167,7 +168,7 @@ class DFlashDrafter(nn.Module):
         if context_features is not None and context_features.shape[1] > 0:
             ctx = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
             cos_c, sin_c = self.rotary_emb(ctx, context_positions)
-        for i, (layer, (window, causal)) in enumerate(zip(self.layers, self.config.attention())):
+        for i, (layer, (window, causal)) in enumerate(zip(self.layers, self.config.attention(), strict=False)):
             if ctx is not None:
                 kv = layer.self_attn.key_value(ctx, cos_c, sin_c)
             else:
@@ -224,7 +225,8 @@ def mask_blocks(first: torch.Tensor, block_size: int, mask_token_id: int) -> tor
     return ids
 
 
-def block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+def block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                    mask_token_id: int) -> torch.Tensor:
     """`[batch, N*B]` ids: each block is `[token at anchor, MASK x (B-1)]`."""
     first = torch.gather(input_ids, 1, anchors.clamp(0, input_ids.shape[1] - 1))
     return mask_blocks(first, block_size, mask_token_id).reshape(anchors.shape[0], -1)

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 DEFAULT_EVERY_S = 15.0
 
-log = logging.getLogger("dflash.progress")
+log = logging.getLogger(__name__)
 
 
 def format_duration(seconds: float) -> str:
@@ -90,7 +91,7 @@ class Progress:
             self._write(f"{self.desc}: {self._count()} {self.unit} in {format_duration(self.clock() - self._t0)}")
         self._lines = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

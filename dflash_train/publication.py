@@ -41,9 +41,9 @@ import json
 import os
 import re
 import shutil
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable, Iterable
 
 from . import storage
 from .errors import DFlashError
@@ -99,6 +99,13 @@ def checkpoint_step(directory: str | Path) -> int | None:
     base = storage.name(directory) if storage.is_url(directory) else Path(directory).name
     m = _STEP_DIR.match(base)
     return int(m.group(1)) if m else None
+
+
+def _step_of(directory: str | Path) -> int:
+    """The step of a location already known to be a step directory (a sort key)."""
+    step = checkpoint_step(directory)
+    assert step is not None, directory
+    return step
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -183,7 +190,7 @@ def _place(run_dir: Path, step: int, write_files: Callable[[Path], None]) -> tup
 def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train_metrics: dict | None,
               **extra) -> dict:
     return {"format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": weights_digest(files),
-            "files": files, "config": config, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": files, "config": config, "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "train_metrics": dict(train_metrics or {}), **extra}
 
 
@@ -281,9 +288,9 @@ def read_marker(directory: str | Path) -> bytes:
         except FileNotFoundError:
             raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
                                   "(still being uploaded, or an interrupted upload)") from None
-    marker = Path(directory) / MARKER_NAME
+    marker_path = Path(directory) / MARKER_NAME
     try:
-        return marker.read_bytes()
+        return marker_path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
                               "(still being written, or abandoned)") from None
@@ -324,14 +331,14 @@ def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
     return data
 
 
-def within(path: str | os.PathLike, roots: Iterable[Path]) -> Path | None:
+def within(path: str | os.PathLike, roots: Iterable[Path | str]) -> Path | None:
     """The real path of `path` (symlinks resolved) if it lies inside one of `roots`, else None."""
     real = Path(os.path.realpath(path))
     local = [Path(r) for r in roots if not storage.is_url(r)]  # store prefixes never hold a local path
     return real if any(real == root or root in real.parents for root in local) else None
 
 
-def verify_checkpoint(directory: str | Path, roots: list[Path] | None = None) -> dict:
+def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None = None) -> dict:
     """`read_manifest` plus a sha256 check of every listed file; returns the manifest.
 
     With `roots`, every listed file must also lie inside them once symlinks are resolved
@@ -366,13 +373,13 @@ def list_checkpoints(run_dir: str | Path) -> list:
         store = storage.store_for(run_url)
         steps = [storage.join(run_url, n) for n in store.list_names(run_url) if _STEP_DIR.match(n)]
         found = [u for u in steps if MARKER_NAME in store.list_names(u)]
-        return sorted(found, key=checkpoint_step)
+        return sorted(found, key=_step_of)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None
+    local = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None
              and (p / MARKER_NAME).is_file()]
-    return sorted(found, key=checkpoint_step)
+    return sorted(local, key=_step_of)
 
 
 # --------------------------------------------------------------------------- object stores
@@ -538,7 +545,7 @@ def cleanup_incomplete(run_dir: str | Path) -> list:
     if storage.is_url(run_dir):
         run_url = storage.check_url(run_dir)
         store = storage.store_for(run_url)
-        removed = []
+        removed: list[str | Path] = []
         for n in store.list_names(run_url):
             url = storage.join(run_url, n)
             if _STEP_DIR.match(n) and MARKER_NAME not in store.list_names(url):

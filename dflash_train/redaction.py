@@ -15,7 +15,7 @@ import io
 import logging
 import re
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 __all__ = ["redact", "redact_url", "redacted_output", "install_log_redaction"]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -95,7 +95,7 @@ class Sampler:
     sample: int = 0
 
     @classmethod
-    def for_prompt(cls, params: SamplingParams, seed: int, prompt_ids: Sequence[int], sample: int = 0) -> "Sampler":
+    def for_prompt(cls, params: SamplingParams, seed: int, prompt_ids: Sequence[int], sample: int = 0) -> Sampler:
         return cls(params, int(seed), prompt_key(prompt_ids), int(sample))
 
     def uniform_at(self, position: int) -> float:

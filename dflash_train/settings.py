@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 __all__ = ["Settings", "KNOWN_SINKS", "parse_roots", "parse_sinks"]
 
@@ -78,7 +78,8 @@ def parse_roots(roots) -> tuple[Path | str, ...] | None:
         return None
     if isinstance(roots, str):
         roots = _split_roots(roots)
-    out = tuple(check_url(str(r).strip()) if is_url(str(r).strip()) else Path(os.path.realpath(os.path.expanduser(str(r))))
+    out = tuple(check_url(str(r).strip()) if is_url(str(r).strip())
+                else Path(os.path.realpath(os.path.expanduser(str(r))))
                 for r in roots if str(r).strip())
     return out or None
 
@@ -108,8 +109,8 @@ class Settings:
     checkpoint_cache_dir: Path | None = None
     publish_to: str | None = None
     checkpoint_cache_gb: float = 20.0
-    target_roots: tuple[Path, ...] | None = None
-    suite_roots: tuple[Path, ...] | None = None
+    target_roots: tuple[Path | str, ...] | None = None
+    suite_roots: tuple[Path | str, ...] | None = None
     hf_datasets_dir: Path | None = None
     target: str | None = None
     device: str | None = None
@@ -149,15 +150,15 @@ class Settings:
         return self.home / "file-digests"
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
 
         def get(name: str) -> str | None:
             value = env.get(name, "").strip()
             return value or None
 
-        if get("DFLASH_HOME"):
-            home = Path(get("DFLASH_HOME")).expanduser()
+        if home_env := get("DFLASH_HOME"):
+            home = Path(home_env).expanduser()
         else:
             cache = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             home = Path(cache) / "dflash-eval"
@@ -174,7 +175,7 @@ class Settings:
             publish_to=get("DFLASH_PUBLISH_TO"),
             target_roots=parse_roots(get("DFLASH_TARGET_ROOTS")),
             suite_roots=parse_roots(get("DFLASH_SUITE_ROOTS")),
-            hf_datasets_dir=Path(get("DFLASH_HF_DATASETS_DIR")).expanduser() if get("DFLASH_HF_DATASETS_DIR") else None,
+            hf_datasets_dir=Path(hf_dir).expanduser() if (hf_dir := get("DFLASH_HF_DATASETS_DIR")) else None,
             target=get("DFLASH_TARGET"),
             device=get("DFLASH_DEVICE"),
             evaluator_factory=get("DFLASH_EVALUATOR_FACTORY"),
@@ -199,6 +200,6 @@ class Settings:
             worker_id=get("RQ_WORKER_ID"),
         )
 
-    def replace(self, **changes) -> "Settings":
+    def replace(self, **changes) -> Settings:
         """A copy with `changes` applied (None values are skipped: an unset flag keeps the setting)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -56,7 +56,8 @@ class SpecResult:
 
 
 @torch.no_grad()
-def greedy_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+def greedy_generate(target: Target, prompt_ids: list[int], max_new_tokens: int,
+                    eos_token_id: int | None = None) -> list[int]:
     """Plain greedy decoding with the target (the reference that spec decoding must equal)."""
     ids = torch.tensor([prompt_ids], device=target.device)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

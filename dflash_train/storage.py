@@ -25,8 +25,9 @@ import errno
 import functools
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import TypeGuard
 
 from . import redaction
 from .errors import DFlashError
@@ -50,7 +51,7 @@ class StoreUnavailable(DFlashError, OSError):
     retryable = True
 
 
-def is_url(location: object) -> bool:
+def is_url(location: object) -> TypeGuard[str]:
     """Whether `location` names an object-store location (`proto://...`, not `file://`)."""
     if isinstance(location, Path) or not isinstance(location, str):
         return False
@@ -120,7 +121,9 @@ def within_prefixes(url: str, roots: Iterable[object] | None) -> str | None:
 
 def _strip(url: str) -> str:
     """The path part fsspec wants for `url` (no protocol)."""
-    return _URL.match(url).group(2).rstrip("/")
+    m = _URL.match(url)
+    assert m is not None, "called with a checked URL"
+    return m.group(2).rstrip("/")
 
 
 # Local-disk conditions, not the store's: a caller frees space or reports the disk (checkpoint_cache).

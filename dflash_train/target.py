@@ -88,7 +88,7 @@ class Target:
     # --- loading ----------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | None = None,
-             device_map: str | dict | None = None, trust_remote_code: bool = False) -> "Target":
+             device_map: str | dict | None = None, trust_remote_code: bool = False) -> Target:
         """Load a local HF causal LM (or conditional-generation wrapper) and its tokenizer.
 
         Never downloads: `path` must be a local directory.
@@ -104,7 +104,8 @@ class Target:
             kwargs["device_map"] = device_map  # placement through accelerate
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         archs = getattr(config, "architectures", None) or []
-        loader = AutoModelForImageTextToText if any("ConditionalGeneration" in a for a in archs) else AutoModelForCausalLM
+        wrapped = any("ConditionalGeneration" in a for a in archs)
+        loader = AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
         before = directory_state(path)
         try:
             files = FileDigests().directory_digest(path)  # identity of exactly what is read below
@@ -158,14 +159,17 @@ class Target:
             problems.append(f"drafter hidden_size {cfg.hidden_size} != target hidden size {self.hidden_size} "
                             "(the drafter shares the target's embeddings and LM head)")
         if cfg.target_hidden_size != self.hidden_size:
-            problems.append(f"drafter expects {cfg.target_hidden_size}-wide target features, target gives {self.hidden_size}")
+            problems.append(f"drafter expects {cfg.target_hidden_size}-wide target features, target gives "
+                            f"{self.hidden_size}")
         too_deep = [i for i in cfg.target_layer_ids or [] if i >= self.num_layers]
         if too_deep:
             problems.append(f"target_layer_ids {too_deep} beyond the target's {self.num_layers} layers")
         if cfg.num_target_layers is not None and cfg.num_target_layers != self.num_layers:
-            problems.append(f"drafter was built for a {cfg.num_target_layers}-layer target, this one has {self.num_layers}")
+            problems.append(f"drafter was built for a {cfg.num_target_layers}-layer target, this one has "
+                            f"{self.num_layers}")
         if not 0 <= cfg.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's embedding ({self.vocab_size} rows)")
+            problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's embedding ({self.vocab_size} "
+                            f"rows)")
         head_rows = self.parts.lm_head.weight.shape[0]
         if cfg.vocab_size != head_rows:
             problems.append(f"drafter vocab_size {cfg.vocab_size} != target LM head rows {head_rows}")
@@ -175,7 +179,8 @@ class Target:
     # --- the one extraction path -------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, layer_ids: list[int], *, attention_mask: torch.Tensor | None = None,
-                past_key_values=None, use_cache: bool = False, position_ids: torch.Tensor | None = None) -> TargetOutput:
+                past_key_values=None, use_cache: bool = False,
+                position_ids: torch.Tensor | None = None) -> TargetOutput:
         """Run the decoder stack once; return concatenated features and the final hidden.
 
         Feature i is the output of decoder layer `layer_ids[i]`, i.e. HF

@@ -11,7 +11,7 @@ prompts), not the macro mean of per-prompt τ: `POOLED_RULES`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 COUNTING_RULES = ("response", "published", "deepspec", "vllm", "sglang")
 POOLED_RULES = ("deepspec", "vllm", "sglang")

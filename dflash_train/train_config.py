@@ -105,7 +105,9 @@ class TrainConfig:
     wandb: bool = opt(False, "log train metrics to W&B (train/* against train/step)")
     wandb_project: str = opt("dflash-train", "W&B project of the training run")
     wandb_entity: str | None = opt(None, "W&B entity (team or user)")
-    wandb_mode: str = opt("offline", "W&B mode: offline | online | disabled (the --wandb-mode flag wins over $WANDB_MODE, which wins over the config file)")
+    wandb_mode: str = opt("offline",
+                          "W&B mode: offline | online | disabled (the --wandb-mode flag wins over $WANDB_MODE, which "
+                          "wins over the config file)")
 
     # --- evaluation (the eval sidecar; docs/sidecar.md) ------------------------------------
     eval_every: int | None = opt(None, "queue an acceptance eval of the published checkpoint every N steps "
@@ -165,7 +167,7 @@ class TrainConfig:
 
     # --- files ------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -173,13 +175,13 @@ class TrainConfig:
         return cls(**{k: _coerce(cls, k, v) for k, v in data.items()})
 
     @classmethod
-    def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+    def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
         return load_config(path, overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **{k: _coerce(type(self), k, v) for k, v in changes.items()})
 
 
@@ -249,5 +251,6 @@ def _coerce(cls, name: str, value: Any) -> Any:
                 raise ValueError(value)
             return base(value)
     except (TypeError, ValueError):
-        raise TrainConfigError(f"option {name}: cannot use {value!r} as {base.__name__ if hasattr(base, '__name__') else base}") from None
+        raise TrainConfigError(f"option {name}: cannot use {value!r} as "
+                               f"{base.__name__ if hasattr(base, '__name__') else base}") from None
     return value

@@ -1,6 +1,6 @@
 """The drafter trainer: multi-anchor block training on the target's own greedy labels.
 
-One step (notes §2): the frozen target runs on a batch (in the hidden-state queue's
+One step (the DFlash training recipe): the frozen target runs on a batch (in the hidden-state queue's
 producer) giving context features and, from the same forward, its greedy tokens; anchors
 are sampled among response positions; the drafter drafts every block at once through the
 shared multi-block mask; the target's frozen LM head turns drafter states into logits;
@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -28,19 +28,19 @@ from .anchors import block_labels, sample_anchors
 from .callbacks import CallbackList
 from .checkpoint import load_drafter
 from .checkpointer import Checkpointer
-from .metric_logger import MetricLogger
-from .publication import list_checkpoints
 from .config import ConfigError, DrafterConfig
 from .data import Batch, BatchPlan, Example, build_examples
 from .hidden_queue import HiddenStateQueue, Slot
 from .loss import block_loss, summarize_stats
+from .metric_logger import MetricLogger
 from .model import DFlashDrafter
 from .progress import Progress
+from .publication import list_checkpoints
 from .target import Target, TargetError
 from .train_config import BUNDLED_TARGET, TrainConfig, TrainConfigError, load_config
 from .train_state import latest_training_state, load_training_state, set_rng_state
 
-log = logging.getLogger("dflash_train")
+log = logging.getLogger(__name__)
 TINY_TARGET_DIR = Path(__file__).resolve().parent / "assets" / "tiny_target"
 
 __all__ = ["Trainer", "TrainConfig", "TrainSummary", "train", "load_config"]
@@ -124,7 +124,7 @@ class Trainer:
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
         self.device = self.dist.device
-        self.run_id = c.run_id or datetime.now(timezone.utc).strftime("train-%Y%m%d-%H%M%S")
+        self.run_id = c.run_id or datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
         self.run_id = dist_util.broadcast_object(self.run_id, self.dist)  # ranks may start a second apart
         self.run_dir = Path(c.checkpoint_root) / self.run_id
         self.state_dir = Path(c.state_dir) if c.state_dir else self.run_dir / "train_state"
@@ -149,7 +149,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=c.lr, weight_decay=c.weight_decay,
                                            betas=tuple(c.adam_betas))
         warmup = int(round(c.warmup_ratio * c.max_steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(warmup, c.max_steps, c.min_lr_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lr_lambda(warmup, c.max_steps, c.min_lr_ratio))
         self.data_position = 0
         self.resumed_from: str | None = None
         self._maybe_resume()
@@ -263,7 +264,8 @@ class Trainer:
         buf["pred"][:, :L].copy_(self.target.greedy_tokens(out.last_hidden))
         feats = out.features
         if c.noise_std > 0:  # context features only; last_hidden (labels) stays clean
-            noise = torch.stack([torch.randn(feats.shape[1:], generator=torch.Generator(feats.device).manual_seed(s ^ 0x5EED),
+            noise = torch.stack([torch.randn(feats.shape[1:],
+                                             generator=torch.Generator(feats.device).manual_seed(s ^ 0x5EED),
                                              device=feats.device, dtype=torch.float32) for s in batch.row_seeds])
             feats = feats + (c.noise_std * noise).to(feats.dtype)
         buf["features"][:, :L].copy_(feats)
@@ -293,7 +295,8 @@ class Trainer:
                              loss_scale=float(self.dist.world_size))
         out.loss.backward()
         release()  # backward done: nothing reads the slot any more
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(),
+                                                   c.grad_clip if c.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -325,7 +328,7 @@ class Trainer:
             while self.step < c.max_steps:
                 slot = q.take()
                 meta: SlotMeta = slot.meta
-                metrics = self.train_step(slot, lambda: q.release(slot))
+                metrics = self.train_step(slot, lambda slot=slot: q.release(slot))
                 self.step += 1
                 self.data_position = meta.position + 1
                 logger.step(self.step, metrics, meta.tokens, q.health)

@@ -24,8 +24,17 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, DrafterConfig
-from .publication import (CONFIG_NAME, INDEX_NAME, MARKER_NAME, WEIGHTS_NAME, CheckpointError, import_directory,
-                          publish_directory, read_manifest, step_dir_name)
+from .publication import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    MARKER_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    import_directory,
+    publish_directory,
+    read_manifest,
+    step_dir_name,
+)
 
 # where trainers keep the model's tensors in a training state (first match wins)
 MODEL_KEYS = ("model_state_dict", "model", "state_dict", "draft_model", "drafter", "module", "model_state")

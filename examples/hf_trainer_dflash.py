@@ -64,7 +64,8 @@ def main(argv=None) -> DFlashEvalCallback:
                                   target=a.target, redis_url=a.redis_url)
     args = TrainingArguments(output_dir=f"{a.out}/.hf-{a.run_name}", run_name=a.run_name, max_steps=a.max_steps,
                              per_device_train_batch_size=4, learning_rate=3e-3, save_strategy="steps",
-                             save_steps=a.save_steps, save_only_model=True, logging_steps=min(5, a.save_steps), report_to=a.report_to,
+                             save_steps=a.save_steps, save_only_model=True, logging_steps=min(5, a.save_steps),
+                             report_to=a.report_to,
                              use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
     Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
     return callback

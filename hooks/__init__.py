@@ -5,8 +5,9 @@
   so that using `EvalOnCheckpoint` does not import transformers' trainer machinery.
 - `Outbox`: the durable local job outbox next to the checkpoints.
 """
-from .eval_on_checkpoint import EvalOnCheckpoint
 from eval_worker.service.outbox import Outbox
+
+from .eval_on_checkpoint import EvalOnCheckpoint
 
 __all__ = ["EvalOnCheckpoint", "DFlashEvalCallback", "Outbox"]
 

@@ -39,14 +39,13 @@ from dflash_train.errors import retryable
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.redaction import redact
 from dflash_train.settings import Settings
-from eval_worker.service import jobs as jobs_mod
 from eval_worker.results.ledger import Ledger
+from eval_worker.service import jobs as jobs_mod
+from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_key
 from eval_worker.service.queue import QueueConfig, enqueue, record_owed
 from eval_worker.service.redis_local import connect, resolve_redis_url
 
-from eval_worker.service.outbox import Deliverer, Outbox, OUTBOX_DIRNAME, job_key
-
-log = logging.getLogger("hooks.eval")
+log = logging.getLogger(__name__)
 
 
 def is_rank0() -> bool:
@@ -157,7 +156,8 @@ class EvalOnCheckpoint:
         """The first suite (the hook's jobs run every one of `suites`)."""
         return self.suites[0]
 
-    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> dict[str, Any]:
+    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> dict[str,
+                                                                                                                Any]:
         return jobs_mod.make_job(path, manifest=manifest, suite=suite or self.suite, target=self.target,
                                  baseline=self.baseline, wandb=self.wandb, sinks=self.sinks, mlflow=self.mlflow,
                                  requested_by="hook",
@@ -246,7 +246,7 @@ class EvalOnCheckpoint:
         ids = list(self._pins)
         done = {JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED}
         released = 0
-        for job_id, job in zip(ids, Job.fetch_many(ids, connection=conn, serializer=JSONSerializer)):
+        for job_id, job in zip(ids, Job.fetch_many(ids, connection=conn, serializer=JSONSerializer), strict=True):
             gone = job is None and Ledger(connection=conn).lookup_job(jobs_mod.strip_attempt(job_id)) is not None
             if gone or (job is not None and job.get_status(refresh=False) in done):
                 checkpoint = self._pins.pop(job_id, None)

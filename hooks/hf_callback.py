@@ -39,18 +39,21 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from transformers import TrainerCallback
 
-from dflash_train.checkpoint import AsyncPublisher, drafter_from_module
+# drafter_from_module is re-exported: users convert other trainers' modules with it from here
+from dflash_train.checkpoint import AsyncPublisher
+from dflash_train.checkpoint import drafter_from_module as drafter_from_module
 from dflash_train.model import DFlashDrafter
 from dflash_train.publication import run_id_from
 
 from .eval_on_checkpoint import EvalOnCheckpoint
 
-log = logging.getLogger("hooks.hf")
+log = logging.getLogger(__name__)
 
 
 class DrafterNotFound(TypeError):
@@ -184,7 +187,8 @@ class DFlashEvalCallback(TrainerCallback):
         run = wandb.run
         if run is None:
             return
-        mode = "offline" if getattr(run, "offline", False) or getattr(run.settings, "mode", "") == "offline" else "online"
+        mode = "offline" if getattr(run, "offline", False) or getattr(run.settings, "mode",
+                                                                      "") == "offline" else "online"
         self.hook.wandb = {"project": run.project, "entity": run.entity or None, "mode": mode,
                            "group": run.group or self.run_id or _run_id_from(args)}
 

@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+# fixtures of support modules, available to every test without importing them
+pytest_plugins = ["tests.reliability_support"]
+
 
 def _hypothesis_profiles() -> None:
     """``HYPOTHESIS_PROFILE=ci`` (set by ``.ci/run``) draws the same examples every run,

@@ -34,7 +34,7 @@ def fit_drafter(target: Target, drafter: DFlashDrafter, sequences: list[list[int
     cfg = drafter.config
     B, embed, head = cfg.block_size, target.parts.embed_tokens, target.parts.lm_head
     data = []
-    for seq, P in zip(sequences, prompt_lens):
+    for seq, P in zip(sequences, prompt_lens, strict=False):
         ids = torch.tensor([seq])
         feats = target.forward(ids, cfg.target_layer_ids).features
         anchors = torch.arange(P, len(seq) - 1)[None]

@@ -11,7 +11,8 @@ import random
 from pathlib import Path
 
 PROMPTS = {
-    "fizzbuzz": "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n",
+    "fizzbuzz": "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            "
+                "print('FizzBuzz')\n",
     "html <escape> & \"quotes\"": "<script>alert('x')</script> & <b>bold</b> should stay text, not markup.\n",
     "binary_search": "def search(xs, t):\n    lo, hi = 0, len(xs)\n    while lo < hi:\n        mid = (lo + hi) // 2\n",
     "unicode": "Résumé — naïve café, 東京, emoji 🙂 and tabs\tare fine.\n",
@@ -58,7 +59,8 @@ def make_result(run_id: str = "run-a", step: int = 100, *, p: float = 0.6, block
                 accepted[k] += k < n
         tau = sum(lengths) / len(lengths)
         prompts.append({"name": name, "tau": round(tau, 4), "accept_lengths": lengths,
-                        "baseline_tau": None if baseline_tau is None else round(baseline_tau + rng.uniform(-0.3, 0.3), 4),
+                        "baseline_tau": None if baseline_tau is None else round(baseline_tau + rng.uniform(-0.3, 0.3),
+                                                                                4),
                         "reference_text": text, "accepted_spans": _spans(text, lengths)})
     macro = sum(q["tau"] for q in prompts) / len(prompts)
     sd = math.sqrt(sum((q["tau"] - macro) ** 2 for q in prompts) / max(1, len(prompts) - 1))
@@ -72,9 +74,11 @@ def make_result(run_id: str = "run-a", step: int = 100, *, p: float = 0.6, block
     digest = digest or f"{step:064x}"
     return {
         "schema": "dflash-eval-result/1",
-        "checkpoint": {"path": f"{checkpoint_root}/{run_id}/step-{step:08d}", "digest": digest, "run_id": run_id, "step": step},
+        "checkpoint": {"path": f"{checkpoint_root}/{run_id}/step-{step:08d}", "digest": digest, "run_id": run_id,
+                       "step": step},
         "target": {"path": "/targets/tiny", "fingerprint": "f" * 16, "num_layers": 8, "dtype": "float32"},
-        "suite": {"name": suite, "version": "1", "fingerprint": suite_fp or ("abcd1234" if suite == "coding" else "ef567890"),
+        "suite": {"name": suite, "version": "1",
+                  "fingerprint": suite_fp or ("abcd1234" if suite == "coding" else "ef567890"),
                   "num_prompts": len(prompts)},
         "settings": {"block_size": block_size, "max_new_tokens": 128, "mode": "online", "tree_budget": 8},
         "tau": {"macro": round(macro, 4), "pooled": round(sum(pooled) / len(pooled), 4),

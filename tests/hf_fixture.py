@@ -16,7 +16,8 @@ ROWS = {
                       "answer": f"#### {2 * i + 3}"} for i in range(12)],
     "HuggingFaceH4/MATH-500": [{"problem": f"Compute ${i}^2 + {i}$.", "solution": "...", "answer": str(i * i + i),
                                 "subject": "Algebra", "level": 1, "unique_id": f"test/{i}.json"} for i in range(6)],
-    "openai/openai_humaneval": [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n",
+    "openai/openai_humaneval": [{"task_id": f"HumanEval/{i}",
+                                 "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n",
                                  "canonical_solution": f"    return x + {i}\n", "test": "", "entry_point": f"f{i}"}
                                 for i in range(5)],
     "google-research-datasets/mbpp": [{"source_file": "x", "task_id": i, "prompt": f"Write a function adding {i}.",

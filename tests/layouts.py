@@ -39,7 +39,8 @@ def deepspec(zdir: Path, out: Path, target, **extra) -> Path:
     embed_tokens / lm_head, HF save_pretrained names (`model.` prefix)."""
     cfg, tensors = _read(zdir)
     d = {**_decoder(cfg), "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
-         "target_layer_ids": cfg["dflash_config"]["target_layer_ids"], "mask_token_id": cfg["dflash_config"]["mask_token_id"],
+         "target_layer_ids": cfg["dflash_config"]["target_layer_ids"],
+         "mask_token_id": cfg["dflash_config"]["mask_token_id"],
          "block_size": cfg["block_size"], "num_target_layers": cfg["num_target_layers"], "num_anchors": 512,
          "markov_rank": 0, **extra}
     own = {f"model.{k}": v for k, v in tensors.items()}
@@ -72,8 +73,10 @@ def vllm(zdir: Path, out: Path, target=None, **extra) -> Path:
     fused = {}
     for layer in sorted({k.split(".")[1] for k in tensors if k.startswith("layers.")}):
         b = f"layers.{layer}."
-        fused[b + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(b + f"self_attn.{p}_proj.weight") for p in "qkv"])
-        fused[b + "mlp.gate_up_proj.weight"] = torch.cat([tensors.pop(b + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
+        fused[b + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(b + f"self_attn.{p}_proj.weight")
+                                                           for p in "qkv"])
+        fused[b + "mlp.gate_up_proj.weight"] = torch.cat([tensors.pop(b + f"mlp.{p}_proj.weight") for p in ("gate",
+                                                                                                            "up")])
     return _write(out, d, {**tensors, **fused})
 
 

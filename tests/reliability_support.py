@@ -1,7 +1,7 @@
 """Fixtures shared by the reliability tests (test_reliability_*.py): tests/soak_stack.py's zygote and micro target.
 
 Both are built once per Python process (see `soak_stack.shared_zygote` / `soak_stack.shared_target`);
-import the fixtures into a test module to use them.
+tests/conftest.py registers this module as a pytest plugin, so any test can ask for them.
 """
 from __future__ import annotations
 

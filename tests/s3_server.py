@@ -6,7 +6,6 @@ credentials from the environment (nothing is patched in-process).
 """
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

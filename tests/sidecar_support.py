@@ -24,7 +24,7 @@ def publish_random(root: Path, run_id: str, step: int, *, target_config=None, se
     from dflash_train.model import DFlashDrafter
 
     if target_config is None:
-        from tests.factories import qwen3_target, MASK_ID
+        from tests.factories import MASK_ID, qwen3_target
 
         target_config = qwen3_target(layers=6, hidden=32).model.config
         mask_token_id = MASK_ID if mask_token_id is None else mask_token_id

@@ -41,14 +41,28 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from eval_worker.service.queue import JOB_FUNC
 from tests import soak_store
-from tests.soak_stack import (HIDDEN, OPTIONS, REPO, RUN, Row, Stack, Zygote, build_micro_target, drafter_config,
-                              publish, retry_now, shared_zygote, wait_for)
+from tests.soak_stack import (
+    HIDDEN,
+    OPTIONS,
+    REPO,
+    RUN,
+    Row,
+    Stack,
+    Zygote,
+    build_micro_target,
+    drafter_config,
+    publish,
+    retry_now,
+    shared_zygote,
+    wait_for,
+)
 
 # =========================================================================== scenarios
 
@@ -196,7 +210,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
                 before = len(accepted)
                 thread = threading.Thread(target=outage, args=(at[step], step), daemon=True)
                 thread.start()
-                wait_for(lambda: downs and downs[-1]["at_step"] == step, 30, "Redis to go down")
+                wait_for(lambda step=step: downs and downs[-1]["at_step"] == step, 30, "Redis to go down")
                 downs[-1]["_accepted_before"] = before
             time.sleep(interval)
         if thread is not None:
@@ -245,13 +259,12 @@ class Blackhole:
         self.thread.start()
 
     def _run(self):
-        import socket
 
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
                 self.conns.append(conn)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -423,7 +436,8 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
                 all_recorded_after_fix=c.recorded == c.accepted,
                 evaluated_once=c.executions == c.accepted,
                 reasons_say_kept=all("a retry only writes it" in r for p in phases.values() for r in p["reasons"]))
-            def why(reasons):  # "... ([Errno 30] Read-only file system: '/path'); ..." -> "[Errno 30] Read-only file system"
+            # "... ([Errno 30] Read-only file system: '/path'); ..." -> "[Errno 30] Read-only file system"
+            def why(reasons):
                 return "; ".join(sorted({m.group(0) for r in reasons if (m := re.search(r"\[Errno \d+\][^:;')]*", r))}))
 
             observed = "; ".join(f"{k}: {v['failed']}/{jobs} failed at once ({why(v['reasons'])}), "
@@ -554,7 +568,7 @@ def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: f
         half = s.publish(200)
         _republish(half, _half_dtype)
         good_half = s.enqueue(half, config=config)
-        for jid, (name, ck) in planned.items():  # after enqueue, before any worker picks them up
+        for name, ck in planned.values():  # after enqueue, before any worker picks them up
             if name not in BROKEN_WHEN_PUBLISHED:
                 _apply_fault(name, ck)
         good = s.enqueue(s.publish(300), config=config)
@@ -563,7 +577,7 @@ def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: f
         s.wait_settled(ids, timeout)
         c = s.audit(ids)
         outcome = {}
-        for jid, (name, ck) in planned.items():
+        for jid, (name, _ck) in planned.items():
             job = fetch_job(s.conn, jid)
             reason = c.failures.get(jid, "")
             outcome[name] = {"status": job.get_status().value, "reason": reason[:300],
@@ -646,8 +660,8 @@ def trainer_main(argv: list[str]) -> int:
     import torch
 
     from dflash_train.checkpoint import AsyncPublisher
-    from dflash_train.publication import apply_retention, cleanup_incomplete, list_checkpoints
     from dflash_train.model import DFlashDrafter
+    from dflash_train.publication import apply_retention, cleanup_incomplete, list_checkpoints
     from hooks import EvalOnCheckpoint
 
     p = argparse.ArgumentParser()
@@ -685,8 +699,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
                           timeout: float = 180) -> Row:
     """SIGKILL the trainer at random moments while it publishes checkpoints back to back (so
     most kills land inside a write); restart it each time, as a scheduler would."""
-    from eval_worker.service.queue import remembered
     from eval_worker.service.outbox import Outbox
+    from eval_worker.service.queue import remembered
 
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
@@ -705,7 +719,7 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
                 if tr.wait(120) != 0:
                     raise RuntimeError(f"final trainer run failed:\n{tr.log()[-2000:]}")
                 break
-            wait_for(lambda: '"cleaned"' in tr.log(), 60, "the trainer to start")
+            wait_for(lambda tr=tr: '"cleaned"' in tr.log(), 60, "the trainer to start")
             time.sleep(rng.uniform(0.2, 1.5))
             aim = (None, "tmp", "unmarked")[k % 3]  # a random moment, or aimed at a write in progress
             deadline = time.monotonic() + 5
@@ -749,7 +763,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
         c = s.audit(ids)
         calls = s.calls_made()
         left = partial_checkpoints(run_dir)
-        problems = _problem_list(no_partial_enqueued=not leaked, all_evaluated_had_marker=all(x["marker"] for x in calls),
+        problems = _problem_list(no_partial_enqueued=not leaked,
+                                 all_evaluated_had_marker=all(x["marker"] for x in calls),
                                  all_recorded=c.recorded == c.accepted, cleaned_up=not left,
                                  outbox_empty=not Outbox(outbox).pending())
         observed = (f"{kills} kills: " + ", ".join(f"{v} {k}" for k, v in outcomes.items() if v)
@@ -943,18 +958,20 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
         w = s.start_worker()
         s.wait_settled([good], timeout)
         wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the planted entries to be taken")
-        from eval_worker.service.queue import failure_reason, fetch_job
         from eval_worker.service.jobs import JobError
+        from eval_worker.service.queue import failure_reason, fetch_job
 
         result = {}
         for jid, name in planted.items():
             if s.conn.exists(f"dflash:quarantine:{jid}"):
                 result[name] = {"outcome": "quarantined",
-                                "reason": (s.conn.hget(f"dflash:quarantine:{jid}", "dflash_quarantined") or b"").decode()}
+                                "reason": (s.conn.hget(f"dflash:quarantine:{jid}",
+                                                       "dflash_quarantined") or b"").decode()}
                 continue
             try:
                 job = fetch_job(s.conn, jid)
-                wait_for(lambda: job.get_status(refresh=True).value in ("failed", "finished"), 60, f"{jid} to end")
+                wait_for(lambda job=job: job.get_status(refresh=True).value in ("failed", "finished"), 60,
+                         f"{jid} to end")
                 result[name] = {"outcome": job.get_status().value, "reason": failure_reason(job)}
             except JobError as e:
                 result[name] = {"outcome": "gone", "reason": str(e)}
@@ -1029,7 +1046,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
                       problems=problems)
 
 
-# --------------------------------------------------------------------------- issue 11: probes from outside
+# --------------------------------------------------------------------------- probes from outside
 
 def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
     """Four evaluations of one (run, step): the run's options, other options (max_new_tokens), a
@@ -1311,7 +1328,8 @@ def scenario_suites(base: Path, zygote: Zygote, target: Path, *, timeout: float 
         probes = {"/etc/passwd": "/etc/passwd", "a missing file": str(base / "missing" / "x.jsonl"),
                   "a directory": str(s.root), "a valid suite outside the roots": str(outside),
                   "a symlink out of the roots": str(s.suite.parent / "escape.jsonl"),
-                  "a relative path": "../../etc/passwd", "a missing file in the roots": str(s.suite.parent / "no.jsonl")}
+                  "a relative path": "../../etc/passwd",
+                  "a missing file in the roots": str(s.suite.parent / "no.jsonl")}
         planted = _plant_jobs(s, {name: {**good_job, "suite": spec} for name, spec in probes.items()})
         good = s.enqueue(good_ck)
         w = s.start_worker()
@@ -1348,8 +1366,10 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
     with Stack(base, zygote=zygote, target=target) as s:
         ck = s.publish(1)
         good_job = s.job(ck)
-        bad = {"a typo": {"options": {"max_new_token": 16}}, "a string for a number": {"options": {"max_new_tokens": "16"}},
-               "a flag that is a number": {"options": {"validate": 1}}, "10 MB in a flag": {"options": {"chat_template": big}},
+        bad = {"a typo": {"options": {"max_new_token": 16}},
+               "a string for a number": {"options": {"max_new_tokens": "16"}},
+               "a flag that is a number": {"options": {"validate": 1}},
+               "10 MB in a flag": {"options": {"chat_template": big}},
                "an unknown mode": {"options": {"mode": "fast"}}, "10 MB suite": {"suite": big},
                "10 MB W&B project": {"wandb": {"project": big}}, "10 MB checkpoint path": {"checkpoint": "/" + big},
                "10 000 metrics": {"train_metrics": {f"m{i}": 1.0 for i in range(10_000)}}}
@@ -1395,14 +1415,14 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
     """Every file the system writes, made under umask 000 (the trainer, the hook, the worker and
     the embedded Redis all under it): modes as documented, not as the umask says."""
     from eval_worker.service.jobs import JobError, make_job
-    from eval_worker.service.queue import QueueConfig, requeue_failed
     from eval_worker.service.outbox import Outbox
+    from eval_worker.service.queue import QueueConfig, requeue_failed
 
     t0 = time.monotonic()
     old = os.umask(0)
     try:
         with Stack(base, zygote=zygote, target=target) as s:
-            w = s.start_worker(umask=0)
+            s.start_worker(umask=0)
             ck = s.publish(1)
             box = Outbox(s.root / RUN / ".eval-outbox")
             box.put(make_job(ck, suite=str(s.suite)))
@@ -1433,7 +1453,8 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
             off = {k: v for k, v in off.items() if v}
             checked = sum(len(v) for v in found.values())
             problems = _problem_list(all_recorded=c.recorded == 2, modes_as_documented=not off,
-                                     spool_seen=len(spool) == 1, aof_checked=any("appendonly" in p for p in found["redis"]))
+                                     spool_seen=len(spool) == 1,
+                                     aof_checked=any("appendonly" in p for p in found["redis"]))
             observed = (f"under umask 000: {checked} files and directories checked, {sum(map(len, off.values()))} off: "
                         "checkpoint files 0644 (model.safetensors too) in 0755 directories, ledger records 0644 "
                         "in 0755, outbox and set-aside jobs 0600 in 0700, spooled result 0600 in 0700, Redis "
@@ -1486,7 +1507,7 @@ def scenario_orphan(base: Path, zygote: Zygote, target: Path, *, workers: int = 
             killed_at = time.monotonic()
             w.wait(10)
             try:
-                wait_for(lambda: not _running(sched), 10, f"scheduler {sched} to stop")
+                wait_for(lambda sched=sched: not _running(sched), 10, f"scheduler {sched} to stop")
                 exits.append(round(time.monotonic() - killed_at, 1))
             except TimeoutError:
                 orphans.append(sched)
@@ -1523,7 +1544,8 @@ def scenario_clock_skew(base: Path, zygote: Zygote, target: Path, *, jobs: int =
         ids = [s.enqueue(ck, config=retry_now(2)) for ck in cks]
         # each evaluation sleeps up to eval_s (SOAK_EVAL_DELAY_S is uniform in [0, eval_s]): longer than the TTL
         env = {"SOAK_EVAL_DELAY_S": str(eval_s)}
-        ws = [s.start_worker("w-true", env=env), s.start_worker("w-ahead", env={**env, "SOAK_CLOCK_SKEW_S": str(skew_s)})]
+        ws = [s.start_worker("w-true", env=env),
+              s.start_worker("w-ahead", env={**env, "SOAK_CLOCK_SKEW_S": str(skew_s)})]
         s.wait_settled(ids, timeout)
         c = s.audit(ids)
         calls = s.calls_made()  # evaluate() calls: a re-run after the record exists does not evaluate
@@ -1576,7 +1598,7 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "kill": scenario_kill, "redis": scenario_redis, "wandb": scenario_wandb, "disk": scenario_disk,
     "checkpoints": scenario_checkpoints, "cache": scenario_cache, "trainer": scenario_trainer_kill,
     "security": scenario_security, "fuzz": scenario_fuzz_queue, "burst": scenario_burst, "memory": scenario_memory,
-    # issue 11: found by probing from outside
+    # found by probing from outside
     "collision": scenario_collision, "refusing": scenario_refusing, "spool": scenario_spool,
     "password": scenario_password, "suites": scenario_suites, "badfields": scenario_bad_fields,
     "modes": scenario_modes, "orphan": scenario_orphan, "bundled": scenario_bundled_redis,

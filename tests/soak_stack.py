@@ -23,9 +23,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -545,7 +546,8 @@ class Stack:
         out = {}
         for i in range(0, len(ids), 200):
             chunk = ids[i:i + 200]
-            for jid, job in zip(chunk, Job.fetch_many(chunk, connection=self.conn, serializer=JSONSerializer)):
+            for jid, job in zip(chunk, Job.fetch_many(chunk, connection=self.conn, serializer=JSONSerializer),
+                                strict=True):
                 out[jid] = job.get_status(refresh=False).value if job is not None else None
         return out
 
@@ -640,7 +642,7 @@ class Stack:
         if self._own_zygote:
             self.zygote.close()
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -663,7 +665,7 @@ class Row:
     details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, fault: str, expected: str, observed: str, c: Counts, t0: float, **details) -> "Row":
+    def of(cls, fault: str, expected: str, observed: str, c: Counts, t0: float, **details) -> Row:
         return cls(fault, expected, observed, c.accepted, c.recorded, c.failed, c.lost, c.duplicated,
                    round(time.monotonic() - t0, 1), details)
 

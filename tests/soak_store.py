@@ -258,16 +258,16 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
         w = st.start_worker()
         good, *broken = [st.publish(step) for step in (1, 2, 3)]
         names = ["config.json", WEIGHTS]
-        for url, name in zip(broken, names):
+        for url, name in zip(broken, names, strict=True):
             storage.store_for(url).remove(f"{url}/{name}")
         bad_ids = [st.enqueue(url, retries=2) for url in broken]
         good_id = st.enqueue(good)
         st.s.wait_settled(bad_ids + [good_id], timeout)
         c = st.s.audit()
-        reasons = {name: failure_reason(fetch_job(st.s.conn, jid)) for jid, name in zip(bad_ids, names)}
+        reasons = {name: failure_reason(fetch_job(st.s.conn, jid)) for jid, name in zip(bad_ids, names, strict=False)}
         log = w.log()  # one traceback's last line per failed execution: "<exception class>: <reason>"
         runs = {name: len(re.findall(rf"(?m)^[A-Za-z_][\w.]*: .*{re.escape(url)}\b", log))
-                for url, name in zip(broken, names)}
+                for url, name in zip(broken, names, strict=True)}
         evaluated = {call.get("job") for call in st.s.calls_made()}
         problems = _problem_list(
             failed_visibly=c.failed == len(broken), good_recorded=c.recorded == 1,
@@ -279,7 +279,8 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
                                  for r in reasons.values()}))
         observed = (f"{len(broken)} checkpoints with a listed file deleted from the store (config.json, "
                     f"model.safetensors), enqueued with 2 retries: each ran "
-                    f"{'once' if set(runs.values()) == {1} else f'{runs} times'} and failed at download, reason names the file ({said}); nothing evaluated; the good job next to them recorded")
+                    f"{'once' if set(runs.values()) == {1} else f'{runs} times'} and failed at download, reason names "
+                    f"the file ({said}); nothing evaluated; the good job next to them recorded")
         return Row.of("Object listed by COMPLETE.json missing from the store",
                       "a permanent failure naming the file, not retried", observed, c, t0,
                       reasons=reasons, runs=runs, problems=problems)
@@ -304,7 +305,7 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
         flaky_recorded = st.s.audit(ids).recorded
         failed_now: dict[str, str] = {}
         leftovers = []
-        for url, fault in zip(urls[flaky:], ("cut", "5xx")):
+        for url, fault in zip(urls[flaky:], ("cut", "5xx"), strict=False):
             st.proxy.set_fault(fault, only=b"/model.safetensors")  # the marker is read; the weights are not
             jid = st.run(url, timeout)
             ids.append(jid)
@@ -325,7 +326,8 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
         observed = (f"{flaky} jobs over a link cutting 2 responses mid-body each: all recorded; "
                     f"weights downloads cut / answered 503 for good: "
                     + "; ".join(f"{k}: failed ({_short(v)})" for k, v in failed_now.items())
-                    + f", {len(leftovers) or 'no'} partial download(s) left; after the store came back `requeue --failed` recorded both; "
+                    + f", {len(leftovers) or 'no'} partial download(s) left; after the store came back `requeue "
+                      f"--failed` recorded both; "
                     f"{c.recorded}/{c.accepted} recorded, {mis} mis-attributed; "
                     f"requests through the proxy by fault {dict(st.proxy.counts)}")
         return Row.of("Store connection cut mid-body, or answered 503", "retried inside the cache; a visible "

@@ -101,7 +101,8 @@ def test_layout_vllm_same_tau_and_refusals(zlab, zlab_result, ev, tmp_path):
         DrafterConfig.from_dict({**cfg, "eagle_aux_hidden_state_layer_ids": ids,
                                  "dflash_config": {**cfg["dflash_config"], "target_layer_ids": [0, 1, 2]}})
     for change, name in ((dict(dflash_config={**cfg["dflash_config"], "attention_sink_bias": True}),
-                          "dflash_config.attention_sink_bias=true"), (dict(is_neox_style=False), "is_neox_style=false")):
+                          "dflash_config.attention_sink_bias=true"),
+                          (dict(is_neox_style=False), "is_neox_style=false")):
         with pytest.raises(ConfigError, match=name):
             DrafterConfig.from_dict({**cfg, "eagle_aux_hidden_state_layer_ids": ids, **change})
 
@@ -191,7 +192,8 @@ def test_layout_vllm_mask_token_string_resolved_by_the_tokenizer(zlab, ev, tmp_p
     named.resolve_mask_token(tok)
     assert named.mask_token_id == 151669
     for token, given, message in (("<|NOPE|>", None, "not a token of the target's tokenizer"),
-                                  ("<|MASK|>", 151643, "is id 151669 in the target's tokenizer but mask_token_id says")):
+                                  ("<|MASK|>", 151643,
+                                   "is id 151669 in the target's tokenizer but mask_token_id says")):
         c = DrafterConfig.from_dict({**cfg, "vocab_size": 151936, "dflash_config": {
             **dc, "mask_token": token, **({"mask_token_id": given} if given is not None else {})}})
         with pytest.raises(ConfigError, match=message):

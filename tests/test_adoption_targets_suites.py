@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from dflash_train.cli import eval_hook, main as train_main
+from dflash_train.cli import eval_hook
+from dflash_train.cli import main as train_main
 from dflash_train.hub import resolve_target
 from dflash_train.publication import CheckpointError
 from dflash_train.settings import Settings
@@ -71,7 +72,8 @@ def test_suites_zlab_and_deepspec_jsonl_first_turn(tmp_path):
     deepspec.write_text(json.dumps({"turns": ["Write a poem.", "Now shorten it."], "category": "writing"}) + "\n"
                         + json.dumps({"turns": ["Explain TCP.", "And UDP?"]}) + "\n")
     s = load_suite(str(zlab))
-    assert s.name == "gsm8k" and [p.prompt for p in s.prompts] == [f"Question {i}: what is {i} + {i}?" for i in range(3)]
+    assert s.name == "gsm8k"
+    assert [p.prompt for p in s.prompts] == [f"Question {i}: what is {i} + {i}?" for i in range(3)]
     assert s.chat_template and s.chat_template_kwargs == {"enable_thinking": False}  # as their evaluators run
     d = load_suite(str(deepspec))
     assert [p.prompt for p in d.prompts] == ["Write a poem.", "Explain TCP."]  # the first turn only

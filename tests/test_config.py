@@ -2,7 +2,8 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_train.config import LAYER_IDS_FALLBACK, ConfigError, DrafterConfig, default_target_layer_ids
 
@@ -22,7 +23,7 @@ def test_layer_ids_spread_from_1_to_L_minus_3(L, n):
         return
     ids = default_target_layer_ids(L, n)
     assert ids[0] == 1 and ids[-1] == L - 3 and len(ids) == n
-    assert all(a < b for a, b in zip(ids, ids[1:]))
+    assert all(a < b for a, b in zip(ids, ids[1:], strict=False))
 
 
 ZLAB_QWEN3_8B = {  # the fields of a published z-lab drafter config.json
@@ -149,7 +150,8 @@ def test_yarn_rope_in_either_layout_matches_transformers():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     old = DrafterConfig.from_dict({**small, "rope_theta": 1e7, "rope_scaling": yarn, "max_position_embeddings": 131072})
     v5 = {k: v for k, v in small.items() if k != "rope_theta"}
-    new = DrafterConfig.from_dict({**v5, "rope_parameters": {**yarn, "rope_theta": 1e7}, "max_position_embeddings": 131072})
+    new = DrafterConfig.from_dict({**v5, "rope_parameters": {**yarn, "rope_theta": 1e7},
+                                   "max_position_embeddings": 131072})
     assert old == new and old.rope_scaling["rope_type"] == "yarn"
     pos = torch.tensor([[0, 5, 40000, 100000]])
     cos, sin = _rotary(old, pos)

@@ -14,7 +14,8 @@ equals the target's token, which along the reference is `ext[start + i + 1]`):
 """
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import AnchorDrafts
@@ -106,7 +107,7 @@ def deepspec_metrics_row(responses, max_proposal_tokens):
     count = acc_sum = 0
     at_pos, acc_at_pos = [0] * max_proposal_tokens, [0] * max_proposal_tokens
     for acceptance_lengths, proposal_lengths, accepted_draft_lengths in responses:
-        for a, p, d in zip(acceptance_lengths, proposal_lengths, accepted_draft_lengths):
+        for a, p, d in zip(acceptance_lengths, proposal_lengths, accepted_draft_lengths, strict=False):
             count += 1
             acc_sum += int(a)
             for i in range(max_proposal_tokens):
@@ -149,7 +150,8 @@ class SpecDecodingStats:
     """vLLM `SpecDecodingStats` + `compute_acceptance_len` (per-position rates as its logger prints)."""
 
     def __init__(self, num_spec_tokens):
-        self.num_spec_tokens, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens = num_spec_tokens, 0, 0, 0
+        self.num_spec_tokens = num_spec_tokens
+        self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens = 0, 0, 0
         self.num_accepted_tokens_per_pos = [0] * num_spec_tokens
 
     def observe_draft(self, num_draft_tokens, num_accepted_tokens):
@@ -250,7 +252,7 @@ def test_counting_engine_sglang_equals_its_counters(case):
         assert pooled == pytest.approx(sched.avg_spec_accept_length(), rel=1e-12)
     # per request SGLang's meta_info spec_accept_length = completion_tokens / spec_verify_ct: the
     # prefill's token over the steps, i.e. (1 + Σ committed) / steps
-    for (tokens, _, _), lengths in zip(prompts, per):
+    for (tokens, _, _), lengths in zip(prompts, per, strict=True):
         assert 1 + sum(lengths) == len(tokens)
 
 

@@ -62,12 +62,13 @@ def test_demo_runs_end_to_end_and_leaves_nothing_running_demo_pointer(tmp_path, 
     """... publishing to the three sinks (`--sink wandb,tensorboard,mlflow`): the same τ in each."""
     work = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "eval_worker.cli", "demo", "--workdir", str(work),
-                           "--run-id", "demo-test", "--sink", "wandb,tensorboard,mlflow", *SHORT], capture_output=True, text=True, env=_env(tmp_path),
+                           "--run-id", "demo-test", "--sink", "wandb,tensorboard,mlflow", *SHORT], capture_output=True,
+                           text=True, env=_env(tmp_path),
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = ROW.findall(proc.stdout)
     assert [int(r[0]) for r in rows] == [2], proc.stdout
-    step, tau, lo, hi = int(rows[0][0]), *map(float, rows[0][1:])
+    _step, tau, lo, hi = int(rows[0][0]), *map(float, rows[0][1:])
     assert 1.0 <= lo <= tau <= hi <= 16.0
 
     # the table is the ledger's

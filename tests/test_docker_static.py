@@ -123,7 +123,8 @@ def test_dashboard(compose):
     cmd = _cmd_list(dash["command"])
     assert "--redis-url" in cmd
     assert cmd[cmd.index("--redis-url") + 1].startswith("redis://:${REDIS_PASSWORD")
-    assert dash["entrypoint"] == ["dflash-eval", "dashboard"]  # JSON jobs and workers (eval_worker/commands/dashboard.py)
+    # JSON jobs and workers (eval_worker/commands/dashboard.py)
+    assert dash["entrypoint"] == ["dflash-eval", "dashboard"]
 
 
 def test_named_volumes_declared(compose):
@@ -194,7 +195,7 @@ def test_trainer_dockerfile():
 
 
 def test_constraints_pin_torch():
-    lines = [l.strip() for l in (REPO_ROOT / "constraints.txt").read_text().splitlines()]
+    lines = [line.strip() for line in (REPO_ROOT / "constraints.txt").read_text().splitlines()]
     assert "torch==2.13.0" in lines
 
 
@@ -248,7 +249,8 @@ def test_s3_profile_runs_without_a_shared_volume(compose):
     assert wenv["DFLASH_CHECKPOINT_ROOTS"] == tenv["DFLASH_PUBLISH_TO"]  # the worker serves what the trainer writes
     for env in (wenv, tenv):
         assert env["AWS_ENDPOINT_URL"].endswith("minio:9000}")
-        assert env["AWS_ACCESS_KEY_ID"].startswith("${S3_ACCESS_KEY") and env["AWS_SECRET_ACCESS_KEY"].startswith("${S3_SECRET_KEY")
+        assert env["AWS_ACCESS_KEY_ID"].startswith("${S3_ACCESS_KEY")
+        assert env["AWS_SECRET_ACCESS_KEY"].startswith("${S3_SECRET_KEY")
         assert env["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
     assert worker["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
     assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"

@@ -123,7 +123,8 @@ def test_corrupt_cache_files_are_rebuilt_not_fatal(setup, damage):
 
             with safe_open(str(f), framework="pt") as h:
                 meta = h.metadata()
-            save_file({"features": torch.zeros(3, 4), "greedy": torch.zeros(3, dtype=torch.long)}, str(f), metadata=meta)
+            save_file({"features": torch.zeros(3, 4), "greedy": torch.zeros(3, dtype=torch.long)}, str(f),
+                      metadata=meta)
     res = Evaluator(target, tmp / "cache").evaluate(tmp / "ck", suite(), options=OPTS)
     assert res.cache["references"] == "rebuilt" and res.cache["features"] == "rebuilt"
     assert comparable(res) == comparable(cold)

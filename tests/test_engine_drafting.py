@@ -7,7 +7,8 @@ the head alone differs by <= 1e-6 when a chunk is a single row).
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter

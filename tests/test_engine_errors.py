@@ -5,9 +5,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dflash_train.checkpoint import publish_checkpoint, save_drafter
-from dflash_train.publication import CheckpointError
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
+from dflash_train.publication import CheckpointError
 from dflash_train.target import TargetError
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.suite import Prompt, Suite, SuiteError

@@ -4,10 +4,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from eval_worker.engine.suite import (HF_MAX_NEW_TOKENS, HF_SUITES, SuiteError, load_suite, parse_hf_spec,
-                               request_fingerprint)
+from eval_worker.engine.suite import (
+    HF_MAX_NEW_TOKENS,
+    HF_SUITES,
+    SuiteError,
+    load_suite,
+    parse_hf_spec,
+    request_fingerprint,
+)
 from tests.hf_fixture import ROWS, write_all, write_repo
 
 
@@ -151,7 +158,8 @@ def test_run_evaluates_several_suites_side_by_side(tiny_target_path, hf_dir, tmp
     assert all(doc["tau"][n] == by_name[n]["tau"]["macro"] for n in doc["tau"])
     g = by_name["gsm8k-n2"]
     assert g["suite"]["origin"]["dataset"] == "openai/gsm8k" and g["suite"]["num_prompts"] == 2
-    assert [p["name"] for p in g["prompts"]] == [p.name for p in load_suite("hf:gsm8k:n=2", hf_datasets_dir=hf_dir).prompts]
+    assert [p["name"] for p in g["prompts"]] == [p.name for p in load_suite("hf:gsm8k:n=2",
+                                                                            hf_datasets_dir=hf_dir).prompts]
     text = capsys.readouterr().out
     table = text[text.rindex("suite "):].splitlines()  # the side-by-side table closes the output
     assert [line.split()[0] for line in table[1:]] == ["coding", "gsm8k-n2"]
@@ -167,11 +175,11 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
     """A queued `hf:` job: canonical spec in the job, the worker reads its own dataset copy, the
     record carries the suite's dataset identity; a bad spec is refused at enqueue."""
     from dflash_train.settings import Settings
-    from eval_worker.service import evaluators
-    from eval_worker.service.jobs import JobError, check_suite, job_fingerprint, make_job
     from eval_worker.results.ledger import read_record
+    from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.jobs import JobError, check_suite, job_fingerprint, make_job
     from tests.sidecar_support import publish_random, tiny_target_drafter_config
     from tests.test_sidecar_worker import _target
 

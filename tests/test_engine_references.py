@@ -112,7 +112,8 @@ def test_a_later_prompt_mismatch_removes_what_the_job_cached(tmp_path):
     save_drafter(drafter_for(TARGET, block_size=4), tmp_path / "ck")
 
     def respond(body):  # right for prompt a, wrong for prompt b
-        return (200, {"choices": [{"token_ids": greedy_ids(body)}]}) if body["prompt"] == PROMPT else _wrong_server(body)
+        return (200,
+                {"choices": [{"token_ids": greedy_ids(body)}]}) if body["prompt"] == PROMPT else _wrong_server(body)
 
     with CannedServer(respond) as srv:
         ev = Evaluator(TARGET, tmp_path / "cache", reference_source=ServerReferences(srv.url))

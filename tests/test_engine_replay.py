@@ -53,7 +53,7 @@ def test_replay_equals_real_loop_per_step(fitted_each, tmp_path):
     ev = Evaluator(target, tmp_path / "cache")
     res = ev.evaluate(ckpt, _suite(prompts, 40), options={"tree_budget": 0, "measure_speed": False})
     lengths_seen = set()
-    for p, pr in zip(prompts, res.prompts):
+    for p, pr in zip(prompts, res.prompts, strict=False):
         real = speculative_generate(target, drafter, p, 40)
         assert pr.accept_lengths == real.accept_lengths, pr.name
         assert pr.tau == pytest.approx(real.tau)

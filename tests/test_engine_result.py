@@ -136,11 +136,18 @@ def test_layer_formula_fallback_is_named_in_the_result(tmp_path, ev):
     assert plain.settings["layer_ids_origin"] == "config" and "LAYER_IDS_FROM_FALLBACK" not in plain.diagnostic_codes()
 
 
-# --- collapse: a degenerate reference is flagged (issue 17) ---------------------------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
+# --- collapse: a degenerate reference is flagged ----------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
-from eval_worker.engine.diagnostics import (COLLAPSE_MAX_LINES, COLLAPSE_MIN_TOKENS, Facts, diagnose,  # noqa: E402
-                                     mostly_degenerate, reference_collapse)
+from eval_worker.engine.diagnostics import (  # noqa: E402
+    COLLAPSE_MAX_LINES,
+    COLLAPSE_MIN_TOKENS,
+    Facts,
+    diagnose,
+    mostly_degenerate,
+    reference_collapse,
+)
 from eval_worker.engine.references import LocalReferences, Reference  # noqa: E402
 
 CODE = ("def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"

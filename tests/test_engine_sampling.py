@@ -15,8 +15,8 @@ from eval_worker.engine import metrics
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.options import EvalOptions, OptionsError
 from eval_worker.engine.references import sample_continuation
-from eval_worker.results.sinks.wandb_payload import scalars
 from eval_worker.engine.suite import Prompt, Suite
+from eval_worker.results.sinks.wandb_payload import scalars
 
 from .engine_helpers import fit_drafter
 from .test_engine_replay import _suite, fitted  # noqa: F401  (module fixture: random target + fitted drafter)
@@ -76,7 +76,7 @@ def test_sampling_replay_equals_real_loop_on_the_tiny_target_at_temperature_0_7(
         **FAST, "max_new_tokens": 24, "temperatures": [0.7], "num_samples": 2, "seed": 3})
     entry = res.sampling["by_temperature"]["0.7"]
     seen = set()
-    for p, pr in zip(prompts, entry["prompts"]):
+    for p, pr in zip(prompts, entry["prompts"], strict=False):
         assert pr["name"] == p.name and len(pr["sample_taus"]) == 2
         for k in range(2):
             real = speculative_generate(tiny, drafter, p.ids, 24, eos_token_id=eos,

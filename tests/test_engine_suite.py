@@ -60,7 +60,8 @@ def test_user_jsonl(tmp_path):
     ([json.dumps({"name": "a", "ids": [1, -2]})], "non-negative"),
     ([json.dumps({"name": "a", "messages": [{"content": "x"}]})], "role, content"),
     ([json.dumps({"name": "a", "prompt": "x"}), json.dumps({"name": "a", "prompt": "y"})], "duplicate prompt names"),
-    ([json.dumps({"name": "a", "prompt": "x"}), json.dumps({"suite": "late"})], ":2: the suite header must be the first line"),
+    ([json.dumps({"name": "a", "prompt": "x"}), json.dumps({"suite": "late"})],
+     ":2: the suite header must be the first line"),
     ([json.dumps({"suite": "x", "colour": "red"}), json.dumps({"prompt": "x"})], "unknown header fields"),
     ([json.dumps({"suite": "x", "max_new_tokens": 0}), json.dumps({"prompt": "x"})], "max_new_tokens must be >= 1"),
 ])

@@ -71,7 +71,7 @@ def test_replay_equals_real_loop_on_the_tiny_target(tiny, tmp_path):
     res = Evaluator(tiny, tmp_path / "cache").evaluate(tmp_path / "ck", suite, options={
         "max_new_tokens": MAX_NEW, "validate": True, "measure_speed": False})
     seen = set()
-    for p, pr in zip(prompts, res.prompts):
+    for p, pr in zip(prompts, res.prompts, strict=False):
         real = speculative_generate(tiny, drafter, p.ids, MAX_NEW, eos_token_id=eos)
         assert pr.accept_lengths == real.accept_lengths, pr.name
         seen |= set(real.accept_lengths)

@@ -3,7 +3,8 @@ import itertools
 
 import numpy as np
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eval_worker.engine.drafting import draft_anchors
 from eval_worker.engine.metrics import leading_true, matches

@@ -17,7 +17,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dflash_train.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
@@ -100,7 +101,8 @@ def test_walk_driven_early_exit_equals_all_anchor_path(seed, B, layers, n, polic
     drafter = drafter_for(TARGET, block_size=B, layers=layers, seed=seed)
     prompt = rng.integers(0, VOCAB - 1, int(rng.integers(1, 8))).tolist()
     S = len(prompt) + n + B
-    feats = torch.randn(S, drafter.config.num_features * TARGET.hidden_size, generator=torch.Generator().manual_seed(seed))
+    feats = torch.randn(S, drafter.config.num_features * TARGET.hidden_size,
+                        generator=torch.Generator().manual_seed(seed))
     ext = forced_reference(drafter, feats, prompt, n, policy, rng)
     sample = sample_offsets(n, quota, seed, "p")
     old, new, got = both_paths(drafter, feats, prompt, ext, n, tree_budget=tree_budget, spine=spine,

@@ -10,15 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from dflash_train.checkpoint import KNOWN_PREFIXES, load_drafter, save_drafter
-from dflash_train.publication import (MARKER_NAME, CheckpointError, import_directory, import_name, read_manifest,
-                                      verify_checkpoint)
-from eval_worker.service import jobs
+from dflash_train.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    import_directory,
+    import_name,
+    read_manifest,
+    verify_checkpoint,
+)
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
+from eval_worker.service import jobs
 from eval_worker.service.queue import fetch_job
 from eval_worker.service.redis_local import connect
 from tests.factories import drafter_for, qwen3_target
@@ -179,7 +186,7 @@ def test_external_drafter_queued_evaluated_and_used_as_baseline(tmp_path, redis_
         assert compared["imports"][0]["record"] == str(record) and not compared["imports"][0]["created"]
         for o in alone["outcomes"] + compared["outcomes"]:
             j = fetch_job(conn, o["job_id"])
-            wait_for(lambda: j.get_status(refresh=True).value in ("finished", "failed"), 240, o["job_id"])
+            wait_for(lambda j=j: j.get_status(refresh=True).value in ("finished", "failed"), 240, o["job_id"])
             assert j.get_status().value == "finished", j.latest_result().exc_string
         ledger = Ledger(tmp_path / "results")
         [ext] = [e.read() for e in ledger.entries("specforge-out")]

@@ -15,23 +15,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import soak, soak_stack
 from dflash_train.checkpoint import load_drafter, publish_checkpoint
-from dflash_train.publication import CheckpointError, read_manifest
 from dflash_train.config import ConfigError, DrafterConfig
+from dflash_train.publication import CheckpointError, read_manifest
+from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
 from eval_worker.service import jobs
 from eval_worker.service.jobs import JobError
-from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
 from eval_worker.service.queue import JOB_FUNC
+from tests import soak, soak_stack
 
 FUZZ = settings(max_examples=150, deadline=5000, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
-json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+json_values = st.recursive(scalars,
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
                            max_leaves=6)
-paths = st.sampled_from(["/abs/ok", "relative/path", "", "/", "/a/../b", "/x\x00y", "~/x", "C:\\x"]) | st.text(max_size=20)
+paths = st.sampled_from(["/abs/ok", "relative/path", "", "/", "/a/../b", "/x\x00y", "~/x",
+                         "C:\\x"]) | st.text(max_size=20)
 
 
 # --------------------------------------------------------------------------- job payloads
@@ -270,7 +272,8 @@ def test_completion_markers_are_valid_or_refused(published, tmp_path_factory, da
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """One worker, kept across examples (a long-running worker fed hostile input)."""
-    s = soak_stack.Stack(tmp_path_factory.mktemp("fuzzq"), zygote=soak_stack.shared_zygote(), target=soak_stack.shared_target())
+    s = soak_stack.Stack(tmp_path_factory.mktemp("fuzzq"), zygote=soak_stack.shared_zygote(),
+                         target=soak_stack.shared_target())
     try:
         w = s.start_worker()
         s.counter = [0]

@@ -33,7 +33,7 @@ def test_hf_example_trains_and_its_evaluations_land_in_the_ledger(tmp_path, redi
         assert sorted(o.status for o in cb.hook.outcomes) == ["enqueued", "enqueued"]
         for o in cb.hook.outcomes:
             j = fetch_job(conn, o.job_id)
-            wait_for(lambda: j.get_status(refresh=True).value in ("finished", "failed"), 240, o.job_id)
+            wait_for(lambda j=j: j.get_status(refresh=True).value in ("finished", "failed"), 240, o.job_id)
             assert j.get_status().value == "finished", j.latest_result().exc_string
         records = [e.read() for e in Ledger(tmp_path / "results").entries("hf-ex")]
         assert [r["step"] for r in records] == [2, 4]

@@ -184,7 +184,8 @@ def test_hf_callback_publishes_to_an_s3_store(tmp_path, redis_url, s3_server):
     Trainer(model=DrafterWrapper(drafter), args=_hf_args(tmp_path), train_dataset=Rows(), callbacks=[cb]).train()
     urls = list_checkpoints(f"s3://{bucket}/runs/hf-s3")
     assert urls == [f"s3://{bucket}/runs/hf-s3/step-0000000{s}" for s in (2, 4)]
-    assert [read_manifest(u) for u in urls] == [read_manifest(p) for p in list_checkpoints(tmp_path / "ckpts" / "hf-s3")]
+    local = list_checkpoints(tmp_path / "ckpts" / "hf-s3")
+    assert [read_manifest(u) for u in urls] == [read_manifest(p) for p in local]
     conn = connect(redis_url)
     jobs = get_queue(conn, "dflash-eval-s3").jobs
     assert sorted(j.args[0]["checkpoint"] for j in jobs) == urls and not cb.errors and not cb.hook.errors

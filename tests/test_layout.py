@@ -1,4 +1,4 @@
-"""Structure rules of the code base (issue 12), checked on the source rather than trusted."""
+"""Structure rules of the code base, checked on the source rather than trusted."""
 from __future__ import annotations
 
 import ast

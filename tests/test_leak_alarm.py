@@ -125,7 +125,8 @@ def test_leak_alarm_probe_view_is_the_context_through_the_anchor():
     moved[anchors[0]] += 3.0
 
     def logp(f, see):
-        return draft_anchors(d, embed, head, ids, f, anchors[:1], topk=2, see_anchor_state=see, backend="sdpa").topk_logp
+        return draft_anchors(d, embed, head, ids, f, anchors[:1], topk=2, see_anchor_state=see,
+                             backend="sdpa").topk_logp
 
     assert np.array_equal(logp(moved, False), logp(feats, False))  # the inference view never sees it
     assert not np.array_equal(logp(moved, True), logp(feats, True))  # the probe's view does

@@ -118,7 +118,7 @@ def test_unreadable_record_is_a_clear_error(tmp_path):
         read_record(bad)
 
 
-# ---- record identity (issue 11, item 1): a write never claims another job's record ----------
+# ---- record identity: a write never claims another job's record ----------------------------
 
 def test_ledger_collision_other_options_are_another_record(tmp_path):
     """Same checkpoint, other options (max_new_tokens 16, then 32): two records, each its own τ and job id."""

@@ -2,7 +2,8 @@
 import warnings
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_train.masks import BlockLayout, cached_block_mask, dense_mask, flex_block_mask
 from dflash_train.model import _attend

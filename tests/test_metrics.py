@@ -1,7 +1,8 @@
 """Metric arithmetic: the walk mirrors the real loop's control flow; intervals, histograms, deltas."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import AnchorDrafts
@@ -47,7 +48,8 @@ def test_walk_reproduces_the_loop_control_flow(case):
     B, max_new, eos, tokens, ext, drafts = case
     expected, committed = loop_like(ext, drafts, len(tokens), max_new, eos)
     assert committed == tokens  # the reference is what the loop commits
-    sc = score_prompt("x", ext, len(tokens), AnchorDrafts(np.arange(len(tokens)), np.array(drafts).reshape(len(tokens), B - 1)), B)
+    sc = score_prompt("x", ext, len(tokens),
+                      AnchorDrafts(np.arange(len(tokens)), np.array(drafts).reshape(len(tokens), B - 1)), B)
     assert sc.online.accept_lengths == expected
     # spans tile the response after the prefill token
     starts, ends = [a for a, _ in sc.online.spans], [b for _, b in sc.online.spans]

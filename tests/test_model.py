@@ -1,14 +1,15 @@
 """The drafter: no context leak, multi-block == one block at a time, checkpoint layout."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from dflash_train.checkpoint import load_drafter, save_drafter
-from dflash_train.publication import CheckpointError
 from dflash_train.model import DraftCache
+from dflash_train.publication import CheckpointError
 
-from .factories import MASK_ID, VOCAB, drafter_for, qwen3_target
+from .factories import MASK_ID, drafter_for, qwen3_target
 
 TARGET = qwen3_target()
 DRAFTER = drafter_for(TARGET, block_size=4)
@@ -152,7 +153,8 @@ def test_checkpoint_layout_and_round_trip(tmp_path):
     L = DRAFTER.config.num_hidden_layers
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(L):
-        expected |= {f"layers.{i}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+        expected |= {f"layers.{i}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
+                                                                  "k_norm")}
         expected |= {f"layers.{i}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
         expected |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
     assert keys == expected

@@ -1,8 +1,6 @@
 """A new user's first hour: leftover daemons, state that can be found, checks before a long run."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from dflash_train.fsutil import pid_alive
@@ -125,7 +123,7 @@ def test_warning_rate_report_slot_counts_match_the_walk():
         lengths = [rng.randint(1, B) for _ in range(rng.randint(1, 40))]
         counts = slot_counts(metrics.histogram(lengths, B))
         cond = metrics.conditional_accept(lengths, B)
-        for k, (n, c) in enumerate(zip(counts, cond), start=1):
+        for k, (n, c) in enumerate(zip(counts, cond, strict=False), start=1):
             assert n == sum(1 for L in lengths if L >= k)
             assert (c is None) == (n == 0)
             if n:
@@ -184,7 +182,9 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
 
 def test_job_identity_baseline_property(identity_ckpts):
     """Property: the fingerprint changes with each part that changes the result, and only with those."""
-    from hypothesis import given, settings as hsettings, strategies as st
+    from hypothesis import given
+    from hypothesis import settings as hsettings
+    from hypothesis import strategies as st
 
     from eval_worker.service.jobs import suite_fingerprint
 
@@ -373,7 +373,7 @@ def test_demo_extras_cover_what_the_demo_imports_and_no_test_tools():
 from tests.test_sidecar_worker import ctx, setup  # noqa: E402,F401 - the worker stack fixtures
 
 
-def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):
+def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):  # noqa: F811 - the imported fixture
     """A real worker holds a real job (its evaluation gated): rq-dashboard's workers view and data
     answer 200 and name the running job; the stock app, JSON switch and all, answers 500."""
     pytest.importorskip("rq_dashboard")

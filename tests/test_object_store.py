@@ -7,13 +7,25 @@ import threading
 import uuid
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_train import storage
 from dflash_train.checkpoint_cache import CheckpointCache
-from dflash_train.publication import (MARKER_NAME, CheckpointError, apply_retention, cleanup_incomplete, is_pinned,
-                                      list_checkpoints, pin_checkpoint, read_manifest, read_marker, sha256_file,
-                                      unpin_checkpoint, upload_checkpoint)
+from dflash_train.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    apply_retention,
+    cleanup_incomplete,
+    is_pinned,
+    list_checkpoints,
+    pin_checkpoint,
+    read_manifest,
+    read_marker,
+    sha256_file,
+    unpin_checkpoint,
+    upload_checkpoint,
+)
 
 from .sidecar_support import publish_random
 

@@ -15,8 +15,14 @@ import pytest
 
 from dflash_train import hub, storage
 from dflash_train.checkpoint_cache import CheckpointCache
-from dflash_train.publication import (CheckpointError, pin_checkpoint, read_manifest, read_marker, sha256_file,
-                                      upload_checkpoint)
+from dflash_train.publication import (
+    CheckpointError,
+    pin_checkpoint,
+    read_manifest,
+    read_marker,
+    sha256_file,
+    upload_checkpoint,
+)
 from eval_worker.service.jobs import JobError, check_checkpoint, make_job, validate_job
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
@@ -65,7 +71,8 @@ def test_object_store_hub_manifest_is_derived_and_deterministic(hub_cache):
     m = read_manifest(url)
     assert m["digest"] == sha256_file(hub_cache / "model.safetensors")
     assert m["files"] == {n: sha256_file(hub_cache / n) for n in ("config.json", "model.safetensors")}
-    assert (m["run_id"], m["step"], m["hub"]) == ("org--drafter-01234567", 0, {"repo": "org/drafter", "revision": COMMIT})
+    assert (m["run_id"], m["step"], m["hub"]) == ("org--drafter-01234567", 0,
+                                                  {"repo": "org/drafter", "revision": COMMIT})
 
 
 def test_object_store_hub_is_read_only(hub_cache, tmp_path):
@@ -103,9 +110,9 @@ def test_object_store_hub_jobs_confined_to_orgs_and_pulled_once(hub_cache, tmp_p
 def test_object_store_hub_drafter_as_baseline_is_evaluated(hub_cache, tmp_path):
     """A published checkpoint compared with a Hub drafter, on the real engine: the baseline is
     pulled (read-only), evaluated, and recorded by its URL and digest."""
+    from eval_worker.results.ledger import Ledger
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings, configure
-    from eval_worker.results.ledger import Ledger
 
     target = _target()
     cfg, mask = tiny_target_drafter_config(target)

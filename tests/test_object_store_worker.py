@@ -8,14 +8,13 @@ Select with `pytest -k "object_store or s3"`.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 from dflash_train import storage
 from dflash_train.publication import MARKER_NAME, read_manifest, upload_checkpoint
 from eval_worker.cli import main as cli
-from eval_worker.service.jobs import make_job
 from eval_worker.results.ledger import Ledger
+from eval_worker.service.jobs import make_job
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.redis_local import connect
 from tests.s3_server import CREDENTIALS
@@ -65,7 +64,8 @@ def test_s3_two_boxes_publish_enqueue_pull_verify_evaluate(tmp_path, redis_url, 
                 "--checkpoint-root", prefix, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert sorted(o["job_id"].split("-")[2] for o in out["outcomes"]) == ["100", "200"]  # not 300: no marker
-    assert cli(["enqueue", partial, "--suite", str(suite_a), "--redis-url", redis_url, "--checkpoint-root", prefix]) == 2
+    assert cli(["enqueue", partial, "--suite", str(suite_a), "--redis-url", redis_url, "--checkpoint-root",
+                prefix]) == 2
     assert "no COMPLETE.json" in capsys.readouterr().out
     assert cli(["enqueue", outside, "--suite", str(suite_a), "--redis-url", redis_url,
                 "--checkpoint-root", prefix]) == 2

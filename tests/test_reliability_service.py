@@ -23,7 +23,6 @@ from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.sidecar_support import REPO_ROOT, publish_random
 
 FAKE = "tests.fake_evaluator:FakeEvaluator"
@@ -204,7 +203,8 @@ def _suite_file(path: Path, header: dict, prompts: list[dict] | None = None) -> 
 
 def test_suite_limits_max_new_tokens_has_the_job_options_cap():
     """Property: a suite header's max_new_tokens is accepted exactly where the option's is."""
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from eval_worker.engine.options import EvalOptions, OptionsError
     from eval_worker.engine.suite import SuiteError, parse_suite
@@ -360,7 +360,7 @@ def test_outbox_disk_full_train_end_lists_every_owed_step_and_drops_its_pin(conn
     url = _hook_user(conn, redis_url, queue_writes=False)
     hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
                             min_backoff=0.05, max_backoff=0.2, train_end_timeout=1.0, eval_final=False)
-    caplog.set_level(logging.ERROR, logger="hooks.eval")
+    caplog.set_level(logging.ERROR, logger="hooks.eval_on_checkpoint")
     for s in (20, 21):
         hook.on_checkpoint_published(None, s, ckpts[s], None)
     hook.on_train_end(None)
@@ -388,11 +388,13 @@ def _cli(args: list[str], env: dict | None = None) -> str:
 
 def test_secret_redaction_redact_masks_every_url_in_any_text():
     """Property: whatever surrounds a URL with credentials, neither its secret nor the pair survives."""
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from dflash_train.storage import redact  # = dflash_train.redaction.redact
 
-    secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="-_.~!$"),
+    secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"),
+                                                  whitelist_characters="-_.~!$"),
                            min_size=6, max_size=30)
 
     @settings(max_examples=200, deadline=None)

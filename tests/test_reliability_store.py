@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests import soak_store
-from tests.reliability_support import target, zygote  # noqa: F401 - pytest fixtures
 from tests.test_reliability_faults import _check
 
 pytestmark = pytest.mark.usefixtures("s3_libraries")

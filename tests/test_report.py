@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import base64
-import json
 import io
+import json
 import os
 import re
 import shutil
@@ -84,7 +84,8 @@ def test_report_bad_input_is_a_clear_error(run, tmp_path):
     results, _ = run
     with pytest.raises(ResultsError, match=r"no evaluation at step\(s\) \[150\]"):
         build_report("run-r", results_dir=results, out_dir=tmp_path / "o", steps=[150])
-    proc = subprocess.run([sys.executable, "-m", "eval_worker.cli", "report", "--run", "ghost", "--results", str(results)],
+    proc = subprocess.run([sys.executable, "-m", "eval_worker.cli", "report", "--run", "ghost", "--results",
+                           str(results)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 2 and "no results for run 'ghost'" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "eval_worker.cli", "report", "--run", "run-r", "--results",

@@ -38,7 +38,7 @@ def test_sampling_filter_keeps_exactly_top_k_then_the_smallest_top_p_set(seed, t
     params = SamplingParams(temperature, top_p, top_k)
     probs = filtered_probs(logits, params)
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, dtype=torch.float64))
-    for row, p in zip(logits, probs):
+    for row, p in zip(logits, probs, strict=True):
         kept = (p > 0).nonzero()[:, 0]
         order = row.argsort(descending=True)
         # the kept tokens are the most likely ones, in order
@@ -97,7 +97,8 @@ def peaked():
     with torch.no_grad():
         target.parts.lm_head.weight.mul_(40.0)
     prompt = [3, 14, 15]
-    rows = torch.tensor([prompt + sample_continuation(target, prompt, Sampler.for_prompt(SamplingParams(1.0), 1, prompt, k),
+    rows = torch.tensor([prompt + sample_continuation(target, prompt,
+                                                      Sampler.for_prompt(SamplingParams(1.0), 1, prompt, k),
                                                       13, None, 0) for k in range(64)])
     drafter, _ = fit_on_target_predictions(target, drafter_for(target, block_size=4), rows, steps=150)
     return target, drafter, prompt
@@ -107,7 +108,7 @@ def _exact_prefix_probs(target, prompt, params, depth, min_prob):
     """P(first `depth` tokens = s) under the target's own filtered distribution, for every s whose
     probability is at least min_prob (the rest is pooled by the caller)."""
     out, frontier = {}, [((), 1.0)]
-    for d in range(depth):
+    for _ in range(depth):
         nxt = []
         for prefix, p in frontier:
             last = target.forward(torch.tensor([prompt + list(prefix)]), []).last_hidden[0, -1:]

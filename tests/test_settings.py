@@ -5,7 +5,8 @@ import ast
 import os
 from pathlib import Path
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflash_train.settings import Settings, parse_roots
 
@@ -49,7 +50,8 @@ def test_defaults_follow_dflash_home(tmp_path):
 
 
 def test_each_variable_lands_in_its_setting(tmp_path):
-    env = {"DFLASH_HOME": str(tmp_path), "DFLASH_RESULTS_DIR": str(tmp_path / "r"), "DFLASH_CACHE_DIR": str(tmp_path / "c"),
+    env = {"DFLASH_HOME": str(tmp_path), "DFLASH_RESULTS_DIR": str(tmp_path / "r"),
+           "DFLASH_CACHE_DIR": str(tmp_path / "c"),
            "DFLASH_SPOOL_DIR": str(tmp_path / "s"), "DFLASH_CHECKPOINT_ROOTS": f"{tmp_path}/a{os.pathsep}{tmp_path}/b",
            "DFLASH_TARGET": "/models/t", "DFLASH_DEVICE": "cuda:1", "REDIS_URL": "redis://h:1/0",
            "DFLASH_REDIS_PASSWORD": "pw", "DFLASH_SINKS": "wandb, bogus", "WANDB_DIR": str(tmp_path / "w"),

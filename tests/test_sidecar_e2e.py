@@ -35,7 +35,7 @@ def test_hook_queue_worker_ledger(tmp_path, redis_url, capsys):
         assert [o.status for o in hook.outcomes] == ["enqueued", "enqueued"]  # step 4, and the final step 6
         for o in hook.outcomes:
             j = fetch_job(conn, o.job_id)
-            wait_for(lambda: j.get_status(refresh=True).value in ("finished", "failed"), 180, f"{o.job_id}")
+            wait_for(lambda j=j: j.get_status(refresh=True).value in ("finished", "failed"), 180, f"{o.job_id}")
             assert j.get_status().value == "finished", j.latest_result().exc_string
         ledger = Ledger(tmp_path / "results")
         records = [e.read() for e in ledger.entries("e2e")]

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from eval_worker.service import evaluators
-from eval_worker.service.jobs import JobError, make_job
 from eval_worker.engine.options import shorten
 from eval_worker.results.ledger import Ledger, read_record
+from eval_worker.service import evaluators
 from eval_worker.service.eval_job import run_eval_job
 from eval_worker.service.evaluators import WorkerSettings
+from eval_worker.service.jobs import JobError, make_job
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
 
@@ -34,7 +34,8 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
     told = []
     from eval_worker.results import sinks
 
-    monkeypatch.setattr(sinks, "publish_result", lambda record, job, settings: told.append(record["path"]) or {"x": {"ok": True}})
+    monkeypatch.setattr(sinks, "publish_result", lambda record, job,
+                        settings: told.append(record["path"]) or {"x": {"ok": True}})
     r1, r2 = run_eval_job(j1), run_eval_job(j2)
     assert r1["recorded_now"] and r2["recorded_now"] and r1["sink_error"] is None
     assert evaluators.target_loads() == 1 and r2["target_loads"] == 1
@@ -47,7 +48,7 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
 
 def test_a_job_hashes_its_checkpoint_files_once(env, monkeypatch):
     """The worker verifies the digests (inside its roots) and hands the verified manifest to the
-    engine, which does not hash the weights again (issue 12: they were hashed twice per job)."""
+    engine, which does not hash the weights again (they were once hashed twice per job)."""
     from dflash_train import publication
 
     _, (j1, _) = env
@@ -117,7 +118,7 @@ def test_a_job_may_only_name_targets_inside_the_target_roots(env, monkeypatch, t
     assert r["tau"] is not None and evaluators.target_loads(str(elsewhere)) == 1
 
 
-# ---- issue 11: results never mis-attributed, a failed write never re-evaluates ---------------
+# ---- results never mis-attributed, a failed write never re-evaluates ------------------------
 
 def _count_evaluations(monkeypatch) -> list[str]:
     """Wrap the worker's Evaluator so the test sees every evaluation it runs."""

@@ -15,13 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.service import jobs
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
+from eval_worker.service import jobs
 from eval_worker.service.queue import QueueConfig, cancel, enqueue, fetch_job, status
 from eval_worker.service.redis_local import connect
-from tests.sidecar_support import (REPO_ROOT, WorkerProcess, publish_random, read_calls, tiny_target_drafter_config,
-                                   wait_for, write_suite)
+from tests.sidecar_support import (
+    REPO_ROOT,
+    WorkerProcess,
+    publish_random,
+    read_calls,
+    tiny_target_drafter_config,
+    wait_for,
+    write_suite,
+)
 
 TINY = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
 GATED = ["--evaluator-factory", "tests.sidecar_support:gated_evaluator"]
@@ -54,7 +61,8 @@ def ctx(setup, redis_url, tmp_path):
     workers: list[WorkerProcess] = []
 
     def start(name, *, gated=False, args=(), env=None):
-        extra = {"SIDECAR_GATE": str(tmp_path / "gate"), "SIDECAR_CALLS": str(tmp_path / "calls.jsonl")} if gated else {}
+        extra = {"SIDECAR_GATE": str(tmp_path / "gate"),
+                 "SIDECAR_CALLS": str(tmp_path / "calls.jsonl")} if gated else {}
         w = WorkerProcess(tmp_path, redis_url, [setup["root"]], name=name, target=setup["target"],
                           args=(GATED if gated else []) + list(args), env={**extra, **(env or {})})
         workers.append(w)

@@ -51,9 +51,11 @@ def test_drafter_fit_checks():
     with pytest.raises(TargetError, match="hidden_size"):
         target.check_drafter(changed(hidden_size=64, head_dim=16))
     with pytest.raises(TargetError, match="beyond the target's 6 layers"):
-        target.check_drafter(changed(num_target_layers=12, dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": [1, 9]}))
+        target.check_drafter(changed(num_target_layers=12,
+                                     dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": [1, 9]}))
     with pytest.raises(TargetError, match="mask_token_id"):
-        target.check_drafter(changed(vocab_size=VOCAB * 2, dflash_config={"mask_token_id": VOCAB + 5, "target_layer_ids": [1, 2]}))
+        target.check_drafter(changed(vocab_size=VOCAB * 2,
+                                     dflash_config={"mask_token_id": VOCAB + 5, "target_layer_ids": [1, 2]}))
     with pytest.raises(TargetError, match="6 layers"):
         target.forward(torch.zeros(1, 3, dtype=torch.long), [7])
 

@@ -152,7 +152,7 @@ def test_heldout_file_spot_check(info, tok, model):
 
 # The built-in suite asks for code in the chat template. The target must answer it with Python that
 # varies from prompt to prompt: on a collapsed reference ("#\n" repeated) τ only says that a drafter
-# learned to repeat it (issue 17). Thresholds, over the 28 prompts at 128 new tokens at most (most
+# learned to repeat it. Thresholds, over the 28 prompts at 128 new tokens at most (most
 # answers end with eos after one function of 45-108 tokens, so 8 distinct lines would fail a
 # complete 6-line function):
 VARIED_LINES = 6  # an answer "varies" when it has at least this many distinct non-empty lines
@@ -199,7 +199,7 @@ def test_suite_answers_do_not_collapse(suite_answers):
     collapsed = {n: reference_collapse(tokens, text) for n, (tokens, text, _) in suite_answers.items()}
     collapsed = {n: why for n, why in collapsed.items() if why}
     assert len(collapsed) <= MAX_COLLAPSED_SHARE * len(suite_answers), collapsed
-    # the same check does fire on the answer the raw-source target gave (issue 17: "#\n" repeated)
+    # the same check does fire on the answer the raw-source target gave ("#\n" repeated)
     tokens, _, _ = next(iter(suite_answers.values()))
     assert reference_collapse([tokens[0], tokens[1]] * 64, "#\n" * 64) is not None
 

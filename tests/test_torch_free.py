@@ -1,7 +1,7 @@
 """The job schema, the checkpoint contract and the enqueue path import no torch.
 
 `dflash-eval enqueue`, pin/unpin and the hook's job building read a JSON marker and hash
-files; importing torch (seconds, hundreds of MB) for that is what issue 12 removed. Each
+files; importing torch (seconds, hundreds of MB) for that is what these checks keep out. Each
 check runs in a fresh interpreter, so what the test process already imported does not count.
 """
 from __future__ import annotations

@@ -19,9 +19,7 @@ from eval_worker.results.ledger import read_record
 from eval_worker.results.sinks import publish_result
 from eval_worker.results.sinks.names import aliases, points
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
-from tests.test_counting_rules import SpecDecodingStats, deepspec_generate_like, deepspec_metrics_row, \
-    vllm_serve_like
-
+from tests.test_counting_rules import SpecDecodingStats, deepspec_generate_like, deepspec_metrics_row, vllm_serve_like
 
 
 def record_for(tmp_path, run_id, step, p, **kw):
@@ -58,7 +56,7 @@ def test_metric_aliases_equal_deepspec_and_vllm_figures():
             drafts = rng.integers(0, 3, size=(len(tokens), B - 1)).tolist()
             prompts.append((tokens, ext, drafts))
 
-        def result(counting):
+        def result(counting, prompts=prompts):
             from eval_worker.engine.drafting import AnchorDrafts
             from eval_worker.engine.scoring import score_prompt
 
@@ -221,8 +219,8 @@ def test_mlflow_sink_server_on_loopback_nested_under_trainer_run(tmp_path, monke
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    from tests.s3_server import free_port
     from tests.mlflow_server import MlflowServer
+    from tests.s3_server import free_port
 
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
@@ -278,7 +276,8 @@ def test_tensorboard_sink_chosen_per_job_over_the_workers(tmp_path, monkeypatch)
         validate_job({**record["job"], "sinks": ["tensorbored"]})
 
 
-@pytest.mark.parametrize("command", [["worker", "--checkpoint-root", "/tmp"], ["enqueue", "/tmp/x"], ["publish", "--run", "r"],
+@pytest.mark.parametrize("command",
+                         [["worker", "--checkpoint-root", "/tmp"], ["enqueue", "/tmp/x"], ["publish", "--run", "r"],
                                      ["demo"]])
 def test_sink_flag_refuses_unknown_names(command, tmp_path):
     """`--sink` on every command that takes it names the unknown sink and the known ones, before any work."""

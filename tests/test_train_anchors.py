@@ -1,6 +1,7 @@
 """Anchor sampling and label alignment: slot k of a block at anchor a <-> token a + k."""
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_train.anchors import block_labels, eligible_anchors, sample_anchors
 
@@ -14,7 +15,7 @@ def rows(draw):
     starts = [draw(st.integers(0, S)) for _ in range(b)]
     ends = [draw(st.integers(s, S)) for s in starts]
     mask = torch.zeros(b, S, dtype=torch.bool)
-    for r, (s, e) in enumerate(zip(starts, ends)):
+    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
         mask[r, s:e] = True
     seeds = [draw(st.integers(0, 2**40)) for _ in range(b)]
     return mask, seeds, draw(st.integers(1, 12)), draw(st.integers(2, 9))

@@ -1,12 +1,20 @@
 """Training data: sharded deterministic batches, record parsing, cached regeneration, builtin sources."""
-import json
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dflash_train.data import (BatchPlan, DataError, Example, encode_record, load_records, regenerate,
-                               stdlib_code_prompts, stdlib_instruct_prompts)
+from dflash_train.data import (
+    BatchPlan,
+    DataError,
+    Example,
+    encode_record,
+    load_records,
+    regenerate,
+    stdlib_code_prompts,
+    stdlib_instruct_prompts,
+)
 
 from .train_helpers import target_and_examples
 
@@ -93,7 +101,8 @@ def test_regeneration_is_cached_and_equals_greedy(tmp_path):
     finally:
         target.model.generate = real
     assert again == first and len(calls) == n == 1  # one batch (left-padded); nothing rerun from cache
-    for p, r in zip(prompts, first):  # equals the target's own greedy decode, prompt by prompt (padded one too)
+    # equals the target's own greedy decode, prompt by prompt (padded one too)
+    for p, r in zip(prompts, first, strict=False):
         ids = torch.tensor([p])
         ref = real(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert r == ref[0, len(p):].tolist()
@@ -124,7 +133,7 @@ def test_builtin_sources_and_templates(tiny_target_path):
 
 def test_builtin_training_prompts_are_held_out_from_the_suite_and_the_targets_pairs(tiny_target_path):
     """The demo drafter's requests (builtin:stdlib-mix) are not the eval suite's prompts, and
-    not chat pairs the target trained on: the target writes them a fresh answer (issue 17)."""
+    not chat pairs the target trained on: the target writes them a fresh answer."""
     from transformers import AutoTokenizer
 
     from dflash_train.assets.build_tiny_target import collect_chat_pairs

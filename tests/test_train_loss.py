@@ -3,7 +3,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_train.anchors import block_labels, sample_anchors
 from dflash_train.loss import block_loss, default_gamma, dpace_weights, slot_weights, summarize_stats, token_ce
@@ -86,7 +87,7 @@ def test_rank_split_with_summed_stats_equals_whole_batch(loss_type):
     halves = [block_loss(hidden[i:i + 2], head, labels[i:i + 2], mask[i:i + 2], loss_type=loss_type) for i in (0, 2)]
     total = halves[0].stats + halves[1].stats
     grads = []
-    for i, h in zip((0, 2), halves):
+    for i in (0, 2):
         out = block_loss(hidden[i:i + 2], head, labels[i:i + 2], mask[i:i + 2], loss_type=loss_type,
                          reduce_stats=lambda t: total, loss_scale=2.0)
         (g,) = torch.autograd.grad(out.loss, hidden)

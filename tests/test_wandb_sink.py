@@ -6,13 +6,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from eval_worker.results.ledger import Ledger, read_record
 from dflash_train.settings import Settings
+from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.results.sinks import publish_result
 from eval_worker.results.sinks.wandb_lock import LockTimeout, writer_lock
 from eval_worker.results.sinks.wandb_payload import marked_html, marked_text, scalars
@@ -92,7 +91,8 @@ def test_out_of_order_results_land_at_their_training_step(env):
         assert row["eval/pos_curve_table/_type"] == "table-file"
         assert row["eval/accept_len_bar_table/nrows"] == 16
         table = json.loads((Path(pointer["run_dir"]) / "files" / row["eval/prompts/path"]).read_text())
-        assert table["columns"][:6] == ["train_step", "prompt", "tau", "baseline_tau", "verify_steps", "reference_marked"]
+        assert table["columns"][:6] == ["train_step", "prompt", "tau", "baseline_tau", "verify_steps",
+                                        "reference_marked"]
         assert [r[0] for r in table["data"]] == [step] * len(res["prompts"])
         first = res["prompts"][0]
         assert table["data"][0][5] == marked_text(first["reference_text"], first["accepted_spans"])
@@ -107,7 +107,8 @@ def test_out_of_order_results_land_at_their_training_step(env):
     assert any(ref.endswith("step-00000300/model.safetensors") for ref in best[0]["refs"])
 
     # exactly one build is kept: it is the complete run that `wandb sync` should upload
-    assert [p.name for p in (env["wandb"] / "builds" / "run-a-eval").iterdir()] == [Path(pointer["run_dir"]).parents[1].name]
+    builds = (env["wandb"] / "builds" / "run-a-eval").iterdir()
+    assert [p.name for p in builds] == [Path(pointer["run_dir"]).parents[1].name]
     keys = {e.step: e.key for e in Ledger(env["results"]).entries("run-a")}  # the ledger's record keys
     assert pointer["records"] == [f"{s}:{keys[s]}:0" for s in (100, 200, 300)]
 
@@ -121,7 +122,8 @@ def test_newer_attempt_replaces_the_point_and_best_alias_moves(env):
     r3 = read_record(write_ledger(env["results"], worse, attempt=1))
     assert publish_result(r3, r3["job"], Settings.from_env())["wandb"]["ok"]
     pointer, log = current_run(env["wandb"], "run-b")
-    assert log.points("eval/tau") == {100: pytest.approx(worse["tau"]["macro"]), 200: pytest.approx(res2["tau"]["macro"])}
+    assert log.points("eval/tau") == {100: pytest.approx(worse["tau"]["macro"]),
+                                      200: pytest.approx(res2["tau"]["macro"])}
     best = [a for a in log.artifacts if a["type"] == "model" and "best-tau" in a["aliases"]]
     assert len(best) == 1 and "step-200" in best[0]["aliases"]
     assert f"100:{r3['key']}:1" in pointer["records"]
@@ -215,7 +217,8 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
     # a job whose run has another job queued next leaves the publication to it (eval_job._next_job_of_run)
     assert 1 <= len(pubs) <= len(steps) and all(p["lock"] == ["redis", "file"] for p in pubs)
     spans = sorted((p["locked_at"], p["unlocked_at"]) for p in pubs)
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), "two writers held the lock"
+    assert all(a_end <= b_start for (_, a_end),
+               (b_start, _) in zip(spans, spans[1:], strict=False)), "two writers held the lock"
 
     _, log = current_run(env["wandb"], "run-w")
     assert sorted(log.points("eval/tau")) == steps

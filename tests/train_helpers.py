@@ -18,7 +18,8 @@ def target_and_examples(n: int = 16, prompt_len: int = 12, new_tokens: int = 20,
     g = torch.Generator().manual_seed(seed + 100)
     prompts = [torch.randint(1, MASK_ID, (prompt_len,), generator=g).tolist() for _ in range(n)]
     responses = regenerate(target, prompts, new_tokens, batch_size=n)
-    return target, tuple(Example(p + r, len(p), f"ex{i}") for i, (p, r) in enumerate(zip(prompts, responses)))
+    return target, tuple(Example(p + r, len(p), f"ex{i}") for i,
+                         (p, r) in enumerate(zip(prompts, responses, strict=True)))
 
 
 def small_config(tmp_path, **overrides) -> TrainConfig:

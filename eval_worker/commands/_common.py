@@ -45,7 +45,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, action="append", default=None, metavar="T", dest="temperatures",
                    help="also measure τ when the target samples at temperature T > 0 (repeatable: "
                         "--temperature 0.6 --temperature 1.0)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus cut of the sampled target (0 < p <= 1; default 1)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus cut of the sampled target (0 < p <= 1; default 1)")
     g.add_argument("--top-k", type=int, default=None, help="top-k cut of the sampled target (default 0: off)")
     g.add_argument("--num-samples", type=int, default=None, metavar="K",
                    help="sampled references per prompt and temperature (default 1); τ and its interval "

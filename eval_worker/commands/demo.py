@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 import time
+from datetime import UTC
 from pathlib import Path
+from typing import Any
 
 HELP = "run the end-to-end demo: Redis + worker + training with evals + W&B (offline) + HTML report"
 
@@ -48,7 +50,8 @@ def _threads() -> tuple[int, int]:
 def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float) -> dict[str, str]:
     from eval_worker.service.queue import fetch_job
 
-    deadline, status = time.monotonic() + timeout_s, {}
+    deadline = time.monotonic() + timeout_s
+    status: dict[str, str] = {}
     while True:
         for jid in job_ids:
             if status.get(jid) not in ("finished", "failed", "stopped", "canceled"):
@@ -70,7 +73,8 @@ def _print_table(rows) -> None:
         ci = t.get("ci95") or [float("nan")] * 2
         tree = (r.result.get("tree") or {}).get("tau")
         sp = (r.result.get("speedup") or {}).get("estimated")
-        print(f"  {r.step:>4} | {t['macro']:>11.3f} | [{ci[0]:6.3f}, {ci[1]:6.3f}] | {t.get('pooled', float('nan')):>8.3f}"
+        print(f"  {r.step:>4} | {t['macro']:>11.3f} | [{ci[0]:6.3f}, {ci[1]:6.3f}] | "
+              f"{t.get('pooled', float('nan')):>8.3f}"
               f" | {tree if tree is None else f'{tree:6.3f}':>6} | {'' if sp is None else f'{sp:.2f}x':>11}")
     budget = next(((r.result.get("tree") or {}).get("budget") for r in rows if r.result.get("tree")), None)
     if budget:  # a tree of N nodes accepts at most N + 1 tokens a step, a chain up to the block size
@@ -94,8 +98,10 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.progress import limit_repeated_warnings
 
     limit_repeated_warnings()
-    for name in ("dflash_train", "hooks.eval"):  # training progress and the hook's enqueue lines
+    for name in ("dflash_train", "hooks.eval_on_checkpoint"):  # training progress and the hook's enqueue lines
         logging.getLogger(name).setLevel(logging.INFO)
+    # the progress module's lines stay at WARNING, as before it was named under dflash_train
+    logging.getLogger("dflash_train.progress").setLevel(logging.WARNING)
     from eval_worker.service.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
@@ -115,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
             return 130
         print(f"dflash-eval demo: {type(e).__name__}: {e}", file=sys.stderr)
         for w in stack.workers:
-            print(f"--- {w.log_path} (last lines) ---\n{tail(w.log_path)}", file=sys.stderr)
+            print(f"--- {w.log_path} (last lines) ---\n{tail(w.log_path)}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
     finally:
         # Cleanup is bounded (worker grace, then SIGKILL); a second Ctrl-C must not cut it short.
@@ -125,26 +131,25 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from dflash_train.cli import eval_hook  # the trainer's eval wiring builds the hook: eval_worker never imports hooks
+    from dflash_train.settings import KNOWN_SINKS, parse_sinks
     from dflash_train.train_config import load_config
     from dflash_train.trainer import resolve_target_path, train
-    from eval_worker.service.redis_local import connect, redact_url
+    from eval_worker.results import latest_demo
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import load_run
-    from dflash_train.settings import KNOWN_SINKS, parse_sinks
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
-
-    from eval_worker.results import latest_demo
+    from eval_worker.service.redis_local import connect, redact_url
 
     sinks, unknown = parse_sinks(args.sink)
     if unknown:
         raise ValueError(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
     mlflow_uri = f"sqlite:///{paths['mlflow'] / 'mlflow.db'}"
-    run_id = args.run_id or datetime.now(timezone.utc).strftime("demo-%Y%m%d-%H%M%S")
+    run_id = args.run_id or datetime.now(UTC).strftime("demo-%Y%m%d-%H%M%S")
     # `results`, `report` and `status` find this demo's ledger and report without flags
-    pointer = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
+    pointer: dict[str, Any] = dict(run_id=run_id, workdir=paths["runs"].parent, results=paths["results"],
                    report=paths["report"] / run_id / "report.html")
     latest_demo.record(args.settings, **pointer, state="running")
     trainer_threads, worker_threads = _threads()
@@ -154,7 +159,8 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         if not sep or not key.strip():
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value.strip()
-    config = load_config(args.config, {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
+    config = load_config(args.config,
+                         {**overrides, "checkpoint_root": str(paths["runs"]), "run_id": run_id, "resume": "never",
                                        "max_steps": args.max_steps, "num_threads": trainer_threads,
                                        "data_cache_dir": str(paths["cache"] / "train-data"), "wandb_mode": mode})
     every = args.eval_every or config.publish_every
@@ -232,15 +238,17 @@ def _publish_others(run_id: str, sinks, paths: dict[str, Path], mlflow_uri: str,
     makes sure every ledger record is there) and where to look."""
     lines = []
     if "tensorboard" in sinks:
-        from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget, publish_run
+        from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget
+        from eval_worker.results.sinks.tensorboard_sink import publish_run as publish_tb
 
-        tb = publish_run(run_id, TensorBoardTarget(root=paths["tensorboard"]), results_dir=paths["results"],
+        tb = publish_tb(run_id, TensorBoardTarget(root=paths["tensorboard"]), results_dir=paths["results"],
                          redis_url=url)
         lines.append(f"  TensorBoard: {tb['view']}")
     if "mlflow" in sinks:
-        from eval_worker.results.sinks.mlflow_sink import publish_run, target_from
+        from eval_worker.results.sinks.mlflow_sink import publish_run as publish_ml
+        from eval_worker.results.sinks.mlflow_sink import target_from
 
-        ml = publish_run(run_id, target_from(None, settings, tracking_uri=mlflow_uri), results_dir=paths["results"],
+        ml = publish_ml(run_id, target_from(None, settings, tracking_uri=mlflow_uri), results_dir=paths["results"],
                          redis_url=url)
         lines.append(f"  MLflow:      run {ml['mlflow_run_id']}; mlflow ui --backend-store-uri {mlflow_uri}")
     return lines
@@ -248,7 +256,7 @@ def _publish_others(run_id: str, sinks, paths: dict[str, Path], mlflow_uri: str,
 
 def _collapsed(rows) -> str | None:
     """A loud line when most references of an evaluation are degenerate: τ would then say that a
-    drafter learns to repeat the target's collapse, not how well it drafts (issue 17)."""
+    drafter learns to repeat the target's collapse, not how well it drafts."""
     from eval_worker.engine.diagnostics import mostly_degenerate
 
     for r in rows:

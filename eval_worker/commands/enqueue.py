@@ -29,11 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(all its published checkpoints)")
     parser.add_argument("--suite", action="append", default=None, metavar="SUITE",
                         help="builtin:NAME, a .jsonl file (under the worker's suite roots), or a standard benchmark "
-                             "hf:NAME[:n=N][:seed=S][:thinking=on] (gsm8k, math500, humaneval, mbpp, mt-bench, alpaca); "
+                             "hf:NAME[:n=N][:seed=S][:thinking=on] (gsm8k, math500, humaneval, mbpp, mt-bench, "
+                             "alpaca); "
                              "repeatable: one job per suite, each logged as eval/<suite>/... "
                              "(default builtin:coding-v1)")
     parser.add_argument("--target", default=None,
-                        help="target model directory as the worker sees it, or a Hub model id ORG/NAME[@REV] (its snapshot "
+                        help="target model directory as the worker sees it, or a Hub model id ORG/NAME[@REV] (its "
+                             "snapshot "
                              "in the Hugging Face cache) (default $DFLASH_TARGET, "
                              "else the worker's own --target)")
     parser.add_argument("--baseline", default=None,
@@ -61,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="drafted nodes of the best-first tree behind tree τ (default: the engine's, 8)")
     parser.add_argument("--sliding-rule", choices=["serving", "reference"], default=None,
-                        help="sliding-window layers a drafter config leaves without a causal flag: serving (vLLM/SGLang: "
+                        help="sliding-window layers a drafter config leaves without a causal flag: serving "
+                             "(vLLM/SGLang: "
                         "causal within the block; default) or reference (z-lab loop: non-causal, windowed)")
     parser.add_argument("--counting", choices=COUNTING_RULES, default=None,
                         help="step-counting rule of the online walk (default: the engine's, response; "
@@ -78,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink", default=None, help="comma-separated sinks this job publishes to: wandb, tensorboard, "
                                                      "mlflow, or none (default: the worker's)")
     parser.add_argument("--mlflow-experiment", default=None, help="MLflow experiment of the eval run")
-    parser.add_argument("--mlflow-parent-run", default=None, help="nest the MLflow eval run under this run (the trainer's)")
+    parser.add_argument("--mlflow-parent-run", default=None,
+                        help="nest the MLflow eval run under this run (the trainer's)")
     parser.add_argument("--job-timeout", type=int, default=None, help="seconds one evaluation may take")
     parser.add_argument("--retries", type=int, default=None, help="retries after a failure or a crashed worker")
     parser.add_argument("--outbox", action="append", default=[], metavar="DIR",
@@ -93,9 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from dflash_train.settings import parse_roots
+    from eval_worker.engine.suite import DEFAULT_SUITE
     from eval_worker.service.jobs import JobError, make_job
     from eval_worker.service.queue import QueueConfig, enqueue, queue_name, workers_target
-    from eval_worker.engine.suite import DEFAULT_SUITE
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -148,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(e))
 
     outcomes, errors = [], []
-    paths, baseline, records = _expand(args.checkpoints), args.baseline, []
+    paths, baseline = _expand(args.checkpoints), args.baseline
+    records: list = []
     if args.external:  # drafters trained elsewhere: queue their import records instead
         external = [p for p in paths + ([baseline] if baseline else []) if not _published(p)]
         records, import_errors = import_drafters(args, external)
@@ -166,7 +171,8 @@ def main(args: argparse.Namespace) -> int:
         for suite in dict.fromkeys(args.suite or [DEFAULT_SUITE]):
             try:
                 jobs.append(make_job(path, suite=suite, target=target, baseline=baseline, wandb=wandb,
-                                     sinks=sinks, mlflow=mlflow, requested_by="user", priority=args.priority, options=options or None,
+                                     sinks=sinks, mlflow=mlflow, requested_by="user", priority=args.priority,
+                                     options=options or None,
                                      roots=roots))
             except (JobError, StoreError, OSError) as e:  # OSError: StoreUnavailable, the store did not answer
                 errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
@@ -192,15 +198,16 @@ def main(args: argparse.Namespace) -> int:
         for o in outcomes:
             print(f"{o.status:9s} {o.job_id}  {o.message}")
         for d in delivered:
-            print(f"outbox {d['dir']}: " + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
+            print(f"outbox {d['dir']}: "
+                  + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
                   + f"delivered {len(d['delivered'])}, rejected {len(d['rejected'])}, "
                   f"remaining {d['remaining']}" + (f" ({d['error']})" if d["error"] else ""))
             for key, reason in d["set_aside"].items():
                 print(f"  set aside {key}: {reason}")
             if d["set_aside"]:
                 print(f"  (fix the cause, then `dflash-eval enqueue --outbox {d['dir']} --retry-rejected`)")
-        for e in errors:
-            print(f"error     {e['checkpoint']}: {e['error']}")
+        for err in errors:
+            print(f"error     {err['checkpoint']}: {err['error']}")
     return 2 if errors or any(d["remaining"] or d["rejected"] or d["set_aside"] for d in delivered) else 0
 
 
@@ -222,7 +229,7 @@ def _expand(paths: list[str]) -> list[str]:
     from dflash_train import storage
     from dflash_train.publication import MARKER_NAME, list_checkpoints
 
-    out = []
+    out: list = []
     for p in paths:
         if storage.is_url(p):  # a run prefix in a store stands for its marked step prefixes
             try:
@@ -238,8 +245,8 @@ def _expand(paths: list[str]) -> list[str]:
 
 
 def _deliver_outbox(directory: str, conn, config, *, retry_rejected: bool = False) -> dict:
-    from eval_worker.service.queue import enqueue
     from eval_worker.service.outbox import Outbox
+    from eval_worker.service.queue import enqueue
 
     box = Outbox(directory)
     restored = box.restore_rejected() if retry_rejected else []

@@ -58,7 +58,8 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     into = args.into or (str(roots[0]) if roots else None)
     if into is None:
-        return [], [{"source": s, "given": s, "error": "no place for the import record: give --into ROOT (a checkpoint root "
+        return [], [{"source": s, "given": s,
+                     "error": "no place for the import record: give --into ROOT (a checkpoint root "
                                            "of the worker) or set $DFLASH_CHECKPOINT_ROOTS"} for s in sources]
     records, errors = [], []
     for source in sources:
@@ -83,7 +84,8 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
         from dflash_train.publication import read_manifest
 
         m = read_manifest(path)
-        records.append({"source": m.get("source") or m["imported_from"]["path"], "record": str(path), "run_id": m["run_id"], "step": m["step"],
+        records.append({"source": m.get("source") or m["imported_from"]["path"], "record": str(path),
+                        "run_id": m["run_id"], "step": m["step"],
                         "digest": m["digest"], "created": created, "given": source})
     if roots is None and records:
         _warn_unconfined(into, records)

@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", help="results (ledger) directory (default $DFLASH_RESULTS_DIR, else "
                                      "$DFLASH_HOME/results: the worker's)")
     p.add_argument("--mode", choices=("offline", "online"), help="W&B mode (default: $WANDB_MODE, else offline)")
-    p.add_argument("--wandb-dir", help="local W&B directory (default: $DFLASH_WANDB_DIR, $WANDB_DIR, $DFLASH_HOME/wandb)")
+    p.add_argument("--wandb-dir",
+                   help="local W&B directory (default: $DFLASH_WANDB_DIR, $WANDB_DIR, $DFLASH_HOME/wandb)")
     p.add_argument("--project", help="W&B project (default: as last published, $WANDB_PROJECT, dflash-eval)")
     p.add_argument("--entity", help="W&B entity")
     p.add_argument("--force", action="store_true", help="offline: rebuild even when the current build is up to date "
@@ -40,7 +41,8 @@ def main(args: argparse.Namespace) -> int:
     names = [n.strip() for n in (args.sink or "").split(",") if n.strip()]
     unknown = [n for n in names if n not in KNOWN_SINKS]
     if not names or unknown:
-        print(f"dflash-eval publish: unknown sink(s) {unknown or names}; known: {', '.join(KNOWN_SINKS)}", file=sys.stderr)
+        print(f"dflash-eval publish: unknown sink(s) {unknown or names}; known: {', '.join(KNOWN_SINKS)}",
+              file=sys.stderr)
         return 2
     rc = 0
     for name in names:
@@ -99,10 +101,10 @@ def _mlflow(args: argparse.Namespace) -> int:
 
 
 def _wandb(args: argparse.Namespace) -> int:
-    from eval_worker.service.redis_local import redact_url
     from eval_worker.results.run_results import ResultsError
     from eval_worker.results.sinks.wandb_lock import LockTimeout
     from eval_worker.results.sinks.wandb_sink import SinkError, publish_run, saved_identity, target_from
+    from eval_worker.service.redis_local import redact_url
 
     settings = args.settings
     target_root = Path(args.wandb_dir).expanduser().resolve() if args.wandb_dir else settings.wandb_dir
@@ -119,7 +121,8 @@ def _wandb(args: argparse.Namespace) -> int:
         print(f"dflash-eval publish: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # W&B / network errors: say what and where, keep the ledger untouched
-        print(f"dflash-eval publish: W&B publication failed ({type(e).__name__}): {redact_url(str(e))}", file=sys.stderr)
+        print(f"dflash-eval publish: W&B publication failed ({type(e).__name__}): {redact_url(str(e))}",
+              file=sys.stderr)
         return 1
     if info.get("mode") == "disabled":
         print("W&B is disabled (WANDB_MODE=disabled); nothing published")

@@ -20,17 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "directory)")
     p.add_argument("--results", help="results (ledger) directory (default $DFLASH_RESULTS_DIR, else "
                                      "$DFLASH_HOME/results: the worker's)")
-    p.add_argument("--steps", type=_steps, help="checkpoints shown in detail, e.g. 100,400 (default: first, best, latest)")
+    p.add_argument("--steps", type=_steps,
+                   help="checkpoints shown in detail, e.g. 100,400 (default: first, best, latest)")
     p.add_argument("--suite", help="suite shown in detail (default: the one with the most evaluations)")
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.results.report import build_report
-    from eval_worker.results.run_results import ResultsError
-
     from pathlib import Path
 
     from eval_worker.results import latest_demo
+    from eval_worker.results.report import build_report
+    from eval_worker.results.run_results import ResultsError
 
     run, results, note = latest_demo.results_dir_for(args.run, args.results, args.settings)
     if run is None:

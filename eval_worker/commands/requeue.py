@@ -6,6 +6,7 @@ ones are listed); 2 nothing to do or bad input.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ._common import add_redis_args, connect_from_args, fail, print_json
 
@@ -46,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         conn, _ = connect_from_args(args)
     except Exception as e:  # noqa: BLE001
         return fail(str(e))
-    lines = []
+    lines: list[dict[str, Any]] = []
     try:
         if args.failed:
             for job_id in requeue_failed(conn, args.queue, args.job, run=args.run):

@@ -64,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
         print_json(table)
         return 0
     width = max(len(r["run"]) for r in table)
-    print(f"{'run':<{width}} |     step | suite          |  τ (macro) | 95% CI           | tree τ | baseline τ |     Δτ | Δτ 95% CI")
+    print(f"{'run':<{width}} |     step | suite          |  τ (macro) | 95% CI           | tree τ | baseline τ |     "
+          f"Δτ | Δτ 95% CI")
     print("-" * (width + 112))
     for r in table:
         print(f"{r['run']:<{width}} | {r['step']:>8} | {r['suite'][:14]:<14} | {_f(r['tau'], 10)} | {_ci(r['ci95'])} | "

@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Face cache; downloaded unless HF_HUB_OFFLINE is set)")
     p.add_argument("--baseline", help="baseline drafter dir or URL, as --checkpoint (paired Δτ per prompt)")
     p.add_argument("--suite", action="append", default=None, metavar="SUITE",
-                   help="builtin:NAME[-vN], a .jsonl file, or a standard benchmark hf:NAME[:n=N][:seed=S][:thinking=on] "
+                   help="builtin:NAME[-vN], a .jsonl file, or a standard benchmark "
+                        "hf:NAME[:n=N][:seed=S][:thinking=on] "
                         f"(NAME one of {', '.join(hf_suites())}; local copies: $DFLASH_HF_DATASETS_DIR); repeatable: "
                         "every suite is evaluated and their τ shown side by side (default builtin:coding-v1)")
     p.add_argument("--json", dest="json_out", help="write the full result JSON here (several suites: "
@@ -70,17 +71,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
     import torch
 
-    from dflash_train.publication import CheckpointError
     from dflash_train.config import ConfigError
+    from dflash_train.publication import CheckpointError
     from dflash_train.target import TargetError
-
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.references import ReferenceSourceError, ServerReferences
     from eval_worker.engine.suite import SuiteError, load_suite
-
-    import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # progress lines
     if args.threads:
@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train import storage
 
     pulls = ExitStack()
-    urls = {}
+    urls: dict[str, str] = {}
     try:
         for key in ("checkpoint", "baseline"):  # a store or Hub location: evaluate a verified local copy
             where = getattr(args, key)
@@ -120,7 +120,9 @@ def main(args: argparse.Namespace) -> int:
             raise SuiteError(f"two suites share a name ({names}); their results could not be told apart")
         from dflash_train.hub import resolve_target
 
-        evaluator = Evaluator(resolve_target(args.target), None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
+        target = resolve_target(args.target)
+        assert target is not None, "--target is required"
+        evaluator = Evaluator(target, None if args.no_cache else (args.cache_dir or args.settings.cache_dir),
                               progress=not args.no_progress, dtype=args.dtype,
                               device=args.device)
         if args.reference_server:
@@ -201,7 +203,8 @@ def format_table(r: dict) -> str:
         f"target      {r['target']['path']}  ({r['target']['num_layers']} layers, {r['target']['dtype']}, "
         f"fp {r['target']['fingerprint'][:12]})",
         f"suite       {r['suite']['name']}-v{r['suite']['version']}  ({r['suite']['num_prompts']} prompts, "
-        f"fp {r['suite']['fingerprint'][:8]})  mode={s['mode']}  counting={s.get('counting', 'response')}  B={s['block_size']}  max_new={s['max_new_tokens']}",
+        f"fp {r['suite']['fingerprint'][:8]})  mode={s['mode']}  counting={s.get('counting', 'response')}  "
+        f"B={s['block_size']}  max_new={s['max_new_tokens']}",
         "",
         f"τ (macro)   {_f(tau['macro'])}   95% CI [{_f(ci[0])}, {_f(ci[1])}]   pooled {_f(tau['pooled'])} "
         f"over {tau['num_steps']} verify steps",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 HELP = "list the prompt suites, or load suites (hf: benchmarks: fills the datasets cache) and show their fingerprints"
 
@@ -24,7 +25,7 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.engine.suite import HF_SUITES, SuiteError, builtin_suites, load_suite
 
     if not args.suites:
-        listing = {"builtin": [f"builtin:{n}" for n in builtin_suites()],
+        listing: dict[str, Any] = {"builtin": [f"builtin:{n}" for n in builtin_suites()],
                    "hf": {f"hf:{n}": {"dataset": b.repo, "config": b.config, "split": b.split, "note": b.note or None}
                           for n, b in HF_SUITES.items()}}
         if args.json:

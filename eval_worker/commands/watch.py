@@ -37,14 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from dflash_train import storage
     from dflash_train.settings import parse_roots
     from eval_worker.service.jobs import JobError, make_job
     from eval_worker.service.queue import QueueConfig, enqueue
     from eval_worker.service.watch import Watcher
-
-    import hashlib
-
-    from dflash_train import storage
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     into = args.into or next((str(r) for r in roots or () if not storage.is_url(str(r))), None)
@@ -79,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
         return "; ".join(out)
 
     watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
-                      run_id=args.run, state_path=state_path, prefix=args.prefix, log=lambda line: print(line, flush=True))
+                      run_id=args.run, state_path=state_path, prefix=args.prefix,
+                      log=lambda line: print(line, flush=True))
     print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
           f"redis {url})", flush=True)
     try:

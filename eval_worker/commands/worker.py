@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which priority queues to serve, in order (default: %(default)s)")
     parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     parser.add_argument("--target", default=None,
-                        help="target model directory (or a Hub model id ORG/NAME[@REV], from the Hugging Face cache): loaded before the first job and kept "
+                        help="target model directory (or a Hub model id ORG/NAME[@REV], from the Hugging Face cache): "
+                             "loaded before the first job and kept "
                              "(default $DFLASH_TARGET; jobs naming another target load it on demand, "
                              "if it lies in a --target-root)")
     parser.add_argument("--target-root", action="append", default=None, metavar="DIR",
@@ -69,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evaluator-factory", default=None, metavar="MODULE:CALLABLE",
                         help="build evaluators with this instead of eval_worker.engine.acceptance.Evaluator "
                              "(default $DFLASH_EVALUATOR_FACTORY)")
-    parser.add_argument("--sink", default=None, help="comma-separated result sinks: wandb, tensorboard, mlflow, or none "
+    parser.add_argument("--sink", default=None,
+                        help="comma-separated result sinks: wandb, tensorboard, mlflow, or none "
                                                      "(default $DFLASH_SINKS, else wandb; a job's own list wins)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -77,15 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from eval_worker.service.queue import queue_name
-    from eval_worker.service.routing import serving_queue_names
-    from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.worker import serve, worker_name
-    from dflash_train.progress import limit_repeated_warnings
-
     from dflash_train.hub import resolve_target
+    from dflash_train.progress import limit_repeated_warnings
     from dflash_train.publication import CheckpointError
     from dflash_train.storage import StoreError
+    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.queue import queue_name
+    from eval_worker.service.routing import serving_queue_names
+    from eval_worker.service.worker import serve, worker_name
 
     try:
         args.target = resolve_target(args.target)  # a Hub model id: its snapshot in the Hugging Face cache

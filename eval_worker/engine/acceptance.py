@@ -20,7 +20,7 @@ import platform
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,6 @@ from dflash_train.sampling import Sampler, SamplingParams
 from dflash_train.speculative import speculative_generate
 from dflash_train.target import Target
 from dflash_train.tau import tau
-
 from eval_worker.engine import metrics
 from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
@@ -48,7 +47,7 @@ from eval_worker.engine.speed import measure_step_costs
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
 from eval_worker.engine.walk import WALK_KV_BUDGET, Walker, WalkSeq, context_kv, kv_bytes
 
-log = logging.getLogger("eval_worker.engine")
+log = logging.getLogger(__name__)
 # what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
 SAMPLED_STATS = ("mean_streak_all_anchors", "per_position.top1_accuracy", "prompts[].mean_streak")
 
@@ -146,19 +145,20 @@ class Evaluator:
         return result
 
     def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
-                 eos: int | None, counting: str = "response", sampling: tuple[SamplingParams, int] | None = None) -> dict:
+                 eos: int | None, counting: str = "response",
+                 sampling: tuple[SamplingParams, int] | None = None) -> dict:
         """Run the real draft-verify loop on every prompt and compare step by step with the replay.
 
         `sampling` (params, seed): the loop samples with each reference's keyed draws (its sample index)."""
         mismatched, token_mismatch, steps = [], [], 0
-        for ref, replay in zip(refs, replays):
+        for ref, replay in zip(refs, replays, strict=False):
             sampler = None if sampling is None else Sampler.for_prompt(sampling[0], sampling[1], ref.prompt_ids,
                                                                        ref.sample or 0)
             real = speculative_generate(self.target, drafter, ref.prompt_ids, max_new, eos_token_id=eos,
                                         counting=counting, sampler=sampler)
             steps += len(real.accept_lengths)
             if real.accept_lengths != replay:
-                first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay)) if a != b),
+                first = next((i for i, (a, b) in enumerate(zip(real.accept_lengths, replay, strict=False)) if a != b),
                              min(len(real.accept_lengths), len(replay)))
                 mismatched.append({"name": ref.name, "sample": ref.sample, "first_step": first,
                                    "real": real.accept_lengths, "replay": replay})
@@ -223,7 +223,7 @@ class Evaluator:
                 made = src.generate_samples(p.name, p.ids, max_new, eos, lookahead, [x[5] for x in missing])
             else:
                 made = [src.generate(p.name, p.ids, max_new, eos, lookahead, sampler=x[5]) for x in missing]
-            fresh = dict(zip([x[0] for x in missing], made))
+            fresh = dict(zip([x[0] for x in missing], made, strict=False))
             for label, slot, key, look, ref, _ in lookups:
                 if ref is None:
                     ref = fresh[label]
@@ -414,13 +414,14 @@ class Evaluator:
                 with _timer(timings, "draft"):
                     kvs.append(context_kv(drafter, feats["features"][:max(P + n - 1, 1)]))
                 seqs.append(WalkSeq(ids, P, n, np.asarray(ref.ext, dtype=np.int64), full=full,
-                                    max_blocks=opts.max_blocks, greedy_steps=None if opts.validate else opts.max_blocks))
+                                    max_blocks=opts.max_blocks,
+                                    greedy_steps=None if opts.validate else opts.max_blocks))
                 extra.append((sample, probed, feats["greedy"].numpy()))
                 del feats
             with _timer(timings, "draft"):
                 walked = walker.run(seqs, kvs)
             del kvs
-            for ref, seq, got, (sample, probed, greedy) in zip(group, seqs, walked, extra):
+            for ref, seq, got, (sample, probed, greedy) in zip(group, seqs, walked, extra, strict=False):
                 drafted["blocks"] += got.blocks
                 drafted["head_slots"] += got.head_slots
                 with _timer(timings, "score"):
@@ -505,7 +506,8 @@ class Evaluator:
         ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx,
                        "committed": committed})
         if ckey not in self._costs:
-            self._costs[ckey] = measure_step_costs(self.target, drafter, context_len=max(ctx, drafter.config.block_size + 8),
+            self._costs[ckey] = measure_step_costs(self.target, drafter,
+                                                   context_len=max(ctx, drafter.config.block_size + 8),
                                                    committed=committed)
         costs = self._costs[ckey]
         if costs is None:
@@ -526,9 +528,10 @@ class Evaluator:
         decode = self._decoder()
         base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
         prompts, divergence, empty, degenerate = [], {}, [], {}
-        for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus):
+        for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus, strict=False):
             walk_spans = sc.online.spans if opts.mode == "online" else [
-                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a, n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride)]
+                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a,
+                n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride, strict=False)]
             text, spans = _char_spans(decode, ref.tokens, walk_spans)
             first = _first_divergence(sc.greedy.tolist(), ref.ext)
             if first is not None:
@@ -561,12 +564,14 @@ class Evaluator:
                       target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
                       tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
                       empty_prompts=empty, degenerate=degenerate, num_prompts=len(refs), validation=validation,
-                      sampled_validation={k: e["validation"] for k, e in (sampled or {}).get("by_temperature", {}).items()
+                      sampled_validation={k: e["validation"] for k,
+                                          e in (sampled or {}).get("by_temperature", {}).items()
                                           if e.get("validation")},
                       baseline_layer_ids=base_run.layer_ids if base_run else None,
                       reference_source=getattr(self.reference_source, "name", "local"),
                       layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe,
-                      sliding_rule_implicit=drafter.config.attention_rule() if drafter.config.sliding_implicit else None)
+                      sliding_rule_implicit=(drafter.config.attention_rule() if drafter.config.sliding_implicit
+                                             else None))
         return EvalResult(
             checkpoint=info.to_dict(),
             target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
@@ -584,7 +589,7 @@ class Evaluator:
             mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=speed, baseline=baseline,
             prompts=prompts, diagnostics=diagnose(facts), cache=report.to_dict(),
             provenance={"software_version": software_version(),
-                        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in timings.items()},
                         "drafting": {k: v for k, v in main.drafting.items() if k != "anchor_sample"},
                         "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
@@ -621,7 +626,8 @@ def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, o
     figures over every (prompt, sample) step."""
     s, K = run.summary, opts.num_samples
     groups = [s.per_prompt_tau[i:i + K] for i in range(0, len(refs), K)]
-    per_prompt = [None if all(t is None for t in g) else float(np.mean([t for t in g if t is not None])) for g in groups]
+    per_prompt = [None if all(t is None for t in g) else float(np.mean([t for t in g if t is not None]))
+                  for g in groups]
     macro = [t for t in per_prompt if t is not None]
     ci = metrics.nested_bootstrap_ci(groups, n_resamples=opts.bootstrap, seed=opts.seed)
     return {
@@ -633,7 +639,7 @@ def _sampled_entry(temperature: float, refs: list[Reference], run: DrafterRun, o
         "mean_streak_all_anchors": s.mean_streak_all_anchors,
         "prompts": [{"name": refs[i * K].name, "tau": t, "sample_taus": g,
                      "num_tokens": [len(r.tokens) for r in refs[i * K:(i + 1) * K]]}
-                    for i, (t, g) in enumerate(zip(per_prompt, groups))],
+                    for i, (t, g) in enumerate(zip(per_prompt, groups, strict=False))],
         "validation": None}
 
 
@@ -653,7 +659,7 @@ def _on(value: dict, device: torch.device) -> dict:
 
 def _first_divergence(greedy: list[int], ext: list[int]) -> int | None:
     """First response offset where the target's own argmax differs from the reference."""
-    for i, (g, r) in enumerate(zip(greedy, ext)):
+    for i, (g, r) in enumerate(zip(greedy, ext, strict=False)):
         if g != r:
             return i
     return None

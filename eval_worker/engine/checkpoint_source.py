@@ -15,10 +15,18 @@ from pathlib import Path
 import torch
 
 from dflash_train.checkpoint import check_own_vocab, load_drafter
-from dflash_train.publication import (MARKER_NAME, CheckpointError, checkpoint_step, drafter_files, files_dir,
-                                      sha256_file, verify_checkpoint, weights_digest)
 from dflash_train.config import ConfigError, DrafterConfig
 from dflash_train.model import DFlashDrafter
+from dflash_train.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    checkpoint_step,
+    drafter_files,
+    files_dir,
+    sha256_file,
+    verify_checkpoint,
+    weights_digest,
+)
 from dflash_train.target import Target
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ NEAR_ONE_TAU = 1.15
 # A reference is degenerate (collapsed) when a response of COLLAPSE_MIN_TOKENS+ tokens has at
 # most COLLAPSE_MAX_LINES distinct lines or fewer than COLLAPSE_MIN_TOKEN_FRAC distinct tokens
 # per token: "#\n" repeated, one import repeated. A drafter learns to repeat it, so τ on such
-# references says nothing about drafting (issue 17: every demo reference was "#\n" repeats).
+# references says nothing about drafting (every reference of an earlier demo target was "#\n" repeats).
 COLLAPSE_MIN_TOKENS = 32
 COLLAPSE_MAX_LINES = 3
 COLLAPSE_MIN_TOKEN_FRAC = 0.1

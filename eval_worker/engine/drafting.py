@@ -36,7 +36,7 @@ class AnchorDrafts:
     topk_ids: np.ndarray | None = None  # [A, D, K] int64
     topk_logp: np.ndarray | None = None  # [A, D, K] float32, descending
 
-    def select(self, rows: np.ndarray) -> "AnchorDrafts":
+    def select(self, rows: np.ndarray) -> AnchorDrafts:
         pick = lambda a: None if a is None else a[rows]  # noqa: E731
         return AnchorDrafts(self.anchors[rows], self.argmax[rows], pick(self.topk_ids), pick(self.topk_logp))
 

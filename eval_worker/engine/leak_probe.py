@@ -22,7 +22,6 @@ the evaluated path would inflate the replayed τ instead of deflating it).
 from __future__ import annotations
 
 import numpy as np
-
 import torch
 
 from eval_worker.engine import metrics
@@ -88,7 +87,8 @@ class LeakProbe:
             self.contract_checked += 1
 
     def to_dict(self) -> dict:
-        top1 = {f"{v}_top1": [float(h / c) if c else None for h, c in zip(self.hits[v].tolist(), self.valid[v].tolist())]
+        top1 = {f"{v}_top1": [float(h / c) if c else None for h,
+                              c in zip(self.hits[v].tolist(), self.valid[v].tolist(), strict=True)]
                 for v in VIEWS}
         return {"anchors": self.anchors, **top1, "contract_checked": self.contract_checked,
                 "future_reads": self.future_reads}

@@ -7,8 +7,8 @@ predicts `ext[s + k]` in slot k = 1..B-1 (column k-1 of the draft arrays).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -132,7 +132,7 @@ def conditional_accept(accept_lengths: Sequence[int], block_size: int) -> list[f
 
 def top1_accuracy(match_sum: np.ndarray, valid_sum: np.ndarray) -> list[float | None]:
     """Per-slot accuracy from summed matches / summed comparable slots."""
-    return [float(m / v) if v else None for m, v in zip(match_sum.tolist(), valid_sum.tolist())]
+    return [float(m / v) if v else None for m, v in zip(match_sum.tolist(), valid_sum.tolist(), strict=True)]
 
 
 def bootstrap_ci(values: Sequence[float], *, n_resamples: int = 2000, level: float = 0.95,
@@ -183,7 +183,7 @@ def nested_bootstrap_ci(groups: Sequence[Sequence[float | None]], *, n_resamples
 
 def paired_delta(a: Sequence[float | None], b: Sequence[float | None], **kw) -> dict:
     """Mean of per-item differences a - b (items where both exist) with its bootstrap interval."""
-    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    pairs = [(x, y) for x, y in zip(a, b, strict=False) if x is not None and y is not None]
     if not pairs:
         return {"delta": None, "ci95": None, "num_pairs": 0}
     d = [x - y for x, y in pairs]

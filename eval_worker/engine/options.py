@@ -12,6 +12,7 @@ options equal to their default, so `{}` and `{"tree_budget": 8}` name the same e
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,7 +53,7 @@ def shorten(value: Any, limit: int = MAX_SHOWN) -> str:
     return text
 
 
-def describe_one(e: dict[str, Any], prefix: str = "") -> str:
+def describe_one(e: Mapping[str, Any], prefix: str = "") -> str:
     """One pydantic error (from `.errors()`) as `<where> must be ...`; the input is not echoed."""
     where = prefix + ".".join(str(x) for x in e["loc"]) if e["loc"] else prefix.rstrip(".") or "value"
     msg = e["msg"].removeprefix("Value error, ")
@@ -125,13 +126,13 @@ class EvalOptions(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _counting_is_for_the_online_walk(self) -> "EvalOptions":
+    def _counting_is_for_the_online_walk(self) -> EvalOptions:
         if self.counting != "response" and self.mode == "stride":
             raise ValueError("counting applies to the online walk; stride mode drafts fixed blocks")
         return self
 
     @model_validator(mode="after")
-    def _sampling_needs_temperatures(self) -> "EvalOptions":
+    def _sampling_needs_temperatures(self) -> EvalOptions:
         if len(set(self.temperatures)) != len(self.temperatures):
             raise ValueError("temperatures must not repeat")
         if not self.temperatures:
@@ -146,7 +147,7 @@ class EvalOptions(BaseModel):
         return self.validate_loop
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "EvalOptions":
+    def from_dict(cls, d: dict[str, Any] | None) -> EvalOptions:
         """Check `d` (a job's `options`, or None); raise OptionsError naming every problem."""
         if d is not None and not isinstance(d, dict):
             raise OptionsError(f"options must be an object or null, got {type(d).__name__}")

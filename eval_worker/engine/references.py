@@ -55,7 +55,7 @@ class Reference:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Reference":
+    def from_dict(cls, d: dict[str, Any]) -> Reference:
         return cls(name=str(d["name"]), prompt_ids=[int(i) for i in d["prompt_ids"]],
                    tokens=[int(i) for i in d["tokens"]], lookahead=[int(i) for i in d["lookahead"]],
                    finish=str(d["finish"]), source=str(d["source"]),
@@ -99,7 +99,7 @@ class LocalReferences:
         """One sampled reference per sampler, the prompt's samples decoded as one batch."""
         rows = sample_continuations(self.target, prompt_ids, samplers, max_new_tokens, eos_token_id, lookahead)
         refs = []
-        for ids, sampler in zip(rows, samplers):
+        for ids, sampler in zip(rows, samplers, strict=False):
             tokens, more, finish = split_at_eos(ids, max_new_tokens, eos_token_id)
             refs.append(Reference(name, list(prompt_ids), tokens, more[:lookahead], finish, "local", lookahead,
                                   sample=sampler.sample))
@@ -159,7 +159,7 @@ def sample_continuations(target: Target, prompt_ids: list[int], samplers: list[S
     out: list[list[int]] = [[] for _ in samplers]
     ends: list[int | None] = [None] * n  # a row's response length once it is complete
     pos = 0
-    while any(e is None or len(o) < e + lookahead for o, e in zip(out, ends)):
+    while any(e is None or len(o) < e + lookahead for o, e in zip(out, ends, strict=True)):
         last = target.forward(inp, [], past_key_values=cache, use_cache=True,
                               position_ids=torch.arange(pos, pos + inp.shape[1], device=dev).expand(n, -1)).last_hidden
         pos += inp.shape[1]
@@ -170,7 +170,7 @@ def sample_continuations(target: Target, prompt_ids: list[int], samplers: list[S
             if ends[i] is None and (out[i][-1] == eos_token_id or len(out[i]) == max_new_tokens):
                 ends[i] = len(out[i])
         inp = torch.tensor([[o[-1]] for o in out], device=dev)
-    return [o[: e + lookahead] for o, e in zip(out, ends)]
+    return [o[: e + lookahead] for o, e in zip(out, ends, strict=True)]
 
 
 class ServerReferences:
@@ -221,7 +221,8 @@ class ServerReferences:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode(errors="replace")
-            raise ReferenceSourceError(f"reference server {self.url} answered HTTP {e.code} to {path}: {detail}") from None
+            raise ReferenceSourceError(
+                f"reference server {self.url} answered HTTP {e.code} to {path}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ReferenceSourceError(f"cannot reach reference server {self.url} ({reason}); is it running? "
@@ -229,7 +230,8 @@ class ServerReferences:
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
-            raise ReferenceSourceError(f"reference server {self.url} returned non-JSON from {path}: {raw[:200]!r}") from None
+            raise ReferenceSourceError(
+                f"reference server {self.url} returned non-JSON from {path}: {raw[:200]!r}") from None
 
 
 def token_ids_from_response(data: Any, where: str) -> list[int]:

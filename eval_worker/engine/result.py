@@ -88,7 +88,7 @@ class EvalResult:
         return json.dumps(self.to_dict(), allow_nan=False, **kw)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EvalResult":
+    def from_dict(cls, d: dict[str, Any]) -> EvalResult:
         if not isinstance(d, dict):
             raise ResultSchemaError("an eval result must be a JSON object")
         if d.get("schema") != SCHEMA:
@@ -109,5 +109,5 @@ class EvalResult:
         return cls(**kw)
 
     @classmethod
-    def from_json(cls, text: str) -> "EvalResult":
+    def from_json(cls, text: str) -> EvalResult:
         return cls.from_dict(json.loads(text))

@@ -26,15 +26,15 @@ in `origin` but does not split the caches of identical data.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import hashlib
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dflash_train.errors import DFlashError
 from eval_worker.engine.options import MAX_NAME, MAX_NEW_TOKENS, MAX_PROMPTS, shorten
@@ -118,7 +118,7 @@ class Suite:
             body["origin"] = {k: self.origin.get(k) for k in ORIGIN_IDENTITY}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
-    def head(self, n: int | None) -> "Suite":
+    def head(self, n: int | None) -> Suite:
         """The first n prompts (the seeds' `--num-prompts`); same name, its own fingerprint."""
         if n is None or n >= len(self.prompts):
             return self

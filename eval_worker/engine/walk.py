@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_train.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.masks import BlockLayout, dense_mask
+from dflash_train.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.target import logits_rows
-
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, anchors_per_pass, head_topk
 from eval_worker.engine.scoring import walk_labels
@@ -78,7 +77,8 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
 
 def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
     cfg = drafter.config
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * length * drafter.fc.weight.element_size()
+    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * length
+            * drafter.fc.weight.element_size())
 
 
 class Walker:
@@ -116,7 +116,7 @@ class Walker:
         g_steps, t_steps = [0] * len(seqs), [0] * len(seqs)
         while True:
             need: dict[tuple[int, int], list[bool]] = {}
-            for i, s in enumerate(seqs):
+            for i in range(len(seqs)):
                 for cur, is_tree in ((greedy[i], False), (tree[i], True)):
                     if cur is None:
                         continue
@@ -170,7 +170,8 @@ class Walker:
                 o.blocks += 1
                 o.head_slots += int(computed[r])
                 o.streak.setdefault(off, int(streak[r]))
-                least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0, min(int(streak[r]) + 1, self.B - 1))
+                least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0,
+                                                       min(int(streak[r]) + 1, self.B - 1))
                 o.need[off] = max(o.need.get(off, 0), least)
                 if f:
                     o.argmax.setdefault(off, arg[r].copy())
@@ -229,7 +230,7 @@ class Walker:
             trees = {r: build_tree(logp[r], ids[r], self.budget, spine=True, spine_ids=arg[r])
                      for r in np.flatnonzero(tree).tolist()}
         bounds = sorted({0, W, *(b for b in SLOT_BOUNDS if b < W), *set(done.tolist())})
-        for lo, hi in zip(bounds, bounds[1:]):  # the rest: slot chunks up to each block's first miss
+        for lo, hi in zip(bounds, bounds[1:], strict=False):  # the rest: slot chunks up to each block's first miss
             rows = np.flatnonzero((done == lo) & (_streaks(arg, labels) >= lo))
             if rows.size:
                 arg[rows, lo:hi] = self._argmax(slots, rows, lo, hi)
@@ -246,7 +247,6 @@ class Walker:
         first k depths is the tree of all D depths unless it popped a node at depth k
         (`DraftTree.read_depth == k`); those rows get the next depths (k doubling) and are built
         again. A spine tree is built later (its chain is the whole argmax): all D depths at once."""
-        W = slots.shape[1]
         ids = np.zeros((len(arg), self.D, self.topk), dtype=np.int64)
         logp = np.zeros((len(arg), self.D, self.topk), dtype=np.float32)
         trees: dict[int, DraftTree] = {}

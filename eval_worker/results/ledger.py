@@ -37,17 +37,17 @@ import os
 import re
 import socket
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dflash_train.errors import DFlashError
 from dflash_train.fsutil import fsync_dir
 from dflash_train.publication import checkpoint_step, step_dir_name, valid_run_id
-
-from eval_worker.service.jobs import strip_attempt
 from eval_worker.engine.options import OptionsError, options_identity
+from eval_worker.service.jobs import strip_attempt
 
 RECORD_SCHEMA = "dflash-eval-record/1"
 # Redis keys of this module: the index is a cache of the files (`Ledger.reindex` rebuilds it)
@@ -69,7 +69,7 @@ class LedgerError(DFlashError, RuntimeError):
 
 
 def _utcnow() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _check_name(kind: str, value: str) -> str:
@@ -452,7 +452,7 @@ class Ledger:
             tau = tau_of(record)
             if tau is None:
                 continue
-            key = (tau, -record["step"])
-            if best_key is None or key > best_key:
-                best, best_key = record, key
+            rank = (tau, -record["step"])
+            if best_key is None or rank > best_key:
+                best, best_key = record, rank
         return best

@@ -91,7 +91,8 @@ def _fmt_ci(ci) -> str:
 
 def _summary_row(r: RunResult, best_key: str) -> dict:
     res, base, train = r.result, r.result.get("baseline") or {}, r.train_metrics or {}
-    return {"train_loss": train.get("loss"), "train_streak": train.get("streak"), "step": r.step, "suite": res["suite"]["name"], "attempt": r.attempt, "tau": res["tau"]["macro"],
+    return {"train_loss": train.get("loss"), "train_streak": train.get("streak"), "step": r.step,
+            "suite": res["suite"]["name"], "attempt": r.attempt, "tau": res["tau"]["macro"],
             "ci": _fmt_ci(res["tau"].get("ci95")), "pooled": res["tau"].get("pooled"),
             "tree": (res.get("tree") or {}).get("tau"), "streak": res.get("mean_streak_all_anchors"),
             "delta": base.get("delta_tau"), "delta_ci": _fmt_ci(base.get("delta_ci95")) if base else "–",

@@ -32,18 +32,18 @@ def tau_vs_step(by_suite: dict[str, list[RunResult]]) -> bytes:
         c = COLORS[i % len(COLORS)]
         xs = [r.step for r in rows]
         tau = [r.result["tau"]["macro"] for r in rows]
-        lo = [(r.result["tau"].get("ci95") or [t, t])[0] for r, t in zip(rows, tau)]
-        hi = [(r.result["tau"].get("ci95") or [t, t])[1] for r, t in zip(rows, tau)]
+        lo = [(r.result["tau"].get("ci95") or [t, t])[0] for r, t in zip(rows, tau, strict=True)]
+        hi = [(r.result["tau"].get("ci95") or [t, t])[1] for r, t in zip(rows, tau, strict=True)]
         ax.fill_between(xs, lo, hi, color=c, alpha=0.18, label=f"{suite}: 95% CI")
         ax.plot(xs, tau, "o-", color=c, label=f"{suite}: τ (macro)")
         ax.plot(xs, [r.result["tau"].get("pooled") for r in rows], "--", color=c, alpha=0.7, label=f"{suite}: τ pooled")
         tree = [(r.step, (r.result.get("tree") or {}).get("tau")) for r in rows]
         tree = [(x, y) for x, y in tree if y is not None]
         if tree:
-            ax.plot(*zip(*tree), ":", color=c, alpha=0.8, label=f"{suite}: tree τ")
+            ax.plot(*zip(*tree, strict=True), ":", color=c, alpha=0.8, label=f"{suite}: tree τ")
         base = [(r.step, r.result["baseline"]["tau"]) for r in rows if r.result.get("baseline")]
         if base:
-            ax.plot(*zip(*base), "s", color="#555", ms=4, label=f"{suite}: baseline τ")
+            ax.plot(*zip(*base, strict=True), "s", color="#555", ms=4, label=f"{suite}: baseline τ")
     ax.set_xlabel("training step")
     ax.set_ylabel("τ (mean accepted length)")
     ax.grid(alpha=0.3)
@@ -104,7 +104,7 @@ def per_position(rows: list[RunResult]) -> bytes:
         counts = slot_counts(r.result.get("acceptance_histogram") or [])
         counts = counts if len(counts) == len(acc) else [FEW] * len(acc)  # no histogram: no counts to show
         ax.scatter(ks, acc, s=12, color=c, alpha=[1.0 if n >= FEW else 0.25 for n in counts])
-        for k, a, n in zip(ks, acc, counts):
+        for k, a, n in zip(ks, acc, counts, strict=True):
             if n < FEW:
                 ax.annotate(f"n={n}", (k, a), textcoords="offset points", xytext=(0, 5), ha="center",
                             fontsize=6, color=c, alpha=0.8)
@@ -175,7 +175,7 @@ def train_vs_eval(by_suite: dict[str, list[RunResult]]) -> bytes | None:
 
     def series(key):
         pts = [(s, train[s][key]) for s in steps if train[s].get(key) is not None]
-        return list(zip(*pts)) if pts else None
+        return list(zip(*pts, strict=True)) if pts else None
 
     if (streak := series("streak")) is not None:
         top.plot(*streak, "s--", color="#333", label="train: 1 + leading correct slots (accept length)")

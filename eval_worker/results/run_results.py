@@ -65,13 +65,13 @@ def load_run(run_id: str, results_dir: str | os.PathLike) -> list[RunResult]:
     if not entries:
         raise ResultsError(f"no results for run {run_id!r} under {ledger.root}")
     out = []
-    for e in entries:
+    for entry in entries:
         try:
-            record = e.read()
+            record = entry.read()
             result = result_of(record)
         except (LedgerError, ResultsError) as err:
-            raise ResultsError(f"{e.path}: {err}") from None
-        out.append(RunResult(e.step, e.key, e.attempt, e.path, result, _train_metrics(record),
+            raise ResultsError(f"{entry.path}: {err}") from None
+        out.append(RunResult(entry.step, entry.key, entry.attempt, entry.path, result, _train_metrics(record),
                              record.get("queue") if isinstance(record.get("queue"), dict) else None))
     return out
 

@@ -43,6 +43,7 @@ class DemoStack:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "ab")
         self._logs.append(log)
+        assert self.redis_url is not None, "Redis is started before the workers"
         cmd = [sys.executable, "-m", "eval_worker.cli", "worker", "--redis-url", self.redis_url, "--name", name,
                "--target", str(target), "--checkpoint-root", str(checkpoint_root), "--results-dir", str(results),
                "--cache-dir", str(cache), "--log-level", "INFO",

@@ -26,9 +26,8 @@ from dflash_train.errors import DFlashError, retryable
 from dflash_train.fsutil import atomic_write_bytes
 from dflash_train.progress import format_duration
 from dflash_train.publication import CheckpointError, unpin_checkpoint
-
 from eval_worker.engine.options import options_identity
-from eval_worker.engine.suite import HF_PREFIX, load_suite
+from eval_worker.engine.suite import HF_PREFIX, Suite, load_suite
 from eval_worker.results import sinks
 from eval_worker.results.ledger import Ledger, tau_of
 from eval_worker.service import evaluators, routing
@@ -36,7 +35,7 @@ from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.evaluators import WorkerSettings, target_loads
 from eval_worker.service.jobs import JobError
 
-log = logging.getLogger("eval_worker.service.eval_job")
+log = logging.getLogger(__name__)
 
 SPOOL_SCHEMA = "dflash-eval-spool/1"
 
@@ -50,7 +49,9 @@ class LedgerWriteFailed(DFlashError, OSError):
 def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None:
     """Tell the result sinks (W&B). Returns their errors as text instead of raising."""
     try:
-        outcome = sinks.publish_result(record, job, evaluators.settings().env)
+        env = evaluators.settings().env
+        assert env is not None, "WorkerSettings fills env"
+        outcome = sinks.publish_result(record, job, env)
     except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
         log.warning("result sink failed for %s (kept in the ledger; `dflash-eval publish` can retry): %s",
                     record.get("job_id"), e, exc_info=True)
@@ -163,6 +164,7 @@ PEEK = 20  # queued jobs looked at for a later job of the same run
 def _rebuilds_run(job: dict[str, Any], s: WorkerSettings) -> bool:
     """Whether publishing this job rebuilds its run from the ledger: W&B offline is the only sink
     on (online W&B appends the missing records; a sink that logs the record it is given must get it)."""
+    assert s.env is not None, "WorkerSettings fills env"
     if tuple(s.env.sinks) != ("wandb",):
         return False
     try:
@@ -222,10 +224,13 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     if not target:
         raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
     if job["target"]:
-        jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)
-    suite = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
-    if suite.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
-        suite = load_suite(suite, hf_datasets_dir=s.env.hf_datasets_dir)
+        # a worker has checkpoint roots: it refuses to start without them
+        jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)  # type: ignore[arg-type]
+    suite_name = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
+    suite: str | Suite = suite_name
+    assert s.env is not None, "WorkerSettings fills env"
+    if suite_name.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
+        suite = load_suite(suite_name, hf_datasets_dir=s.env.hf_datasets_dir)
     remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
     cache = evaluators.checkpoint_cache() if remote else None
     for refetched in (False, True):
@@ -258,6 +263,7 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
 # --------------------------------------------------------------------------- the spool
 
 def _spool_path(s: WorkerSettings, job_id: str) -> Path:
+    assert s.spool_dir is not None, "WorkerSettings fills spool_dir"
     return Path(s.spool_dir) / f"{job_id}.json"
 
 

@@ -12,15 +12,15 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dflash_train.settings import Settings
-
 from eval_worker.service.jobs import JobError
 
-log = logging.getLogger("eval_worker.service.evaluators")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,10 +29,10 @@ class WorkerSettings:
     command line's choices applied (`from_settings`)."""
 
     results_dir: Path
-    roots: Sequence[Path] | None
+    roots: Sequence[Path | str] | None
     cache_dir: Path | None = None
-    target_roots: Sequence[Path] | None = None  # where a job's own `target` may lie (see jobs.check_target)
-    suite_roots: Sequence[Path] | None = None   # where a job's suite file may lie (see jobs.check_suite)
+    target_roots: Sequence[Path | str] | None = None  # where a job's own `target` may lie (see jobs.check_target)
+    suite_roots: Sequence[Path | str] | None = None   # where a job's suite file may lie (see jobs.check_suite)
     default_target: str | None = None
     device: str | None = None
     max_targets: int = 1
@@ -49,9 +49,9 @@ class WorkerSettings:
             self.env = Settings.from_env()
 
     @classmethod
-    def from_settings(cls, settings: Settings, **overrides) -> "WorkerSettings":
+    def from_settings(cls, settings: Settings, **overrides) -> WorkerSettings:
         """The worker's settings: `settings` (the environment), with `overrides` (flags given) applied."""
-        values = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
+        values: dict[str, Any] = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
                       target_roots=settings.target_roots, suite_roots=settings.suite_roots,
                       cache_dir=settings.cache_dir, default_target=settings.target, device=settings.device,
                       evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings,
@@ -63,7 +63,7 @@ class WorkerSettings:
 
 _settings: WorkerSettings | None = None
 _checkpoint_cache = None
-_evaluators: "OrderedDict[str, Any]" = OrderedDict()
+_evaluators: OrderedDict[str, Any] = OrderedDict()
 _loads: dict[str, int] = {}
 _lock = threading.Lock()
 

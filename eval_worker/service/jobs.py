@@ -29,20 +29,37 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from dflash_train import storage
 from dflash_train.errors import DFlashError
+from dflash_train.publication import (
+    MARKER_NAME,
+    RUN_ID_PATTERN,
+    RUN_ID_RULE,
+    CheckpointError,
+    files_dir,
+    parse_manifest,
+    read_manifest,
+    read_marker,
+    valid_run_id,
+    verify_checkpoint,
+    within,
+)
 from dflash_train.settings import KNOWN_SINKS as SINK_NAMES
-from dflash_train.publication import (MARKER_NAME, RUN_ID_PATTERN, RUN_ID_RULE, CheckpointError, files_dir,
-                                      parse_manifest, read_manifest, read_marker, valid_run_id, verify_checkpoint,
-                                      within)
-
-from eval_worker.engine.options import (MAX_NAME, MAX_SHOWN, EvalOptions, OptionsError, describe_one, options_identity,
-                                       shorten)
+from eval_worker.engine.options import (
+    MAX_NAME,
+    MAX_SHOWN,
+    EvalOptions,
+    OptionsError,
+    describe_one,
+    options_identity,
+    shorten,
+)
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec, request_fingerprint
 
 SCHEMA = "dflash-eval-job/1"
@@ -302,7 +319,7 @@ def strip_attempt(job_id: str) -> str:
 
 # --------------------------------------------------------------------------- roots
 
-def confine(path: str | os.PathLike, roots: Sequence[Path], what: str = "checkpoint",
+def confine(path: str | os.PathLike, roots: Sequence[Path | str], what: str = "checkpoint",
             how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> Path:
     """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError.
     A store URL must lie under one of the URL prefixes among `roots`."""
@@ -325,8 +342,8 @@ def confine(path: str | os.PathLike, roots: Sequence[Path], what: str = "checkpo
     raise JobError(f"{path} is outside the {what} roots ({shown}); add its root with {how}")
 
 
-def check_target(target: str, default_target: str | None, target_roots: Sequence[Path] | None,
-                 checkpoint_roots: Sequence[Path]) -> None:
+def check_target(target: str, default_target: str | None, target_roots: Sequence[Path | str] | None,
+                 checkpoint_roots: Sequence[Path | str]) -> None:
     """A job may name the worker's own target, or one inside the target roots.
 
     Loading a target reads gigabytes and runs its tokenizer/config code paths, so a job may
@@ -343,11 +360,13 @@ def check_target(target: str, default_target: str | None, target_roots: Sequence
                 "in a target root, or in a checkpoint root when no target root is set)")
 
 
-def check_suite(suite: str, suite_roots: Sequence[Path] | None, checkpoint_roots: Sequence[Path] | None) -> str:
+def check_suite(suite: str, suite_roots: Sequence[Path | str] | None,
+                checkpoint_roots: Sequence[Path | str] | None) -> str:
     """The suite a worker may load for a job: `builtin:NAME` (or a bare built-in name), a
     standard benchmark `hf:NAME[:...]` (read from the worker's dataset copies or the datasets
-    cache, never from a path the job names), or a file whose real path lies in the suite roots (default: the checkpoint roots). Returns the
-    spec to load (a bare name gets its `builtin:` prefix; a file its real path).
+    cache, never from a path the job names), or a file whose real path lies in the suite roots
+    (default: the checkpoint roots). Returns the spec to load (a bare name gets its `builtin:`
+    prefix; a file its real path).
 
     A job comes from whoever can reach the queue, and a suite is read and parsed on the
     worker, so its path is confined like checkpoints and targets. Anything else fails with
@@ -378,7 +397,7 @@ def check_suite(suite: str, suite_roots: Sequence[Path] | None, checkpoint_roots
 
 # --------------------------------------------------------------------------- checkpoints
 
-def check_checkpoint(job: dict[str, Any], roots: Sequence[Path] | None, *,
+def check_checkpoint(job: dict[str, Any], roots: Sequence[Path | str] | None, *,
                      verify_digest: bool = False) -> dict[str, dict[str, Any]]:
     """Check the job's checkpoint on disk; return the manifests read, keyed by real path.
 
@@ -398,7 +417,8 @@ def check_checkpoint(job: dict[str, Any], roots: Sequence[Path] | None, *,
     return manifests
 
 
-def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
+def _check_one(path: str, roots: Sequence[Path | str] | None, verify_digest: bool, what: str) -> tuple[str,
+                                                                                                       dict[str, Any]]:
     if storage.is_url(path):
         url, _, manifest = _check_remote(path, roots, what)
         return url, manifest
@@ -428,10 +448,10 @@ def _check_one(path: str, roots: Sequence[Path] | None, verify_digest: bool, wha
     return real, manifest
 
 
-def _check_remote(url: str, roots: Sequence[Path] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
+def _check_remote(url: str, roots: Sequence[Path | str] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
     """(canonical url, marker bytes, manifest) of a checkpoint in a store, confined to the store
     prefixes among `roots`. A store that cannot be reached raises StoreUnavailable (retryable)."""
-    url = confine(url, roots) if roots is not None else storage.check_url(url)
+    url = str(confine(url, roots)) if roots is not None else storage.check_url(url)
     try:
         raw = read_marker(url)
         return str(url), raw, parse_manifest(raw, url)
@@ -440,7 +460,7 @@ def _check_remote(url: str, roots: Sequence[Path] | None, what: str) -> tuple[st
 
 
 @contextlib.contextmanager
-def materialize(job: dict[str, Any], roots: Sequence[Path] | None, cache=None):
+def materialize(job: dict[str, Any], roots: Sequence[Path | str] | None, cache=None):
     """What the worker evaluates: `(checkpoint dir, baseline dir or None, verified manifests)`.
 
     Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
@@ -449,8 +469,8 @@ def materialize(job: dict[str, Any], roots: Sequence[Path] | None, cache=None):
     publication, every file's digest verified), held for the block so it is not evicted.
     """
     if not any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline")):
-        verified = check_checkpoint(job, roots, verify_digest=True)
-        yield job["checkpoint"], job.get("baseline"), verified
+        manifests = check_checkpoint(job, roots, verify_digest=True)
+        yield job["checkpoint"], job.get("baseline"), manifests
         return
     if cache is None:
         raise JobError("this worker has no checkpoint cache to pull store checkpoints into")
@@ -512,7 +532,7 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
              baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
              sinks: Sequence[str] | None = None, mlflow: dict[str, Any] | None = None,
              requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
-             manifest: dict[str, Any] | None = None, roots: Sequence[Path] | None = None) -> dict[str, Any]:
+             manifest: dict[str, Any] | None = None, roots: Sequence[Path | str] | None = None) -> dict[str, Any]:
     """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
     checkpoint = _canonical(checkpoint)
     if manifest is None:
@@ -538,7 +558,8 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
         "checkpoint_digest": digest, "target": canonical_target(target) if target else None,
         "suite": suite, "baseline": _canonical(baseline) if baseline else None,
         "wandb": wandb, "requested_by": requested_by,
-        **({"sinks": list(sinks)} if sinks is not None else {}), **({"mlflow": mlflow} if mlflow else {}), "priority": priority, "attempt": 0,
+        **({"sinks": list(sinks)} if sinks is not None else {}), **({"mlflow": mlflow} if mlflow else {}),
+        "priority": priority, "attempt": 0,
         "train_metrics": metrics or None, "options": options or None,
     }
     return validate_job(payload)

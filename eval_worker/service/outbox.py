@@ -31,15 +31,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dflash_train.errors import retryable
 from dflash_train.fsutil import atomic_write_bytes, fsync_dir
 from dflash_train.redaction import redact
 
-log = logging.getLogger("eval_worker.service.outbox")
+log = logging.getLogger(__name__)
 
 OUTBOX_DIRNAME = ".eval-outbox"
 FILE_MODE, DIR_MODE = 0o600, 0o700  # the trainer's private spool of undelivered jobs
@@ -282,7 +283,7 @@ class Deliverer:
                  is_invalid: Callable[[BaseException], bool] = _refused_for_the_job, min_backoff: float = 1.0,
                  max_backoff: float = 60.0,
                  on_report: Callable[[DeliveryReport], None] | None = None,
-                 on_idle: Callable[[], None] | None = None, idle_interval: float | None = None):
+                 on_idle: Callable[[], object] | None = None, idle_interval: float | None = None):
         self.outbox, self.send, self.is_invalid = outbox, send, is_invalid
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.on_report = on_report
@@ -294,7 +295,7 @@ class Deliverer:
         self._busy = False
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "Deliverer":
+    def start(self) -> Deliverer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="eval-outbox-delivery", daemon=True)
             self._thread.start()

@@ -14,10 +14,11 @@ takes a new attempt number (`-r<n>` id) from a Redis counter.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
@@ -29,11 +30,10 @@ from rq.worker import Worker
 
 from dflash_train.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.redaction import redact
-
+from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service import routing
 from eval_worker.service.jobs import JobError
-from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
 
 JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an eval job may name (job_guard.EvalJob)
 DEFAULT_BASE = "dflash-eval"
@@ -132,7 +132,8 @@ class EnqueueOutcome:
 
 
 def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config: QueueConfig | None = None,
-            roots: list[Path] | None = None, check: bool = True, suite_fp: str | None = None) -> EnqueueOutcome:
+            roots: Sequence[Path | str] | None = None, check: bool = True,
+            suite_fp: str | None = None) -> EnqueueOutcome:
     """Validate `payload` and put it on its priority queue (or say why not).
 
     - validation: schema, then (with `check`) the checkpoint: inside `roots` when given,
@@ -199,7 +200,7 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
 def _recorded(connection, job_id: str) -> bool:
     """Whether the ledger index holds this very job id (attempt included) as recorded."""
     done = Ledger(connection=connection).lookup_job(jobs_mod.strip_attempt(job_id))
-    return bool(done) and done.get("job_id") == job_id
+    return bool(done and done.get("job_id") == job_id)
 
 
 def workers_target(connection, queue: str) -> str | None:
@@ -281,7 +282,7 @@ def record_owed(connection, run_id: str, owed: list[tuple[dict[str, Any], str]],
         for job, why in owed:
             pipe.hset(key, job_key(job), json.dumps({"step": job.get("step"), "checkpoint": job.get("checkpoint"),
                                                      "suite": job.get("suite"), "why": why, "lost": lost,
-                                                     "since": datetime.now(timezone.utc).isoformat()}))
+                                                     "since": datetime.now(UTC).isoformat()}))
         pipe.execute()
 
 
@@ -339,7 +340,7 @@ def _queued_briefs_of(connection, ids: list[str]) -> list[dict[str, Any]]:
             for job_id in chunk:
                 pipe.hmget(Job.key_for(job_id), _BRIEF_FIELDS)
             rows = pipe.execute()
-        for job_id, (meta, origin, worker, enqueued, started) in zip(chunk, rows):
+        for job_id, (meta, origin, worker, enqueued, started) in zip(chunk, rows, strict=True):
             if origin is None and meta is None:
                 continue  # deleted meanwhile
             try:
@@ -363,14 +364,15 @@ def _queued_briefs(connection, q: Queue, run: str | None, limit: int | None) -> 
         total = q.count
         ids = q.get_job_ids(0, limit) if limit is not None else q.get_job_ids()
         return _queued_briefs_of(connection, ids), total
-    ids, total, mine = q.get_job_ids(), 0, []
+    ids, total = q.get_job_ids(), 0
+    mine: list = []
     for lo in range(0, len(ids), STATUS_CHUNK):
         chunk = ids[lo:lo + STATUS_CHUNK]
         with connection.pipeline() as pipe:
             for job_id in chunk:
                 pipe.hget(Job.key_for(job_id), "meta")
             metas = pipe.execute()
-        for job_id, raw in zip(chunk, metas):
+        for job_id, raw in zip(chunk, metas, strict=True):
             try:
                 if raw is not None and json.loads(raw).get("run_id") == run:
                     total += 1
@@ -480,7 +482,7 @@ class RequeueReport:
 
 
 def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, config: QueueConfig | None = None,
-                roots: list[Path] | None = None) -> RequeueReport:
+                roots: Sequence[Path | str] | None = None) -> RequeueReport:
     """Evaluate steps of a run again: failed jobs are re-queued as they are, finished ones get a new
     attempt, pending ones are left alone. `steps=None` means every step the queue has seen.
 
@@ -506,7 +508,8 @@ def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, con
             continue
         if state == JobStatus.FAILED:
             requeued = requeue_failed(connection, config.base, [job_id])
-            results.append((job_id, f"re-queued failed job {job_id}" if requeued else f"{job_id}: not in failed registry"))
+            results.append((job_id,
+                            f"re-queued failed job {job_id}" if requeued else f"{job_id}: not in failed registry"))
             continue
         payload = {**entry["job"], "requested_by": "requeue", "attempt": 0}
         routed = current is not None and "@" in (current.origin or "")  # back to its target's queues

@@ -44,8 +44,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
 from urllib.parse import quote
 
 import psutil
@@ -407,7 +407,7 @@ class LocalRedis:
         return f"LocalRedis(data_dir={str(self.data_dir)!r}, url={url!r}, pid={self.pid})"
 
     # -- public API --------------------------------------------------------
-    def start(self) -> "LocalRedis":
+    def start(self) -> LocalRedis:
         """Ensure the server is running; returns ``self``."""
         self._make_data_dir()
         with self._locked():
@@ -463,7 +463,7 @@ class LocalRedis:
             self._proc = None
             self.owned = False
 
-    def __enter__(self) -> "LocalRedis":
+    def __enter__(self) -> LocalRedis:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
@@ -750,7 +750,7 @@ class LocalRedis:
 # --------------------------------------------------------------------------- entry point
 
 
-def started_notice(local: "LocalRedis") -> str:
+def started_notice(local: LocalRedis) -> str:
     """One line telling the user a command left a detached server running, and how to end it."""
     return (f"started a local redis-server (pid {local.pid}, {local.host}:{local.port}, data in {local.data_dir}); "
             "it keeps running after this command: `dflash-eval redis stop` ends it, `dflash-eval redis status` "
@@ -769,8 +769,8 @@ def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True
     With ``start=False`` and no running local server, raises :class:`RedisLocalError`.
     When this call started the server, ``notice`` (default: a log warning) gets :func:`started_notice`.
     """
-    if url or settings.redis_url:
-        return url or settings.redis_url
+    if given := url or settings.redis_url:
+        return given
     local = LocalRedis(settings.redis_dir, password=settings.redis_password, binary=settings.redis_server)
     if start:
         local.start()

@@ -34,7 +34,8 @@ import hashlib
 import os
 import re
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from eval_worker.service.jobs import PRIORITIES, JobError
 
@@ -164,11 +165,14 @@ def apply_backlog(connection, job: dict[str, Any], job_id: str, queue: str, poli
                                   "head_queue": queue, "head_family": family})
     if not prev.get("head"):
         return None
+    # head and head_queue are written together, so a head has its queue
     old_id, old_queue, old_family = prev["head"], prev.get("head_queue"), prev.get("head_family") or family
+    assert old_queue is not None, prev
     if name == "newest-first":
         if _take(connection, old_queue, old_id, backlog_queue(old_family)):
             return f"{old_id} moved to {backlog_queue(old_family)} (filled in when idle)"
         return None
+    assert k is not None, policy  # thin:K, the one policy left, carries its K
     if int(prev.get("head_seq", 0)) % k == 0:
         return None
     if _take(connection, old_queue, old_id, None):
@@ -236,7 +240,7 @@ def eval_lag(connection, run_id: str, evaluated_step: int | None) -> dict[str, A
     if raw_newest is None:
         return None
     newest = int(raw_newest)
-    out = {"newest_published_step": newest, "newest_evaluated_step": evaluated_step, "lag_steps": None,
+    out: dict[str, Any] = {"newest_published_step": newest, "newest_evaluated_step": evaluated_step, "lag_steps": None,
            "lag_s": None}
     t_new = connection.hget(key, str(newest))
     if evaluated_step is None:
@@ -269,6 +273,7 @@ def orphan_targets(connection, base: str, worker_queues: Iterable[Iterable[str]]
         if not q.name.startswith(base + "@"):
             continue
         key, _ = family_of(q.name, base)
+        assert key is not None, q.name  # a queue named base@<key>
         fam = families.setdefault(key, {"target_key": key, "target": paths.get(key), "queued": 0, "queues": [],
                                         "served": False})
         fam["queued"] += q.count

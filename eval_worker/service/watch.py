@@ -17,14 +17,20 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from dflash_train import storage
 from dflash_train.fsutil import atomic_write_json
-from dflash_train.publication import (MARKER_NAME, CheckpointError, checkpoint_step, list_checkpoints, read_manifest,
-                                      run_id_from)
+from dflash_train.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    checkpoint_step,
+    list_checkpoints,
+    read_manifest,
+    run_id_from,
+)
 
 # HF Trainer, DeepSpec, ours, SpecForge, speculators (a directory per epoch/step number)
 _DIR = re.compile(r"^(checkpoint-\d+|step_\d+|step-\d+|.+-step\d+|epoch_\d+_step_\d+|\d+)$")
@@ -42,7 +48,7 @@ class Watcher:
     """`scan()` once per poll; `submit(record_path) -> str` queues a record and says how (the CLI
     enqueues on Redis). `clock` is injectable so tests step time instead of sleeping."""
 
-    def __init__(self, directory: str | Path, into: str | Path, *, submit: Callable[[Path], str],
+    def __init__(self, directory: str | Path, into: str | Path | None, *, submit: Callable[[Path], str],
                  config: str | Path | None = None, every: int | None = None, settle: float = 30.0,
                  run_id: str | None = None, state_path: str | Path | None = None, prefix: str | None = None,
                  log: Callable[[str], None] = print, clock: Callable[[], float] = time.time):
@@ -51,11 +57,15 @@ class Watcher:
         self.directory = None if self.url else Path(directory).resolve()
         self.into = Path(into) if into is not None else None
         self.submit, self.config, self.every, self.settle, self.prefix = submit, config, every, settle, prefix
-        name = self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else self.directory.name
+        name = self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else Path(directory).resolve().name
         self.run_id = run_id or run_id_from(name, default="watch")
         if state_path is None and self.into is None:
             raise ValueError("give `into` (converted checkpoints and the state file) or `state_path`")
-        self.state_path = Path(state_path) if state_path else self.into / self.run_id / STATE_NAME
+        if state_path:
+            self.state_path = Path(state_path)
+        else:
+            assert self.into is not None  # checked just above
+            self.state_path = self.into / self.run_id / STATE_NAME
         self.log, self.clock = log, clock
         self.state: dict[str, dict] = {}
         self._seen: dict[str, Seen] = {}  # written but not yet settled (kept across restarts: `--once` from cron)
@@ -70,6 +80,7 @@ class Watcher:
 
     # --- what is there -------------------------------------------------------------------
     def candidates(self) -> list[Path]:
+        assert self.directory is not None, "a local directory is watched"
         out = []
         for p in sorted(self.directory.iterdir()) if self.directory.is_dir() else []:
             if p.name.startswith(".") or p.is_symlink():
@@ -135,8 +146,9 @@ class Watcher:
                         continue
                     # always converted (its own config.json when it has one): the trainer may delete its copy
                     own = p / "config.json" if p.is_dir() and (p / "config.json").is_file() else None
-                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p, config=self.config or own,
-                                                         prefix=self.prefix)
+                    # a local directory watched with no `into` fails here, as it always did: kept as is
+                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p,  # type: ignore[arg-type]
+                                                         config=self.config or own, prefix=self.prefix)
                     step = facts["step"]
                 if self.every and step % self.every:
                     events.append(self._record(key, {"status": "skipped", "step": step,
@@ -155,11 +167,13 @@ class Watcher:
         return events
 
     def _scan_store(self) -> list[dict]:
+        assert self.url is not None, "a store prefix is watched"
         events = []
         for url in list_checkpoints(self.url):  # marked ones only: a store upload writes the marker last
             if url in self.state:
                 continue
             step = checkpoint_step(url)
+            assert step is not None, url  # list_checkpoints lists step directories only
             if self.every and step % self.every:
                 events.append(self._record(url, {"status": "skipped", "step": step,
                                                  "reason": f"not a multiple of --every {self.every}"}))
@@ -174,7 +188,8 @@ class Watcher:
     def _save(self) -> None:
         atomic_write_json(self.state_path, {
             "checkpoints": self.state,
-            "pending": {k: {"signature": [list(x) for x in v.signature], "since": v.since} for k, v in self._seen.items()}})
+            "pending": {k: {"signature": [list(x) for x in v.signature], "since": v.since} for k,
+                        v in self._seen.items()}})
 
     def _record(self, key: str, entry: dict) -> dict:
         self.state[key] = entry

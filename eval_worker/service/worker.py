@@ -15,9 +15,10 @@ job and execution keys every `job_monitoring_interval` seconds, and the heartbea
 `interval + heartbeat_grace` (RQ hard-codes +60 s) so a crashed worker's job is
 recovered quickly. A job is abandoned when its execution key's TTL ran out on the Redis
 server (HeartbeatStartedJobRegistry), never by comparing two boxes' wall clocks, so a
-worker whose clock runs minutes ahead does not retry other workers' running jobs. Timeouts still work (SIGALRM death penalty in the main thread). A
-crash of the process takes its job with it: StartedJobRegistry cleanup in a surviving
-worker's maintenance then retries it (Retry), and the ledger keeps it recorded once.
+worker whose clock runs minutes ahead does not retry other workers' running jobs. Timeouts
+still work (SIGALRM death penalty in the main thread). A crash of the process takes its job
+with it: StartedJobRegistry cleanup in a surviving worker's maintenance then retries it (Retry),
+and the ledger keeps it recorded once.
 SIGTERM: finish the current job, then exit (warm); with `stop_timeout`, or on a second
 SIGTERM/SIGINT, the current job is put back at the front of its queue and the worker exits.
 """
@@ -32,10 +33,10 @@ import time
 from datetime import timedelta
 
 import redis
+from rq import registry as rq_registry
 from rq import worker_registration
 from rq.defaults import RQ_KEY_PREFIX
 from rq.job import JobStatus
-from rq import registry as rq_registry
 from rq.registry import StartedJobRegistry
 from rq.scheduler import RQScheduler
 from rq.utils import now
@@ -86,7 +87,7 @@ class HeartbeatStartedJobRegistry(StartedJobRegistry):
     """
 
     def lapsed(self) -> list[str]:
-        members = [m.decode() if isinstance(m, bytes) else m for m in self.connection.zrange(self.key, 0, -1)]
+        members = [m.decode() if isinstance(m, bytes) else str(m) for m in self.connection.zrange(self.key, 0, -1)]
         members = [m for m in members if ":" in m]  # job:execution (an older entry has no key to judge by)
         if not members:
             return []
@@ -94,7 +95,7 @@ class HeartbeatStartedJobRegistry(StartedJobRegistry):
             for m in members:
                 pipe.exists(f"{RQ_KEY_PREFIX}:execution:{m}")
             alive = pipe.execute()
-        return [m for m, a in zip(members, alive) if not a]
+        return [m for m, a in zip(members, alive, strict=True) if not a]
 
     def cleanup(self, timestamp: float | None = None, exception_handlers: list | None = None):
         lapsed = self.lapsed()
@@ -399,7 +400,9 @@ class EvalWorker(SimpleWorker):
             raise JobInterrupted(f"job {self._current.id} {reason}")
 
     def _interrupt_main(self) -> None:
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        ident = threading.main_thread().ident
+        assert ident is not None, "the main thread has started"
+        signal.pthread_kill(ident, signal.SIGUSR1)
 
     def kill_horse(self, sig=None):
         """`stop-job` command (from the pubsub thread): interrupt the in-process job."""

@@ -49,7 +49,8 @@ def run_child(cmd: list[str], *, label: str, redis_url: str | None, timeout_s: f
     if proc.returncode != 0:
         lines = err.strip().splitlines()
         reason = next((ln[len("error: "):] for ln in reversed(lines) if ln.startswith("error: ")), None)
-        raise SinkError(f"{label} failed (exit {proc.returncode}): " + (reason or " | ".join(lines[-3:]) or "no output"))
+        raise SinkError(f"{label} failed (exit {proc.returncode}): "
+                        + (reason or " | ".join(lines[-3:]) or "no output"))
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
 

@@ -7,7 +7,8 @@ are logged with ``step=`` the training step (MLflow plots by step, so late and o
 land at their own x): our keys and the field's aliases (``sinks/names.py``; ``@`` spelled ``_at_``,
 which MLflow names cannot hold); params are the eval
 settings per suite (``<suite>.block_size``, ...); each ledger record is an artifact
-(``results/step-<step>-<record hash>/attempt-<n>.json``) and the HTML report (``report/``) is replaced at each publication.
+(``results/step-<step>-<record hash>/attempt-<n>.json``) and the HTML report (``report/``) is
+replaced at each publication.
 
 Idempotent re-publication: every record's metrics go in one ``log_batch`` together with the tag
 ``dflash.record.<hash>``, so a publication logs exactly the records the run lacks and a repeated one
@@ -52,7 +53,7 @@ class MlflowTarget:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, data: dict) -> "MlflowTarget":
+    def from_json(cls, data: dict) -> MlflowTarget:
         return cls(**data)
 
 
@@ -151,7 +152,8 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
                 if k not in params and k not in new_params:
                     new_params[k] = v
                 elif params.get(k, new_params.get(k)) != v:
-                    log.warning("MLflow param %s stays %r (a later result has %r)", k, params.get(k, new_params.get(k)), v)
+                    log.warning("MLflow param %s stays %r (a later result has %r)", k, params.get(k, new_params.get(k)),
+                                v)
         items = list(new_params.items())
         for i in range(0, len(items), 100):
             client.log_batch(mid, params=[Param(k, v) for k, v in items[i:i + 100]])
@@ -162,7 +164,8 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
                 last = i + _BATCH >= len(ms)
                 client.log_batch(mid, metrics=ms[i:i + _BATCH],
                                  tags=[RunTag(record_tag(res), str(res.step))] if last else [])
-            client.log_artifact(mid, str(res.path), artifact_path=f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}")
+            client.log_artifact(mid, str(res.path),
+                                artifact_path=f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}")
         if todo and target.report:
             _log_report(client, mid, run_id, results_dir)
         return {"eval_run_id": eid, "mlflow_run_id": mid, "experiment_id": run.info.experiment_id,

@@ -10,7 +10,8 @@ curve as an image (``eval/<suite>/pos_curve``, when matplotlib is installed).
 Why a rebuild: TensorBoard reads an event file in order and, seeing a step lower than one before it,
 drops the later points as a restart's orphans. So a re-evaluated old checkpoint must not be appended;
 each publication writes the complete run, in step order, into a staging directory beside the root
-(``.<root name>-staging``, same filesystem) and swaps the event file in (the run directory always holds one complete file; the old one is deleted after the swap).
+(``.<root name>-staging``, same filesystem) and swaps the event file in (the run directory always holds
+one complete file; the old one is deleted after the swap).
 Offline by nature; one writer per run (`wandb_lock.writer_lock`, Redis + file lock).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ class TensorBoardTarget:
         return {"root": str(self.root), "primary_suite": self.primary_suite, "images": self.images}
 
     @classmethod
-    def from_json(cls, data: dict) -> "TensorBoardTarget":
+    def from_json(cls, data: dict) -> TensorBoardTarget:
         return cls(**{**data, "root": Path(data["root"])})
 
 

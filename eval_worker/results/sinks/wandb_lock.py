@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from filelock import FileLock, Timeout
 
@@ -32,7 +32,8 @@ def redis_lock(url: str, name: str, *, wait_s: float = 600.0, ttl_s: float = 60.
     lock = client.lock(LOCK_PREFIX + name, timeout=ttl_s, blocking_timeout=wait_s, thread_local=False)
     try:
         if not lock.acquire(blocking=True):
-            raise LockTimeout(f"W&B lock {name!r} on {redact_url(url)} still held by another writer after {wait_s:.0f}s")
+            raise LockTimeout(
+                f"W&B lock {name!r} on {redact_url(url)} still held by another writer after {wait_s:.0f}s")
         stop = threading.Event()
 
         def keep_alive() -> None:  # a long rebuild must not outlive the TTL and let a second writer in

@@ -85,7 +85,7 @@ class WandbTarget:
                 "upload_checkpoints": self.upload_checkpoints}
 
     @classmethod
-    def from_json(cls, data: dict) -> "WandbTarget":
+    def from_json(cls, data: dict) -> WandbTarget:
         return cls(**{**data, "root": Path(data["root"])})
 
 
@@ -259,7 +259,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def rebuild_offline(run_id: str, results: list[RunResult], target: WandbTarget) -> dict:
     """Write one complete offline run for ``run_id`` and make it the current build. Caller holds the lock."""
-    import wandb
+    import wandb  # noqa: F401  (a missing wandb fails here, before a build directory is made)
 
     eid = eval_run_id(run_id)
     builds = target.root / "builds" / eid
