@@ -25,22 +25,19 @@ _REPO = re.compile(r"^hf://(\w[\w.-]*)/(\w[\w.-]*)(?:@([\w.-]+))?(?:/(.*))?$", r
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
-
-
 def unreachable(timeout: float = 3.0) -> str | None:
     """Why the Hub cannot be reached now (offline mode, or its endpoint refuses / does not answer a TCP
     connection within `timeout`), else None. One connection, seconds at most: huggingface_hub and
     `datasets` retry for half a minute before they give up. Behind a proxy nothing is probed (None)."""
-    import os
     import socket
+    import urllib.request
     from urllib.parse import urlsplit
 
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
-    if any(os.environ.get(v) for v in _PROXY_VARS):
+    if urllib.request.getproxies():  # the proxy variables, as urllib and requests read them
         return None
     url = urlsplit(constants.ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)

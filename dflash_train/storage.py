@@ -260,7 +260,8 @@ def preflight(url: str, *, write: bool = True) -> None:
         except StoreUnavailable as e:
             raise StoreUnavailable(f"cannot reach the store for {redact(url)}: {e.__cause__ or e}") from None
         if not found:
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+            # the endpoint the client resolved (AWS_ENDPOINT_URL, a profile, or AWS itself)
+            endpoint = getattr(getattr(getattr(store.fs, "s3", None), "meta", None), "endpoint_url", None) or "AWS"
             raise StoreError(f"bucket {bucket!r} does not exist (endpoint {endpoint}): create it first "
                              f"(`aws s3 mb s3://{bucket}`, `mc mb ALIAS/{bucket}`) or fix the URL {redact(url)}")
     if not write:

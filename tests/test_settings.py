@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 from dflash_train.settings import Settings, parse_roots
 
 REPO = Path(__file__).resolve().parents[1]
-# Reads that are not settings of ours: torchrun's process-group protocol, and the W&B sink
-# handing W&B its own variables for the length of one publication.
+# Reads that are not settings of ours: torchrun's process-group protocol, the W&B sink handing W&B
+# its own variables for the length of one publication, and `dflash-eval dashboard` handing
+# rq-dashboard the variables its create_app() reads its configuration from.
 ALLOWED = {"dflash_train/settings.py", "dflash_train/distributed.py", "eval_worker/results/sinks/wandb_sink.py",
-           "dflash_train/assets/build_tiny_target.py"}
+           "dflash_train/assets/build_tiny_target.py", "eval_worker/commands/dashboard.py"}
 
 
 def _environment_reads(path: Path) -> list[int]:
