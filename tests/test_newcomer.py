@@ -223,7 +223,7 @@ def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path
     save_drafter(drafter, src)
     no_roots = _settings(tmp_path / "home").replace(checkpoint_roots=None)
     assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=no_roots) == 0
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     assert err.startswith("WARNING: no checkpoint roots configured")
     named = [Path(p) for p in re.findall(r"--checkpoint-root (\S+?)[` ]", err.split("e.g.")[1])]
     assert set(named) == {tmp_path / "records", src.parent}
