@@ -187,6 +187,27 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_during(fn):
+    """(fn(), seconds, peak RSS above the start in MiB), RSS sampled every 0.5 ms on a thread."""
+    base, peak, stop = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.0005)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t = time.perf_counter()
+    try:
+        out = fn()
+    finally:
+        el = time.perf_counter() - t
+        stop.set()
+        th.join()
+    return out, el, (max(peak[0], rss_bytes()) - base) / 2**20
+
+
 def memory_point(target_spec: str, n: int, mode: str, layers: int, features: int) -> dict:
     """Runs in a child process: peak extra RSS while drafting n anchors."""
     import ctypes
@@ -210,28 +231,18 @@ def memory_point(target_spec: str, n: int, mode: str, layers: int, features: int
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
-    base, peak, stop = rss_bytes(), [0], threading.Event()
+    def run():
+        with torch.no_grad():
+            if mode == "engine":
+                draft_anchors(drafter, embed, head, ids, feats, anchors, topk=8, topk_slots=8)
+            else:  # one pass over every anchor, the head on all rows at once
+                hidden = drafter.forward_blocks(embed, ids[None], feats[None], torch.as_tensor(anchors)[None])
+                B = drafter.config.block_size
+                rows = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
+                head_topk(head, rows, 8, rows_per_chunk=rows.shape[0])
 
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.0005)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    t = time.perf_counter()
-    with torch.no_grad():
-        if mode == "engine":
-            draft_anchors(drafter, embed, head, ids, feats, anchors, topk=8, topk_slots=8)
-        else:  # one pass over every anchor, the head on all rows at once
-            hidden = drafter.forward_blocks(embed, ids[None], feats[None], torch.as_tensor(anchors)[None])
-            B = drafter.config.block_size
-            rows = hidden.view(-1, B, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
-            head_topk(head, rows, 8, rows_per_chunk=rows.shape[0])
-    el = time.perf_counter() - t
-    stop.set()
-    th.join()
-    return {"anchors": n, "mode": mode, "peak_extra_mb": (max(peak[0], rss_bytes()) - base) / 2**20, "seconds": el}
+    _, el, peak_mb = peak_during(run)
+    return {"anchors": n, "mode": mode, "peak_extra_mb": peak_mb, "seconds": el}
 
 
 def memory_curve(args) -> list[dict]:

@@ -31,7 +31,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.eval_speed import TINY, rss_bytes  # noqa: E402
+from bench.eval_speed import TINY, peak_during  # noqa: E402
 
 CASES = {  # target, drafter layers, fit steps
     "demo": ("tiny", 2, 12),
@@ -160,24 +159,6 @@ _SUITE = {}
 
 def result_suite(result):
     return _SUITE["suite"]
-
-
-def peak_during(fn):
-    base, peak, stop = rss_bytes(), [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.0005)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    t = time.perf_counter()
-    out = fn()
-    el = time.perf_counter() - t
-    stop.set()
-    th.join()
-    return out, el, (max(peak[0], rss_bytes()) - base) / 2**20
 
 
 def run_case(name: str, args, work: Path) -> dict:
