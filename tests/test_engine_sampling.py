@@ -68,6 +68,7 @@ def tiny_sampled(tmp_path_factory):
     return tiny, drafter, ckpt, suite, prompts, eos
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_sampling_replay_equals_real_loop_on_the_tiny_target_at_temperature_0_7(tiny_sampled, tmp_path):
     """Every prompt, every sample: the replayed accept lengths are the real loop's (run here with
     the same keyed sampler), and the loop's output is the sampled reference."""
@@ -88,6 +89,7 @@ def test_sampling_replay_equals_real_loop_on_the_tiny_target_at_temperature_0_7(
     assert max(seen) > 2 and entry["tau"]["macro"] > 1.1  # not vacuous: drafts do get accepted
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_sampling_validation_cache_and_seed(fitted, tmp_path):  # noqa: F811
     """`validate` runs the real loop per (prompt, sample) and agrees; a second evaluation reads every
     sampled reference and feature from the cache; another seed draws other samples."""

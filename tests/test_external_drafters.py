@@ -156,6 +156,7 @@ def test_import_names_from_the_usual_layouts(tmp_path):
         verify_checkpoint(record, [tmp_path / "ckpts", snap])  # the blobs lie outside the snapshot
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_external_drafter_queued_evaluated_and_used_as_baseline(tmp_path, redis_url, capsys):
     """A marker-less, read-only drafter directory with SpecForge-style keys, queued with
     `enqueue --external` (alone, and as the baseline of a published checkpoint), evaluated by

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.queue import fetch_job
 from eval_worker.service.redis_local import connect
@@ -19,6 +21,7 @@ def _example():
     return module
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_hf_example_trains_and_its_evaluations_land_in_the_ledger(tmp_path, redis_url):
     target = _target()
     root = tmp_path / "ckpts"

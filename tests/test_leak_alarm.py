@@ -56,6 +56,7 @@ def trained_pair(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_leak_alarm_flags_a_drafter_trained_with_the_inclusive_anchor_leak(trained_pair, ev):
     held_out = _suite("h", _rows(96, 2, seed=1).tolist(), 3)  # short contexts, as in training
     (leaky, leaky_acc), (healthy, healthy_acc) = trained_pair["anchor_state"], trained_pair[None]

@@ -369,7 +369,8 @@ def proxy(s3_server, monkeypatch):
             storage._filesystem.cache_clear()
 
 
-@pytest.mark.parametrize("fault", ["cut", "stall", "5xx"])
+# the stall waits out a read timeout (~13 s): CI's slow pass
+@pytest.mark.parametrize("fault", ["cut", pytest.param("stall", marks=pytest.mark.slow), "5xx"])
 def test_s3_transport_error_is_store_unavailable_and_leaves_nothing(tmp_path, bucket, proxy, fault):
     """Each transport fault, on the real client stack: the store's error is StoreUnavailable
     (retryable), the cache uses its own attempts, no temporary directory stays behind, and the

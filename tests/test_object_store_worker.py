@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import uuid
 
+import pytest
+
 from dflash_train import storage
 from dflash_train.publication import MARKER_NAME, read_manifest, upload_checkpoint
 from eval_worker.cli import main as cli
@@ -28,6 +30,7 @@ def _finish(conn, job_id: str, timeout: float = 240):
     return job
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_s3_two_boxes_publish_enqueue_pull_verify_evaluate(tmp_path, redis_url, s3_server, capsys):
     target = _target()
     cfg, mask = tiny_target_drafter_config(target)
@@ -120,6 +123,7 @@ def test_s3_two_boxes_publish_enqueue_pull_verify_evaluate(tmp_path, redis_url, 
     conn.close()
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, redis_url, s3_server, monkeypatch):
     """`publish_to`: the trainer uploads each checkpoint on its publisher thread, the hook queues
     the store URLs (pinned in the store), retention runs on the store, and a worker that sees

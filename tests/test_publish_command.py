@@ -50,6 +50,7 @@ def ledger(tmp_path, wandb_offline, monkeypatch):
     return add
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_worker_carries_on_through_a_wandb_outage_and_publish_reproduces_every_point(ledger, redis_url, tmp_path):
     """A real worker with W&B "online" at a dead 127.0.0.1 port: the sink fails fast, every job
     still finishes and is in the ledger; `publish --mode offline` then rebuilds every point."""

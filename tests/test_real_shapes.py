@@ -79,6 +79,7 @@ def test_real_shape_run_validates_and_a_random_drafter_has_tau_about_one(shape):
     assert all(p["reference_agrees_with_target"] for p in r["prompts"])
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_real_shape_one_weight_edit_rebuilds_the_caches(shape):
     d = shape.tmp / "edited"
     shutil.copytree(shape.dir, d)
@@ -96,6 +97,7 @@ def test_real_shape_one_weight_edit_rebuilds_the_caches(shape):
     assert edited["target"]["fingerprint"] != first["target"]["fingerprint"]
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_real_shape_server_references(shape):
     """A server answering with the target's greedy ids is used; one that re-tokenizes its text fails the job."""
     tok, target = shape.target.tokenizer, shape.target

@@ -31,6 +31,7 @@ def test_worker_sigkilled_at_random_points_records_every_job_once(tmp_path, zygo
     assert row.details["queue_state"]["finished"] == 12  # ... and each finished once
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_redis_outage_while_enqueueing_and_working(tmp_path, zygote, target):
     row = _check(soak.scenario_redis(tmp_path, zygote, target, checkpoints=8, down_s=2.0))
     assert row.recorded == row.accepted == 8
@@ -40,6 +41,7 @@ def test_redis_outage_while_enqueueing_and_working(tmp_path, zygote, target):
     assert all(row.details["workers_alive"])  # never restarted: they reconnected by themselves
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_trainer_killed_during_checkpoint_writes(tmp_path, zygote, target):
     row = _check(soak.scenario_trainer_kill(tmp_path, zygote, target, kills=3, seed=2))
     assert row.details["leaked"] == [] and row.details["left_over"] == []

@@ -23,6 +23,7 @@ def test_burst_of_queued_jobs_each_runs_exactly_once(tmp_path, zygote, target):
     assert len(row.details["per_worker"]) == 2 and min(row.details["per_worker"].values()) > 0  # both served
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_long_running_worker_memory_is_flat_over_100_jobs(tmp_path, zygote, target):
     row = _check(soak.scenario_memory(tmp_path, zygote, target, jobs=100, warmup=15))
     assert row.recorded == 100 and row.details["target_loads"] == 1

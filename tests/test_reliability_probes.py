@@ -10,6 +10,8 @@ test_sidecar_worker.py).
 """
 from __future__ import annotations
 
+import pytest
+
 from tests import soak
 from tests.test_reliability_faults import _check
 
@@ -20,6 +22,7 @@ def test_ledger_collision_scenario_records_each_evaluation_of_one_step(tmp_path,
     assert "already has checkpoint" in row.details["messages"]["second checkpoint"]
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_outbox_server_error_scenario_keeps_jobs_and_workers_through_refused_writes(tmp_path, zygote, target):
     row = _check(soak.scenario_refusing(tmp_path, zygote, target, per_phase=1, hold_s=2.0))
     assert row.recorded == row.accepted == 3

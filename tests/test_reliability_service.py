@@ -448,6 +448,7 @@ def test_secret_redaction_no_output_shows_a_planted_secret(conn, redis_url, tmp_
     assert "***@bkt/runs/run-sec" in outputs["RQ failure text"] and "***@bkt" in outputs["worker log"]  # it said why
 
 
+@pytest.mark.slow  # ~10 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_clock_skew_soak_two_workers_one_box_ahead(tmp_path, zygote, target):
     """The soak scenario at its small size: real worker processes on the micro target, one of them
     with its maintenance clock 300 s ahead; on main 1 of 6 jobs ran twice."""

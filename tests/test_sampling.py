@@ -130,6 +130,7 @@ def _chi_square(counts: dict, exact: dict, n: int) -> float:
     return stats.chisquare(observed, expected).pvalue
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_sampling_loop_is_lossless_at_temperature_one(peaked):
     """The real loop's first token and first three tokens follow the target's own distribution at
     temperature 1 (chi-square, categories with expected count >= 5, the rest pooled), while the

@@ -138,6 +138,7 @@ def test_target_loaded_once_failures_visible_and_requeueable(ctx):
     assert "1 workers" in out.stdout and "dflash-eval " in out.stdout, out.stdout
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_two_workers_each_job_runs_once_despite_long_jobs(ctx):
     a, b = ctx.start("w-a", gated=True), ctx.start("w-b", gated=True)
     a.wait_registered(ctx.conn)
@@ -158,6 +159,7 @@ def test_two_workers_each_job_runs_once_despite_long_jobs(ctx):
     assert len(ctx.ledger.entries("run-w", all_attempts=True)) == 2
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_job_of_a_killed_worker_runs_again_and_is_recorded_once(ctx):
     a, b = ctx.start("w-doomed", gated=True), ctx.start("w-survivor", gated=True)
     a.wait_registered(ctx.conn)
@@ -177,6 +179,7 @@ def test_job_of_a_killed_worker_runs_again_and_is_recorded_once(ctx):
     assert len(ctx.ledger.entries("run-w", all_attempts=True)) == 1
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_sigterm_finishes_the_running_job_then_exits(ctx):
     w = ctx.start("w-term", gated=True)
     w.wait_registered(ctx.conn)

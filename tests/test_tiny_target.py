@@ -184,6 +184,7 @@ def _lines(text: str) -> list[str]:
     return [line.rstrip() for line in text.split("\n") if line.strip()]
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_suite_answers_vary(suite_answers):
     varied = {n for n, (_, text, _) in suite_answers.items() if len(set(_lines(text))) >= VARIED_LINES}
     assert len(varied) >= VARIED_SHARE * len(suite_answers), sorted(set(suite_answers) - varied)
@@ -193,6 +194,7 @@ def test_suite_answers_vary(suite_answers):
     assert len(ended) >= ENDED_SHARE * len(suite_answers), ended
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_suite_answers_do_not_collapse(suite_answers):
     from eval_worker.engine.diagnostics import reference_collapse
 
@@ -204,6 +206,7 @@ def test_suite_answers_do_not_collapse(suite_answers):
     assert reference_collapse([tokens[0], tokens[1]] * 64, "#\n" * 64) is not None
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_suite_answers_look_like_python(suite_answers):
     pythonish = [n for n, (_, text, _) in suite_answers.items()
                  if re.search(r"^\s*(def|class|return|if|for|import|from)\b", text, re.M)]

@@ -151,6 +151,7 @@ def _torchrun(tmp_path, *args, timeout=420):
     return proc.returncode, out + err, ranks
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_torchrun_two_ranks_rank0_alone_reports(tmp_path, tiny_target_path):
     """Under `torchrun --nproc-per-node 2` only rank 0 shows progress and prints `done:`, with the
     global figures (the same loss rank 0 logged for the last step, summed over both ranks)."""

@@ -131,6 +131,7 @@ def test_builtin_sources_and_templates(tiny_target_path):
         stdlib_code_prompts(tok, 1, 8, "test")
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_builtin_training_prompts_are_held_out_from_the_suite_and_the_targets_pairs(tiny_target_path):
     """The demo drafter's requests (builtin:stdlib-mix) are not the eval suite's prompts, and
     not chat pairs the target trained on: the target writes them a fresh answer."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash_train.trainer import Trainer
@@ -22,6 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~10-25 s: CI's slow pass (the default suite stays under 10 min on 2 cores)
 def test_two_process_ddp_matches_single_process(tmp_path):
     out = tmp_path / "ddp"
     out.mkdir()
