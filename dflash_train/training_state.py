@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 from pathlib import Path
 
@@ -42,6 +41,8 @@ STEP_KEYS = ("global_step", "step", "iteration", "iter", "train_step")
 STATE_FILES = ("training_state.pt",)  # SpecForge
 TRAINER_STATE = "trainer_state.json"  # HF Trainer
 _PT = (".pt", ".pth", ".bin", ".ckpt")
+# what torch.load(weights_only=True) raises for a pickle that needs code: nothing here unpickles itself
+_REFUSED = torch.serialization.pickle.UnpicklingError
 _STEP_K = re.compile(r"(?:step|checkpoint|ckpt|iter)[_-]?(\d+)(k?)$", re.IGNORECASE)
 
 
@@ -50,7 +51,7 @@ def load_pt(path: str | Path) -> object:
     path = Path(path)
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
+    except _REFUSED as e:
         reason = str(e).strip().splitlines()
         why = next((line for line in reason if "Unsupported" in line or "GLOBAL" in line), reason[0] if reason else "")
         raise CheckpointError(f"{path}: refused: reading it would run code beyond tensors and plain containers "
