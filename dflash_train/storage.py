@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeGuard
 
-from . import redaction
 from .errors import DFlashError
+from .redaction import redact  # re-exported: one redaction for every URL in the project
 
 __all__ = ["StoreError", "StoreUnavailable", "Store", "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url",
            "join", "parent", "name", "within_prefixes", "store_for", "redact", "read_only",
@@ -81,11 +81,6 @@ def check_url(url: str) -> str:
     if not segments[0] or any(s in ("", ".", "..") for s in segments):
         raise StoreError(f"{redact(url)}: empty, '.' or '..' path segments are not allowed")
     return f"{proto}://{rest}"
-
-
-def redact(url: str) -> str:
-    """`url` (or any text naming URLs) with credentials (`user:secret@`, `?password=`) hidden, for messages."""
-    return redaction.redact(url)
 
 
 def join(base: str, *parts: str) -> str:
