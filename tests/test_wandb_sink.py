@@ -16,6 +16,7 @@ from eval_worker.results.sinks import publish_result
 from eval_worker.results.sinks.wandb_lock import LockTimeout, writer_lock
 from eval_worker.results.sinks.wandb_payload import marked_html, marked_text, scalars
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
+from tests.sidecar_support import read_calls, wait_for
 from tests.wandb_reader import read_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,11 +200,18 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
         assert enqueue(conn, job, roots=[env["ckpt"]]).enqueued
     cmd = [sys.executable, "-m", "eval_worker.cli", "worker", "--redis-url", redis_url, "--burst", "--no-scheduler",
            "--checkpoint-root", str(env["ckpt"]), "--results-dir", str(env["results"]), "--target", str(target),
-           "--evaluator-factory", "tests.fake_evaluator:FakeEvaluator", "--log-level", "WARNING"]
-    child_env = {**os.environ, "PYTHONPATH": str(REPO)}
+           "--evaluator-factory", "tests.sidecar_support:gated_fake_evaluator", "--log-level", "WARNING"]
+    # each engine call waits at a gate until two are in flight: a worker runs one job at a time, so two calls
+    # at the gate are two workers, and neither can drain the queue before the other has started (CI once saw it)
+    calls, gate = tmp_path / "calls.jsonl", tmp_path / "gate"
+    child_env = {**os.environ, "PYTHONPATH": str(REPO), "SIDECAR_CALLS": str(calls), "SIDECAR_GATE": str(gate)}
     child_env.pop("REDIS_URL", None)  # the sink must find the worker's Redis through the RQ job
     workers = [subprocess.Popen(cmd + ["--name", f"w{i}"], env=child_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        wait_for(lambda: len(read_calls(calls)) >= 2, 120, "both workers to start a job")
+    finally:
+        gate.touch()
     for w in workers:
         out, _ = w.communicate(timeout=300)
         assert w.returncode == 0, out[-3000:]
