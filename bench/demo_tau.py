@@ -4,7 +4,7 @@
                              [--sets suite,heldout-code,heldout-instruct] [--per-set 12] [--json out.json]
 
 τ = mean accept length (bonus included) of real greedy speculative decoding
-(`dflash_train.speculative.speculative_generate`), pooled over the prompts of a set:
+(`dflash_train.core.speculative.speculative_generate`), pooled over the prompts of a set:
 - `suite`: the built-in eval suite's coding requests (eval_worker/engine/suites/coding.jsonl, chat template);
 - `heldout-code`: code prefixes from the stdlib files the tiny target never trained on;
 - `heldout-instruct`: coding requests made from those held-out files' docstrings.
@@ -26,14 +26,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from dflash_train.checkpoint import load_drafter  # noqa: E402
-from dflash_train.data import encode_record, stdlib_code_prompts, stdlib_instruct_prompts  # noqa: E402
-from dflash_train.model import DFlashDrafter  # noqa: E402
-from dflash_train.publication import list_checkpoints, read_manifest  # noqa: E402
-from dflash_train.speculative import speculative_generate  # noqa: E402
-from dflash_train.target import Target  # noqa: E402
-from dflash_train.train_config import load_config  # noqa: E402
-from dflash_train.trainer import Trainer, resolve_target_path  # noqa: E402
+from dflash_train.checkpoints.checkpoint import load_drafter  # noqa: E402
+from dflash_train.checkpoints.publication import list_checkpoints, read_manifest  # noqa: E402
+from dflash_train.core.model import DFlashDrafter  # noqa: E402
+from dflash_train.core.speculative import speculative_generate  # noqa: E402
+from dflash_train.core.target import Target  # noqa: E402
+from dflash_train.training.data import encode_record, stdlib_code_prompts, stdlib_instruct_prompts  # noqa: E402
+from dflash_train.training.train_config import load_config  # noqa: E402
+from dflash_train.training.trainer import Trainer, resolve_target_path  # noqa: E402
 
 SUITE = REPO / "eval_worker" / "suites" / "coding.jsonl"
 

@@ -44,7 +44,7 @@ TINY = REPO / "dflash_train" / "assets" / "tiny_target"
 
 
 def load_target(spec: str):
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
 
     if spec != "random" and Path(spec).joinpath("config.json").is_file():
         return Target.load(spec)
@@ -61,9 +61,9 @@ def load_target(spec: str):
 
 
 def make_checkpoint(target, path: Path, block_size: int = 16, layers: int = 1, features: int = 3) -> Path:
-    from dflash_train.checkpoint import save_drafter
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.checkpoints.checkpoint import save_drafter
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
 
     torch.manual_seed(1)
     mask = target.mask_token_id()
@@ -86,7 +86,7 @@ def suite_for(target, n: int, max_new: int):
 
 
 def time_per_block(args) -> dict:
-    from dflash_train.checkpoint import load_drafter
+    from dflash_train.checkpoints.checkpoint import load_drafter
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.cache import CacheReport
     from eval_worker.engine.drafting import draft_one_block
@@ -137,7 +137,7 @@ def time_per_block(args) -> dict:
                 seeds_s += time.perf_counter() - t
                 seeds_n += 1
         spec_s = 0.0
-        from dflash_train.speculative import speculative_generate
+        from dflash_train.core.speculative import speculative_generate
 
         for ref in refs:  # the real draft-and-verify loop on the same prompts
             t = time.perf_counter()
@@ -156,7 +156,7 @@ def time_per_block(args) -> dict:
 
 def context_sweep(args) -> list[dict]:
     """ms per block, engine drafting vs the one-block loop, as the context grows (same drafter)."""
-    from dflash_train.checkpoint import load_drafter
+    from dflash_train.checkpoints.checkpoint import load_drafter
     from eval_worker.engine.drafting import draft_anchors, draft_one_block
 
     target = load_target(args.target)
@@ -218,7 +218,7 @@ def memory_point(target_spec: str, n: int, mode: str, layers: int, features: int
     torch.set_num_threads(1)
     target = load_target(target_spec)
     with tempfile.TemporaryDirectory() as tmp:
-        from dflash_train.checkpoint import load_drafter
+        from dflash_train.checkpoints.checkpoint import load_drafter
 
         drafter = load_drafter(make_checkpoint(target, Path(tmp) / "ck", layers=layers, features=features))
     S = 2100

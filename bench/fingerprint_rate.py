@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from dflash_train.fingerprint import FileDigests, tensor_digest  # noqa: E402
+from dflash_train.core.fingerprint import FileDigests, tensor_digest  # noqa: E402
 
 
 def main() -> None:

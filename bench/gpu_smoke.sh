@@ -16,8 +16,8 @@ import torch
 assert torch.cuda.is_available(), "bench/gpu_smoke.sh needs a CUDA device"
 print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
 sys.path.insert(0, ".")
-from dflash_train.train_config import TrainConfig
-from dflash_train.trainer import Trainer
+from dflash_train.training.train_config import TrainConfig
+from dflash_train.training.trainer import Trainer
 
 target_arg = sys.argv[1]
 target = examples = mask_id = None

@@ -39,8 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from dflash_train.train_config import TrainConfig  # noqa: E402
-from dflash_train.trainer import Trainer  # noqa: E402
+from dflash_train.training.train_config import TrainConfig  # noqa: E402
+from dflash_train.training.trainer import Trainer  # noqa: E402
 
 
 class StepClock:
@@ -75,7 +75,7 @@ class TimedHook:
 
 def setup(args):
     if args.target == "random":
-        from dflash_train.data import Example, regenerate
+        from dflash_train.training.data import Example, regenerate
         from tests.factories import MASK_ID, qwen3_target
 
         target = qwen3_target(layers=8, hidden=args.hidden)
@@ -83,8 +83,8 @@ def setup(args):
         prompts = [torch.randint(1, MASK_ID, (48,), generator=g).tolist() for _ in range(64)]
         responses = regenerate(target, prompts, 96, batch_size=64)
         return target, [Example(p + r, len(p)) for p, r in zip(prompts, responses, strict=True)], MASK_ID
-    from dflash_train.target import Target
-    from dflash_train.trainer import resolve_target_path
+    from dflash_train.core.target import Target
+    from dflash_train.training.trainer import resolve_target_path
 
     return Target.load(resolve_target_path(args.target), dtype="float32"), None, None
 

@@ -25,7 +25,7 @@ CHILD = r"""
 import json, sys, psutil
 from pathlib import Path
 import torch
-from dflash_train.training_state import import_checkpoint
+from dflash_train.checkpoints.training_state import import_checkpoint
 mode, pt, cfg, into = sys.argv[1:5]
 base = psutil.Process().memory_info().rss
 if mode == "mmap":
@@ -47,9 +47,9 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from dflash_train.checkpoint import drafter_state_dict, save_drafter
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.checkpoints.checkpoint import drafter_state_dict, save_drafter
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
 
     cfg = DrafterConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=16, num_key_value_heads=4, head_dim=args.hidden // 16,

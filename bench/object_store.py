@@ -44,8 +44,8 @@ def _median_time(fn, n: int) -> float:
 
 
 def transfer(tmp: Path, mb: int, repeats: int) -> dict:
-    from dflash_train.checkpoint_cache import CheckpointCache
-    from dflash_train.publication import publish_directory, upload_checkpoint, verify_checkpoint
+    from dflash_train.checkpoints.publication import publish_directory, upload_checkpoint, verify_checkpoint
+    from eval_worker.service.checkpoint_cache import CheckpointCache
 
     def write(d: Path) -> None:
         (d / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
@@ -86,7 +86,7 @@ def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
     """The checkpoint part of a worker's job (`jobs.materialize`: confine, read the marker, then
     verify in place, or pull into the cache and verify, or find it cached), fastest of `n`
     interleaved rounds: local path, store URL with an empty cache, store URL cached."""
-    from dflash_train.checkpoint_cache import CheckpointCache
+    from eval_worker.service.checkpoint_cache import CheckpointCache
     from eval_worker.service.jobs import check_checkpoint, materialize
 
     def phase(j: dict, clear: bool) -> float:
@@ -108,7 +108,7 @@ def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
 
 
 def jobs(tmp: Path, n: int, big: Path | None) -> dict:
-    from dflash_train.publication import upload_checkpoint
+    from dflash_train.checkpoints.publication import upload_checkpoint
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings, configure
     from eval_worker.service.jobs import make_job
@@ -158,7 +158,7 @@ def main():
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    from dflash_train import storage
+    from dflash_train.checkpoints import storage
     from tests.s3_server import S3Server
 
     with tempfile.TemporaryDirectory() as tmp_s:

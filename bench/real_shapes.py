@@ -73,14 +73,14 @@ class RssSampler:
 
 
 def build(shape: str):
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
     from tests.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
 
     target = Target.load(TINY) if shape == "tiny" else {"qwen3": qwen3_real_shape,
                                                         "qwen3_5": qwen3_5_real_shape}[shape]()
     if shape == "tiny":
-        from dflash_train.config import DrafterConfig
-        from dflash_train.model import DFlashDrafter
+        from dflash_train.core.config import DrafterConfig
+        from dflash_train.core.model import DFlashDrafter
 
         torch.manual_seed(1)
         drafter = DFlashDrafter(DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(),
@@ -92,7 +92,7 @@ def build(shape: str):
 
 def child_phases(args) -> dict:
     """One cold evaluation in this (fresh) process."""
-    from dflash_train.checkpoint import save_drafter
+    from dflash_train.checkpoints.checkpoint import save_drafter
     from eval_worker.engine import acceptance
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.suite import load_suite
@@ -170,7 +170,7 @@ def phases(args) -> list[dict]:
 
 
 def hybrid(args) -> dict:
-    from dflash_train.speculative import speculative_generate
+    from dflash_train.core.speculative import speculative_generate
     from tests.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
 
     torch.set_num_threads(args.threads)

@@ -28,10 +28,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from dflash_train.publication import list_checkpoints, read_manifest  # noqa: E402
-from dflash_train.target import Target  # noqa: E402
-from dflash_train.train_config import load_config  # noqa: E402
-from dflash_train.trainer import Trainer, resolve_target_path  # noqa: E402
+from dflash_train.checkpoints.publication import list_checkpoints, read_manifest  # noqa: E402
+from dflash_train.core.target import Target  # noqa: E402
+from dflash_train.training.train_config import load_config  # noqa: E402
+from dflash_train.training.trainer import Trainer, resolve_target_path  # noqa: E402
 from eval_worker.engine.acceptance import Evaluator  # noqa: E402
 
 

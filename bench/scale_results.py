@@ -117,7 +117,7 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
     """`publish` (offline rebuild) of one run: at its full size, and of a run of the small size."""
     import shutil
 
-    from dflash_train.settings import Settings
+    from dflash_train.common.settings import Settings
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
 
     os.environ.setdefault("WANDB_SILENT", "true")

@@ -23,8 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from dflash_train.train_config import TrainConfig  # noqa: E402
-from dflash_train.trainer import Trainer  # noqa: E402
+from dflash_train.training.train_config import TrainConfig  # noqa: E402
+from dflash_train.training.trainer import Trainer  # noqa: E402
 
 
 class StepClock:
@@ -37,7 +37,7 @@ class StepClock:
 
 
 def random_setup(args):
-    from dflash_train.data import Example, regenerate
+    from dflash_train.training.data import Example, regenerate
     from tests.factories import MASK_ID, qwen3_target
 
     target = qwen3_target(layers=8, hidden=args.random_hidden)
@@ -90,8 +90,8 @@ def main():
     target, examples, mask_id = (random_setup(args) if args.target == "random" else (None, None, None))
     with tempfile.TemporaryDirectory() as root:
         if target is None:  # load once, share between both runs
-            from dflash_train.target import Target
-            from dflash_train.trainer import resolve_target_path
+            from dflash_train.core.target import Target
+            from dflash_train.training.trainer import resolve_target_path
             dtype = "bfloat16" if args.device == "cuda" else "float32"
             target = Target.load(resolve_target_path(args.target), dtype=dtype, device=args.device)
         results = [run(args, d, target, examples, mask_id, root) for d in (0, args.depth)]

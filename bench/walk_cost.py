@@ -67,7 +67,7 @@ def matmul_gflops(reps: int = 7) -> float:
 
 
 def load_case_target(kind: str):
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
 
     if kind == "tiny":
         return Target.load(TINY)
@@ -86,9 +86,9 @@ def suite_for(target, n: int, max_new: int):
 
 def fitted_checkpoint(target, kind, layers, steps, suite, work: Path, ev) -> Path:
     """A B=16 drafter fitted `steps` passes over the suite's own references (kept in `work`)."""
-    from dflash_train.checkpoint import save_drafter
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.checkpoints.checkpoint import save_drafter
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
     from eval_worker.engine.cache import CacheReport
     from tests.engine_helpers import fit_drafter
 
@@ -162,8 +162,8 @@ def result_suite(result):
 
 
 def run_case(name: str, args, work: Path) -> dict:
-    from dflash_train.checkpoint import load_drafter
-    from dflash_train.speculative import speculative_generate
+    from dflash_train.checkpoints.checkpoint import load_drafter
+    from dflash_train.core.speculative import speculative_generate
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.cache import CacheReport
     from eval_worker.engine.options import EvalOptions
@@ -251,8 +251,8 @@ def forced_case(args, spine: bool = False) -> dict:
 
     target = load_case_target("tiny")
     torch.manual_seed(1)
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
 
     cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
                                    num_features=3, block_size=16)

@@ -2,7 +2,7 @@
 
 Each command module defines `HELP` (one line), `add_arguments(parser)` and
 `main(args) -> int`, and imports heavy dependencies inside `main` so that `--help`
-stays fast. The environment is read here, once (`args.settings`, dflash_train.settings),
+stays fast. The environment is read here, once (`args.settings`, dflash_train.common.settings),
 and every command takes its defaults from it.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import argparse
 import importlib
 import sys
 
-from dflash_train.redaction import install_log_redaction, redacted_output
-from dflash_train.settings import Settings
+from dflash_train.common.redaction import install_log_redaction, redacted_output
+from dflash_train.common.settings import Settings
 
 COMMANDS = {
     "run": "eval_worker.commands.run",  # evaluate one checkpoint, no queue

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from dflash_train.anchors import block_labels, sample_anchors
-from dflash_train.config import DrafterConfig
-from dflash_train.data import stdlib_code_prompts
-from dflash_train.loss import block_loss
-from dflash_train.model import DFlashDrafter
-from dflash_train.target import Target
+from dflash_train.core.config import DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.target import Target
+from dflash_train.training.anchors import block_labels, sample_anchors
+from dflash_train.training.data import stdlib_code_prompts
+from dflash_train.training.loss import block_loss
 from hooks import DFlashEvalCallback
 
 

@@ -18,10 +18,10 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
                 queue: str = "dflash-eval") -> str:
     """Import `checkpoint_dir` and queue its eval; returns the line it printed."""
     try:
-        from dflash_train.hub import resolve_target
-        from dflash_train.publication import run_id_from
-        from dflash_train.settings import Settings
-        from dflash_train.training_state import import_checkpoint
+        from dflash_train.checkpoints.hub import resolve_target
+        from dflash_train.checkpoints.publication import run_id_from
+        from dflash_train.checkpoints.training_state import import_checkpoint
+        from dflash_train.common.settings import Settings
         from eval_worker.service.jobs import make_job
         from eval_worker.service.queue import QueueConfig, enqueue
         from eval_worker.service.redis_local import connect, resolve_redis_url

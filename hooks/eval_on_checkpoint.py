@@ -1,6 +1,6 @@
 """`EvalOnCheckpoint`: enqueue an acceptance eval for published checkpoints (dflash_train callback).
 
-Implements the trainer hook protocol (dflash_train/callbacks.py), rank 0 only:
+Implements the trainer hook protocol (dflash_train/training/callbacks.py), rank 0 only:
 
 - `on_checkpoint_published(trainer, step, path, manifest)`: the marker is present. If this
   checkpoint reaches a new multiple of `every_n_steps` (the first published checkpoint at or
@@ -34,11 +34,11 @@ from typing import Any
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from dflash_train import storage
-from dflash_train.errors import retryable
-from dflash_train.publication import pin_checkpoint, unpin_checkpoint
-from dflash_train.redaction import redact
-from dflash_train.settings import Settings
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.common.errors import retryable
+from dflash_train.common.redaction import redact
+from dflash_train.common.settings import Settings
 from eval_worker.results.ledger import Ledger
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_key
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 def is_rank0() -> bool:
-    from dflash_train.distributed import is_rank0  # torch: the trainer's process has it loaded already
+    from dflash_train.training.distributed import is_rank0  # torch: the trainer's process has it loaded already
 
     return is_rank0()
 
@@ -63,7 +63,7 @@ class EvalOnCheckpoint:
     target / baseline / options / wandb / priority / sinks / mlflow: copied into each job (`sinks`:
     where the worker publishes this run's results, default the worker's; `mlflow`: `experiment`,
     `parent_run_id` = the trainer's MLflow run to nest the eval run under).
-    settings: the environment's settings (dflash_train.settings); read here when not given,
+    settings: the environment's settings (dflash_train.common.settings); read here when not given,
     the training script being the edge.
     """
 

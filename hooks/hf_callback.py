@@ -3,7 +3,7 @@
 `on_save` (after the HF Trainer saved its own checkpoint), on the main process only:
 the drafter inside the HF model is snapshotted to CPU on the training thread (the only
 synchronous part), then a background thread writes and publishes it atomically as
-`<checkpoint_root>/<run_id>/step-<step:08d>/` (dflash_train.checkpoint.AsyncPublisher:
+`<checkpoint_root>/<run_id>/step-<step:08d>/` (dflash_train.checkpoints.checkpoint.AsyncPublisher:
 temporary dir, fsync, rename, COMPLETE.json last), and only then hands it to
 `EvalOnCheckpoint`, which queues the job (outbox first, so a Redis outage loses nothing).
 With `publish_to="s3://bucket/runs"` the same thread then uploads it (files, then the marker)
@@ -46,10 +46,10 @@ from typing import Any
 from transformers import TrainerCallback
 
 # drafter_from_module is re-exported: users convert other trainers' modules with it from here
-from dflash_train.checkpoint import AsyncPublisher
-from dflash_train.checkpoint import drafter_from_module as drafter_from_module
-from dflash_train.model import DFlashDrafter
-from dflash_train.publication import run_id_from
+from dflash_train.checkpoints.checkpoint import AsyncPublisher
+from dflash_train.checkpoints.checkpoint import drafter_from_module as drafter_from_module
+from dflash_train.checkpoints.publication import run_id_from
+from dflash_train.core.model import DFlashDrafter
 
 from .eval_on_checkpoint import EvalOnCheckpoint
 
@@ -76,7 +76,7 @@ def find_drafter(model: Any):
     raise DrafterNotFound(
         f"DFlashEvalCallback: no DFlashDrafter in the HF model ({type(model).__name__}): neither the model, nor its "
         ".drafter, nor a submodule is one. Pass drafter_getter=, a callable(model) returning the "
-        "dflash_train.model.DFlashDrafter to publish; for another trainer's drafter module (SpecForge's "
+        "dflash_train.core.model.DFlashDrafter to publish; for another trainer's drafter module (SpecForge's "
         "DFlashDraftModel, ...) convert it: drafter_getter=lambda m: drafter_from_module(m.draft_model) "
         "(from hooks.hf_callback)")
 
@@ -122,7 +122,7 @@ class DFlashEvalCallback(TrainerCallback):
             return control
         self._drafter(model)  # raises: a run whose evals would never come should not start
         if self.publish_to:  # likewise a missing bucket or a key that cannot write there
-            from dflash_train import storage
+            from dflash_train.checkpoints import storage
 
             storage.preflight(self.publish_to)
         self.run_id = self.run_id or _run_id_from(args)
@@ -172,7 +172,7 @@ class DFlashEvalCallback(TrainerCallback):
         if not isinstance(drafter, DFlashDrafter):
             raise DrafterNotFound(
                 f"DFlashEvalCallback: drafter_getter returned {type(drafter).__name__}, not a "
-                "dflash_train.model.DFlashDrafter; wrap another trainer's module with "
+                "dflash_train.core.model.DFlashDrafter; wrap another trainer's module with "
                 "drafter_from_module(module) (from hooks.hf_callback)")
         return drafter
 

@@ -165,7 +165,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
     the standard AWS variables; `s3_server.make_bucket(name)` creates a bucket."""
     pytest.importorskip("s3fs", reason="s3fs is in the dev extra (pip install -e '.[dev]')")
     pytest.importorskip("moto.server", reason="moto[server] is in the dev extra (pip install -e '.[dev]')")
-    from dflash_train import storage
+    from dflash_train.checkpoints import storage
     from tests.s3_server import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")

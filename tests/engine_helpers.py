@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import torch
 import torch.nn.functional as F
 
-from dflash_train.model import DFlashDrafter
-from dflash_train.speculative import greedy_generate
-from dflash_train.target import Target
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.speculative import greedy_generate
+from dflash_train.core.target import Target
 
 
 def references(target: Target, prompts: list[list[int]], max_new: int, eos: int | None = None) -> list[list[int]]:

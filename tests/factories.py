@@ -5,9 +5,9 @@ import functools
 
 import torch
 
-from dflash_train.config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.target import Target
+from dflash_train.core.config import DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.target import Target
 
 VOCAB = 96
 MASK_ID = VOCAB - 1

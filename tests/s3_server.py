@@ -57,7 +57,7 @@ class S3Server:
         return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
 
     def make_bucket(self, bucket: str) -> None:
-        from dflash_train import storage
+        from dflash_train.checkpoints import storage
 
         storage.store_for(f"s3://{bucket}").fs.mkdir(bucket)
 

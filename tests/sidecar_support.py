@@ -19,9 +19,9 @@ def publish_random(root: Path, run_id: str, step: int, *, target_config=None, se
     """Publish a small random drafter with the trainer's real `publish_checkpoint`."""
     import torch
 
-    from dflash_train.checkpoint import publish_checkpoint
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.checkpoints.checkpoint import publish_checkpoint
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
 
     if target_config is None:
         from tests.factories import MASK_ID, qwen3_target

@@ -157,8 +157,8 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
     `always` (the test fixture) or `everysec` (the embedded server's default)."""
     import torch
 
-    from dflash_train.checkpoint import AsyncPublisher
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.checkpoints.checkpoint import AsyncPublisher
+    from dflash_train.core.model import DFlashDrafter
     from eval_worker.service import jobs as jobs_mod
     from hooks import EvalOnCheckpoint
 
@@ -457,7 +457,7 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
 def _republish(directory: Path, mutate: Callable[[Path], None]) -> None:
     """Change a published checkpoint's files, then rewrite COMPLETE.json to match them: a
     checkpoint that was broken *before* publication (its digests are consistent)."""
-    from dflash_train.publication import sha256_file
+    from dflash_train.checkpoints.publication import sha256_file
 
     mutate(directory)
     marker = directory / "COMPLETE.json"
@@ -654,14 +654,14 @@ def partial_checkpoints(run_dir: Path) -> list[str]:
 
 
 def trainer_main(argv: list[str]) -> int:
-    """A stand-in trainer: exactly what dflash_train/trainer.py does around publication
+    """A stand-in trainer: exactly what dflash_train/training/trainer.py does around publication
     (cleanup_incomplete at start, AsyncPublisher, EvalOnCheckpoint, retention with the hook's
     protection), with no training in between, so that a kill lands inside a checkpoint write."""
     import torch
 
-    from dflash_train.checkpoint import AsyncPublisher
-    from dflash_train.model import DFlashDrafter
-    from dflash_train.publication import apply_retention, cleanup_incomplete, list_checkpoints
+    from dflash_train.checkpoints.checkpoint import AsyncPublisher
+    from dflash_train.checkpoints.publication import apply_retention, cleanup_incomplete, list_checkpoints
+    from dflash_train.core.model import DFlashDrafter
     from hooks import EvalOnCheckpoint
 
     p = argparse.ArgumentParser()
@@ -1356,7 +1356,7 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
     `dflash-eval status` stays short."""
     import io
 
-    from dflash_train.publication import is_pinned
+    from dflash_train.checkpoints.publication import is_pinned
     from eval_worker.cli import main as cli
     from eval_worker.service.jobs import JobError
     from eval_worker.service.queue import enqueue, failure_reason, fetch_job

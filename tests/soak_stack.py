@@ -82,7 +82,7 @@ def build_micro_target(directory: Path) -> Path:
 def drafter_config(target: Path, block_size: int = 4):
     from transformers import AutoConfig
 
-    from dflash_train.config import DrafterConfig
+    from dflash_train.core.config import DrafterConfig
 
     cfg = AutoConfig.from_pretrained(target, local_files_only=True)
     return DrafterConfig.for_target(cfg, mask_token_id=MASK_ID, num_hidden_layers=1, num_features=2,
@@ -93,8 +93,8 @@ def publish(root: Path, target: Path, step: int, *, run: str = RUN, seed: int | 
     """Publish a random drafter for the micro target with the trainer's real `publish_checkpoint`."""
     import torch
 
-    from dflash_train.checkpoint import publish_checkpoint
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.checkpoints.checkpoint import publish_checkpoint
+    from dflash_train.core.model import DFlashDrafter
 
     torch.manual_seed(step if seed is None else seed)
     drafter = DFlashDrafter(cfg or drafter_config(target)).eval()
@@ -152,7 +152,7 @@ def _current_job_id() -> str | None:
 
 def _weights_digest(directory: Path) -> str | None:
     """The weights digest of the files actually in `directory` (as the manifest defines it)."""
-    from dflash_train.publication import drafter_files, sha256_file, weights_digest
+    from dflash_train.checkpoints.publication import drafter_files, sha256_file, weights_digest
 
     try:
         return weights_digest({n: sha256_file(directory / n) for n in drafter_files(directory)
@@ -220,7 +220,7 @@ sys.path.insert(0, sys.argv[1])
 import torch, transformers, redis, rq                                   # the expensive imports, once
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 import eval_worker.engine.acceptance, eval_worker.service.worker, eval_worker.cli, eval_worker.commands.worker
-import eval_worker.results.sinks, dflash_train.checkpoint, tests.soak
+import eval_worker.results.sinks, dflash_train.checkpoints.checkpoint, tests.soak
 children, lock = {}, threading.Lock()
 
 def reap():
@@ -453,7 +453,7 @@ class Stack:
         self.results = self.base / "results"
         self.cache = self.base / "cache"
         self.home = self.base / "home"  # $DFLASH_HOME of the workers
-        self.spool = self.home / "spool"  # the workers' default spool (dflash_train.settings)
+        self.spool = self.home / "spool"  # the workers' default spool (dflash_train.common.settings)
         self.calls = self.base / "calls.jsonl"
         self.root.mkdir(exist_ok=True)
         self.target = target or build_micro_target(self.base / "target")

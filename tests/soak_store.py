@@ -39,7 +39,7 @@ class StoreStack:
         self.prefix = f"s3://{bucket}/runs"
 
     def publish(self, step: int) -> str:
-        from dflash_train.publication import upload_checkpoint
+        from dflash_train.checkpoints.publication import upload_checkpoint
 
         return upload_checkpoint(self.s.publish(step), f"{self.prefix}/{RUN}")
 
@@ -72,8 +72,8 @@ class StoreStack:
         return jid
 
     def entry(self, url: str) -> Path:
-        from dflash_train.checkpoint_cache import CheckpointCache
-        from dflash_train.publication import read_marker
+        from dflash_train.checkpoints.publication import read_marker
+        from eval_worker.service.checkpoint_cache import CheckpointCache
 
         return self.cache_dir / CheckpointCache.key(read_marker(url))
 
@@ -108,7 +108,7 @@ def _mount_tmpfs(size_bytes: int) -> Path:
 
 @contextlib.contextmanager
 def store_stack(base: Path, zygote: Zygote, target: Path, *, cache_dir: Path | None = None):
-    from dflash_train import storage
+    from dflash_train.checkpoints import storage
     from tests.fault_proxy import FaultProxy
     from tests.s3_server import S3Server
 
@@ -250,7 +250,7 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
     """A file listed by COMPLETE.json deleted from the store: before, 3 RQ tries x 3 downloads
     (about 5.5 min) ending with "The specified key does not exist." without the file's name;
     now one failure, not retried, naming the file. A good job next to them is recorded."""
-    from dflash_train import storage
+    from dflash_train.checkpoints import storage
     from eval_worker.service.queue import failure_reason, fetch_job
 
     t0 = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.checkpoint import save_drafter
+from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.cli import main as cli
 from eval_worker.service.queue import get_queue
 from eval_worker.service.redis_local import connect

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from dflash_train.checkpoint import load_drafter, save_drafter
-from dflash_train.config import ConfigError, DrafterConfig
-from dflash_train.publication import CheckpointError
+from dflash_train.checkpoints.checkpoint import load_drafter, save_drafter
+from dflash_train.checkpoints.publication import CheckpointError
+from dflash_train.core.config import ConfigError, DrafterConfig
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.checkpoint_source import check_drafter_config
 from eval_worker.engine.suite import Prompt, Suite

@@ -8,16 +8,16 @@ import shutil
 
 import pytest
 
-from dflash_train.cli import eval_hook
-from dflash_train.cli import main as train_main
-from dflash_train.hub import resolve_target
-from dflash_train.publication import CheckpointError
-from dflash_train.settings import Settings
-from dflash_train.train_config import load_config
+from dflash_train.checkpoints.hub import resolve_target
+from dflash_train.checkpoints.publication import CheckpointError
+from dflash_train.common.settings import Settings
+from dflash_train.training.cli import main as train_main
+from dflash_train.training.train_config import load_config
 from eval_worker.cli import main as cli
 from eval_worker.engine.suite import SuiteError, check_suite_spec, load_suite
 from eval_worker.service.queue import get_queue
 from eval_worker.service.redis_local import connect
+from hooks.eval_flags import eval_hook
 from tests.sidecar_support import publish_random, tiny_target_drafter_config
 from tests.test_sidecar_worker import _target
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.publication import CheckpointError, read_manifest, verify_checkpoint
-from dflash_train.training_state import import_checkpoint, load_pt, step_from_name
+from dflash_train.checkpoints.publication import CheckpointError, read_manifest, verify_checkpoint
+from dflash_train.checkpoints.training_state import import_checkpoint, load_pt, step_from_name
 from eval_worker.cli import main as cli
 
 from . import layouts

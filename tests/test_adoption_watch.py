@@ -10,7 +10,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.checkpoint import save_drafter
+from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.cli import main as cli
 from eval_worker.service.queue import get_queue, queue_name
 from eval_worker.service.redis_local import connect
@@ -136,7 +136,7 @@ def test_watch_deepspec_launch_eval_drop_in(tmp_path, redis_url, monkeypatch, ca
 
 def test_watch_an_object_store_run_prefix(tmp_path, redis_url, s3_server, monkeypatch, capsys):
     """`dflash-eval watch s3://...`: each published checkpoint (marker written last) queued once, across restarts."""
-    from dflash_train.publication import upload_checkpoint
+    from dflash_train.checkpoints.publication import upload_checkpoint
     from tests.sidecar_support import publish_random
 
     s3_server.make_bucket("watched")

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash_train.config import LAYER_IDS_FALLBACK, ConfigError, DrafterConfig, default_target_layer_ids
+from dflash_train.core.config import LAYER_IDS_FALLBACK, ConfigError, DrafterConfig, default_target_layer_ids
 
 
 def test_published_layer_ids():
@@ -133,7 +133,7 @@ def test_unsupported_fields_are_all_named_not_ignored():
 
 
 def _rotary(cfg, positions):
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.core.model import DFlashDrafter
 
     rot = DFlashDrafter(cfg).rotary_emb
     x = torch.zeros(1, positions.shape[1], cfg.head_dim)

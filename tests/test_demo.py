@@ -105,7 +105,7 @@ def test_demo_runs_end_to_end_and_leaves_nothing_running_demo_pointer(tmp_path, 
     assert _wait_gone(str(work)) == [], "processes left behind"
 
     # demo_pointer: `results`, `report` and `status` find the demo's ledger without flags
-    from dflash_train.settings import Settings
+    from dflash_train.common.settings import Settings
     from eval_worker.cli import main as cli
 
     settings = Settings.from_env({"DFLASH_HOME": str(tmp_path / "home")})

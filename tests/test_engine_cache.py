@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from dflash_train.checkpoint import save_drafter
+from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.suite import Prompt, Suite
 
@@ -58,7 +58,7 @@ def test_changed_target_weights_rebuild_and_say_so(setup):
 
 def test_fingerprint_one_element_edit_in_saved_target_rebuilds_references_and_features(setup):
     """A target loaded from a directory: an edit of one LM-head element is a new target."""
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
 
     target, tmp = setup
     d = tmp / "target"

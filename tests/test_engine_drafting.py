@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.target import Target
+from dflash_train.core.config import DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.target import Target
 from eval_worker.engine.drafting import draft_anchors, draft_one_block, head_topk
 
 from .factories import drafter_for, qwen3_target

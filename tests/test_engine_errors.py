@@ -4,11 +4,11 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
-from dflash_train.checkpoint import publish_checkpoint, save_drafter
-from dflash_train.config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.publication import CheckpointError
-from dflash_train.target import TargetError
+from dflash_train.checkpoints.checkpoint import publish_checkpoint, save_drafter
+from dflash_train.checkpoints.publication import CheckpointError
+from dflash_train.core.config import DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.target import TargetError
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.suite import Prompt, Suite, SuiteError
 
@@ -123,7 +123,7 @@ def test_cli_reports_errors_without_a_traceback(good, tmp_path, capsys):
 
 
 def test_drafter_config_is_validated_completely_before_the_target_loads(good, tmp_path, capsys, monkeypatch):
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
     from eval_worker.cli import main
 
     cfg = json.loads((good / "config.json").read_text())

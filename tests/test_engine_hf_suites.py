@@ -135,10 +135,10 @@ def test_run_evaluates_several_suites_side_by_side(tiny_target_path, hf_dir, tmp
 
     import torch
 
-    from dflash_train.checkpoint import save_drafter
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
-    from dflash_train.target import Target
+    from dflash_train.checkpoints.checkpoint import save_drafter
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
+    from dflash_train.core.target import Target
     from eval_worker.cli import main
 
     tiny = Target.load(tiny_target_path)
@@ -174,7 +174,7 @@ def test_run_evaluates_several_suites_side_by_side(tiny_target_path, hf_dir, tmp
 def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
     """A queued `hf:` job: canonical spec in the job, the worker reads its own dataset copy, the
     record carries the suite's dataset identity; a bad spec is refused at enqueue."""
-    from dflash_train.settings import Settings
+    from dflash_train.common.settings import Settings
     from eval_worker.results.ledger import read_record
     from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job

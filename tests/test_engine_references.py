@@ -3,8 +3,8 @@ import socket
 
 import pytest
 
-from dflash_train.checkpoint import save_drafter
-from dflash_train.speculative import greedy_generate
+from dflash_train.checkpoints.checkpoint import save_drafter
+from dflash_train.core.speculative import greedy_generate
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.references import LocalReferences, ReferenceSourceError, ServerReferences, split_at_eos
 from eval_worker.engine.suite import Prompt, Suite

@@ -7,8 +7,8 @@ verification) produces, step by step, prompt by prompt.
 import pytest
 import torch
 
-from dflash_train.checkpoint import save_drafter
-from dflash_train.speculative import speculative_generate
+from dflash_train.checkpoints.checkpoint import save_drafter
+from dflash_train.core.speculative import speculative_generate
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.suite import Prompt, Suite
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_train.checkpoint import save_drafter
+from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.result import SCHEMA, EvalResult, ResultSchemaError
 from eval_worker.engine.suite import Prompt, Suite

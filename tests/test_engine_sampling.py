@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_train.checkpoint import save_drafter
-from dflash_train.sampling import Sampler, SamplingParams
-from dflash_train.speculative import speculative_generate
+from dflash_train.checkpoints.checkpoint import save_drafter
+from dflash_train.core.sampling import Sampler, SamplingParams
+from dflash_train.core.speculative import speculative_generate
 from eval_worker.engine import metrics
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.options import EvalOptions, OptionsError
@@ -47,7 +47,7 @@ def test_sampling_at_temperature_near_zero_reproduces_greedy_tau_exactly(fitted,
 def tiny_sampled(tmp_path_factory):
     """The bundled tiny target, 3 code prefixes, K = 2 samples at temperature 0.7, and a drafter
     fitted to those very samples (a greedy-fitted drafter is almost never accepted under sampling)."""
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
 
     from .conftest import TINY_TARGET
     from .test_engine_tiny import CODE_PREFIXES, new_drafter

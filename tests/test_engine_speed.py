@@ -26,7 +26,7 @@ def test_a_slow_spell_does_not_skew_the_ratio():
 
 def test_speed_is_measured_on_hybrid_targets_too(tmp_path):
     """Recurrent (linear-attention) layers: verify is timed with the rollback the loop does."""
-    from dflash_train.checkpoint import save_drafter
+    from dflash_train.checkpoints.checkpoint import save_drafter
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.speed import measure_step_costs
     from eval_worker.engine.suite import Prompt, Suite

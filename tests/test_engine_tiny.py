@@ -4,11 +4,11 @@ import json
 import pytest
 import torch
 
-from dflash_train.checkpoint import save_drafter
-from dflash_train.config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.speculative import speculative_generate
-from dflash_train.target import Target
+from dflash_train.checkpoints.checkpoint import save_drafter
+from dflash_train.core.config import DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.speculative import speculative_generate
+from dflash_train.core.target import Target
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.suite import Prompt, Suite, load_suite
 
@@ -63,7 +63,7 @@ def test_replay_equals_real_loop_on_the_tiny_target(tiny, tmp_path):
                   chat_template=False, max_new_tokens=MAX_NEW)
     prompts = suite.encode(tiny.tokenizer)
     eos = tiny.tokenizer.eos_token_id
-    from dflash_train.speculative import greedy_generate
+    from dflash_train.core.speculative import greedy_generate
 
     seqs = [p.ids + greedy_generate(tiny, p.ids, MAX_NEW, eos_token_id=eos) for p in prompts[:2]]
     drafter = fit_drafter(tiny, new_drafter(tiny, block_size=8), seqs, [len(p.ids) for p in prompts[:2]], steps=25)

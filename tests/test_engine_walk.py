@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_train.checkpoint import save_drafter
+from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.drafting import draft_anchors, draft_one_block
 from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt, summarize

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from dflash_train.checkpoint import KNOWN_PREFIXES, load_drafter, save_drafter
-from dflash_train.publication import (
+from dflash_train.checkpoints.checkpoint import KNOWN_PREFIXES, load_drafter, save_drafter
+from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
     import_directory,
@@ -250,8 +250,8 @@ def test_an_import_record_uploads_as_a_self_contained_checkpoint(tmp_path, s3_se
     """In a store the record's files lie beside its marker: uploaded from the source, `source` dropped."""
     import uuid
 
-    from dflash_train.checkpoint_cache import CheckpointCache
-    from dflash_train.publication import upload_checkpoint
+    from dflash_train.checkpoints.publication import upload_checkpoint
+    from eval_worker.service.checkpoint_cache import CheckpointCache
 
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     s3_server.make_bucket(bucket)
@@ -268,7 +268,7 @@ def test_an_import_record_uploads_as_a_self_contained_checkpoint(tmp_path, s3_se
 
 
 def test_import_command_names_records_and_refuses_what_a_worker_would(tmp_path, capsys):
-    from dflash_train.settings import Settings
+    from dflash_train.common.settings import Settings
 
     settings = Settings.from_env().replace(checkpoint_roots=(tmp_path / "ckpts", tmp_path / "hub"))
     src = tmp_path / "hub" / "qwen3-dflash" / "epoch_1_step_700"

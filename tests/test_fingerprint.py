@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_train.fingerprint import RACY_S, FileDigests, identity_files, tensor_digest
-from dflash_train.target import Target
+from dflash_train.core.fingerprint import RACY_S, FileDigests, identity_files, tensor_digest
+from dflash_train.core.target import Target
 
 from .factories import qwen3_target
 
@@ -18,7 +18,7 @@ from .factories import qwen3_target
 def no_racy_window(monkeypatch):
     """Files written by the test are seconds old at most; a real model store's are older.
     (ctime cannot be set back, so the window itself is closed instead.)"""
-    monkeypatch.setattr("dflash_train.fingerprint.RACY_S", 0.0)
+    monkeypatch.setattr("dflash_train.core.fingerprint.RACY_S", 0.0)
 
 
 def _age(directory, seconds=3 * RACY_S):

@@ -1,4 +1,4 @@
-"""dflash_train.fsutil: atomic writes leave the old content or the new one, and no temporaries."""
+"""dflash_train.common.fsutil: atomic writes leave the old content or the new one, and no temporaries."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dflash_train import fsutil
+from dflash_train.common import fsutil
 
 
 def _names(directory) -> list[str]:

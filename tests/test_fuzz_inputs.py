@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_train.checkpoint import load_drafter, publish_checkpoint
-from dflash_train.config import ConfigError, DrafterConfig
-from dflash_train.publication import CheckpointError, read_manifest
+from dflash_train.checkpoints.checkpoint import load_drafter, publish_checkpoint
+from dflash_train.checkpoints.publication import CheckpointError, read_manifest
+from dflash_train.core.config import ConfigError, DrafterConfig
 from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
 from eval_worker.service import jobs
 from eval_worker.service.jobs import JobError
@@ -183,7 +183,7 @@ def published(tmp_path_factory):
     """A real published checkpoint of the micro-target shape: its config, weights and marker."""
     target = soak_stack.shared_target()
     cfg = soak_stack.drafter_config(target)
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.core.model import DFlashDrafter
 
     path = publish_checkpoint(DFlashDrafter(cfg).eval(), tmp_path_factory.mktemp("ckpt"), "fz", 1)
     return path, json.loads((path / "config.json").read_text()), json.loads((path / "COMPLETE.json").read_text())

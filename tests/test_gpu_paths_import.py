@@ -42,7 +42,7 @@ def test_gpu_smoke_imports_resolve():
 
 
 def test_gpu_smoke_train_config_fields_exist():
-    from dflash_train.train_config import TrainConfig
+    from dflash_train.training.train_config import TrainConfig
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)} if dataclasses.is_dataclass(TrainConfig) else set(
         TrainConfig.model_fields)

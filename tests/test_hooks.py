@@ -6,7 +6,7 @@ import time
 import pytest
 from rq.job import JobStatus
 
-from dflash_train.publication import apply_retention, is_pinned, read_manifest
+from dflash_train.checkpoints.publication import apply_retention, is_pinned, read_manifest
 from eval_worker.service.jobs import JobError, make_job
 from eval_worker.service.outbox import OUTBOX_DIRNAME, job_key
 from eval_worker.service.queue import enqueue, get_queue, status

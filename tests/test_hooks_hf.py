@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_train.checkpoint import load_drafter
-from dflash_train.publication import list_checkpoints, read_manifest, verify_checkpoint
+from dflash_train.checkpoints.checkpoint import load_drafter
+from dflash_train.checkpoints.publication import list_checkpoints, read_manifest, verify_checkpoint
 from eval_worker.service.queue import get_queue
 from eval_worker.service.redis_local import connect
 from hooks import DFlashEvalCallback
@@ -119,7 +119,7 @@ def test_a_model_without_our_drafter_fails_before_training(tmp_path, redis_url):
     assert not cb.errors
     bad = DFlashEvalCallback(tmp_path / "ckpts", run_id="sf", drafter_getter=lambda m: m.draft_model,
                              redis_url=redis_url)
-    with pytest.raises(DrafterNotFound, match="SpecForgeStyleDraft, not a dflash_train.model.DFlashDrafter"):
+    with pytest.raises(DrafterNotFound, match="SpecForgeStyleDraft, not a dflash_train.core.model.DFlashDrafter"):
         Trainer(model=model, args=_hf_args(tmp_path), train_dataset=Rows(), callbacks=[bad]).train()
 
 
@@ -201,7 +201,7 @@ def test_mlflow_sink_nests_the_eval_run_under_the_hf_trainer_run(tmp_path, redis
     from mlflow.tracking import MlflowClient
     from transformers import Trainer
 
-    from dflash_train.settings import Settings
+    from dflash_train.common.settings import Settings
     from eval_worker.results.ledger import read_record
     from eval_worker.results.sinks import publish_result
     from tests.eval_results import make_result, write_ledger

@@ -143,7 +143,7 @@ def test_missing_marker_and_digest_mismatch(tmp_path):
 
 def test_pin_and_unpin(tmp_path):
     ckpt = publish_random(tmp_path, "run-p", 1)
-    from dflash_train.publication import is_pinned, pin_checkpoint, unpin_checkpoint
+    from dflash_train.checkpoints.publication import is_pinned, pin_checkpoint, unpin_checkpoint
 
     assert pin_checkpoint(ckpt, "eval-run-p-1-abc") and is_pinned(ckpt)
     assert unpin_checkpoint(ckpt, "eval-run-p-1-abc") and not is_pinned(ckpt)

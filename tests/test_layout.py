@@ -48,11 +48,11 @@ def test_no_import_error_guard_around_our_own_modules():
 
 
 def test_one_run_id_pattern():
-    """The run-id rule is written once (dflash_train/publication.py); everyone else imports it."""
+    """The run-id rule is written once (dflash_train/checkpoints/publication.py); everyone else imports it."""
     pattern = re.compile(r"\[A-Za-z0-9\]\[A-Za-z0-9\._-\]|\[A-Za-z0-9\]\[A-Za-z0-9\.\\_-\]")
     found = [p.relative_to(REPO).as_posix() for d in PACKAGES for p in (REPO / d).rglob("*.py")
              if pattern.search(p.read_text())]
-    assert found == ["dflash_train/publication.py"]
+    assert found == ["dflash_train/checkpoints/publication.py"]
 
 
 def test_each_redis_key_belongs_to_one_module():
@@ -84,13 +84,6 @@ def test_job_func_is_defined_once_and_names_the_job_function():
     assert getattr(import_module(module), name) is run_eval_job
 
 
-def test_eval_worker_does_not_import_hooks():
-    """`hooks` uses the job service; the service, the engine and the results never use `hooks` (no cycle)."""
-    found = [(rel, name) for rel, tree in _sources("eval_worker") for node in ast.walk(tree)
-             for name in _imported(node) if name == "hooks" or name.startswith("hooks.")]
-    assert found == []
-
-
 def test_readme_layout_table_names_every_eval_worker_module():
     """The README's layout table is the map of eval_worker/: every module and folder in it, nothing that is gone."""
     readme = (REPO / "README.md").read_text()
@@ -112,3 +105,115 @@ def test_readme_layout_table_names_every_eval_worker_module():
                and p.relative_to(root).parts[0] != "commands" or p.name == "commands"}
     present -= {"engine/", "service/", "results/"}
     assert listed == present
+
+
+# --- layer rules -------------------------------------------------------------------------------------------------
+# dflash_train: common < core < checkpoints < training (a module imports its own layer or lower ones only);
+# eval_worker: engine and results sit beside each other above dflash_train, service above both, commands on top;
+# hooks uses the service. Every import counts, lazy ones inside functions too.
+LAYERS = {"dflash_train.common": 0, "dflash_train.core": 1, "dflash_train.checkpoints": 2, "dflash_train.training": 3}
+
+
+def _module_of(rel: str) -> str:
+    return rel[:-3].replace("/", ".").removesuffix(".__init__")
+
+
+def _resolved_imports(rel: str, tree) -> list[str]:
+    """Absolute dotted names of what `rel` imports (relative imports resolved; `from X import y` gives X.y too)."""
+    pkg = _module_of(rel) if rel.endswith("__init__.py") else _module_of(rel).rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            out += [base] + [f"{base}.{a.name}" for a in node.names]
+    return out
+
+
+def _graph(*dirs: str) -> dict[str, set[str]]:
+    return {_module_of(rel): set(_resolved_imports(rel, tree)) for rel, tree in _sources(*dirs)}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_dflash_train_never_imports_hooks_or_eval_worker():
+    found = {(m, i) for m, imps in _graph("dflash_train").items() for i in imps
+             if _under(i, "hooks") or _under(i, "eval_worker")}
+    assert found == set()
+
+
+def test_dflash_train_layers_import_downward_only():
+    def layer(name: str) -> int | None:
+        return next((v for k, v in LAYERS.items() if _under(name, k)), None)
+
+    found = {(m, i) for m, imps in _graph("dflash_train").items() if layer(m) is not None for i in imps
+             if layer(i) is not None and layer(i) > layer(m)}  # type: ignore[operator]
+    assert found == set()
+
+
+def test_every_dflash_train_module_has_a_layer():
+    loose = {m for m in _graph("dflash_train") if m.count(".") == 1 and m not in ("dflash_train.__main__",)}
+    assert loose == set(), "a module outside common/core/checkpoints/training: give it a layer"
+
+
+def test_engine_imports_only_the_core_checkpoints_and_kernel():
+    allowed = ("dflash_train.core", "dflash_train.checkpoints", "dflash_train.common", "eval_worker.engine")
+    found = {(m, i) for m, imps in _graph("eval_worker/engine").items() for i in imps
+             if i.split(".")[0] in ("dflash_train", "eval_worker", "hooks") and not any(_under(i, a) for a in allowed)
+             and i not in ("dflash_train", "eval_worker")}
+    assert found == set()
+
+
+def test_results_never_import_the_service_or_commands():
+    found = {(m, i) for m, imps in _graph("eval_worker/results").items() for i in imps
+             if _under(i, "eval_worker.service") or _under(i, "eval_worker.commands") or _under(i, "hooks")}
+    assert found == set()
+
+
+def test_only_commands_import_commands_and_hooks():
+    """`hooks` uses the service; below the commands (the top layer, e.g. the demo composing trainer, hook and
+    worker) nothing in eval_worker imports hooks or a command."""
+    found = {(m, i) for m, imps in _graph("eval_worker").items() if not _under(m, "eval_worker.commands")
+             and m != "eval_worker.cli" for i in imps if _under(i, "eval_worker.commands") or _under(i, "hooks")}
+    assert found == set()
+
+
+def test_no_import_cycles_between_modules():
+    """No two modules of ours import each other, directly or around a loop (lazy imports included)."""
+    graph = _graph(*PACKAGES)
+    mods = set(graph)
+    edges = {m: {i for i in imps if i in mods and i != m} for m, imps in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(comp)
+
+    for m in sorted(mods):
+        if m not in index:
+            visit(m)
+    assert cycles == [], cycles

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import dflash_train.model as drafter_model
-from dflash_train.checkpoint import save_drafter
+import dflash_train.core.model as drafter_model
+from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.diagnostics import expected_tau_from_accuracy
 from eval_worker.engine.drafting import draft_anchors

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.masks import BlockLayout, cached_block_mask, dense_mask, flex_block_mask
-from dflash_train.model import _attend
+from dflash_train.core.masks import BlockLayout, cached_block_mask, dense_mask, flex_block_mask
+from dflash_train.core.model import _attend
 
 
 def reference_mask(anchors, valid, S, B, window=None, causal=False):

@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from dflash_train.checkpoint import load_drafter, save_drafter
-from dflash_train.model import DraftCache
-from dflash_train.publication import CheckpointError
+from dflash_train.checkpoints.checkpoint import load_drafter, save_drafter
+from dflash_train.checkpoints.publication import CheckpointError
+from dflash_train.core.model import DraftCache
 
 from .factories import MASK_ID, drafter_for, qwen3_target
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_train.fsutil import pid_alive
-from dflash_train.settings import Settings
+from dflash_train.common.fsutil import pid_alive
+from dflash_train.common.settings import Settings
 from eval_worker.cli import main as cli
 
 
@@ -74,7 +74,7 @@ def test_warning_rate_one_line_per_window_per_message():
     another message, and INFO, are never held back."""
     import logging
 
-    from dflash_train.progress import RepeatLimiter, limit_repeated_warnings
+    from dflash_train.common.progress import RepeatLimiter, limit_repeated_warnings
 
     now = [0.0]
     shown: list[str] = []
@@ -213,8 +213,8 @@ def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path
     import re
     from pathlib import Path
 
-    from dflash_train.checkpoint import save_drafter
-    from dflash_train.publication import CheckpointError
+    from dflash_train.checkpoints.checkpoint import save_drafter
+    from dflash_train.checkpoints.publication import CheckpointError
     from eval_worker.service import jobs
     from tests.factories import drafter_for, qwen3_target
 
@@ -255,7 +255,7 @@ def test_offline_fast_probe_tells_offline_refused_and_reachable_apart(monkeypatc
 
     from huggingface_hub import constants
 
-    from dflash_train.hub import unreachable
+    from dflash_train.checkpoints.hub import unreachable
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert unreachable() == "HF_HUB_OFFLINE is set"
@@ -303,7 +303,8 @@ for name in sys.argv[1:]:  # not installed by `make demo`: `import` fails and fi
     sys.modules[name] = None
 import eval_worker.cli, eval_worker.commands.demo, eval_worker.service.demo_stack, eval_worker.service.worker
 import eval_worker.service.eval_job, eval_worker.engine.acceptance, eval_worker.results.report
-import eval_worker.results.sinks.wandb_sink, hooks.eval_on_checkpoint, dflash_train.trainer, dflash_train.cli
+import eval_worker.results.sinks.wandb_sink, hooks.eval_on_checkpoint, hooks.eval_flags
+import dflash_train.training.trainer, dflash_train.training.cli
 from eval_worker.results import report_figures
 report_figures._plt()
 import jinja2, markupsafe
@@ -416,8 +417,8 @@ def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):  # noqa: F81
 def test_store_preflight_missing_bucket_fails_at_once_everywhere(s3_server, tmp_path, capsys):
     """A missing bucket: trainer and worker stop before any work with one sentence naming the bucket and how
     to create it; with the bucket there the probe object is written, deleted, and leaves nothing."""
-    from dflash_train import storage
-    from dflash_train.cli import main as train_cli
+    from dflash_train.checkpoints import storage
+    from dflash_train.training.cli import main as train_cli
 
     with pytest.raises(storage.StoreError, match=r"bucket 'nobucket' does not exist .*aws s3 mb s3://nobucket"):
         storage.preflight("s3://nobucket/runs")

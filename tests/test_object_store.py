@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash_train import storage
-from dflash_train.checkpoint_cache import CheckpointCache
-from dflash_train.publication import (
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
     apply_retention,
@@ -26,6 +25,7 @@ from dflash_train.publication import (
     unpin_checkpoint,
     upload_checkpoint,
 )
+from eval_worker.service.checkpoint_cache import CheckpointCache
 
 from .sidecar_support import publish_random
 

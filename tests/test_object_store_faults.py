@@ -21,10 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train import storage
-from dflash_train.checkpoint_cache import CacheDiskFull, CheckpointCache
-from dflash_train.errors import retryable
-from dflash_train.publication import MARKER_NAME, CheckpointError, read_marker, sha256_file, upload_checkpoint
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    read_marker,
+    sha256_file,
+    upload_checkpoint,
+)
+from dflash_train.common.errors import retryable
+from eval_worker.service.checkpoint_cache import CacheDiskFull, CheckpointCache
 
 from .sidecar_support import publish_random
 
@@ -108,8 +114,8 @@ def test_s3_cache_tamper_downloads_are_fsynced_before_the_entry_is_renamed(tmp_p
     """A crash right after the rename must not leave an entry whose stamp vouches for bytes that
     never reached the disk: every downloaded file is fsynced before the entry is renamed in
     (a spy on the two calls; the real ones run)."""
-    import dflash_train.checkpoint_cache as cc
-    from dflash_train.fsutil import fsync_path as real_fsync
+    import eval_worker.service.checkpoint_cache as cc
+    from dflash_train.common.fsutil import fsync_path as real_fsync
 
     (url,) = _publish(tmp_path, bucket, 1)
     events = []

@@ -13,9 +13,8 @@ import shutil
 
 import pytest
 
-from dflash_train import hub, storage
-from dflash_train.checkpoint_cache import CheckpointCache
-from dflash_train.publication import (
+from dflash_train.checkpoints import hub, storage
+from dflash_train.checkpoints.publication import (
     CheckpointError,
     pin_checkpoint,
     read_manifest,
@@ -23,6 +22,7 @@ from dflash_train.publication import (
     sha256_file,
     upload_checkpoint,
 )
+from eval_worker.service.checkpoint_cache import CheckpointCache
 from eval_worker.service.jobs import JobError, check_checkpoint, make_job, validate_job
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
@@ -138,7 +138,7 @@ def test_object_store_hub_drafter_as_baseline_is_evaluated(hub_cache, tmp_path):
 def test_object_store_hub_drafter_evaluated_by_run(hub_cache, tmp_path, capsys):
     """`dflash-eval run --checkpoint hf://ORG/REPO`: pulled into the checkpoint cache, verified,
     evaluated; the result names the URL at its commit and the weights' digest."""
-    from dflash_train.settings import Settings
+    from dflash_train.common.settings import Settings
     from eval_worker.cli import main as cli
 
     settings = Settings.from_env({"DFLASH_HOME": str(tmp_path / "home")})

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from dflash_train import storage
-from dflash_train.publication import MARKER_NAME, read_manifest, upload_checkpoint
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import MARKER_NAME, read_manifest, upload_checkpoint
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.jobs import make_job
@@ -130,11 +130,11 @@ def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, red
     only the store evaluates them."""
     import threading
 
-    from dflash_train import checkpoint as checkpoint_mod
-    from dflash_train.publication import is_pinned, list_checkpoints
-    from dflash_train.settings import Settings
-    from dflash_train.train_config import TrainConfig
-    from dflash_train.trainer import train
+    from dflash_train.checkpoints import checkpoint as checkpoint_mod
+    from dflash_train.checkpoints.publication import is_pinned, list_checkpoints
+    from dflash_train.common.settings import Settings
+    from dflash_train.training.train_config import TrainConfig
+    from dflash_train.training.trainer import train
     from hooks import EvalOnCheckpoint
 
     target = _target()
@@ -183,10 +183,10 @@ def test_s3_upload_owed_when_the_run_stopped_is_made_on_restart(tmp_path, s3_ser
     is uploaded when the run starts again, before training resumes."""
     import pytest
 
-    from dflash_train import checkpoint as checkpoint_mod
-    from dflash_train.publication import CheckpointError, list_checkpoints
-    from dflash_train.train_config import TrainConfig
-    from dflash_train.trainer import train
+    from dflash_train.checkpoints import checkpoint as checkpoint_mod
+    from dflash_train.checkpoints.publication import CheckpointError, list_checkpoints
+    from dflash_train.training.train_config import TrainConfig
+    from dflash_train.training.trainer import train
 
     target = _target()
     bucket = f"b-{uuid.uuid4().hex[:12]}"

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rq.job import JobStatus
 
-from dflash_train.publication import is_pinned
+from dflash_train.checkpoints.publication import is_pinned
 from eval_worker.cli import main as cli
 from eval_worker.engine import acceptance, options
 from eval_worker.service.jobs import JobError, make_job, validate_job

@@ -16,8 +16,8 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash_train.errors import retryable
-from dflash_train.publication import read_manifest
+from dflash_train.checkpoints.publication import read_manifest
+from dflash_train.common.errors import retryable
 from eval_worker.cli import main as cli
 from eval_worker.service.jobs import JobError
 from eval_worker.service.outbox import OUTBOX_DIRNAME

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import logging
 
-from dflash_train.progress import Progress, format_duration, track
+from dflash_train.common.progress import Progress, format_duration, track
 
 
 class Clock:
@@ -17,7 +17,7 @@ class Clock:
 
 def test_off_a_terminal_it_logs_counts_rate_and_eta_every_interval(caplog):
     clock = Clock()
-    caplog.set_level(logging.INFO, logger="dflash_train.progress")
+    caplog.set_level(logging.INFO, logger="dflash_train.common.progress")
     with Progress("references", 64, unit="prompts", every_s=10, stream=io.StringIO(), clock=clock) as p:
         for _ in range(64):
             clock.t += 1.0  # one prompt a second
@@ -31,7 +31,7 @@ def test_off_a_terminal_it_logs_counts_rate_and_eta_every_interval(caplog):
 
 def test_a_short_phase_and_a_disabled_one_write_nothing(caplog):
     clock = Clock()
-    caplog.set_level(logging.INFO, logger="dflash_train.progress")
+    caplog.set_level(logging.INFO, logger="dflash_train.common.progress")
     with Progress("quick", 5, every_s=10, stream=io.StringIO(), clock=clock) as p:
         for _ in range(5):
             clock.t += 1
@@ -43,7 +43,7 @@ def test_a_short_phase_and_a_disabled_one_write_nothing(caplog):
 
 
 def test_on_a_terminal_it_draws_a_bar_and_logs_nothing(caplog):
-    caplog.set_level(logging.INFO, logger="dflash_train.progress")
+    caplog.set_level(logging.INFO, logger="dflash_train.common.progress")
     stream = io.StringIO()
     out = list(track(range(7), "draft", stream=stream, tty=True, every_s=0))
     assert out == list(range(7)) and caplog.records == []
@@ -52,7 +52,7 @@ def test_on_a_terminal_it_draws_a_bar_and_logs_nothing(caplog):
 
 def test_count_to_learns_the_total_late(caplog):
     clock = Clock()
-    caplog.set_level(logging.INFO, logger="dflash_train.progress")
+    caplog.set_level(logging.INFO, logger="dflash_train.common.progress")
     p = Progress("regenerating responses", unit="prompts", every_s=0, stream=io.StringIO(), clock=clock)
     clock.t = 4
     p.count_to(32, 128)

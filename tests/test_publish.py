@@ -9,10 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash_train.checkpoint import AsyncPublisher, drafter_state_dict, load_drafter, publish_checkpoint
-from dflash_train.config import DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.publication import (
+from dflash_train.checkpoints.checkpoint import AsyncPublisher, drafter_state_dict, load_drafter, publish_checkpoint
+from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
     apply_retention,
@@ -26,6 +24,8 @@ from dflash_train.publication import (
     valid_run_id,
     verify_checkpoint,
 )
+from dflash_train.core.config import DrafterConfig
+from dflash_train.core.model import DFlashDrafter
 
 from .factories import drafter_for, qwen3_target
 
@@ -212,7 +212,7 @@ def test_bf16_publication_of_a_target_sized_drafter(tmp_path):
 def test_one_run_id_rule_for_trainer_jobs_and_ledger(text):
     """The trainer's config, the job schema and the ledger accept exactly the same run ids,
     and `run_id_from` turns any text into one of them."""
-    from dflash_train.train_config import TrainConfig, TrainConfigError
+    from dflash_train.training.train_config import TrainConfig, TrainConfigError
     from eval_worker.results.ledger import Ledger, LedgerError
     from eval_worker.service.jobs import JobError, validate_job
 
@@ -239,7 +239,7 @@ def test_one_run_id_rule_for_trainer_jobs_and_ledger(text):
 
 
 def test_an_invalid_run_id_is_refused_before_training(tmp_path):
-    from dflash_train.train_config import TrainConfigError, load_config
+    from dflash_train.training.train_config import TrainConfigError, load_config
 
     with pytest.raises(TrainConfigError, match="run_id 'exp 1' must be"):
         load_config(None, {"run_id": "exp 1", "checkpoint_root": str(tmp_path)})

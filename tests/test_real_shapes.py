@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_train.checkpoint import save_drafter
-from dflash_train.speculative import greedy_generate
-from dflash_train.target import Target
+from dflash_train.checkpoints.checkpoint import save_drafter
+from dflash_train.core.speculative import greedy_generate
+from dflash_train.core.target import Target
 from eval_worker.cli import main
 
 from .engine_helpers import CannedServer

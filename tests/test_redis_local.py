@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dflash_train.settings import Settings
+from dflash_train.common.settings import Settings
 from eval_worker.service import redis_local
 from eval_worker.service.redis_local import (
     LocalRedis,
@@ -174,7 +174,7 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     code = textwrap.dedent(
         f"""
-        from dflash_train.settings import Settings
+        from dflash_train.common.settings import Settings
         from eval_worker.service.redis_local import resolve_redis_url
         print(resolve_redis_url(None, Settings.from_env({{"DFLASH_HOME": {str(data_dir.parent)!r}}})))
         """

@@ -391,7 +391,7 @@ def test_secret_redaction_redact_masks_every_url_in_any_text():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from dflash_train.storage import redact  # = dflash_train.redaction.redact
+    from dflash_train.checkpoints.storage import redact  # = dflash_train.common.redaction.redact
 
     secret_chars = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"),
                                                   whitelist_characters="-_.~!$"),

@@ -1,4 +1,4 @@
-"""Keyed sampling (dflash_train/sampling.py) and the real draft-verify loop at temperature > 0.
+"""Keyed sampling (dflash_train/core/sampling.py) and the real draft-verify loop at temperature > 0.
 
 The loop's losslessness is checked against the target's own distribution computed exactly
 (enumerated from its logits), not against our sampler: a chi-square goodness-of-fit test on
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from dflash_train.sampling import Sampler, SamplingParams, filtered_probs, prompt_key, sample_tokens, uniform
-from dflash_train.speculative import greedy_generate, speculative_generate
+from dflash_train.core.sampling import Sampler, SamplingParams, filtered_probs, prompt_key, sample_tokens, uniform
+from dflash_train.core.speculative import greedy_generate, speculative_generate
 from eval_worker.engine.references import sample_continuation, sample_continuations
 
 from .engine_helpers import fit_on_target_predictions

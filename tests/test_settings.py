@@ -1,4 +1,4 @@
-"""One settings module: the environment is read by dflash_train/settings.py and nowhere else."""
+"""One settings module: the environment is read by dflash_train/common/settings.py and nowhere else."""
 from __future__ import annotations
 
 import ast
@@ -8,13 +8,14 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash_train.settings import Settings, parse_roots
+from dflash_train.common.settings import Settings, parse_roots
 
 REPO = Path(__file__).resolve().parents[1]
 # Reads that are not settings of ours: torchrun's process-group protocol, the W&B sink handing W&B
 # its own variables for the length of one publication, and `dflash-eval dashboard` handing
 # rq-dashboard the variables its create_app() reads its configuration from.
-ALLOWED = {"dflash_train/settings.py", "dflash_train/distributed.py", "eval_worker/results/sinks/wandb_sink.py",
+ALLOWED = {"dflash_train/common/settings.py", "dflash_train/training/distributed.py",
+           "eval_worker/results/sinks/wandb_sink.py",
            "dflash_train/assets/build_tiny_target.py", "eval_worker/commands/dashboard.py"}
 
 
@@ -39,7 +40,7 @@ def test_only_the_settings_module_reads_the_environment():
             rel = path.relative_to(REPO).as_posix()
             if rel not in ALLOWED and (lines := _environment_reads(path)):
                 found[rel] = lines
-    assert found == {}, f"environment read outside dflash_train/settings.py: {found}"
+    assert found == {}, f"environment read outside dflash_train/common/settings.py: {found}"
 
 
 def test_defaults_follow_dflash_home(tmp_path):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from dflash_train.train_config import TrainConfig
-from dflash_train.trainer import train
+from dflash_train.training.train_config import TrainConfig
+from dflash_train.training.trainer import train
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.queue import fetch_job, status

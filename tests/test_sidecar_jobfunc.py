@@ -49,7 +49,7 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
 def test_a_job_hashes_its_checkpoint_files_once(env, monkeypatch):
     """The worker verifies the digests (inside its roots) and hands the verified manifest to the
     engine, which does not hash the weights again (they were once hashed twice per job)."""
-    from dflash_train import publication
+    from dflash_train.checkpoints import publication
 
     _, (j1, _) = env
     hashed = []

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from dflash_train.speculative import greedy_generate, speculative_generate
-from dflash_train.target import VerifyCache
+from dflash_train.core.speculative import greedy_generate, speculative_generate
+from dflash_train.core.target import VerifyCache
 
 from .factories import drafter_for, qwen3_5_vlm_target, qwen3_target
 
@@ -117,8 +117,8 @@ def test_counting_published_drafts_once_after_an_eos_first_token():
 
 def test_output_tokens_equal_to_the_mask_id_are_kept():
     """z-lab 7d2ea1e: a generated token that happens to be the mask id is output like any other."""
-    from dflash_train.config import DrafterConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
 
     target = qwen3_target()
     prompt = [3, 14, 15, 9, 26, 5]

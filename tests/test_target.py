@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from dflash_train.config import DrafterConfig
-from dflash_train.target import Target, TargetError, locate_parts
+from dflash_train.core.config import DrafterConfig
+from dflash_train.core.target import Target, TargetError, locate_parts
 
 from .factories import MASK_ID, VOCAB, drafter_for, qwen3_5_vlm_target, qwen3_target
 

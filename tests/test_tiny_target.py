@@ -165,7 +165,7 @@ DISTINCT_OPENINGS_SHARE = 0.8  # answers do not all open with the same line
 @pytest.fixture(scope="module")
 def suite_answers():
     """Greedy answers to the built-in suite, decoded exactly as the engine makes its references."""
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
     from eval_worker.engine.references import LocalReferences
     from eval_worker.engine.suite import load_suite
 

@@ -22,8 +22,8 @@ def _imported_after(code: str) -> list[str]:
 
 
 @pytest.mark.parametrize("code", [
-    "import dflash_train.publication",
-    "import dflash_train.storage, dflash_train.checkpoint_cache, dflash_train.hub",
+    "import dflash_train.checkpoints.publication",
+    "import dflash_train.checkpoints.storage, eval_worker.service.checkpoint_cache, dflash_train.checkpoints.hub",
     "import eval_worker.service.jobs",
     "import eval_worker.service.queue, eval_worker.results.ledger, eval_worker.service.redis_local",
     "import eval_worker.commands.enqueue",
@@ -40,7 +40,7 @@ def test_enqueue_path_imports_no_torch(tmp_path):
     """Make and validate a job for a published checkpoint, pin it: the whole enqueue path minus Redis."""
     code = f"""
 import hashlib, json, pathlib
-from dflash_train.publication import publish_directory, pin_checkpoint
+from dflash_train.checkpoints.publication import publish_directory, pin_checkpoint
 from eval_worker.service.jobs import check_checkpoint, job_fingerprint, job_id_for, make_job
 
 def write(tmp):
@@ -62,7 +62,7 @@ def test_enqueue_command_imports_no_torch(tmp_path, redis_url):
     root = tmp_path / "ck"
     code = f"""
 import contextlib, io, json, sys
-from dflash_train.publication import publish_directory
+from dflash_train.checkpoints.publication import publish_directory
 from eval_worker.cli import main
 
 def write(tmp):

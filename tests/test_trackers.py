@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from dflash_train.settings import Settings
+from dflash_train.common.settings import Settings
 from eval_worker.engine import metrics
 from eval_worker.results.ledger import read_record
 from eval_worker.results.sinks import publish_result

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.anchors import block_labels, eligible_anchors, sample_anchors
+from dflash_train.training.anchors import block_labels, eligible_anchors, sample_anchors
 
 from .train_helpers import target_and_examples
 

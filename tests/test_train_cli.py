@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.cli import main
-from dflash_train.train_config import TrainConfig, TrainConfigError, load_config
+from dflash_train.training.cli import main
+from dflash_train.training.train_config import TrainConfig, TrainConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,8 +63,8 @@ def test_cli_trains_and_publishes(tmp_path, tiny_target_path):
            "--run-id", "cli", "--queue-depth", "1", "--no-progress", "--num-threads", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from dflash_train.checkpoint import load_drafter
-    from dflash_train.publication import read_manifest
+    from dflash_train.checkpoints.checkpoint import load_drafter
+    from dflash_train.checkpoints.publication import read_manifest
     path = tmp_path / "ck" / "cli" / "step-00000003"
     assert read_manifest(path)["step"] == 3
     assert load_drafter(path).config.block_size == 16
@@ -87,13 +87,13 @@ def test_torchrun_two_ranks_cli(tmp_path, tiny_target_path):
            "--num-threads", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from dflash_train.publication import list_checkpoints
+    from dflash_train.checkpoints.publication import list_checkpoints
     assert [p.name for p in list_checkpoints(tmp_path / "ddp")] == ["step-00000002", "step-00000004"]
 
 
 def test_every_flag_has_help_text():
     """`dflash-train --help`: no flag without a description (argparse's own --help aside)."""
-    from dflash_train.cli import build_parser
+    from dflash_train.training.cli import build_parser
 
     parser = build_parser()
     empty = [a.option_strings for a in parser._actions if a.option_strings and not (a.help or "").strip()]

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.data import (
+from dflash_train.training.data import (
     BatchPlan,
     DataError,
     Example,

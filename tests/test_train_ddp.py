@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.trainer import Trainer
+from dflash_train.training.trainer import Trainer
 
 from .train_helpers import small_config, target_and_examples
 

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.anchors import block_labels, sample_anchors
-from dflash_train.loss import block_loss, default_gamma, dpace_weights, slot_weights, summarize_stats, token_ce
+from dflash_train.training.anchors import block_labels, sample_anchors
+from dflash_train.training.loss import block_loss, default_gamma, dpace_weights, slot_weights, summarize_stats, token_ce
 
 from .factories import drafter_for
 from .train_helpers import target_and_examples

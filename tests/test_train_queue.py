@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from dflash_train.hidden_queue import HiddenStateQueue
-from dflash_train.trainer import Trainer
+from dflash_train.training.hidden_queue import HiddenStateQueue
+from dflash_train.training.trainer import Trainer
 
 from .train_helpers import small_config, target_and_examples
 

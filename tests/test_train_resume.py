@@ -4,10 +4,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.checkpoint import load_drafter
-from dflash_train.publication import MARKER_NAME, list_checkpoints, pin_checkpoint, read_manifest
-from dflash_train.train_state import TrainStateError, list_training_states, load_training_state
-from dflash_train.trainer import Trainer
+from dflash_train.checkpoints.checkpoint import load_drafter
+from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints, pin_checkpoint, read_manifest
+from dflash_train.training.train_state import TrainStateError, list_training_states, load_training_state
+from dflash_train.training.trainer import Trainer
 
 from .train_helpers import small_config, target_and_examples
 

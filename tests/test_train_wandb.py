@@ -1,7 +1,7 @@
 """Optional W&B logging from the trainer: offline, keyed by train/step."""
 import time
 
-from dflash_train.trainer import Trainer
+from dflash_train.training.trainer import Trainer
 
 from .train_helpers import small_config, target_and_examples
 from .wandb_reader import find_run_files, read_run

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.settings import Settings
+from dflash_train.common.settings import Settings
 from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.results.sinks import publish_result
 from eval_worker.results.sinks.wandb_lock import LockTimeout, writer_lock

@@ -5,8 +5,8 @@ import functools
 
 import torch
 
-from dflash_train.data import Example, regenerate
-from dflash_train.train_config import TrainConfig
+from dflash_train.training.data import Example, regenerate
+from dflash_train.training.train_config import TrainConfig
 
 from .factories import MASK_ID, qwen3_target
 

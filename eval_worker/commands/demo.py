@@ -95,13 +95,13 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
-    from dflash_train.progress import limit_repeated_warnings
+    from dflash_train.common.progress import limit_repeated_warnings
 
     limit_repeated_warnings()
     for name in ("dflash_train", "hooks.eval_on_checkpoint"):  # training progress and the hook's enqueue lines
         logging.getLogger(name).setLevel(logging.INFO)
     # the progress module's lines stay at WARNING, as before it was named under dflash_train
-    logging.getLogger("dflash_train.progress").setLevel(logging.WARNING)
+    logging.getLogger("dflash_train.common.progress").setLevel(logging.WARNING)
     from eval_worker.service.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
@@ -133,15 +133,15 @@ def main(args: argparse.Namespace) -> int:
 def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     from datetime import datetime
 
-    from dflash_train.cli import eval_hook  # the trainer's eval wiring builds the hook: eval_worker never imports hooks
-    from dflash_train.settings import KNOWN_SINKS, parse_sinks
-    from dflash_train.train_config import load_config
-    from dflash_train.trainer import resolve_target_path, train
+    from dflash_train.common.settings import KNOWN_SINKS, parse_sinks
+    from dflash_train.training.train_config import load_config
+    from dflash_train.training.trainer import resolve_target_path, train
     from eval_worker.results import latest_demo
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import load_run
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
     from eval_worker.service.redis_local import connect, redact_url
+    from hooks.eval_flags import eval_hook  # commands are the top layer: the demo composes trainer, hook, worker
 
     sinks, unknown = parse_sinks(args.sink)
     if unknown:

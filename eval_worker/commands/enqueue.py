@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dflash_train.tau import COUNTING_RULES
+from dflash_train.core.tau import COUNTING_RULES
 
 from ._common import add_redis_args, add_sampling_args, connect_from_args, fail, print_json, sampling_options
 from .import_drafter import add_import_arguments, import_drafters
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dflash_train.settings import parse_roots
+    from dflash_train.common.settings import parse_roots
     from eval_worker.engine.suite import DEFAULT_SUITE
     from eval_worker.service.jobs import JobError, make_job
     from eval_worker.service.queue import QueueConfig, enqueue, queue_name, workers_target
@@ -119,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
                  "mode": args.wandb_mode or "online"}
     sinks = None
     if args.sink is not None:
-        from dflash_train.settings import KNOWN_SINKS, parse_sinks
+        from dflash_train.common.settings import KNOWN_SINKS, parse_sinks
 
         sinks, unknown = parse_sinks(args.sink)
         if unknown:
@@ -137,14 +137,14 @@ def main(args: argparse.Namespace) -> int:
         config.job_timeout = args.job_timeout
     if args.retries is not None:
         config.retry_max = args.retries
-    from dflash_train.storage import StoreError
+    from dflash_train.checkpoints.storage import StoreError
 
     try:
         roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     except StoreError as e:
         return fail(f"--checkpoint-root: {e}")
-    from dflash_train.hub import resolve_target
-    from dflash_train.publication import CheckpointError
+    from dflash_train.checkpoints.hub import resolve_target
+    from dflash_train.checkpoints.publication import CheckpointError
 
     try:  # a Hub model id: the job carries its snapshot directory (one commit) in the Hugging Face cache
         target = resolve_target(args.target or args.settings.target)
@@ -214,8 +214,8 @@ def main(args: argparse.Namespace) -> int:
 def _published(path: str) -> bool:
     from pathlib import Path
 
-    from dflash_train import storage
-    from dflash_train.publication import MARKER_NAME, list_checkpoints
+    from dflash_train.checkpoints import storage
+    from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
 
     if storage.is_url(path):  # never imported: a store URL is a published checkpoint or refused by make_job
         return True
@@ -226,8 +226,8 @@ def _expand(paths: list[str]) -> list[str]:
     """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
     from pathlib import Path
 
-    from dflash_train import storage
-    from dflash_train.publication import MARKER_NAME, list_checkpoints
+    from dflash_train.checkpoints import storage
+    from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
 
     out: list = []
     for p in paths:

@@ -51,9 +51,9 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
     import os
     from pathlib import Path
 
-    from dflash_train.publication import CheckpointError, import_name, run_id_from, valid_run_id, within
-    from dflash_train.settings import parse_roots
-    from dflash_train.training_state import import_checkpoint
+    from dflash_train.checkpoints.publication import CheckpointError, import_name, run_id_from, valid_run_id, within
+    from dflash_train.checkpoints.training_state import import_checkpoint
+    from dflash_train.common.settings import parse_roots
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     into = args.into or (str(roots[0]) if roots else None)
@@ -81,7 +81,7 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
         except (CheckpointError, OSError) as e:
             errors.append({"source": source, "error": str(e), "given": source})
             continue
-        from dflash_train.publication import read_manifest
+        from dflash_train.checkpoints.publication import read_manifest
 
         m = read_manifest(path)
         records.append({"source": m.get("source") or m["imported_from"]["path"], "record": str(path),

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dflash_train.settings import KNOWN_SINKS
+    from dflash_train.common.settings import KNOWN_SINKS
 
     names = [n.strip() for n in (args.sink or "").split(",") if n.strip()]
     unknown = [n for n in names if n not in KNOWN_SINKS]

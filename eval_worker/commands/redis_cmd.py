@@ -29,7 +29,7 @@ def _serving_workers(local) -> list[dict]:
     from rq.serializers import JSONSerializer
     from rq.worker import Worker
 
-    from dflash_train.fsutil import pid_alive
+    from dflash_train.common.fsutil import pid_alive
     from eval_worker.service.redis_local import connect
 
     conn = connect(local.url)

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_train.tau import COUNTING_RULES
+from dflash_train.core.tau import COUNTING_RULES
 from eval_worker.engine.suite import DEFAULT_SUITE, hf_suites
 
 MULTI_SCHEMA = "dflash-eval-suites/1"
@@ -75,9 +75,9 @@ def main(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dflash_train.config import ConfigError
-    from dflash_train.publication import CheckpointError
-    from dflash_train.target import TargetError
+    from dflash_train.checkpoints.publication import CheckpointError
+    from dflash_train.core.config import ConfigError
+    from dflash_train.core.target import TargetError
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.references import ReferenceSourceError, ServerReferences
     from eval_worker.engine.suite import SuiteError, load_suite
@@ -100,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
     from contextlib import ExitStack
 
-    from dflash_train import storage
+    from dflash_train.checkpoints import storage
 
     pulls = ExitStack()
     urls: dict[str, str] = {}
@@ -118,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
         names = [s.name for s in suites]
         if len(set(names)) != len(names):
             raise SuiteError(f"two suites share a name ({names}); their results could not be told apart")
-        from dflash_train.hub import resolve_target
+        from dflash_train.checkpoints.hub import resolve_target
 
         target = resolve_target(args.target)
         assert target is not None, "--target is required"
@@ -156,12 +156,12 @@ def _pull(url: str, settings, stack, urls: dict):
     """A verified local copy of the checkpoint at `url` (held by `stack`); `urls` maps it back."""
     import os
 
-    from dflash_train import storage
-    from dflash_train.checkpoint_cache import CheckpointCache
+    from dflash_train.checkpoints import storage
+    from eval_worker.service.checkpoint_cache import CheckpointCache
 
     url = storage.check_url(url)
     if url.startswith("hf://"):
-        from dflash_train import hub
+        from dflash_train.checkpoints import hub
 
         url = hub.resolve(url)
     cache = CheckpointCache(settings.checkpoint_cache_dir, max_bytes=int(settings.checkpoint_cache_gb * 2**30))

@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import hashlib
 
-    from dflash_train import storage
-    from dflash_train.settings import parse_roots
+    from dflash_train.checkpoints import storage
+    from dflash_train.common.settings import parse_roots
     from eval_worker.service.jobs import JobError, make_job
     from eval_worker.service.queue import QueueConfig, enqueue
     from eval_worker.service.watch import Watcher
@@ -58,8 +58,8 @@ def main(args: argparse.Namespace) -> int:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why
         return fail(str(e))
-    from dflash_train.hub import resolve_target
-    from dflash_train.publication import CheckpointError
+    from dflash_train.checkpoints.hub import resolve_target
+    from dflash_train.checkpoints.publication import CheckpointError
 
     try:
         target = resolve_target(args.target or args.settings.target)

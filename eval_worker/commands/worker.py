@@ -6,7 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from dflash_train.settings import parse_roots
+from dflash_train.common.settings import parse_roots
 
 from ._common import add_redis_args, connect_from_args, fail
 
@@ -79,10 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from dflash_train.hub import resolve_target
-    from dflash_train.progress import limit_repeated_warnings
-    from dflash_train.publication import CheckpointError
-    from dflash_train.storage import StoreError
+    from dflash_train.checkpoints.hub import resolve_target
+    from dflash_train.checkpoints.publication import CheckpointError
+    from dflash_train.checkpoints.storage import StoreError
+    from dflash_train.common.progress import limit_repeated_warnings
     from eval_worker.service.evaluators import WorkerSettings
     from eval_worker.service.queue import queue_name
     from eval_worker.service.routing import serving_queue_names
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(e))
     path = lambda p: Path(p).expanduser() if p else None  # noqa: E731
     if args.sink is not None:
-        from dflash_train.settings import KNOWN_SINKS, parse_sinks
+        from dflash_train.common.settings import KNOWN_SINKS, parse_sinks
 
         sinks, unknown = parse_sinks(args.sink)
         if unknown:
@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
     if settings.roots is None:
         return fail("no checkpoint roots configured: pass --checkpoint-root DIR (repeatable) or set "
                     "DFLASH_CHECKPOINT_ROOTS; the worker only reads checkpoints under them")
-    from dflash_train import storage
+    from dflash_train.checkpoints import storage
 
     for root in settings.roots:  # a missing bucket or a read-only key: now, not at the first job
         if storage.is_url(root):

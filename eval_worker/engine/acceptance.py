@@ -10,7 +10,7 @@ One evaluation:
      this drafter would do) and derive every metric from the same drafts (statistics over
      every anchor from a fixed seeded sample of anchors, `options.anchor_sample`).
 With `options.temperatures`, steps 1-4 run again per temperature on K keyed samples of the
-target per prompt (`dflash_train.sampling`): τ under sampling, exact per sample.
+target per prompt (`dflash_train.core.sampling`): τ under sampling, exact per sample.
 `Evaluator` keeps the target, the caches and baseline scores loaded across jobs.
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_train.model import DFlashDrafter
-from dflash_train.progress import DEFAULT_EVERY_S, track
-from dflash_train.sampling import Sampler, SamplingParams
-from dflash_train.speculative import speculative_generate
-from dflash_train.target import Target
-from dflash_train.tau import tau
+from dflash_train.common.progress import DEFAULT_EVERY_S, track
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.sampling import Sampler, SamplingParams
+from dflash_train.core.speculative import speculative_generate
+from dflash_train.core.target import Target
+from dflash_train.core.tau import tau
 from eval_worker.engine import metrics
 from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter

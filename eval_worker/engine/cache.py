@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.fsutil import atomic_write_bytes
+from dflash_train.common.fsutil import atomic_write_bytes
 
 KEY_META = "dflash_cache_key"
 

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.checkpoint import check_own_vocab, load_drafter
-from dflash_train.config import ConfigError, DrafterConfig
-from dflash_train.model import DFlashDrafter
-from dflash_train.publication import (
+from dflash_train.checkpoints.checkpoint import check_own_vocab, load_drafter
+from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
     checkpoint_step,
@@ -27,7 +25,9 @@ from dflash_train.publication import (
     verify_checkpoint,
     weights_digest,
 )
-from dflash_train.target import Target
+from dflash_train.core.config import ConfigError, DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.target import Target
 
 log = logging.getLogger(__name__)
 

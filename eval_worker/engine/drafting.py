@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_train.model import DFlashDrafter, mask_blocks
-from dflash_train.target import logits_rows
+from dflash_train.core.model import DFlashDrafter, mask_blocks
+from dflash_train.core.target import logits_rows
 
 DEFAULT_QUERY_BUDGET = 2048  # block slots per drafter pass
 DEFAULT_HEAD_ROWS = None  # rows per LM-head chunk; None: `target.logits_rows` (a fixed logits budget)

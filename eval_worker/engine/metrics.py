@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_train.tau import check_counting, tau
+from dflash_train.core.tau import check_counting, tau
 
 
 def matches(drafts: np.ndarray, ext: Sequence[int], offsets: Sequence[int]) -> np.ndarray:
@@ -53,7 +53,7 @@ def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, cou
                 ends_with_stop: bool = False, stop_offset: int | None = None) -> Walk:
     """Replay greedy speculative decoding along a greedy reference of `num_tokens` tokens.
 
-    Mirrors `dflash_train.speculative.speculative_generate`: the prefill commits offset 0;
+    Mirrors `dflash_train.core.speculative.speculative_generate`: the prefill commits offset 0;
     each step drafts from the last committed offset s, accepts the streak n, commits
     n + 1 tokens (clipped at the reference end, which is either eos or max_new_tokens),
     and the next step drafts from the new last token. `streak_at(s)` gives n at s.

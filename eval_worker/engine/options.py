@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dflash_train.errors import DFlashError
-from dflash_train.tau import COUNTING_RULES
+from dflash_train.common.errors import DFlashError
+from dflash_train.core.tau import COUNTING_RULES
 
 # How the work is done, not what is measured: not part of an evaluation's identity.
 PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend", "drafting"})
@@ -84,7 +84,7 @@ class EvalOptions(BaseModel):
     tree_budget: int = _int(0, 4096, 8)
     tree_spine: bool = False
     mode: Literal["online", "stride"] = "online"
-    counting: str = Field("response", max_length=32)       # dflash_train.tau.COUNTING_RULES
+    counting: str = Field("response", max_length=32)       # dflash_train.core.tau.COUNTING_RULES
     num_prompts: int | None = _int(1, MAX_PROMPTS)
     max_blocks: int | None = _int(1, 1 << 24)
     validate_loop: bool = Field(False, alias="validate")  # `validate` is a BaseModel method name

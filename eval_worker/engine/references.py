@@ -5,7 +5,7 @@ plus `lookahead` (the greedy tokens after it, eos or not). The real draft-verify
 compares the last step's drafts with target tokens past the response end, so replaying
 it exactly needs B-1 tokens of lookahead.
 
-A sampled reference (`sampler`, `dflash_train.sampling`) takes the target's keyed sample
+A sampled reference (`sampler`, `dflash_train.core.sampling`) takes the target's keyed sample
 at every position instead, lookahead included: the real loop given the same sampler
 verifies with the same draws, so it emits this very sequence and the replay along it is
 exact (docs/design.md, "Sampling").
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from dflash_train.errors import DFlashError
-from dflash_train.sampling import Sampler
-from dflash_train.speculative import greedy_generate
-from dflash_train.target import Target
+from dflash_train.common.errors import DFlashError
+from dflash_train.core.sampling import Sampler
+from dflash_train.core.speculative import greedy_generate
+from dflash_train.core.target import Target
 
 
 class ReferenceSourceError(DFlashError, RuntimeError):

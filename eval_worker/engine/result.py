@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_train.errors import DFlashError
+from dflash_train.common.errors import DFlashError
 
 SCHEMA = "dflash-eval-result/1"
 SEVERITIES = ("info", "warning", "error")

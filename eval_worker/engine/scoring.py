@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_train.tau import tau
+from dflash_train.core.tau import tau
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import AnchorDrafts
 from eval_worker.engine.tree import build_tree, tree_streak

@@ -1,6 +1,6 @@
 """Measured costs of one speculative step on this machine: draft, verify, plain decode.
 
-Each is timed the way the real loop runs it (`dflash_train.speculative`): the drafter
+Each is timed the way the real loop runs it (`dflash_train.core.speculative`): the drafter
 with a warm context cache plus a few new context positions, the target verifying B
 tokens on a warm KV cache, and the target decoding one token on the same cache.
 
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from dflash_train.model import DFlashDrafter, DraftCache, mask_blocks
-from dflash_train.target import Target, VerifyCache
+from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
+from dflash_train.core.target import Target, VerifyCache
 
 
 def _sync(dev: torch.device) -> None:

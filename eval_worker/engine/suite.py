@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_train.errors import DFlashError
+from dflash_train.common.errors import DFlashError
 from eval_worker.engine.options import MAX_NAME, MAX_NEW_TOKENS, MAX_PROMPTS, shorten
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "suites"
@@ -483,7 +483,7 @@ def _load_rows(bench: HFBenchmark, req: HFRequest, datasets_dir: str | Path | No
         # would be read from the old cache: key it by the copy's content instead
         digest = _tree_digest(local)
         cache_dir = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "dflash-local" / digest[:16]
-    from dflash_train.hub import unreachable
+    from dflash_train.checkpoints.hub import unreachable
 
     # offline or no Hub: say so in seconds (datasets retries for ~35 s), reading only its cache
     why = unreachable() if where == bench.repo else None

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_train.masks import BlockLayout, dense_mask
-from dflash_train.model import DFlashDrafter, DraftCache, mask_blocks
-from dflash_train.target import logits_rows
+from dflash_train.core.masks import BlockLayout, dense_mask
+from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
+from dflash_train.core.target import logits_rows
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, anchors_per_pass, head_topk
 from eval_worker.engine.scoring import walk_labels

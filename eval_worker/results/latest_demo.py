@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_train.fsutil import atomic_write_json
+from dflash_train.common.fsutil import atomic_write_json
 
 POINTER = "demo-latest.json"
 

@@ -43,9 +43,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dflash_train.errors import DFlashError
-from dflash_train.fsutil import fsync_dir
-from dflash_train.publication import checkpoint_step, step_dir_name, valid_run_id
+from dflash_train.checkpoints.publication import checkpoint_step, step_dir_name, valid_run_id
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.fsutil import fsync_dir
 from eval_worker.engine.options import OptionsError, options_identity
 from eval_worker.service.jobs import strip_attempt
 

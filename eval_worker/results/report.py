@@ -18,7 +18,7 @@ from pathlib import Path
 
 import markupsafe
 
-from dflash_train.fsutil import atomic_write_text
+from dflash_train.common.fsutil import atomic_write_text
 from eval_worker.results import report_figures as figs
 from eval_worker.results.run_results import ResultsError, RunResult, load_run
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train.errors import DFlashError
+from dflash_train.common.errors import DFlashError
 
 RESULT_SCHEMA = "dflash-eval-result/1"
 

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_train import storage
-from dflash_train.errors import DFlashError, retryable
-from dflash_train.fsutil import atomic_write_bytes
-from dflash_train.progress import format_duration
-from dflash_train.publication import CheckpointError, unpin_checkpoint
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import CheckpointError, unpin_checkpoint
+from dflash_train.common.errors import DFlashError, retryable
+from dflash_train.common.fsutil import atomic_write_bytes
+from dflash_train.common.progress import format_duration
 from eval_worker.engine.options import options_identity
 from eval_worker.engine.suite import HF_PREFIX, Suite, load_suite
 from eval_worker.results import sinks
@@ -63,7 +63,7 @@ def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None
 def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
     """RQ job function: evaluate one checkpoint and record the result once. JSON in, JSON out.
 
-    An error that is not `retryable` (dflash_train.errors: a bad payload, a checkpoint outside
+    An error that is not `retryable` (dflash_train.common.errors: a bad payload, a checkpoint outside
     the roots, no marker, a digest mismatch, a drafter that does not fit the target, an unknown
     option, ...) fails the job at once, without retries: trying again cannot fix it; once the
     cause is fixed, `dflash-eval requeue --failed` runs it again. Other errors (I/O, out of

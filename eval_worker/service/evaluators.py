@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_train.settings import Settings
+from dflash_train.common.settings import Settings
 from eval_worker.service.jobs import JobError
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,11 @@ def configure(settings: WorkerSettings) -> None:
 
 
 def checkpoint_cache():
-    """This process's cache of checkpoints pulled from object stores (dflash_train.checkpoint_cache)."""
+    """This process's cache of checkpoints pulled from object stores (eval_worker.service.checkpoint_cache)."""
     global _checkpoint_cache
     s = settings()
     if _checkpoint_cache is None:
-        from dflash_train.checkpoint_cache import CheckpointCache
+        from eval_worker.service.checkpoint_cache import CheckpointCache
 
         root = s.checkpoint_cache_dir or s.env.checkpoint_cache_dir or Path(s.results_dir).parent / "checkpoint-cache"
         _checkpoint_cache = CheckpointCache(root, max_bytes=int(s.checkpoint_cache_gb * 2**30))

@@ -17,7 +17,7 @@ configured roots after resolving symlinks, completion marker present, digest equ
 Every failure raises :class:`JobError` whose message is the reason.
 
 `checkpoint` and `baseline` may be URLs of an object store (`s3://bucket/runs/<run>/step-…`,
-dflash_train/storage.py): confined to the store prefixes among the worker's checkpoint
+dflash_train/checkpoints/storage.py): confined to the store prefixes among the worker's checkpoint
 roots, their marker read from the store, and the worker evaluates a local copy pulled into
 its cache and verified file by file (:func:`materialize`).
 """
@@ -35,9 +35,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from dflash_train import storage
-from dflash_train.errors import DFlashError
-from dflash_train.publication import (
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     RUN_ID_PATTERN,
     RUN_ID_RULE,
@@ -50,7 +49,8 @@ from dflash_train.publication import (
     verify_checkpoint,
     within,
 )
-from dflash_train.settings import KNOWN_SINKS as SINK_NAMES
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.settings import KNOWN_SINKS as SINK_NAMES
 from eval_worker.engine.options import (
     MAX_NAME,
     MAX_SHOWN,
@@ -465,7 +465,7 @@ def materialize(job: dict[str, Any], roots: Sequence[Path | str] | None, cache=N
 
     Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
     pass). Store URLs: confined, the marker read and compared with the job, then a local copy
-    from `cache` (a dflash_train.checkpoint_cache.CheckpointCache; downloaded once per
+    from `cache` (a eval_worker.service.checkpoint_cache.CheckpointCache; downloaded once per
     publication, every file's digest verified), held for the block so it is not evicted.
     """
     if not any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline")):
@@ -519,7 +519,7 @@ def _canonical(location: str | os.PathLike) -> str:
         try:
             url = storage.check_url(str(location))
             if url.startswith("hf://"):  # a branch or tag becomes its commit: the job means fixed bytes
-                from dflash_train import hub
+                from dflash_train.checkpoints import hub
 
                 url = hub.resolve(url)
             return url

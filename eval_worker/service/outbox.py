@@ -7,8 +7,8 @@ already has it), so a crash, a Redis outage or the end of training never loses a
 a delivery repeated after a crash is a no-op thanks to the deterministic job id.
 
 Only a job the queue refuses *because of the job itself* (schema, options, checkpoint gone:
-an error that is not `retryable`, dflash_train.errors) moves to `rejected/` with the reason. Every other failure —
-Redis unreachable, out of memory at `maxmemory`, `MISCONF` (it cannot persist), `BUSY`,
+an error that is not `retryable`, dflash_train.common.errors) moves to `rejected/` with the reason.
+Every other failure — Redis unreachable, out of memory at `maxmemory`, `MISCONF` (it cannot persist), `BUSY`,
 `LOADING`, a cluster redirection, a wrong password, a bug — keeps the job waiting here and
 delivery backs off: the job is not at fault, and a later try can succeed.
 
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_train.errors import retryable
-from dflash_train.fsutil import atomic_write_bytes, fsync_dir
-from dflash_train.redaction import redact
+from dflash_train.common.errors import retryable
+from dflash_train.common.fsutil import atomic_write_bytes, fsync_dir
+from dflash_train.common.redaction import redact
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegis
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from dflash_train.publication import pin_checkpoint, unpin_checkpoint
-from dflash_train.redaction import redact
+from dflash_train.checkpoints.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.common.redaction import redact
 from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service import routing

@@ -54,10 +54,10 @@ from filelock import FileLock
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dflash_train.errors import DFlashError
-from dflash_train.fsutil import atomic_write_json, pid_alive
-from dflash_train.redaction import _MASK, redact_url  # the one redaction of every message, re-exported here
-from dflash_train.settings import Settings
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.fsutil import atomic_write_json, pid_alive
+from dflash_train.common.redaction import _MASK, redact_url  # the one redaction of every message, re-exported here
+from dflash_train.common.settings import Settings
 
 __all__ = [
     "LocalRedis",
@@ -81,7 +81,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# named in messages (dflash_train.settings reads them)
+# named in messages (dflash_train.common.settings reads them)
 ENV_URL = "REDIS_URL"
 ENV_SERVER = "DFLASH_REDIS_SERVER"
 ENV_PASSWORD = "DFLASH_REDIS_PASSWORD"

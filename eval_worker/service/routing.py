@@ -187,7 +187,7 @@ def _mark_skipped(connection, job_id: str, reason: str) -> None:
     from rq.registry import CanceledJobRegistry
     from rq.serializers import JSONSerializer
 
-    from dflash_train.publication import unpin_checkpoint
+    from dflash_train.checkpoints.publication import unpin_checkpoint
     from eval_worker.service.queue import fetch_job
 
     job = fetch_job(connection, job_id)

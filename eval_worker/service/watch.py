@@ -21,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train import storage
-from dflash_train.fsutil import atomic_write_json
-from dflash_train.publication import (
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
     checkpoint_step,
@@ -31,6 +30,7 @@ from dflash_train.publication import (
     read_manifest,
     run_id_from,
 )
+from dflash_train.common.fsutil import atomic_write_json
 
 # HF Trainer, DeepSpec, ours, SpecForge, speculators (a directory per epoch/step number)
 _DIR = re.compile(r"^(checkpoint-\d+|step_\d+|step-\d+|.+-step\d+|epoch_\d+_step_\d+|\d+)$")
@@ -97,7 +97,7 @@ class Watcher:
 
     def complete(self, p: Path) -> bool:
         """Whether the trainer has finished writing `p` (rules in the module docstring)."""
-        from dflash_train.training_state import step_from_name
+        from dflash_train.checkpoints.training_state import step_from_name
 
         if p.is_dir() and (p / MARKER_NAME).exists():
             return True
@@ -118,7 +118,7 @@ class Watcher:
     # --- one poll --------------------------------------------------------------------------
     def scan(self) -> list[dict]:
         """Handle what is complete and new; return one event per checkpoint handled now."""
-        from dflash_train.training_state import describe, import_checkpoint
+        from dflash_train.checkpoints.training_state import describe, import_checkpoint
 
         if self.url:
             return self._scan_store()

@@ -42,7 +42,7 @@ from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
-from dflash_train.redaction import install_log_redaction, redact
+from dflash_train.common.redaction import install_log_redaction, redact
 from eval_worker.service import routing
 from eval_worker.service.evaluators import WorkerSettings, configure, get_evaluator, loaded_targets
 from eval_worker.service.job_guard import EvalJob

@@ -8,7 +8,7 @@ try/except here and the outcome is returned (and logged), never raised.
 Which sinks run: the job's ``sinks`` list when it has one, else ``settings.sinks`` (``$DFLASH_SINKS``,
 ``--sink`` of the worker; comma-separated ``wandb``, ``tensorboard``, ``mlflow``; default ``wandb``;
 ``none`` turns publication off). W&B settings come from the job's ``wandb`` block,
-overridden by the worker's settings (``WANDB_MODE``, ``DFLASH_WANDB_DIR``; dflash_train.settings);
+overridden by the worker's settings (``WANDB_MODE``, ``DFLASH_WANDB_DIR``; dflash_train.common.settings);
 MLflow's from the job's ``mlflow`` block (experiment, the trainer's run to nest under) and the
 settings' tracking URI. Each sink publishes in a child process with a timeout (``sinks/base.py``).
 """
@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from urllib.parse import quote
 
-from dflash_train.settings import KNOWN_SINKS, Settings
+from dflash_train.common.settings import KNOWN_SINKS, Settings
 
 log = logging.getLogger(__name__)
 

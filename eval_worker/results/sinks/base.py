@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 
-from dflash_train.errors import DFlashError
+from dflash_train.common.errors import DFlashError
 
 # sink name -> (module, target class); wandb keeps its own child entry point (wandb_sink._main)
 MODULES = {"tensorboard": ("eval_worker.results.sinks.tensorboard_sink", "TensorBoardTarget"),

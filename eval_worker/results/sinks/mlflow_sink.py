@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from dflash_train.settings import Settings
+from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, load_run
 from eval_worker.results.sinks.names import points
 from eval_worker.results.sinks.wandb_lock import writer_lock

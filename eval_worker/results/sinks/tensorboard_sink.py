@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_train.fsutil import atomic_write_text
+from dflash_train.common.fsutil import atomic_write_text
 from eval_worker.results.run_results import RunResult, load_run
 from eval_worker.results.sinks.names import points
 from eval_worker.results.sinks.wandb_lock import writer_lock

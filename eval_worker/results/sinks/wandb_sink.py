@@ -43,9 +43,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_train import storage
-from dflash_train.fsutil import atomic_write_text
-from dflash_train.settings import Settings
+from dflash_train.checkpoints import storage
+from dflash_train.common.fsutil import atomic_write_text
+from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, lag_scalars, load_run
 from eval_worker.results.sinks.base import SinkError, run_child  # noqa: F401 - SinkError: the sinks' one error
 from eval_worker.results.sinks.wandb_lock import writer_lock

@@ -16,8 +16,9 @@ import time
 
 import torch
 
+from dflash_train.common.progress import Progress
+
 from . import distributed as dist_util
-from .progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class MetricLogger:
         self._t_log, self._tokens_log = time.perf_counter(), 0
         main = dist.is_main
         self.wandb_run = self._init_wandb() if main and config.wandb else None
-        # rank 0 alone: a bar on a terminal, lines with the ETA in a log (dflash_train.progress)
+        # rank 0 alone: a bar on a terminal, lines with the ETA in a log (dflash_train.common.progress)
         self.bar = Progress(f"train {run_id}", config.max_steps, unit="steps", initial=start_step,
                             enabled=main and config.progress, every_s=config.progress_every_s, logger=log)
 

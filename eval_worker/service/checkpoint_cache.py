@@ -42,10 +42,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import storage
-from .errors import DFlashError
-from .fsutil import atomic_write_bytes, fsync_dir, fsync_path, pid_alive
-from .publication import MARKER_NAME, CheckpointError, parse_manifest, read_marker, sha256_file
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import MARKER_NAME, CheckpointError, parse_manifest, read_marker, sha256_file
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.fsutil import atomic_write_bytes, fsync_dir, fsync_path, pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeGuard
 
-from .errors import DFlashError
-from .redaction import redact  # re-exported: one redaction for every URL in the project
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.redaction import redact  # re-exported: one redaction for every URL in the project
 
 __all__ = ["StoreError", "StoreUnavailable", "Store", "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url",
            "join", "parent", "name", "within_prefixes", "store_for", "redact", "read_only",
@@ -38,7 +38,7 @@ __all__ = ["StoreError", "StoreUnavailable", "Store", "transport_errors", "LOCAL
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 LOCAL_PROTOCOLS = ("file", "local")
-READ_ONLY = ("hf",)  # the Hugging Face Hub (dflash_train/hub.py): read, never uploaded to, pinned or pruned
+READ_ONLY = ("hf",)  # the Hugging Face Hub (dflash_train/checkpoints/hub.py): read, never uploaded to, pinned or pruned
 
 
 class StoreError(DFlashError, ValueError):
@@ -218,7 +218,7 @@ def _filesystem(protocol: str):
 
 def store_for(url: str) -> Store:
     """The Store that serves `url`'s protocol (one filesystem per protocol and process);
-    `hf://` is served by dflash_train.hub (read-only, through huggingface_hub's cache)."""
+    `hf://` is served by dflash_train.checkpoints.hub (read-only, through huggingface_hub's cache)."""
     protocol = check_url(url).split("://", 1)[0]
     if protocol == "hf":
         from .hub import HubStore

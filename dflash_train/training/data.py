@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import DFlashError
-from .fsutil import atomic_write_text
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.fsutil import atomic_write_text
 
 BUILTIN_STDLIB = "builtin:stdlib-code"
 BUILTIN_INSTRUCT = "builtin:stdlib-instruct"
@@ -125,7 +125,7 @@ def stdlib_code_prompts(tokenizer, num_prompts: int, prompt_tokens: int = 64, sp
     held-out files (same rule as the target builder: it is imported, not copied).
     Deterministic: candidates are taken in sorted file order, evenly spaced.
     """
-    from .assets.build_tiny_target import collect_corpus
+    from dflash_train.assets.build_tiny_target import collect_corpus
 
     train, heldout, _ = collect_corpus(stdlib_root)
     texts = {"train": train, "heldout": heldout}.get(split)
@@ -155,7 +155,7 @@ def stdlib_instruct_prompts(tokenizer, num_prompts: int, split: str = "train", c
     memorised); `"heldout"` those of its held-out files. The eval suite's own prompts are never
     used. Deterministic (evenly spaced in file order); chat-templated when the tokenizer has one.
     """
-    from .assets.build_tiny_target import collect_chat_pairs
+    from dflash_train.assets.build_tiny_target import collect_chat_pairs
 
     pairs = {"train": "spare", "heldout": "heldout"}.get(split)
     if pairs is None:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, DrafterConfig
+from dflash_train.core.config import ConfigError, DrafterConfig
+
 from .publication import (
     CONFIG_NAME,
     INDEX_NAME,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import DFlashError
+from dflash_train.common.errors import DFlashError
 
 
 class ConfigError(DFlashError, ValueError):

@@ -2,7 +2,7 @@
 
 Torch-free on purpose: `dflash-eval enqueue`, the job schema, pin/unpin and the worker's
 checks read a JSON marker and hash files, and must not pay for importing torch. Writing
-and reading the weights themselves is `dflash_train.checkpoint` (safetensors, torch).
+and reading the weights themselves is `dflash_train.checkpoints.checkpoint` (safetensors, torch).
 
 Layout (docs/design.md, "Published eval checkpoint")::
 
@@ -45,9 +45,10 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.fsutil import atomic_write_json, fsync_path, pid_alive
+
 from . import storage
-from .errors import DFlashError
-from .fsutil import atomic_write_json, fsync_path, pid_alive
 
 # Published checkpoints are read by eval workers that may run as another user: every file is
 # 0644 and every directory we create 0755, whatever the umask (safetensors alone writes 0600).

@@ -1,10 +1,11 @@
 """`dflash-train --config FILE [--option value ...]`: every TrainConfig field is a flag.
 
 `--config` takes a YAML/JSON file or a bundled config name (`demo`, `long`). Flags win
-over the environment (`WANDB_MODE`, `DFLASH_PUBLISH_TO`, dflash_train.settings), which wins over the file. Every
+over the environment (`WANDB_MODE`, `DFLASH_PUBLISH_TO`, dflash_train.common.settings), which wins over the file. Every
 flag's help text is the field's own (`train_config.opt`).
 
-Evaluation is a flag away: `--eval-every N` attaches the `EvalOnCheckpoint` hook, which
+Evaluation is a flag away: `--eval-every N` attaches the `EvalOnCheckpoint` hook (the `eval` plug-in the
+`hooks` package registers, callbacks.load_plugin), which
 queues an acceptance eval of every Nth published checkpoint for the eval worker
 (`--eval-suite`, `--eval-baseline`, `--eval-target`, `--redis-url`).
 
@@ -20,7 +21,9 @@ import json
 import logging
 import sys
 
-from .settings import Settings
+from dflash_train.common.settings import Settings
+
+from .callbacks import load_plugin
 from .train_config import TrainConfig, TrainConfigError, field_types, help_of, load_config, unwrap_optional
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     main_rank = is_rank0()
     logging.basicConfig(level=args.log_level.upper() if main_rank else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from .progress import limit_repeated_warnings
+    from dflash_train.common.progress import limit_repeated_warnings
 
     limit_repeated_warnings()  # the eval hook with Redis down: one line per 30 s per message
     if not main_rank:  # transformers draws its own bars (loading weights) on every rank
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
             print(json.dumps(config.to_dict(), indent=2))
         return 0
     if config.publish_to and main_rank:  # before the model loads: not one publication into the run
-        from . import storage
+        from dflash_train.checkpoints import storage
 
         try:
             storage.preflight(config.publish_to)
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     callbacks = []
     if config.eval_every:
         try:
-            callbacks.append(eval_hook(config, settings, args.redis_url))
+            callbacks.append(load_plugin("eval")(config, settings, args.redis_url))
         except Exception as e:  # noqa: BLE001 - a baseline that cannot be imported, a bad suite: before training
             print(f"dflash-train: eval wiring: {e}", file=sys.stderr)
             return 2
@@ -120,30 +123,6 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
                  m.get("streak", float("nan")), summary.world_size, summary.tokens_per_s, len(summary.checkpoints),
                  summary.run_dir)
     return 0
-
-
-def eval_hook(config: TrainConfig, settings: Settings, redis_url: str | None, **hook_options):
-    """The `EvalOnCheckpoint` hook the eval flags describe (imported only when asked for: the
-    trainer itself never imports the eval side); `hook_options`: further or overriding
-    EvalOnCheckpoint arguments (the demo's options, W&B group, train-end timeout). The one place
-    that builds the hook for a training run, so `eval_worker` (the demo) never imports `hooks`."""
-    from eval_worker.engine.suite import check_suite_spec
-    from hooks.eval_on_checkpoint import EvalOnCheckpoint
-
-    for spec in config.eval_suite:  # a typo would fail every eval of the run, found hours later
-        note = check_suite_spec(spec, hf_datasets_dir=settings.hf_datasets_dir)
-        if note:
-            log.warning("--eval-suite %s", note)
-    options = {k: v for k, v in (("num_prompts", config.eval_num_prompts),
-                                 ("max_new_tokens", config.eval_max_new_tokens)) if v is not None}
-    if options or "options" in hook_options:
-        hook_options = {**hook_options, "options": {**options, **(hook_options.get("options") or {})}}
-    wandb = None
-    if config.wandb:  # the eval run lands next to the training run: same project and entity
-        wandb = {"project": config.wandb_project, "entity": config.wandb_entity, "mode": config.wandb_mode}
-    kwargs = dict(every_n_steps=config.eval_every, suite=list(config.eval_suite), target=config.eval_target,
-                  baseline=config.eval_baseline, wandb=wandb, redis_url=redis_url, settings=settings)
-    return EvalOnCheckpoint(**{**kwargs, **hook_options})
 
 
 if __name__ == "__main__":

@@ -23,25 +23,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_train.checkpoints.checkpoint import load_drafter
+from dflash_train.checkpoints.publication import list_checkpoints
+from dflash_train.common.progress import Progress
+from dflash_train.core.config import ConfigError, DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.target import Target, TargetError
+
 from . import distributed as dist_util
 from .anchors import block_labels, sample_anchors
 from .callbacks import CallbackList
-from .checkpoint import load_drafter
 from .checkpointer import Checkpointer
-from .config import ConfigError, DrafterConfig
 from .data import Batch, BatchPlan, Example, build_examples
 from .hidden_queue import HiddenStateQueue, Slot
 from .loss import block_loss, summarize_stats
 from .metric_logger import MetricLogger
-from .model import DFlashDrafter
-from .progress import Progress
-from .publication import list_checkpoints
-from .target import Target, TargetError
 from .train_config import BUNDLED_TARGET, TrainConfig, TrainConfigError, load_config
 from .train_state import latest_training_state, load_training_state, set_rng_state
 
 log = logging.getLogger(__name__)
-TINY_TARGET_DIR = Path(__file__).resolve().parent / "assets" / "tiny_target"
+TINY_TARGET_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny_target"
 
 __all__ = ["Trainer", "TrainConfig", "TrainSummary", "train", "load_config"]
 

@@ -7,7 +7,7 @@ mapped first (`map_checkpoint_keys`: wrapper prefixes, fused q/k/v and gate/up, 
 rotary buffers); whatever is still not ours is named, every key of it.
 
 Publication: `publish_checkpoint` / `AsyncPublisher` save the drafter through the torch-free
-contract in `dflash_train.publication` (atomic directory, `COMPLETE.json` written last),
+contract in `dflash_train.checkpoints.publication` (atomic directory, `COMPLETE.json` written last),
 which also holds reading, verifying, listing, pins and retention.
 """
 from __future__ import annotations
@@ -26,9 +26,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_train.core.config import ConfigError, DrafterConfig
+from dflash_train.core.model import DFlashDrafter
+
 from . import storage
-from .config import ConfigError, DrafterConfig
-from .model import DFlashDrafter
 from .publication import (
     CONFIG_NAME,
     FILE_MODE,

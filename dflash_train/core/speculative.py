@@ -1,7 +1,7 @@
 """Reference DFlash speculative decoding: draft a block, verify it in one target pass.
 
 Lossless: the committed tokens are exactly the target's greedy decode, or with a
-`sampler` (`dflash_train.sampling`) exactly the target's own keyed samples; what the
+`sampler` (`dflash_train.core.sampling`) exactly the target's own keyed samples; what the
 drafter changes is only how many tokens each verify step commits (its acceptance
 length, 1..B, bonus token included). Batch size 1, written to be read, not to be fast.
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import DFlashError
-from .publication import RUN_ID_RULE, valid_run_id
+from dflash_train.checkpoints.publication import RUN_ID_RULE, valid_run_id
+from dflash_train.common.errors import DFlashError
 
 BUNDLED_TARGET = "builtin:tiny-target"
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -154,7 +154,7 @@ class TrainConfig:
             # checked here, not at the first publication: every eval job of the run would be refused
             problems.append(f"run_id {self.run_id!r} must be {RUN_ID_RULE}")
         if self.publish_to is not None:
-            from .storage import StoreError, check_url, is_url
+            from dflash_train.checkpoints.storage import StoreError, check_url, is_url
 
             try:
                 if not is_url(self.publish_to):

@@ -43,7 +43,7 @@ owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 
 Object-store credentials and endpoints are not settings of ours: s3fs/botocore read them
 (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `AWS_ENDPOINT_URL`, ~/.aws), as
-huggingface_hub reads `HF_TOKEN`; see dflash_train/storage.py.
+huggingface_hub reads `HF_TOKEN`; see dflash_train/checkpoints/storage.py.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def parse_roots(roots) -> tuple[Path | str, ...] | None:
     resolved (Path), object-store prefixes in canonical form (str, `s3://bucket/prefix`);
     `roots` is an iterable or an os.pathsep-separated string (the ':' of `s3://` is no
     separator); None when it names none. An invalid URL raises storage.StoreError."""
-    from .storage import check_url, is_url
+    from dflash_train.checkpoints.storage import check_url, is_url
 
     if roots is None:
         return None
@@ -146,7 +146,7 @@ class Settings:
 
     @property
     def digests_dir(self) -> Path:
-        """Per-file digests of target files (dflash_train.fingerprint)."""
+        """Per-file digests of target files (dflash_train.core.fingerprint)."""
         return self.home / "file-digests"
 
     @classmethod

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import DFlashError
-from .fsutil import atomic_writer
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.fsutil import atomic_writer
 
 STATE_FORMAT = "dflash-train-state/1"
 _STATE_FILE = re.compile(r"^state-(\d{8,})\.pt$")

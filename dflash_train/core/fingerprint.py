@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from .errors import DFlashError
-from .fsutil import atomic_write_json
-from .settings import Settings
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.fsutil import atomic_write_json
+from dflash_train.common.settings import Settings
 
 ALGO = "xxh3_128"
 CHUNK = 8 << 20

@@ -23,9 +23,9 @@ import queue
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import storage
-from .checkpoint import AsyncPublisher
-from .publication import (
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.checkpoint import AsyncPublisher
+from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     apply_retention,
     checkpoint_step,
@@ -33,6 +33,7 @@ from .publication import (
     list_checkpoints,
     step_dir_name,
 )
+
 from .train_state import save_training_state
 
 if TYPE_CHECKING:

@@ -9,15 +9,32 @@ called on rank 0 only, from the training thread:
 - `protects(path) -> bool`: retention keeps `path` while any callback says True
   (e.g. an eval still queued for it).
 
-The trainer never imports `hooks` or `eval_worker`; those packages implement this.
+The trainer never imports `hooks` or `eval_worker`; those packages implement this, and register
+the callbacks the command line can attach by name as plug-ins (`load_plugin`).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
+
+PLUGIN_GROUP = "dflash_train.callbacks"  # entry points: name -> factory(config, settings, redis_url, **options)
+
+
+def load_plugin(name: str) -> Callable[..., Any]:
+    """The callback factory a package registers under `name` (`eval`: hooks.eval_flags.eval_hook).
+
+    Entry points invert the dependency: the package that implements a callback names itself
+    to the trainer in its packaging metadata, and the trainer imports nothing of it."""
+    found = entry_points(group=PLUGIN_GROUP, name=name)
+    if not found:
+        raise LookupError(f"no {name!r} callback plug-in is installed (entry point group {PLUGIN_GROUP}); "
+                          "install the project (`pip install -e .`) so its `hooks` package registers one")
+    return next(iter(found)).load()
 
 
 @runtime_checkable

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
+from dflash_train.common.errors import DFlashError
+
 from .config import DrafterConfig
-from .errors import DFlashError
 from .fingerprint import FileDigests, FingerprintError, directory_state, tensor_digest
 
 
@@ -234,7 +235,7 @@ class Target:
 
     # --- identity -------------------------------------------------------------------
     def fingerprint(self) -> str:
-        """Identity of everything that shapes this target's outputs (`dflash_train.fingerprint`).
+        """Identity of everything that shapes this target's outputs (`dflash_train.core.fingerprint`).
 
         Loaded from a directory: every byte of its files (weights, config, tokenizer, chat
         template, generation config), digested when `load` read them, plus the dtypes it
