@@ -49,11 +49,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dflash_train.training.corpus import MAX_CORPUS_CHARS, ChatPair, collect_chat_pairs, collect_corpus
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "dflash_train" / "assets" / "tiny_target"
 BUILDER = "tools/build_tiny_target.py"  # recorded in build_info.json (the bundled build names its old place)
+
+if TYPE_CHECKING:  # torch is imported where it is used: --help answers at once
+    import torch
 
 PAIR_FRACTION = 0.75  # of each chat-stage batch (the rest: raw source, so it keeps writing code)
 
@@ -323,13 +327,13 @@ class Corpus:
 class Tokens:
     """The tokenizer and everything the stages train and measure on, as token streams."""
 
-    tokenizer: object
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
     special_ids: dict[str, int]
-    train: object  # raw source, eos after each file
-    heldout: object
-    chat: object  # the training chat pairs
-    chat_starts: object  # where each pair opens in `chat` (those a full window fits after)
-    heldout_chat: object
+    train: torch.Tensor  # raw source, eos after each file
+    heldout: torch.Tensor
+    chat: torch.Tensor  # the training chat pairs
+    chat_starts: torch.Tensor  # where each pair opens in `chat` (those a full window fits after)
+    heldout_chat: torch.Tensor
 
     def raw_rows(self, n: int, gen):
         """`n` raw-source windows at random offsets drawn from `gen`."""
