@@ -8,7 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(1)
 
-from dflash_train import distributed as dist_util  # noqa: E402
+from dflash_train.training import distributed as dist_util  # noqa: E402
 from dflash_train.training.trainer import Trainer  # noqa: E402
 from tests.train_helpers import small_config, target_and_examples  # noqa: E402
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("dflash_train", "eval_worker", "hooks")
-OURS = ("dflash_train", "eval_worker", "hooks", "tests", "bench")
+OURS = ("dflash_train", "eval_worker", "hooks", "tests", "bench", "tools")
 
 
 def _sources(*dirs: str):
@@ -157,8 +157,16 @@ def test_dflash_train_layers_import_downward_only():
     assert found == set()
 
 
+def test_installed_packages_never_import_tools():
+    """tools/ is not installed: an import of it would work in a checkout and fail where the package is installed."""
+    found = {(m, i) for m, imps in _graph(*PACKAGES).items() for i in imps if _under(i, "tools")}
+    assert found == set()
+
+
 def test_every_dflash_train_module_has_a_layer():
-    loose = {m for m in _graph("dflash_train") if m.count(".") == 1 and m not in ("dflash_train.__main__",)}
+    """Every module sits in a layer's package (a layer's own `__init__` is that layer); `assets/` holds data only."""
+    loose = {m for m in _graph("dflash_train") if m.count(".") == 1 and m not in LAYERS
+             and m not in ("dflash_train.__main__",)}
     assert loose == set(), "a module outside common/core/checkpoints/training: give it a layer"
 
 

@@ -15,8 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 # its own variables for the length of one publication, and `dflash-eval dashboard` handing
 # rq-dashboard the variables its create_app() reads its configuration from.
 ALLOWED = {"dflash_train/common/settings.py", "dflash_train/training/distributed.py",
-           "eval_worker/results/sinks/wandb_sink.py",
-           "dflash_train/assets/build_tiny_target.py", "eval_worker/commands/dashboard.py"}
+           "eval_worker/results/sinks/wandb_sink.py", "eval_worker/commands/dashboard.py"}
 
 
 def _environment_reads(path: Path) -> list[int]:

@@ -31,6 +31,7 @@ def _imported_after(code: str) -> list[str]:
     # a plain `rq worker` imports the job function: torch comes with the first evaluator, not before
     "import eval_worker.service.eval_job, eval_worker.service.job_guard, eval_worker.service.worker",
     "from eval_worker.cli import build_parser; build_parser()",
+    "import dflash_train.training.corpus",  # the stdlib corpus: the tiny-target builder's first stage
 ])
 def test_module_imports_no_torch(code):
     assert _imported_after(code) == []

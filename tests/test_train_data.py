@@ -137,7 +137,7 @@ def test_builtin_training_prompts_are_held_out_from_the_suite_and_the_targets_pa
     not chat pairs the target trained on: the target writes them a fresh answer."""
     from transformers import AutoTokenizer
 
-    from dflash_train.assets.build_tiny_target import collect_chat_pairs
+    from dflash_train.training.corpus import collect_chat_pairs
     from eval_worker.engine.suite import load_suite
 
     tok = AutoTokenizer.from_pretrained(tiny_target_path, local_files_only=True)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
 from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.checkpoint import AsyncPublisher
@@ -33,61 +34,69 @@ from dflash_train.checkpoints.publication import (
     list_checkpoints,
     step_dir_name,
 )
+from dflash_train.core.model import DFlashDrafter
 
+from .train_config import TrainConfig
 from .train_state import save_training_state
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    def __init__(self, trainer: Trainer, dtype=None):
-        c = trainer.config
-        self.trainer, self.config = trainer, c
+    """Given what it saves, not the trainer: the run's config and directories, the drafter, the
+    optimizer and scheduler whose state resumes the run, and two callables for the callbacks
+    (`on_published(step, path, manifest)` when a publication has landed, `protects(path)` for
+    retention)."""
+
+    def __init__(self, config: TrainConfig, run_id: str, *, run_dir: Path, state_dir: Path, drafter: DFlashDrafter,
+                 optimizer: Any, scheduler: Any, on_published: Callable[[int, Path, dict], None],
+                 protects: Callable[[Path], bool], dtype=None):
+        c = self.config = config
+        self.run_id, self.run_dir, self.state_dir = run_id, Path(run_dir), Path(state_dir)
+        self.drafter, self.optimizer, self.scheduler = drafter, optimizer, scheduler
+        self.on_published, self.protects = on_published, protects
         self.publish_every = c.publish_every
         self.state_every = c.state_every or c.publish_every
         self.published: list[str] = []         # checkpoints published by this run
         self.state_path: str | None = None     # the last training state saved
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        self.store_run = storage.join(c.publish_to, trainer.run_id) if c.publish_to else None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.store_run = storage.join(c.publish_to, run_id) if c.publish_to else None
         if self.store_run:  # a missing bucket or no write permission fails now, not at the first upload
             storage.preflight(c.publish_to)
-        for where in filter(None, (trainer.run_dir, self.store_run)):
+        for where in filter(None, (self.run_dir, self.store_run)):
             for p in cleanup_incomplete(where):
                 log.info("removed half-written %s", p)
-        self.publisher = AsyncPublisher(c.checkpoint_root, trainer.run_id, dtype=dtype, publish_to=c.publish_to,
+        self.publisher = AsyncPublisher(c.checkpoint_root, run_id, dtype=dtype, publish_to=c.publish_to,
                                         on_published=lambda *landed: self._landed.put(landed))
         if self.store_run:  # published here but never uploaded (the run stopped in between): upload now
             uploaded = {checkpoint_step(u) for u in list_checkpoints(self.store_run)}
-            for p in list_checkpoints(trainer.run_dir):
+            for p in list_checkpoints(self.run_dir):
                 if checkpoint_step(p) not in uploaded:
                     log.info("uploading %s, published before the run stopped", p)
                     self.publisher.submit_upload(p, checkpoint_step(p))
 
-    def step(self, step: int, train_metrics: Callable[[], dict]) -> None:
-        """After optimizer step `step`: publish and/or save as the cadences say, then announce what landed."""
+    def step(self, step: int, train_metrics: Callable[[], dict], data_position: int) -> None:
+        """After optimizer step `step` (the next batch to train on: `data_position`): publish and/or
+        save as the cadences say, then announce what landed."""
         last = step == self.config.max_steps
         if step % self.publish_every == 0 or last:
             self._publish(step, train_metrics())
         if step % self.state_every == 0 or last:
-            self.state_path = self._save_state(step)
+            self.state_path = self._save_state(step, data_position)
         self.announce()
 
     def announce(self) -> None:
         """Tell the callbacks about publications that have landed, then apply retention."""
-        t = self.trainer
         while True:
             try:
                 step, path, manifest = self._landed.get_nowait()
             except queue.Empty:
                 return
             self.published.append(str(path))
-            t.callbacks.on_checkpoint_published(t, step, path, manifest)
-            for where in filter(None, (t.run_dir, self.store_run)):
-                for p in apply_retention(where, self.config.keep_last, protect=t.callbacks.protects):
+            self.on_published(step, path, manifest)
+            for where in filter(None, (self.run_dir, self.store_run)):
+                for p in apply_retention(where, self.config.keep_last, protect=self.protects):
                     log.info("retention removed %s", p)
 
     def close(self, failing: bool) -> None:
@@ -100,16 +109,14 @@ class Checkpointer:
             log.exception("checkpoint publication also failed while training was failing")
 
     def _publish(self, step: int, train_metrics: dict) -> None:
-        t = self.trainer
-        if (t.run_dir / step_dir_name(step) / MARKER_NAME).exists():
-            log.warning("step %d is already published in %s; keeping that one", step, t.run_dir)
+        if (self.run_dir / step_dir_name(step) / MARKER_NAME).exists():
+            log.warning("step %d is already published in %s; keeping that one", step, self.run_dir)
             return
-        self.publisher.submit(t.drafter, step, train_metrics=train_metrics)
+        self.publisher.submit(self.drafter, step, train_metrics=train_metrics)
 
-    def _save_state(self, step: int) -> str:
-        t = self.trainer
+    def _save_state(self, step: int, data_position: int) -> str:
         return str(save_training_state(
-            t.state_dir, step, model_state=t.drafter.state_dict(), optimizer_state=t.optimizer.state_dict(),
-            scheduler_state=t.scheduler.state_dict(), data_position=t.data_position, config=self.config.to_dict(),
-            extra={"drafter_config": t.drafter.config.to_dict(), "run_id": t.run_id}, keep=self.config.keep_states))
-
+            self.state_dir, step, model_state=self.drafter.state_dict(), optimizer_state=self.optimizer.state_dict(),
+            scheduler_state=self.scheduler.state_dict(), data_position=data_position, config=self.config.to_dict(),
+            extra={"drafter_config": self.drafter.config.to_dict(), "run_id": self.run_id},
+            keep=self.config.keep_states))

@@ -31,6 +31,8 @@ import torch
 from dflash_train.common.errors import DFlashError
 from dflash_train.common.fsutil import atomic_write_text
 
+from .corpus import collect_chat_pairs, collect_corpus
+
 BUILTIN_STDLIB = "builtin:stdlib-code"
 BUILTIN_INSTRUCT = "builtin:stdlib-instruct"
 BUILTIN_MIX = "builtin:stdlib-mix"
@@ -122,11 +124,9 @@ def stdlib_code_prompts(tokenizer, num_prompts: int, prompt_tokens: int = 64, sp
     """Code prefixes that end right after a one-line `def ...:` (the model writes the body).
 
     `split="train"` uses the files the tiny target trained on, `"heldout"` only its
-    held-out files (same rule as the target builder: it is imported, not copied).
+    held-out files (`corpus.py`: the rule the target's builder uses too).
     Deterministic: candidates are taken in sorted file order, evenly spaced.
     """
-    from dflash_train.assets.build_tiny_target import collect_corpus
-
     train, heldout, _ = collect_corpus(stdlib_root)
     texts = {"train": train, "heldout": heldout}.get(split)
     if texts is None:
@@ -149,14 +149,12 @@ def stdlib_instruct_prompts(tokenizer, num_prompts: int, split: str = "train", c
     """Coding requests like the built-in eval suite's, made from stdlib functions.
 
     "Write a Python function parse_header(line) that parses a Content-type like header." The
-    requests are the tiny target builder's chat pairs (``collect_chat_pairs``): `split="train"`
+    requests are the tiny target's chat pairs (`corpus.collect_chat_pairs`): `split="train"`
     takes the *spare* ones, functions in the target's training files whose pairs the target
     never trained on (the demo drafter's prompts: the target writes a fresh answer, not one it
     memorised); `"heldout"` those of its held-out files. The eval suite's own prompts are never
     used. Deterministic (evenly spaced in file order); chat-templated when the tokenizer has one.
     """
-    from dflash_train.assets.build_tiny_target import collect_chat_pairs
-
     pairs = {"train": "spare", "heldout": "heldout"}.get(split)
     if pairs is None:
         raise DataError(f"unknown split {split!r} (train, heldout)")

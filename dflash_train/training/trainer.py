@@ -12,6 +12,7 @@ Python API: `train(config, callbacks=[...]) -> TrainSummary`, or `Trainer(...).t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -318,7 +319,11 @@ class Trainer:
         their own cadences (rank 0 publishes and calls the callbacks)."""
         c, main = self.config, self.dist.is_main
         start_step = self.step
-        checkpointer = Checkpointer(self, dtype=_dtype(c.checkpoint_dtype)) if main else None
+        checkpointer = Checkpointer(
+            c, self.run_id, run_dir=self.run_dir, state_dir=self.state_dir, drafter=self.drafter,
+            optimizer=self.optimizer, scheduler=self.scheduler, protects=self.callbacks.protects,
+            on_published=functools.partial(self.callbacks.on_checkpoint_published, self),
+            dtype=_dtype(c.checkpoint_dtype)) if main else None
         logger = MetricLogger(c, self.run_id, self.dist, start_step)
         todo = c.max_steps - self.step
         batches = self.plan.iterate(self.data_position, self.data_position + max(todo, 0))
@@ -335,7 +340,7 @@ class Trainer:
                 logger.step(self.step, metrics, meta.tokens, q.health)
                 if main:
                     self.callbacks.on_step_end(self, self.step, metrics)
-                    checkpointer.step(self.step, logger.window_means)
+                    checkpointer.step(self.step, logger.window_means, self.data_position)
         finally:  # on errors too: the producer thread stops, the last publication is waited for
             failing = sys.exc_info()[0] is not None
             q.close()

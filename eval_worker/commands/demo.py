@@ -169,7 +169,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     target_dir = resolve_target_path(config.target).resolve()
     if not (target_dir / "config.json").is_file():
         raise FileNotFoundError(f"target {target_dir} not found (the bundled tiny target is built by "
-                                f"`python -m dflash_train.assets.build_tiny_target`)")
+                                f"`python -m tools.build_tiny_target` in a checkout)")
 
     url = stack.start_redis()
     print(f"[demo] redis {redact_url(url)}; workdir {paths['runs'].parent}", flush=True)

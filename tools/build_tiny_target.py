@@ -1,38 +1,32 @@
-"""Deterministic builder for the tiny bundled target model.
+"""Deterministic builder for the tiny bundled target model (dflash_train/assets/tiny_target).
 
-Usage::
+A developer tool, run from a checkout (not part of the installed package)::
 
-    python -m dflash_train.assets.build_tiny_target [--out DIR] [--steps N] [--chat-steps N]
-                                                     [--minutes M] [--seed S] [--base DIR]
+    python -m tools.build_tiny_target [--out DIR] [--steps N] [--chat-steps N]
+                                      [--minutes M] [--seed S] [--base DIR]
 
-What it does (all seeded; given the same Python stdlib, CPU type and thread
-count, the same settings give bit-identical weights):
+(or ``python tools/build_tiny_target.py ...`` with the project installed). What it does (all
+seeded; given the same Python stdlib, CPU type and thread count, the same settings give
+bit-identical weights), one function per stage:
 
-1. Collects a corpus from the Python standard library sources of the running
-   interpreter (``sysconfig.get_paths()["stdlib"]``): ``*.py`` files walked in
-   sorted order, test directories skipped, files > 200 KB skipped, capped at
-   ``MAX_CORPUS_CHARS`` characters. ~2% of the files (chosen by a hash of their
-   relative path) are held out for a held-out loss.
-   From the same files it makes chat pairs (``collect_chat_pairs``): a documented
-   function's name, arguments and first docstring sentence as a coding request
-   (the user turn, phrased like the built-in eval suite's), its source as the
-   answer, in the chat template. Without them the chat template is out of
-   distribution and the target answers every chat prompt with ``#\n`` repeats.
-   One function in ``PAIR_SPARE_MODULUS`` (by a hash of its qualified name) is
-   kept out of the target's pairs: the demo drafter's prompts come from those.
-2. Trains a byte-level BPE tokenizer on the raw source (Qwen2-style pre-tokenizer regex,
-   vocab 4096 incl. special tokens ``<|endoftext|>`` (eos/pad), ``<|MASK|>`` (DFlash
-   mask), ``<|im_start|>``, ``<|im_end|>``) and wraps it in
-   ``transformers.PreTrainedTokenizerFast`` with a Qwen-style chat template.
-3. Base stage: trains a small ``Qwen3ForCausalLM`` from scratch on raw-source windows
+1. `load_corpus`: the Python standard library sources of the running interpreter and the
+   chat pairs made from them (``dflash_train/training/corpus.py``: the same rule the
+   trainer's built-in prompts use, so the demo drafter's requests stay out of the target's
+   pairs). Without the pairs the chat template is out of distribution and the target answers
+   every chat prompt with ``#\n`` repeats.
+2. `tokenize`: trains a byte-level BPE tokenizer on the raw source (Qwen2-style pre-tokenizer
+   regex, vocab 4096 incl. special tokens ``<|endoftext|>`` (eos/pad), ``<|MASK|>`` (DFlash
+   mask), ``<|im_start|>``, ``<|im_end|>``), wraps it in ``transformers.PreTrainedTokenizerFast``
+   with a Qwen-style chat template, and encodes the corpus and the pairs.
+3. `base_stage`: trains a small ``Qwen3ForCausalLM`` from scratch on raw-source windows
    (AdamW, linear warmup + cosine decay, 256-token windows, bf16 autocast on CPU with
    fp32 master weights unless ``--no-bf16-autocast``) for ``--steps`` steps.
-4. Chat stage: from the base's weights rounded to bfloat16 (what a saved base loads
+4. `chat_stage`: from the base's weights rounded to bfloat16 (what a saved base loads
    as, so ``--base DIR`` resumes a saved base exactly), a fresh optimizer trains
    ``--chat-steps`` more steps on batches of which ``PAIR_FRACTION`` are windows that
    open at a chat pair and the rest raw source (so it keeps writing plain code), in fp32
    unless ``--chat-bf16-autocast``.
-5. Saves model (bfloat16 safetensors), tokenizer, greedy generation config and
+5. `save` and `build_info`: model (bfloat16 safetensors), tokenizer, greedy generation config and
    ``build_info.json`` (both stages' settings; held-out losses of the *saved* weights
    upcast to fp32 on raw source and on the held-out files' chat pairs, build time,
    parameter count, on-disk size).
@@ -46,44 +40,25 @@ reproduced exactly with ``--steps``.
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import json
 import math
 import os
 import platform
 import random
-import re
 import sys
-import sysconfig
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "tiny_target"
+from dflash_train.training.corpus import MAX_CORPUS_CHARS, ChatPair, collect_chat_pairs, collect_corpus
 
-# ---- corpus -----------------------------------------------------------------
-MAX_CORPUS_CHARS = 12_000_000  # cap on total characters (train + held-out)
-MAX_FILE_BYTES = 200_000
-HELDOUT_MODULUS = 50  # sha1(relpath) % 50 == 0  ->  ~2% of files held out
-SKIP_DIR_NAMES = {
-    "test",
-    "tests",
-    "idle_test",
-    "__pycache__",
-    "site-packages",
-    "dist-packages",
-}
-# data tables rather than code (codec charmaps, entity dicts): skipped so greedy
-# output is code, not "0x00b -> LATIN CAPITAL LETTER" tables
-SKIP_TOP_DIRS = {"encodings", "pydoc_data"}
-SKIP_FILES = {"html/entities.py"}
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "dflash_train" / "assets" / "tiny_target"
+BUILDER = "tools/build_tiny_target.py"  # recorded in build_info.json (the bundled build names its old place)
 
-# ---- chat pairs ---------------------------------------------------------------
-PAIR_SPARE_MODULUS = 10  # sha1(rel:qualname) % 10 == 0 -> not in the target's pairs
-PAIR_MIN_LINES = 6  # short answers teach the model to stop after a line or two
-PAIR_MAX_CHARS = 2400  # longer answers are cut by the 256-token window anyway
+if TYPE_CHECKING:  # torch is imported where it is used: --help answers at once
+    import torch
+
 PAIR_FRACTION = 0.75  # of each chat-stage batch (the rest: raw source, so it keeps writing code)
 
 # ---- tokenizer ----------------------------------------------------------------
@@ -145,164 +120,6 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------
-# corpus
-# ------------------------------------------------------------------------------
-def _corpus_files(stdlib_root: str | None, max_chars: int):
-    """(root, [(relpath, text, held_out)], skipped_big, skipped_undecodable), sorted by path."""
-    root = Path(stdlib_root or sysconfig.get_paths()["stdlib"])
-    files: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        top = Path(dirpath) == root
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in SKIP_DIR_NAMES and not (top and d in SKIP_TOP_DIRS)
-        )
-        for fn in sorted(filenames):
-            if fn.endswith(".py"):
-                files.append(Path(dirpath) / fn)
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
-
-    out = []
-    n_chars = 0
-    skipped_big = skipped_decode = 0
-    for p in files:
-        rel = p.relative_to(root).as_posix()
-        if rel in SKIP_FILES:
-            continue
-        if p.stat().st_size > MAX_FILE_BYTES:
-            skipped_big += 1
-            continue
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            skipped_decode += 1
-            continue
-        if not text.strip():
-            continue
-        if n_chars + len(text) > max_chars:
-            break
-        n_chars += len(text)
-        h = int(hashlib.sha1(rel.encode()).hexdigest(), 16)
-        out.append((rel, text, h % HELDOUT_MODULUS == 0))
-    return root, out, skipped_big, skipped_decode
-
-
-def collect_corpus(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_CHARS):
-    """Return (train_texts, heldout_texts, stats). Deterministic for a given stdlib."""
-    root, files, skipped_big, skipped_decode = _corpus_files(stdlib_root, max_chars)
-    train = [(r, t) for r, t, held in files if not held]
-    heldout = [(r, t) for r, t, held in files if held]
-    stats = dict(
-        stdlib_root=str(root),
-        n_train_files=len(train),
-        n_heldout_files=len(heldout),
-        n_chars=sum(len(t) for _, t, _ in files),
-        n_train_chars=sum(len(t) for _, t in train),
-        n_heldout_chars=sum(len(t) for _, t in heldout),
-        skipped_big=skipped_big,
-        skipped_undecodable=skipped_decode,
-        heldout_files=[r for r, _ in heldout],
-    )
-    return [t for _, t in train], [t for _, t in heldout], stats
-
-
-# ------------------------------------------------------------------------------
-# chat pairs
-# ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ChatPair:
-    qualname: str  # relpath:Class.method
-    name: str
-    args: str
-    ask: str  # the user turn
-    answer: str  # the function's source, dedented
-
-
-# Requests phrased like the built-in eval suite's ("Write a Python function f(x) that ...").
-_ASKS_THAT = (
-    "Write a Python function {name}({args}) that {doc3}.",
-    "Implement {name}({args}) in Python: it should {doc}.",
-    "Define a Python function {name}({args}). It should {doc}.",
-    "In Python, write {name}({args}), which should {doc}.",
-)
-_ASKS_PLAIN = ("Write a Python function {name}({args}). {Doc}.", "Implement {name}({args}) in Python. {Doc}.")
-_ASKS_SIGNATURE = ("Write a Python function {name}({args}).", "Implement {name}({args}) in Python.")
-_NOT_VERBS = {"a", "an", "the", "this", "these", "that", "if", "for", "in", "on", "used", "called", "internal",
-              "helper", "private", "deprecated", "like", "same", "see", "note", "as", "when", "it", "true"}
-
-
-def _third_person(word: str) -> str:
-    """'Return' -> 'returns', 'Apply' -> 'applies', 'Fetch' -> 'fetches' (docstrings are imperative)."""
-    w = word.lower()
-    if w.endswith(("ss", "sh", "ch", "x", "z", "o")):
-        return w + "es"
-    if w.endswith("y") and len(w) > 1 and w[-2] not in "aeiou":
-        return w[:-1] + "ies"
-    return w if w.endswith("s") else w + "s"
-
-
-def _first_sentence(doc: str) -> str | None:
-    para = " ".join(doc.strip().split("\n\n")[0].split())
-    m = re.match(r"([A-Z][^.!?]{9,150})[.!?](\s|$)", para)
-    return m.group(1) if m and not re.search(r"[`>{}]|::", m.group(1)) else None
-
-
-def _ask(qualname: str, name: str, args: str, sentence: str | None) -> str:
-    k = int(hashlib.sha1(qualname.encode()).hexdigest(), 16)
-    if sentence is None:  # undocumented: the signature alone
-        return _ASKS_SIGNATURE[k % len(_ASKS_SIGNATURE)].format(name=name, args=args)
-    first, _, rest = sentence.partition(" ")
-    if first.lower() in _NOT_VERBS or not first.isalpha() or not rest:
-        return _ASKS_PLAIN[k % len(_ASKS_PLAIN)].format(name=name, args=args, Doc=sentence)
-    doc = sentence[0].lower() + sentence[1:]
-    return _ASKS_THAT[k % len(_ASKS_THAT)].format(name=name, args=args, doc=doc,
-                                                  doc3=f"{_third_person(first)} {rest}")
-
-
-def extract_pairs(rel: str, text: str) -> list[ChatPair]:
-    """Chat pairs from one file's documented public functions and methods (source order)."""
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return []
-    lines = text.splitlines(keepends=True)
-    out: list[ChatPair] = []
-
-    def visit(node, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                visit(child, f"{prefix}{child.name}.")
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if child.name.startswith("_"):
-                    continue
-                doc = ast.get_docstring(child)
-                sentence = _first_sentence(doc) if doc else None
-                src = textwrap.dedent("".join(lines[child.lineno - 1 : child.end_lineno])).rstrip()
-                if (len(src) > PAIR_MAX_CHARS or src.count("\n") + 1 < PAIR_MIN_LINES
-                        or not src.startswith(("def ", "async def "))):
-                    continue
-                a = child.args
-                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
-                names += [f"*{a.vararg.arg}"] if a.vararg else []
-                names += [f"**{a.kwarg.arg}"] if a.kwarg else []
-                args = ", ".join(names)
-                qual = f"{rel}:{prefix}{child.name}"
-                out.append(ChatPair(qual, child.name, args, _ask(qual, child.name, args, sentence), src))
-
-    visit(tree, "")
-    return out
-
-
-def collect_chat_pairs(stdlib_root: str | None = None, max_chars: int = MAX_CORPUS_CHARS) -> dict[str, list[ChatPair]]:
-    """Chat pairs by split: "train" (the target trains on them), "spare" (from the target's
-    training files but kept out of its pairs: the demo drafter's requests), "heldout" (from
-    the held-out files). Deterministic for a given stdlib."""
-    _, files, _, _ = _corpus_files(stdlib_root, max_chars)
-    out: dict[str, list[ChatPair]] = {"train": [], "spare": [], "heldout": []}
-    for rel, text, held in files:
-        for pair in extract_pairs(rel, text):
-            spare = int(hashlib.sha1(pair.qualname.encode()).hexdigest(), 16) % PAIR_SPARE_MODULUS == 0
-            out["heldout" if held else "spare" if spare else "train"].append(pair)
-    return out
 
 
 def chat_text(pair: ChatPair) -> str:
@@ -493,6 +310,216 @@ def train_stage(model, batch_fn, total: int, lr: float, warmup: int, name: str,
     return total, time.time() - t_train, running
 
 
+
+
+# ------------------------------------------------------------------------------
+# the build, stage by stage
+# ------------------------------------------------------------------------------
+@dataclass
+class Corpus:
+    train_texts: list[str]
+    heldout_texts: list[str]
+    stats: dict  # collect_corpus's
+    pairs: dict[str, list[ChatPair]]  # by split: train, spare, heldout
+
+
+@dataclass
+class Tokens:
+    """The tokenizer and everything the stages train and measure on, as token streams."""
+
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    special_ids: dict[str, int]
+    train: torch.Tensor  # raw source, eos after each file
+    heldout: torch.Tensor
+    chat: torch.Tensor  # the training chat pairs
+    chat_starts: torch.Tensor  # where each pair opens in `chat` (those a full window fits after)
+    heldout_chat: torch.Tensor
+
+    def raw_rows(self, n: int, gen):
+        """`n` raw-source windows at random offsets drawn from `gen`."""
+        import torch
+
+        starts = torch.randint(0, len(self.train) - SEQ_LEN, (n,), generator=gen)
+        return self.train[starts[:, None] + torch.arange(SEQ_LEN)[None, :]]
+
+    def chat_rows(self, n: int, gen):
+        """`n` windows that open at a chat pair (the position a real chat prompt has, its <|im_start|> first)."""
+        import torch
+
+        starts = self.chat_starts[torch.randint(0, len(self.chat_starts), (n,), generator=gen)]
+        return self.chat[starts[:, None] + torch.arange(SEQ_LEN)[None, :]]
+
+
+def load_corpus(max_chars: int) -> Corpus:
+    """Stage 1: the stdlib source and its chat pairs."""
+    train_texts, heldout_texts, stats = collect_corpus(max_chars=max_chars)
+    pairs = collect_chat_pairs(max_chars=max_chars)
+    log(
+        f"[corpus] {stats['n_train_files']} train files ({stats['n_train_chars']:,} chars), "
+        f"{stats['n_heldout_files']} held-out files ({stats['n_heldout_chars']:,} chars); chat pairs "
+        + ", ".join(f"{k} {len(v)}" for k, v in pairs.items())
+    )
+    return Corpus(train_texts, heldout_texts, stats, pairs)
+
+
+def tokenize(corpus: Corpus, base: Path | None) -> Tokens:
+    """Stage 2: the tokenizer (trained on raw source only: the base never sees a pair; a saved
+    base's own with `base`) and the encoded streams."""
+    from transformers import PreTrainedTokenizerFast
+
+    t_tok = time.time()
+    if base is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(base)
+        tokenizer.chat_template = CHAT_TEMPLATE
+    else:
+        tokenizer = train_tokenizer(corpus.train_texts)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    special_ids = {
+        "eos": eos_id,
+        "pad": tokenizer.pad_token_id,
+        "mask": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+        "im_start": tokenizer.convert_tokens_to_ids(IM_START),
+        "im_end": tokenizer.convert_tokens_to_ids(IM_END),
+    }
+    train_stream = encode_stream(tokenizer, corpus.train_texts, eos_id)
+    heldout_stream = encode_stream(tokenizer, corpus.heldout_texts, eos_id)
+    chat_stream, chat_starts = encode_stream(tokenizer, [chat_text(p) for p in corpus.pairs["train"]], eos_id,
+                                             with_starts=True)
+    chat_starts = chat_starts[chat_starts < len(chat_stream) - SEQ_LEN]
+    heldout_chat_stream = encode_stream(tokenizer, [chat_text(p) for p in corpus.pairs["heldout"]], eos_id)
+    n_train_chars = corpus.stats["n_train_chars"]
+    log(
+        f"[tokenizer] vocab {len(tokenizer)} specials {special_ids} | train tokens "
+        f"{len(train_stream):,} ({n_train_chars / len(train_stream):.2f} chars/tok), "
+        f"held-out tokens {len(heldout_stream):,} | chat tokens {len(chat_stream):,} (held-out "
+        f"{len(heldout_chat_stream):,}) | {time.time() - t_tok:.1f}s"
+    )
+    return Tokens(tokenizer, special_ids, train_stream, heldout_stream, chat_stream, chat_starts, heldout_chat_stream)
+
+
+def base_stage(tokens: Tokens, *, base: Path | None, seed: int, steps: int, minutes: float | None, batch: int,
+               lr: float, warmup: int, bf16_autocast: bool):
+    """Stage 3: the base model trained from scratch on raw source, or a saved base loaded
+    (`base`). Returns (model in fp32, holding bf16-rounded weights; the stage's record)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    if base is not None:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        info_path = Path(base) / "build_info.json"
+        base_info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        if base_info.get("steps") == 0 and "base_stage" in base_info:  # a --chat-steps 0 build
+            base_info = base_info["base_stage"]
+        record = dict(from_dir=str(base), **{k: base_info.get(k) for k in
+                                             ("steps", "peak_lr", "warmup_steps", "train_time_s", "bf16_autocast")})
+        log(f"[base] loaded from {base} ({record['steps']} steps)")
+    else:
+        seed_everything(seed)
+        model = Qwen3ForCausalLM(make_config(len(tokens.tokenizer), tokens.special_ids))
+        gen = torch.Generator().manual_seed(seed)
+        n1, t1, ema1 = train_stage(model, lambda: tokens.raw_rows(batch, gen), steps, lr, warmup, "base",
+                                   minutes=minutes, bf16_autocast=bf16_autocast)
+        model = model.to(torch.bfloat16).to(torch.float32)  # what a saved base would load as
+        record = dict(steps=n1, peak_lr=lr, warmup_steps=warmup, train_time_s=round(t1, 1),
+                      bf16_autocast=bf16_autocast, final_train_loss_ema=ema1)
+    record["heldout_loss"] = heldout_loss(model, tokens.heldout)
+    record["heldout_chat_loss"] = heldout_loss(model, tokens.heldout_chat)
+    log(f"[base] {sum(p.numel() for p in model.parameters()):,} params | held-out loss "
+        f"{record['heldout_loss']:.4f}, held-out chat-pair loss {record['heldout_chat_loss']:.4f}")
+    return model, record
+
+
+def chat_stage(model, tokens: Tokens, *, seed: int, steps: int, batch: int, lr: float, warmup: int,
+               bf16_autocast: bool) -> dict:
+    """Stage 4: `PAIR_FRACTION` of each batch opening at a chat pair, the rest raw source
+    (0 steps: the base as it is). Returns the stage's record, fp32 losses included."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    n_chat = int(batch * PAIR_FRACTION)
+
+    def mixed_batch():
+        chat = tokens.chat_rows(n_chat, gen)  # drawn before the raw rows: the bundled build's order
+        return torch.cat([tokens.raw_rows(batch - n_chat, gen), chat])
+
+    n, t, ema = (train_stage(model, mixed_batch, steps, lr, warmup, "chat", bf16_autocast=bf16_autocast)
+                 if steps > 0 else (0, 0.0, None))
+    return dict(steps=n, train_time_s=t, final_train_loss_ema=ema,
+                heldout_loss_fp32_before_save=heldout_loss(model, tokens.heldout),
+                # memorisation check: the first training pairs, as many tokens as the held-out ones
+                train_chat_loss_fp32=heldout_loss(model, tokens.chat[: len(tokens.heldout_chat)]))
+
+
+def save(model, tokens: Tokens, out: Path) -> dict:
+    """Stage 5: the model as bfloat16 safetensors, the tokenizer, a greedy generation config;
+    then the held-out losses of what ships (bf16 weights reloaded and upcast to fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    for p in out.glob("*"):
+        if p.is_file() and p.name.endswith((".safetensors", ".json", ".jinja", ".txt")):
+            p.unlink()
+    model = model.to(torch.bfloat16)
+    ids = tokens.special_ids
+    model.generation_config = GenerationConfig(do_sample=False, bos_token_id=ids["eos"], eos_token_id=ids["eos"],
+                                               pad_token_id=ids["pad"])
+    model.save_pretrained(out, safe_serialization=True)
+    tokens.tokenizer.save_pretrained(out)
+    _make_tokenizer_config_portable(out / "tokenizer_config.json")
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    return dict(heldout_loss=heldout_loss(reloaded, tokens.heldout),
+                heldout_chat_loss=heldout_loss(reloaded, tokens.heldout_chat))
+
+
+def build_info(*, seed: int, batch: int, chat_lr: float, chat_warmup: int, chat_bf16_autocast: bool,
+               corpus: Corpus, tokens: Tokens, config, n_params: int, base: dict, chat: dict, saved: dict) -> dict:
+    """`build_info.json`: both stages' settings and losses, the data's sizes, the software that built it."""
+    import torch
+    import transformers
+
+    return dict(
+        builder=BUILDER,
+        seed=seed,
+        base_stage=base,
+        steps=chat["steps"],  # the chat stage's
+        batch_size=batch,
+        seq_len=SEQ_LEN,
+        peak_lr=chat_lr,
+        warmup_steps=chat_warmup,
+        min_lr_frac=MIN_LR_FRAC,
+        weight_decay=WEIGHT_DECAY,
+        bf16_autocast=chat_bf16_autocast,
+        num_threads=NUM_THREADS,
+        heldout_loss=saved["heldout_loss"],
+        heldout_loss_fp32_before_save=chat["heldout_loss_fp32_before_save"],
+        heldout_chat_loss=saved["heldout_chat_loss"],
+        train_chat_loss_fp32=chat["train_chat_loss_fp32"],
+        chat_pairs={k: len(v) for k, v in corpus.pairs.items()},
+        pair_fraction=PAIR_FRACTION,
+        chat_tokens=int(len(tokens.chat)),
+        heldout_chat_tokens=int(len(tokens.heldout_chat)),
+        heldout_tokens=int(len(tokens.heldout)),
+        train_tokens=int(len(tokens.train)),
+        ln_vocab=math.log(config.vocab_size),
+        final_train_loss_ema=chat["final_train_loss_ema"],
+        n_params=n_params,
+        vocab_size=config.vocab_size,
+        tokenizer_size=len(tokens.tokenizer),
+        special_token_ids=tokens.special_ids,
+        model=dict(MODEL_KW),
+        train_time_s=round(chat["train_time_s"], 1),
+        sec_per_step=round(chat["train_time_s"] / max(1, chat["steps"]), 3),
+        build_time_s=None,
+        size_on_disk_bytes=None,
+        corpus={k: v for k, v in corpus.stats.items() if k != "heldout_files"},
+        heldout_files=corpus.stats["heldout_files"],
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        machine=platform.machine(),
+    )
+
+
 def build(
     out: Path,
     steps: int = DEFAULT_STEPS,
@@ -515,8 +542,6 @@ def build(
     saved base (model and tokenizer), e.g. a ``chat_steps=0`` build."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
     t0 = time.time()
     torch.set_num_threads(NUM_THREADS)
@@ -525,160 +550,29 @@ def build(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
-    # 1. corpus
-    train_texts, heldout_texts, cstats = collect_corpus(max_chars=max_chars)
-    pairs = collect_chat_pairs(max_chars=max_chars)
-    train_chats = [chat_text(p) for p in pairs["train"]]
-    heldout_chats = [chat_text(p) for p in pairs["heldout"]]
-    log(
-        f"[corpus] {cstats['n_train_files']} train files ({cstats['n_train_chars']:,} chars), "
-        f"{cstats['n_heldout_files']} held-out files ({cstats['n_heldout_chars']:,} chars); chat pairs "
-        + ", ".join(f"{k} {len(v)}" for k, v in pairs.items())
-    )
+    corpus = load_corpus(max_chars)
+    tokens = tokenize(corpus, base)
+    model, base_record = base_stage(tokens, base=base, seed=seed, steps=steps, minutes=minutes, batch=batch, lr=lr,
+                                    warmup=warmup, bf16_autocast=bf16_autocast)
+    config, n_params = model.config, sum(p.numel() for p in model.parameters())
+    chat = chat_stage(model, tokens, seed=seed, steps=chat_steps, batch=batch, lr=chat_lr, warmup=chat_warmup,
+                      bf16_autocast=chat_bf16_autocast)
+    saved = save(model, tokens, out)
+    log(f"[eval] held-out chat-pair loss {saved['heldout_chat_loss']:.4f} "
+        f"(first training pairs: {chat['train_chat_loss_fp32']:.4f})")
+    log(f"[eval] held-out loss (saved bf16 -> fp32) {saved['heldout_loss']:.4f} "
+        f"(ln V = {math.log(config.vocab_size):.3f})")
 
-    # 2. tokenizer (raw source only: the base never sees a pair)
-    t_tok = time.time()
-    if base is not None:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(base)
-        tokenizer.chat_template = CHAT_TEMPLATE
-    else:
-        tokenizer = train_tokenizer(train_texts)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    special_ids = {
-        "eos": eos_id,
-        "pad": tokenizer.pad_token_id,
-        "mask": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
-        "im_start": tokenizer.convert_tokens_to_ids(IM_START),
-        "im_end": tokenizer.convert_tokens_to_ids(IM_END),
-    }
-    train_stream = encode_stream(tokenizer, train_texts, eos_id)
-    heldout_stream = encode_stream(tokenizer, heldout_texts, eos_id)
-    chat_stream, chat_starts = encode_stream(tokenizer, train_chats, eos_id, with_starts=True)
-    chat_starts = chat_starts[chat_starts < len(chat_stream) - SEQ_LEN]
-    heldout_chat_stream = encode_stream(tokenizer, heldout_chats, eos_id)
-    log(
-        f"[tokenizer] vocab {len(tokenizer)} specials {special_ids} | train tokens "
-        f"{len(train_stream):,} ({cstats['n_train_chars'] / len(train_stream):.2f} chars/tok), "
-        f"held-out tokens {len(heldout_stream):,} | chat tokens {len(chat_stream):,} (held-out "
-        f"{len(heldout_chat_stream):,}) | {time.time() - t_tok:.1f}s"
-    )
-    n_tok = len(train_stream)
-    offs = torch.arange(SEQ_LEN)
-
-    def raw_rows(n: int, gen):
-        starts = torch.randint(0, n_tok - SEQ_LEN, (n,), generator=gen)
-        return train_stream[starts[:, None] + offs[None, :]]
-
-    # 3. stage 1: the base
-    if base is not None:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        info_path = Path(base) / "build_info.json"
-        base_info = json.loads(info_path.read_text()) if info_path.exists() else {}
-        if base_info.get("steps") == 0 and "base_stage" in base_info:  # a --chat-steps 0 build
-            base_info = base_info["base_stage"]
-        stage1 = dict(from_dir=str(base), **{k: base_info.get(k) for k in
-                                             ("steps", "peak_lr", "warmup_steps", "train_time_s", "bf16_autocast")})
-        log(f"[base] loaded from {base} ({stage1['steps']} steps)")
-    else:
-        seed_everything(seed)
-        model = Qwen3ForCausalLM(make_config(len(tokenizer), special_ids))
-        gen = torch.Generator().manual_seed(seed)
-        n1, t1, ema1 = train_stage(model, lambda: raw_rows(batch, gen), steps, lr, warmup, "base",
-                                   minutes=minutes, bf16_autocast=bf16_autocast)
-        model = model.to(torch.bfloat16).to(torch.float32)  # what a saved base would load as
-        stage1 = dict(steps=n1, peak_lr=lr, warmup_steps=warmup, train_time_s=round(t1, 1),
-                      bf16_autocast=bf16_autocast, final_train_loss_ema=ema1)
-    config = model.config
-    n_params = sum(p.numel() for p in model.parameters())
-    stage1["heldout_loss"] = heldout_loss(model, heldout_stream)
-    stage1["heldout_chat_loss"] = heldout_loss(model, heldout_chat_stream)
-    log(f"[base] {n_params:,} params | held-out loss {stage1['heldout_loss']:.4f}, "
-        f"held-out chat-pair loss {stage1['heldout_chat_loss']:.4f}")
-
-    # 4. stage 2: chat pairs (windows that open at a pair: the position a real chat prompt
-    # has, its <|im_start|> first) mixed with raw source
-    gen2 = torch.Generator().manual_seed(seed + 1)
-    n_chat = int(batch * PAIR_FRACTION)
-
-    def mixed_batch():
-        chat_rows = chat_starts[torch.randint(0, len(chat_starts), (n_chat,), generator=gen2)]
-        return torch.cat([raw_rows(batch - n_chat, gen2), chat_stream[chat_rows[:, None] + offs[None, :]]])
-
-    n2, t2, ema2 = (train_stage(model, mixed_batch, chat_steps, chat_lr, chat_warmup, "chat",
-                                bf16_autocast=chat_bf16_autocast) if chat_steps > 0 else (0, 0.0, None))
-    fp32_heldout = heldout_loss(model, heldout_stream)
-    train_chat_loss = heldout_loss(model, chat_stream[: len(heldout_chat_stream)])  # memorisation check
-
-    # 5. save
-    for p in out.glob("*"):
-        if p.is_file() and p.name.endswith((".safetensors", ".json", ".jinja", ".txt")):
-            p.unlink()
-    model = model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        do_sample=False,
-        bos_token_id=special_ids["eos"],
-        eos_token_id=special_ids["eos"],
-        pad_token_id=special_ids["pad"],
-    )
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    _make_tokenizer_config_portable(out / "tokenizer_config.json")
-
-    # held-out losses of what ships: bf16 weights reloaded and upcast to fp32
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    loss_saved = heldout_loss(reloaded, heldout_stream)
-    chat_loss_saved = heldout_loss(reloaded, heldout_chat_stream)
-    log(f"[eval] held-out chat-pair loss {chat_loss_saved:.4f} (first training pairs: {train_chat_loss:.4f})")
-    log(f"[eval] held-out loss (saved bf16 -> fp32) {loss_saved:.4f} (ln V = {math.log(config.vocab_size):.3f})")
-
-    info = dict(
-        builder="dflash_train.assets.build_tiny_target",
-        seed=seed,
-        base_stage=stage1,
-        steps=n2,  # the chat stage's
-        batch_size=batch,
-        seq_len=SEQ_LEN,
-        peak_lr=chat_lr,
-        warmup_steps=chat_warmup,
-        min_lr_frac=MIN_LR_FRAC,
-        weight_decay=WEIGHT_DECAY,
-        bf16_autocast=chat_bf16_autocast,
-        num_threads=NUM_THREADS,
-        heldout_loss=loss_saved,
-        heldout_loss_fp32_before_save=fp32_heldout,
-        heldout_chat_loss=chat_loss_saved,
-        train_chat_loss_fp32=train_chat_loss,
-        chat_pairs={k: len(v) for k, v in pairs.items()},
-        pair_fraction=PAIR_FRACTION,
-        chat_tokens=int(len(chat_stream)),
-        heldout_chat_tokens=int(len(heldout_chat_stream)),
-        heldout_tokens=int(len(heldout_stream)),
-        train_tokens=int(len(train_stream)),
-        ln_vocab=math.log(config.vocab_size),
-        final_train_loss_ema=ema2,
-        n_params=n_params,
-        vocab_size=config.vocab_size,
-        tokenizer_size=len(tokenizer),
-        special_token_ids=special_ids,
-        model=dict(MODEL_KW),
-        train_time_s=round(t2, 1),
-        sec_per_step=round(t2 / max(1, n2), 3),
-        build_time_s=None,
-        size_on_disk_bytes=None,
-        corpus={k: v for k, v in cstats.items() if k != "heldout_files"},
-        heldout_files=cstats["heldout_files"],
-        python=platform.python_version(),
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        machine=platform.machine(),
-    )
+    info = build_info(seed=seed, batch=batch, chat_lr=chat_lr, chat_warmup=chat_warmup,
+                      chat_bf16_autocast=chat_bf16_autocast, corpus=corpus, tokens=tokens, config=config,
+                      n_params=n_params, base=base_record, chat=chat, saved=saved)
     info["build_time_s"] = round(time.time() - t0, 1)
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    info["size_on_disk_bytes"] = dir_size(out)
+    info["size_on_disk_bytes"] = dir_size(out)  # build_info.json included, so it is written twice
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(
         f"[done] {out} | build {info['build_time_s']}s | {info['size_on_disk_bytes'] / 1e6:.2f} MB | "
-        f"{n_params:,} params | held-out loss {loss_saved:.4f}, chat-pair {chat_loss_saved:.4f}"
+        f"{n_params:,} params | held-out loss {saved['heldout_loss']:.4f}, chat-pair {saved['heldout_chat_loss']:.4f}"
     )
     return info
 
