@@ -17,9 +17,9 @@ from rq.job import JobStatus
 from dflash_train.checkpoints.publication import is_pinned
 from eval_worker.cli import main as cli
 from eval_worker.engine import acceptance, options
+from eval_worker.redis_client import connect
 from eval_worker.service.jobs import JobError, make_job, validate_job
 from eval_worker.service.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
-from eval_worker.service.redis_local import connect
 from tests.sidecar_support import publish_random
 
 BIG = "x" * 10_000_000

