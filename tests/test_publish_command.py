@@ -17,7 +17,7 @@ import pytest
 from dflash_train.common.settings import Settings
 from eval_worker.results.ledger import read_record
 from eval_worker.results.sinks import publish_result
-from eval_worker.results.sinks.wandb_payload import scalars
+from eval_worker.results.sinks.names import scalars
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
 from tests.wandb_reader import read_run
 

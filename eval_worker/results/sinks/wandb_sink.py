@@ -48,8 +48,9 @@ from dflash_train.common.fsutil import atomic_write_text
 from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, lag_scalars, load_run
 from eval_worker.results.sinks.base import SinkError, run_child  # noqa: F401 - SinkError: the sinks' one error
+from eval_worker.results.sinks.names import suite_prefix
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log, suite_prefix
+from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log
 
 log = logging.getLogger(__name__)
 
