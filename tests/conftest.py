@@ -130,6 +130,23 @@ def redis_url(redis_server) -> str:
 
 
 @pytest.fixture
+def worker_evaluators():
+    """`worker_evaluators(settings)`: fresh `Evaluators` with those settings, installed as this process's
+    (what the job function uses) for the test; the ones installed before come back after it."""
+    from eval_worker.service import evaluators
+
+    previous = evaluators.install(None)
+
+    def install(settings) -> evaluators.Evaluators:
+        made = evaluators.Evaluators(settings)
+        evaluators.install(made)
+        return made
+
+    yield install
+    evaluators.install(previous)
+
+
+@pytest.fixture
 def tiny_target_path() -> Path:
     """The bundled tiny target model directory (skips if it is not there yet)."""
     if not (TINY_TARGET / "config.json").is_file():

@@ -88,7 +88,7 @@ def test_target_routing_each_worker_takes_only_its_targets_and_status_names_the_
     _work(conn, stack, serve_targets=[a], default_target=a, name="wa")
     assert [fetch_job(conn, i).get_status() for i in ids_a] == [JobStatus.FINISHED] * 2
     assert [fetch_job(conn, i).get_status() for i in ids_b] == [JobStatus.QUEUED] * 2  # never taken by A's worker
-    assert evaluators.loaded_targets() == [str(Path(a).resolve())]  # B was never loaded
+    assert evaluators.current().loaded_targets() == [str(Path(a).resolve())]  # B was never loaded
     st = status(conn)
     assert [t["target"] for t in st["targets_without_worker"]] == [str(b)]
     assert cli(["status", "--redis-url", redis_url]) == 0
