@@ -1,5 +1,5 @@
-"""eval_worker.service.redis_server (the embedded server) and eval_worker.redis_client (connecting to it and
-to others by URL) against a real redis-server process."""
+"""eval_worker.service.redis_server against a real redis-server process: the binary, start, reuse and stop,
+the password, durability, TLS; connecting by URL is test_redis_client.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from dflash_train.common.redaction import redact_url
 from dflash_train.common.settings import Settings
 from eval_worker.redis_client import RedisAccessError, RedisAuthError, RedisConnectError, connect
 from eval_worker.service import redis_server as embedded  # the module; `redis_server` is a fixture
@@ -346,38 +345,6 @@ def test_password_reuse_refused_when_it_cannot_be_applied(tmp_path, monkeypatch,
         open_server.stop()
 
 
-@pytest.mark.parametrize(
-    "url, expected",
-    [
-        ("redis://:hunter2@host:6379/0", "redis://:***@host:6379/0"),
-        ("redis://user:hunter2@host:6379/0", "redis://user:***@host:6379/0"),
-        ("rediss://default:hunter2@h.example:6380/1?ssl_cert_reqs=required", "rediss://default:***@h.example:6380/1?ssl_cert_reqs=required"),
-        ("redis://hunter2@host:6379", "redis://***@host:6379"),
-        ("unix:///run/redis.sock?db=0&password=hunter2", "unix:///run/redis.sock?db=0&password=***"),
-        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
-        ("redis://:p%40ss%3Aw@host/0", "redis://:***@host/0"),
-        ("", ""),
-        (None, None),
-    ],
-)
-def test_redact_url(url, expected):
-    assert redact_url(url) == expected
-    if url:
-        assert "hunter2" not in redact_url(url)
-
-
-def test_invalid_url_message_is_redacted():
-    with pytest.raises(RedisAccessError) as info:
-        connect("http://:hunter2@host:6379/0")
-    assert "hunter2" not in str(info.value)
-
-
-def test_unreachable_is_connect_error():
-    port = embedded.free_port()
-    with pytest.raises(RedisConnectError, match=f"127.0.0.1:{port}"):
-        connect(f"redis://:hunter2@127.0.0.1:{port}/0", socket_connect_timeout=2)
-
-
 # --------------------------------------------------------------------------- durability
 
 
@@ -443,18 +410,6 @@ def test_redis_url_fixture_flushes(redis_url):
 
 
 # --------------------------------------------------------------------------- other transports
-
-
-def test_unix_socket_url(tmp_path):
-    sock = tmp_path / "redis.sock"
-    server = LocalRedis(tmp_path / "r", extra_config={"unixsocket": str(sock), "unixsocketperm": 700})
-    try:
-        server.start()
-        client = connect(f"unix://{sock}?db=2")
-        client.set("via", "unix")
-        assert connect(server.url.replace("/0", "/2")).get("via") == b"unix"
-    finally:
-        server.stop()
 
 
 def _make_certs(d: Path) -> dict[str, Path]:
