@@ -245,6 +245,7 @@ def _conf_quote(value: object) -> str:
 class LocalRedis:
     """A private ``redis-server`` in ``data_dir``, started or reused.
 
+    >>> from eval_worker.redis_client import connect
     >>> with LocalRedis("/tmp/r") as r:          # doctest: +SKIP
     ...     client = connect(r.url)
 
