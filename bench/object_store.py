@@ -109,8 +109,9 @@ def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
 
 def jobs(tmp: Path, n: int, big: Path | None) -> dict:
     from dflash_train.checkpoints.publication import upload_checkpoint
+    from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.evaluators import WorkerSettings, configure
+    from eval_worker.service.evaluators import WorkerSettings
     from eval_worker.service.jobs import make_job
     from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
@@ -125,8 +126,10 @@ def jobs(tmp: Path, n: int, big: Path | None) -> dict:
 
     def run(checkpoint: str) -> float:
         # a fresh ledger each time: the same job recorded once is not evaluated again
-        configure(WorkerSettings(results_dir=tmp / f"results-{next(runs)}", roots=roots, cache_dir=tmp / "eval-cache",
-                                 default_target=str(target), checkpoint_cache_dir=tmp / "job-cache"))
+        # the same target stays loaded: only the settings change
+        evaluators.current().configure(WorkerSettings(results_dir=tmp / f"results-{next(runs)}", roots=roots,
+                                                      cache_dir=tmp / "eval-cache", default_target=str(target),
+                                                      checkpoint_cache_dir=tmp / "job-cache"))
         t0 = time.perf_counter()
         # no speed estimate: it times target and drafter rounds, noise that has nothing to do with the checkpoint
         r = run_eval_job(make_job(checkpoint, suite=str(suite), options={"measure_speed": False}))

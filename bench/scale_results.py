@@ -190,7 +190,8 @@ def main() -> None:
     import eval_worker.results.report  # noqa: F401
     import eval_worker.results.sinks.wandb_sink  # noqa: F401
     import eval_worker.service.queue  # noqa: F401
-    from eval_worker.service.redis_local import LocalRedis, connect
+    from eval_worker.redis_client import connect
+    from eval_worker.service.redis_server import LocalRedis
 
     print("| operation | small size | time | peak | full size | time | peak | time ratio |")
     print("|---|---|---|---|---|---|---|---|", flush=True)

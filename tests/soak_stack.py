@@ -445,7 +445,8 @@ class Stack:
     def __init__(self, base: Path, *, zygote: Zygote | None = None, target: Path | None = None,
                  password: str | None = None, redis_config: dict | None = None, appendfsync: str = "always",
                  redis_binary: str | None = None):
-        from eval_worker.service.redis_local import LocalRedis, connect
+        from eval_worker.redis_client import connect
+        from eval_worker.service.redis_server import LocalRedis
 
         self.base = Path(base)
         self.base.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.service.queue import get_queue
-from eval_worker.service.redis_local import connect
 
 from . import layouts
 from .factories import drafter_for, qwen3_target

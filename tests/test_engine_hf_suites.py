@@ -171,12 +171,11 @@ def test_run_evaluates_several_suites_side_by_side(tiny_target_path, hf_dir, tmp
     assert "not available offline" in capsys.readouterr().err
 
 
-def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
+def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch, worker_evaluators):
     """A queued `hf:` job: canonical spec in the job, the worker reads its own dataset copy, the
     record carries the suite's dataset identity; a bad spec is refused at enqueue."""
     from dflash_train.common.settings import Settings
     from eval_worker.results.ledger import read_record
-    from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings
     from eval_worker.service.jobs import JobError, check_suite, job_fingerprint, make_job
@@ -189,9 +188,7 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
     settings = WorkerSettings(results_dir=tmp_path / "results", roots=[tmp_path / "ckpts"],
                               cache_dir=tmp_path / "cache", default_target=str(target),
                               env=Settings.from_env().replace(hf_datasets_dir=hf_dir))
-    monkeypatch.setattr(evaluators, "_settings", settings)
-    monkeypatch.setattr(evaluators, "_evaluators", type(evaluators._evaluators)())
-    monkeypatch.setattr(evaluators, "_loads", {})
+    worker_evaluators(settings)
     opts = {"max_new_tokens": 8, "tree_budget": 0, "measure_speed": False}
     job = make_job(ck, suite="hf:gsm8k:n=2:seed=0", options=opts)
     assert job["suite"] == "hf:gsm8k:n=2"  # one spelling, one job id

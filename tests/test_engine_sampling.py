@@ -16,7 +16,7 @@ from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.options import EvalOptions, OptionsError
 from eval_worker.engine.references import sample_continuation
 from eval_worker.engine.suite import Prompt, Suite
-from eval_worker.results.sinks.wandb_payload import scalars
+from eval_worker.results.sinks.names import scalars
 
 from .engine_helpers import fit_drafter
 from .test_engine_replay import _suite, fitted  # noqa: F401  (module fixture: random target + fitted drafter)

@@ -24,10 +24,10 @@ from dflash_train.checkpoints.publication import (
     verify_checkpoint,
 )
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service import jobs
 from eval_worker.service.queue import fetch_job
-from eval_worker.service.redis_local import connect
 from tests.factories import drafter_for, qwen3_target
 from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, wait_for, write_suite
 from tests.test_sidecar_worker import _target

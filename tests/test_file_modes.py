@@ -4,7 +4,7 @@ Shared outputs (published checkpoints, the ledger) are 0644 files in 0755 direct
 worker or a report may run as another user. Private state (the hook outbox, the worker's result
 spool, the embedded Redis data with its AOF and config) is 0600 in 0700 directories. The
 ledger, spool and Redis checks live next to their code's tests (test_ledger.py,
-test_sidecar_jobfunc.py, test_redis_local.py).
+test_sidecar_jobfunc.py, test_redis_server.py).
 """
 from __future__ import annotations
 

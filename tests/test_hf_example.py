@@ -7,9 +7,9 @@ import importlib.util
 
 import pytest
 
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.queue import fetch_job
-from eval_worker.service.redis_local import connect
 from tests.sidecar_support import REPO_ROOT, WorkerProcess, wait_for, write_suite
 from tests.test_sidecar_worker import _target
 

@@ -7,10 +7,10 @@ import pytest
 from rq.job import JobStatus
 
 from dflash_train.checkpoints.publication import apply_retention, is_pinned, read_manifest
+from eval_worker.redis_client import connect
 from eval_worker.service.jobs import JobError, make_job
 from eval_worker.service.outbox import OUTBOX_DIRNAME, job_key
 from eval_worker.service.queue import enqueue, get_queue, status
-from eval_worker.service.redis_local import connect
 from hooks import EvalOnCheckpoint, Outbox
 from tests.sidecar_support import publish_random, wait_for
 

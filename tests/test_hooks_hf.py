@@ -6,8 +6,8 @@ from torch import nn
 
 from dflash_train.checkpoints.checkpoint import load_drafter
 from dflash_train.checkpoints.publication import list_checkpoints, read_manifest, verify_checkpoint
+from eval_worker.redis_client import connect
 from eval_worker.service.queue import get_queue
-from eval_worker.service.redis_local import connect
 from hooks import DFlashEvalCallback
 from tests.factories import drafter_for, qwen3_target
 from tests.sidecar_support import publish_random

@@ -85,7 +85,7 @@ def test_attempts_latest_and_best(tmp_path):
 
 
 def test_redis_index_and_reindex(tmp_path, redis_url):
-    from eval_worker.service.redis_local import connect
+    from eval_worker.redis_client import connect
 
     conn = connect(redis_url)
     ledger = Ledger(tmp_path, connection=conn)
@@ -135,7 +135,7 @@ def test_ledger_collision_other_options_are_another_record(tmp_path):
 
 
 def test_ledger_collision_other_checkpoint_at_the_same_step_is_recorded_next_to_it(tmp_path, redis_url):
-    from eval_worker.service.redis_local import connect
+    from eval_worker.redis_client import connect
 
     ledger = Ledger(tmp_path, connection=connect(redis_url))
     other = {**_job(), "checkpoint_digest": "cd" * 32}

@@ -17,7 +17,7 @@ def _settings(home, **env) -> Settings:
 
 def test_redis_stop_notice_status_and_stop(tmp_path, capsys):
     """The command that starts the server says so first (stderr); `redis status` finds it and `redis stop` ends it."""
-    from eval_worker.service.redis_local import LocalRedis
+    from eval_worker.service.redis_server import LocalRedis
 
     settings = _settings(tmp_path)
     try:
@@ -46,7 +46,8 @@ def test_redis_stop_refuses_while_a_worker_is_served_unless_forced(tmp_path, cap
     from rq.serializers import JSONSerializer
     from rq.worker import Worker
 
-    from eval_worker.service.redis_local import LocalRedis, connect
+    from eval_worker.redis_client import connect
+    from eval_worker.service.redis_server import LocalRedis
 
     settings = _settings(tmp_path)
     local = LocalRedis(settings.redis_dir).start()
@@ -147,9 +148,9 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
     from rq.serializers import JSONSerializer
     from rq.worker import Worker
 
+    from eval_worker.redis_client import connect
     from eval_worker.service import jobs
     from eval_worker.service.queue import TARGET_FIELD, enqueue
-    from eval_worker.service.redis_local import connect
 
     root, (c100, c200) = identity_ckpts
     conn = connect(redis_url)

@@ -172,8 +172,7 @@ def test_s3_sticky_cache_drop_if_corrupt_needs_the_full_digest(tmp_path, bucket)
     assert cache.downloads == 2
 
 
-def _job_env(tmp_path, monkeypatch, prefix: str):
-    from eval_worker.service import evaluators
+def _job_env(tmp_path, worker_evaluators, prefix: str):
     from eval_worker.service.evaluators import WorkerSettings
     from tests.sidecar_support import tiny_target_drafter_config, write_suite
     from tests.test_sidecar_worker import _target
@@ -186,22 +185,11 @@ def _job_env(tmp_path, monkeypatch, prefix: str):
     settings = WorkerSettings(results_dir=tmp_path / "results", roots=[prefix], suite_roots=[suites],
                               cache_dir=tmp_path / "engine-cache", default_target=str(target),
                               checkpoint_cache_dir=tmp_path / "ckcache")
-    evaluators.configure(settings)
-    monkeypatch.setattr(evaluators, "_evaluators", type(evaluators._evaluators)())
-    monkeypatch.setattr(evaluators, "_loads", {})
+    worker_evaluators(settings)
     return cfg, mask, suite
 
 
-@pytest.fixture
-def restore_evaluators():
-    from eval_worker.service import evaluators
-
-    saved = evaluators._settings, evaluators._checkpoint_cache
-    yield
-    evaluators._settings, evaluators._checkpoint_cache = saved
-
-
-def test_s3_sticky_cache_job_recovers_from_a_corrupt_entry(tmp_path, bucket, monkeypatch, restore_evaluators, caplog):
+def test_s3_sticky_cache_job_recovers_from_a_corrupt_entry(tmp_path, bucket, worker_evaluators, caplog):
     """The job function, real engine: a truncated entry used to fail every job of that
     checkpoint ("weights file is corrupt or truncated", not retried); now the next job fetches
     the intact copy and is recorded. A corruption only the load sees (stat unchanged) is
@@ -213,12 +201,12 @@ def test_s3_sticky_cache_job_recovers_from_a_corrupt_entry(tmp_path, bucket, mon
     from eval_worker.service.jobs import make_job
 
     prefix = f"s3://{bucket}/runs"
-    cfg, mask, suite = _job_env(tmp_path, monkeypatch, prefix)
+    cfg, mask, suite = _job_env(tmp_path, worker_evaluators, prefix)
     (url,) = _publish(tmp_path, bucket, 1, target_config=cfg, mask_token_id=mask)
     job = make_job(url, suite=str(suite), roots=[prefix])
     first = run_eval_job(job)
     assert first["recorded_now"]
-    cache = evaluators.checkpoint_cache()
+    cache = evaluators.current().checkpoint_cache()
     (entry,) = cache.entries()
     with open(entry / WEIGHTS, "r+b") as f:
         f.truncate(200)
@@ -337,12 +325,12 @@ def test_s3_missing_object_is_a_permanent_error_naming_the_file(tmp_path, bucket
     assert cache.entries() == [] and _leftovers(tmp_path / "cache") == []
 
 
-def test_s3_missing_object_fails_the_job_once_with_the_name(tmp_path, bucket, monkeypatch, restore_evaluators):
+def test_s3_missing_object_fails_the_job_once_with_the_name(tmp_path, bucket, worker_evaluators):
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.jobs import JobError, make_job
 
     prefix = f"s3://{bucket}/runs"
-    cfg, mask, suite = _job_env(tmp_path, monkeypatch, prefix)
+    cfg, mask, suite = _job_env(tmp_path, worker_evaluators, prefix)
     (url,) = _publish(tmp_path, bucket, 1, target_config=cfg, mask_token_id=mask)
     job = make_job(url, suite=str(suite), roots=[prefix])
     storage.store_for(url).remove(f"{url}/config.json")

@@ -107,25 +107,23 @@ def test_object_store_hub_jobs_confined_to_orgs_and_pulled_once(hub_cache, tmp_p
             pass
 
 
-def test_object_store_hub_drafter_as_baseline_is_evaluated(hub_cache, tmp_path):
+def test_object_store_hub_drafter_as_baseline_is_evaluated(hub_cache, tmp_path, worker_evaluators):
     """A published checkpoint compared with a Hub drafter, on the real engine: the baseline is
     pulled (read-only), evaluated, and recorded by its URL and digest."""
     from eval_worker.results.ledger import Ledger
     from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.evaluators import WorkerSettings, configure
+    from eval_worker.service.evaluators import WorkerSettings
 
     target = _target()
     cfg, mask = tiny_target_drafter_config(target)
     root = tmp_path / "ckpts"
     ckpt = publish_random(root, "run-h", 10, target_config=cfg, mask_token_id=mask)
     suite = write_suite(root / "suite.jsonl", n_prompts=1, max_new_tokens=8)
-    configure(WorkerSettings(results_dir=tmp_path / "results", roots=[root, "hf://org"], cache_dir=tmp_path / "cache",
-                             default_target=str(target), checkpoint_cache_dir=tmp_path / "ckcache"))
-    try:
-        job = make_job(ckpt, suite=str(suite), baseline="hf://org/drafter", roots=[root, "hf://org"])
-        r = run_eval_job(job)
-    finally:
-        configure(None)
+    worker_evaluators(WorkerSettings(results_dir=tmp_path / "results", roots=[root, "hf://org"],
+                                     cache_dir=tmp_path / "cache", default_target=str(target),
+                                     checkpoint_cache_dir=tmp_path / "ckcache"))
+    job = make_job(ckpt, suite=str(suite), baseline="hf://org/drafter", roots=[root, "hf://org"])
+    r = run_eval_job(job)
     assert r["recorded_now"]
     record = Ledger(tmp_path / "results").entries("run-h")[0].read()
     base = record["result"]["baseline"]

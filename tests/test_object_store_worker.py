@@ -15,10 +15,10 @@ import pytest
 from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.publication import MARKER_NAME, read_manifest, upload_checkpoint
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.jobs import make_job
 from eval_worker.service.queue import enqueue, fetch_job
-from eval_worker.service.redis_local import connect
 from tests.s3_server import CREDENTIALS
 from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, wait_for, write_suite
 from tests.test_sidecar_worker import _target

@@ -17,9 +17,9 @@ from rq.job import JobStatus
 from dflash_train.checkpoints.publication import is_pinned
 from eval_worker.cli import main as cli
 from eval_worker.engine import acceptance, options
+from eval_worker.redis_client import connect
 from eval_worker.service.jobs import JobError, make_job, validate_job
 from eval_worker.service.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
-from eval_worker.service.redis_local import connect
 from tests.sidecar_support import publish_random
 
 BIG = "x" * 10_000_000
@@ -105,24 +105,20 @@ def test_options_schema_size_limits_on_every_string_field(ckpt, field, value):
 
 
 def test_options_schema_oversized_fields_fail_once_at_the_worker_and_status_stays_short(ckpt, redis_url, tmp_path,
-                                                                                        capsys):
+                                                                                        capsys, worker_evaluators):
     """Hand-pushed payloads with a 10 MB suite / option: a non-retryable job error (ValueError) at the
     worker, before any file is touched; `status` shows a short reason."""
-    from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings
 
     job = make_job(ckpt, suite="builtin:coding-v1")
-    evaluators.configure(WorkerSettings(results_dir=tmp_path / "results", roots=[ckpt.parents[1]]))
-    try:
-        for bad in ({**job, "suite": BIG}, {**job, "options": {"chat_template": BIG}}):
-            with pytest.raises(JobError) as err:  # a ValueError: run_eval_job stops RQ's retries for it
-                run_eval_job(bad)
-            assert isinstance(err.value, ValueError) and len(str(err.value)) < 1000
-            assert "File name too long" not in str(err.value)
-        assert not (tmp_path / "results").exists()
-    finally:
-        evaluators.configure(None)
+    worker_evaluators(WorkerSettings(results_dir=tmp_path / "results", roots=[ckpt.parents[1]]))
+    for bad in ({**job, "suite": BIG}, {**job, "options": {"chat_template": BIG}}):
+        with pytest.raises(JobError) as err:  # a ValueError: run_eval_job stops RQ's retries for it
+            run_eval_job(bad)
+        assert isinstance(err.value, ValueError) and len(str(err.value)) < 1000
+        assert "File name too long" not in str(err.value)
+    assert not (tmp_path / "results").exists()
 
     # a failure whose text is huge anyway (any exception): `status` shows the start of it
     conn = connect(redis_url)

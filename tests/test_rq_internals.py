@@ -73,7 +73,7 @@ def test_worker_overrides_name_methods_rq_calls():
 
 
 def test_worker_instance_attributes_the_worker_reads(redis_url):
-    from eval_worker.service.redis_local import connect
+    from eval_worker.redis_client import connect
 
     conn = connect(redis_url)
     worker = SimpleWorker([Queue("rq-internals", connection=conn)], connection=conn)

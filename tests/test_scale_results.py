@@ -10,9 +10,9 @@ import hashlib
 
 import pytest
 
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import STEP_CKPTS_DONE, STEP_CKPTS_PREFIX, Ledger
 from eval_worker.service.queue import QueueConfig, _job_brief, _jobs, enqueue, get_queue, status
-from eval_worker.service.redis_local import connect
 
 
 @pytest.fixture

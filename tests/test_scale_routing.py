@@ -14,12 +14,12 @@ import pytest
 from rq.job import JobStatus
 
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.results.run_results import load_run
 from eval_worker.service import evaluators, jobs, routing
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.queue import QueueConfig, enqueue, fetch_job, requeue_run, status
-from eval_worker.service.redis_local import connect
 from eval_worker.service.worker import serve
 from tests.eval_results import fake_checkpoint
 from tests.wandb_reader import read_run
@@ -88,7 +88,7 @@ def test_target_routing_each_worker_takes_only_its_targets_and_status_names_the_
     _work(conn, stack, serve_targets=[a], default_target=a, name="wa")
     assert [fetch_job(conn, i).get_status() for i in ids_a] == [JobStatus.FINISHED] * 2
     assert [fetch_job(conn, i).get_status() for i in ids_b] == [JobStatus.QUEUED] * 2  # never taken by A's worker
-    assert evaluators.loaded_targets() == [str(Path(a).resolve())]  # B was never loaded
+    assert evaluators.current().loaded_targets() == [str(Path(a).resolve())]  # B was never loaded
     st = status(conn)
     assert [t["target"] for t in st["targets_without_worker"]] == [str(b)]
     assert cli(["status", "--redis-url", redis_url]) == 0

@@ -6,9 +6,9 @@ import json
 from dflash_train.training.train_config import TrainConfig
 from dflash_train.training.trainer import train
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.queue import fetch_job, status
-from eval_worker.service.redis_local import connect
 from hooks import EvalOnCheckpoint
 from tests.sidecar_support import WorkerProcess, wait_for, write_suite
 from tests.test_sidecar_worker import _target

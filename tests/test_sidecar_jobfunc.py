@@ -14,7 +14,7 @@ from tests.test_sidecar_worker import _target
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
+def env(tmp_path, worker_evaluators):
     target = _target()
     cfg, mask = tiny_target_drafter_config(target)
     root = tmp_path / "ckpts"
@@ -22,9 +22,7 @@ def env(tmp_path, monkeypatch):
     suite = write_suite(root / "suite.jsonl", n_prompts=1, max_new_tokens=8)  # in a root: the worker may read it
     settings = WorkerSettings(results_dir=tmp_path / "results", roots=[root], cache_dir=tmp_path / "cache",
                               default_target=str(target))
-    monkeypatch.setattr(evaluators, "_settings", settings)
-    monkeypatch.setattr(evaluators, "_evaluators", type(evaluators._evaluators)())
-    monkeypatch.setattr(evaluators, "_loads", {})
+    worker_evaluators(settings)
     jobs = [make_job(c, suite=str(suite)) for c in ckpts]  # no target: the worker's default
     return settings, jobs
 
@@ -38,7 +36,7 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
                         settings: told.append(record["path"]) or {"x": {"ok": True}})
     r1, r2 = run_eval_job(j1), run_eval_job(j2)
     assert r1["recorded_now"] and r2["recorded_now"] and r1["sink_error"] is None
-    assert evaluators.target_loads() == 1 and r2["target_loads"] == 1
+    assert evaluators.current().target_loads() == 1 and r2["target_loads"] == 1
     entries = Ledger(settings.results_dir).entries("run-f")
     assert [e.step for e in entries] == [1, 2]
     assert told == [r1["ledger_path"], r2["ledger_path"]]  # sinks hear of it after the ledger has it
@@ -75,16 +73,16 @@ def test_a_failing_sink_does_not_fail_the_job(env, monkeypatch):
 
 def test_refuses_before_loading_anything(env, monkeypatch, tmp_path):
     settings, (j1, _) = env
-    monkeypatch.setattr(evaluators, "_settings", WorkerSettings(results_dir=tmp_path / "r", roots=None))
+    evaluators.current().configure(WorkerSettings(results_dir=tmp_path / "r", roots=None))
     with pytest.raises(JobError, match="no checkpoint roots configured"):
         run_eval_job(j1)
-    monkeypatch.setattr(evaluators, "_settings", WorkerSettings(results_dir=tmp_path / "r", roots=[tmp_path / "x"],
-                                                                default_target=settings.default_target))
+    evaluators.current().configure(WorkerSettings(results_dir=tmp_path / "r", roots=[tmp_path / "x"],
+                                                  default_target=settings.default_target))
     with pytest.raises(JobError, match="outside the checkpoint roots"):
         run_eval_job(j1)
     with pytest.raises(JobError, match="unknown job schema version"):
         run_eval_job({**j1, "schema": "dflash-eval-job/9"})
-    assert evaluators.target_loads() == 0 and not (tmp_path / "r").exists()
+    assert evaluators.current().target_loads() == 0 and not (tmp_path / "r").exists()
 
 
 def test_a_drafter_for_another_target_fails_with_the_reason(env, tmp_path):
@@ -107,15 +105,14 @@ def test_a_job_may_only_name_targets_inside_the_target_roots(env, monkeypatch, t
     link.symlink_to(elsewhere)
     with pytest.raises(JobError, match="a symlink may not lead out"):
         run_eval_job({**j1, "target": str(link)})
-    assert evaluators.target_loads() == 0  # refused before anything was loaded
+    assert evaluators.current().target_loads() == 0  # refused before anything was loaded
     assert Ledger(settings.results_dir).entries("run-f") == []
 
     # the worker's own target by its own path is always fine; a target root admits the copy
     assert run_eval_job({**j1, "target": settings.default_target})["recorded_now"]
-    monkeypatch.setattr(evaluators, "_settings",
-                        WorkerSettings(**{**settings.__dict__, "target_roots": [tmp_path / "elsewhere"]}))
+    evaluators.current().configure(WorkerSettings(**{**settings.__dict__, "target_roots": [tmp_path / "elsewhere"]}))
     r = run_eval_job({**j1, "target": str(elsewhere), "attempt": 1})
-    assert r["tau"] is not None and evaluators.target_loads(str(elsewhere)) == 1
+    assert r["tau"] is not None and evaluators.current().target_loads(str(elsewhere)) == 1
 
 
 # ---- results never mis-attributed, a failed write never re-evaluates ------------------------
@@ -123,7 +120,8 @@ def test_a_job_may_only_name_targets_inside_the_target_roots(env, monkeypatch, t
 def _count_evaluations(monkeypatch) -> list[str]:
     """Wrap the worker's Evaluator so the test sees every evaluation it runs."""
     calls: list[str] = []
-    real = evaluators.get_evaluator
+    loaded = evaluators.current()
+    real = loaded.get
 
     def counted(target):
         ev = real(target)
@@ -133,7 +131,7 @@ def _count_evaluations(monkeypatch) -> list[str]:
                 calls.append(str(checkpoint))
                 return ev.evaluate(checkpoint, suite, **kw)
         return Counting()
-    monkeypatch.setattr(evaluators, "get_evaluator", counted)
+    monkeypatch.setattr(loaded, "get", counted)
     return calls
 
 
@@ -156,8 +154,7 @@ def test_ledger_collision_second_checkpoint_at_one_step_is_recorded_next_to_the_
     other_root = tmp_path / "other-ckpts"
     cfg, mask = tiny_target_drafter_config(settings.default_target)
     other = publish_random(other_root, "run-f", 1, target_config=cfg, mask_token_id=mask, seed=77)
-    monkeypatch.setattr(evaluators, "_settings", WorkerSettings(**{**settings.__dict__,
-                                                                   "roots": settings.roots + [other_root]}))
+    evaluators.current().configure(WorkerSettings(**{**settings.__dict__, "roots": settings.roots + [other_root]}))
     j_other = make_job(other, suite=j1["suite"])
     assert j_other["step"] == j1["step"] and j_other["checkpoint_digest"] != j1["checkpoint_digest"]
     ra, rb = run_eval_job(j1), run_eval_job(j_other)
@@ -204,5 +201,5 @@ def test_suite_confinement_in_the_worker(env, tmp_path):
         assert "not valid JSON" not in msg and "not found" not in msg and "No such file" not in msg
         messages.add(msg)
     assert len(messages) == 1, messages  # one message whatever the path: nothing learned about the files
-    assert evaluators.target_loads() == 0
+    assert evaluators.current().target_loads() == 0
     assert run_eval_job(j1)["recorded_now"]  # a suite file inside the roots is fine

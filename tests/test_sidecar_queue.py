@@ -9,11 +9,11 @@ import zlib
 import pytest
 
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service import jobs
 from eval_worker.service.jobs import JobError
 from eval_worker.service.queue import JOB_FUNC, QueueConfig, cancel, enqueue, fetch_job, get_queue, status
-from eval_worker.service.redis_local import connect
 from tests.sidecar_support import REPO_ROOT, publish_random
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from eval_worker.cli import main as cli
+from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service import jobs
 from eval_worker.service.queue import QueueConfig, cancel, enqueue, fetch_job, status
-from eval_worker.service.redis_local import connect
 from tests.sidecar_support import (
     REPO_ROOT,
     WorkerProcess,

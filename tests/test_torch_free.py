@@ -25,7 +25,8 @@ def _imported_after(code: str) -> list[str]:
     "import dflash_train.checkpoints.publication",
     "import dflash_train.checkpoints.storage, eval_worker.service.checkpoint_cache, dflash_train.checkpoints.hub",
     "import eval_worker.service.jobs",
-    "import eval_worker.service.queue, eval_worker.results.ledger, eval_worker.service.redis_local",
+    "import eval_worker.service.queue, eval_worker.results.ledger",
+    "import eval_worker.redis_client, eval_worker.service.redis_server",
     "import eval_worker.commands.enqueue",
     "import eval_worker.service.outbox, hooks",  # the hook's job building and delivery
     # a plain `rq worker` imports the job function: torch comes with the first evaluator, not before
@@ -57,8 +58,8 @@ assert pin_checkpoint(ck, job_id_for(job, job_fingerprint(job)))
 
 def test_enqueue_command_imports_no_torch(tmp_path, redis_url):
     """`dflash-eval enqueue` for a published checkpoint, into a real Redis: queued, and no torch loaded."""
+    from eval_worker.redis_client import connect
     from eval_worker.service.queue import fetch_job
-    from eval_worker.service.redis_local import connect
 
     root = tmp_path / "ck"
     code = f"""

@@ -13,8 +13,9 @@ import pytest
 from dflash_train.common.settings import Settings
 from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.results.sinks import publish_result
+from eval_worker.results.sinks.names import scalars
 from eval_worker.results.sinks.wandb_lock import LockTimeout, writer_lock
-from eval_worker.results.sinks.wandb_payload import marked_html, marked_text, scalars
+from eval_worker.results.sinks.wandb_payload import marked_html, marked_text
 from tests.eval_results import fake_checkpoint, make_result, write_ledger
 from tests.sidecar_support import read_calls, wait_for
 from tests.wandb_reader import read_run
@@ -185,9 +186,9 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
     The engine is replaced by tests.fake_evaluator (seconds, not minutes); queue, worker,
     ledger, sink child processes, Redis lock and W&B are all real.
     """
+    from eval_worker.redis_client import connect
     from eval_worker.service.jobs import make_job
     from eval_worker.service.queue import enqueue
-    from eval_worker.service.redis_local import connect
 
     target = tmp_path / "target"
     target.mkdir()

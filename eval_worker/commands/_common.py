@@ -2,7 +2,7 @@
 share the sampling flags).
 
 Redis URL: `--redis-url` > `$REDIS_URL` (`args.settings`) > the embedded local redis-server
-(eval_worker.service.redis_local.resolve_redis_url). Passwords are never printed (redact_url).
+(eval_worker.service.redis_server.resolve_redis_url). Passwords are never printed (redact_url).
 """
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ def add_redis_args(parser: argparse.ArgumentParser, *, queue: bool = True) -> No
 
 
 def connect_from_args(args: argparse.Namespace):
-    """(connection, redacted url) for the command's Redis; raises RedisLocalError with a clear message."""
-    from eval_worker.service.redis_local import connect, redact_url, resolve_redis_url
+    """(connection, redacted url) for the command's Redis; raises RedisAccessError with a clear message."""
+    from dflash_train.common.redaction import redact_url
+    from eval_worker.redis_client import connect
+    from eval_worker.service.redis_server import resolve_redis_url
 
     # the notice goes first, on stderr: stdout may be JSON that a script reads
     url = resolve_redis_url(args.redis_url, args.settings, notice=lambda text: print(f"note: {text}", file=sys.stderr))

@@ -60,7 +60,9 @@ def main(args: argparse.Namespace) -> int:
         import rq_dashboard  # noqa: F401
     except ImportError:
         return fail("rq-dashboard is not installed: pip install -e '.[worker]'")
-    from eval_worker.service.redis_local import connect, redact_url, resolve_redis_url
+    from dflash_train.common.redaction import redact_url
+    from eval_worker.redis_client import connect
+    from eval_worker.service.redis_server import resolve_redis_url
 
     try:  # the embedded Redis when REDIS_URL is unset, as for the worker
         url = resolve_redis_url(args.redis_url, args.settings,

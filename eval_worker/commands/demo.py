@@ -133,14 +133,15 @@ def main(args: argparse.Namespace) -> int:
 def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     from datetime import datetime
 
+    from dflash_train.common.redaction import redact_url
     from dflash_train.common.settings import KNOWN_SINKS, parse_sinks
     from dflash_train.training.train_config import load_config
     from dflash_train.training.trainer import resolve_target_path, train
+    from eval_worker.redis_client import connect
     from eval_worker.results import latest_demo
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import load_run
     from eval_worker.results.sinks.wandb_sink import publish_run, target_from
-    from eval_worker.service.redis_local import connect, redact_url
     from hooks.eval_flags import eval_hook  # commands are the top layer: the demo composes trainer, hook, worker
 
     sinks, unknown = parse_sinks(args.sink)

@@ -51,9 +51,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _other(args: argparse.Namespace, sink: str, publish) -> int:
+    from dflash_train.common.redaction import redact_url
     from eval_worker.results.run_results import ResultsError
     from eval_worker.results.sinks.wandb_lock import LockTimeout
-    from eval_worker.service.redis_local import redact_url
 
     try:
         info = publish()
@@ -101,10 +101,10 @@ def _mlflow(args: argparse.Namespace) -> int:
 
 
 def _wandb(args: argparse.Namespace) -> int:
+    from dflash_train.common.redaction import redact_url
     from eval_worker.results.run_results import ResultsError
     from eval_worker.results.sinks.wandb_lock import LockTimeout
     from eval_worker.results.sinks.wandb_sink import SinkError, publish_run, saved_identity, target_from
-    from eval_worker.service.redis_local import redact_url
 
     settings = args.settings
     target_root = Path(args.wandb_dir).expanduser().resolve() if args.wandb_dir else settings.wandb_dir

@@ -1,5 +1,5 @@
 """`dflash-eval redis status|stop [--force]`: the embedded redis-server that commands start when
-`REDIS_URL` is unset (it runs detached, so it outlives them; eval_worker.service.redis_local).
+`REDIS_URL` is unset (it runs detached, so it outlives them; eval_worker.service.redis_server).
 
 `stop` refuses while a worker it serves is alive (its jobs would stall on a server that is gone);
 `--force` stops it anyway. A server named by `REDIS_URL` / `--redis-url` is never touched here.
@@ -30,7 +30,7 @@ def _serving_workers(local) -> list[dict]:
     from rq.worker import Worker
 
     from dflash_train.common.fsutil import pid_alive
-    from eval_worker.service.redis_local import connect
+    from eval_worker.redis_client import connect
 
     conn = connect(local.url)
     try:
@@ -43,7 +43,9 @@ def _serving_workers(local) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.service.redis_local import LocalRedis, RedisLocalError, redact_url
+    from dflash_train.common.redaction import redact_url
+    from eval_worker.redis_client import RedisAccessError
+    from eval_worker.service.redis_server import LocalRedis
 
     settings = args.settings
     local = LocalRedis(settings.redis_dir, password=settings.redis_password, binary=settings.redis_server)
@@ -52,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
               f"local one this command manages", file=sys.stderr)
     try:
         running = local.attach()
-    except RedisLocalError as e:
+    except RedisAccessError as e:
         return fail(str(e))
     if not running:
         if args.json and args.action == "status":

@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
                     "(a local directory)")
     try:
         conn, url = connect_from_args(args)
-    except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why
+    except Exception as e:  # noqa: BLE001 - RedisAccessError and friends: say why
         return fail(str(e))
     from dflash_train.checkpoints.hub import resolve_target
     from dflash_train.checkpoints.publication import CheckpointError

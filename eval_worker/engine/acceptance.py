@@ -19,7 +19,7 @@ import logging
 import platform
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,131 @@ class DrafterRun:
     layer_ids: list[int]
     leak_probe: dict | None = None
     drafting: dict | None = None  # the drafting path, what it drafted, and the anchor sample
+
+
+@dataclass
+class ResultBuilder:
+    """The parts of one evaluation's result, collected as they are measured (`Evaluator.evaluate`
+    fills them in); `build()` makes the `EvalResult`."""
+
+    target: Target
+    reference_source: str  # its name: "local" or a server's
+    info: CheckpointInfo
+    drafter: DFlashDrafter
+    suite: Suite
+    opts: EvalOptions
+    max_new: int
+    eos: int | None
+    lookahead: int
+    report: CacheReport
+    timings: dict[str, float]
+    train_metrics: dict | None = None
+    base: tuple[DFlashDrafter, CheckpointInfo] | None = None
+    refs: list[Reference] = field(default_factory=list)
+    main: DrafterRun | None = None
+    base_run: DrafterRun | None = None
+    validation: dict | None = None
+    sampled: dict | None = None
+    speed: dict | None = None
+
+    def build(self) -> EvalResult:
+        assert self.main is not None and self.speed is not None, "the drafter's run and the speed come first"
+        main, s, opts, drafter, target = self.main, self.main.summary, self.opts, self.drafter, self.target
+        prompts, observed = self._prompts()
+        baseline = self._baseline()
+        facts = self._facts(*observed)
+        return EvalResult(
+            checkpoint=self.info.to_dict(),
+            target={"path": target.source, "fingerprint": target.fingerprint(),
+                    "num_layers": target.num_layers, "dtype": str(target.dtype).removeprefix("torch.")},
+            suite=self.suite.to_dict(),
+            settings={"block_size": main.block_size, "max_new_tokens": self.max_new, "mode": opts.mode,
+                      "counting": opts.counting, "layer_ids_origin": drafter.config.layer_ids_origin,
+                      "sliding_rule": drafter.config.attention_rule(), "layout": drafter.config.layout,
+                      "tree_budget": opts.tree_budget, "tree_spine": opts.tree_spine, "max_blocks": opts.max_blocks,
+                      "chat_template": self.suite.chat_template if opts.chat_template is None else opts.chat_template,
+                      "eos_token_id": self.eos, "lookahead": self.lookahead, "layer_ids": main.layer_ids,
+                      "reference_source": self.reference_source,
+                      "anchor_sample": main.drafting["anchor_sample"]},
+            tau=s.tau, acceptance_histogram=s.histogram, per_position=s.per_position,
+            mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=self.speed,
+            baseline=baseline, prompts=prompts, diagnostics=diagnose(facts), cache=self.report.to_dict(),
+            provenance={"software_version": software_version(),
+                        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                        "timings_s": {k: round(v, 4) for k, v in self.timings.items()},
+                        "drafting": {k: v for k, v in main.drafting.items() if k != "anchor_sample"},
+                        "torch": torch.__version__, "device": str(target.device), "host": platform.node()},
+            stride=s.stride, validation=self.validation, leak_probe=main.leak_probe, sampling=self.sampled)
+
+    def _prompts(self) -> tuple[list[PromptResult], tuple[dict, list, dict]]:
+        """Each prompt's result, and what they showed for the diagnostics: the prompts whose reference
+        is not the target's greedy output (where), those without a verify step, degenerate references."""
+        assert self.main is not None
+        main, s, opts = self.main, self.main.summary, self.opts
+        decode = self._decoder()
+        base_taus = self.base_run.summary.per_prompt_tau if self.base_run else [None] * len(self.refs)
+        prompts, divergence, empty, degenerate = [], {}, [], {}
+        for ref, sc, prompt_tau, btau in zip(self.refs, main.scores, s.per_prompt_tau, base_taus, strict=False):
+            walk_spans = sc.online.spans if opts.mode == "online" else [
+                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a,
+                n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride, strict=False)]
+            text, spans = _char_spans(decode, ref.tokens, walk_spans)
+            first = _first_divergence(sc.greedy.tolist(), ref.ext)
+            if first is not None:
+                divergence[ref.name] = first
+            if not sc.accepts(opts.mode):
+                empty.append(ref.name)
+            tree_acc = sc.tree_accepts(opts.mode)
+            collapse = reference_collapse(ref.tokens, text if self.target.tokenizer is not None else None)
+            if collapse:
+                degenerate[ref.name] = collapse
+            prompts.append(PromptResult(
+                name=ref.name, tau=prompt_tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
+                reference_text=text, accepted_spans=spans, num_tokens=len(ref.tokens), finish=ref.finish,
+                tree_tau=tau(tree_acc),
+                mean_streak=float(sc.sample_streaks.mean()) if sc.sample.size else None,
+                reference_agrees_with_target=first is None, degenerate=collapse))
+        return prompts, (divergence, empty, degenerate)
+
+    def _facts(self, divergence: dict, empty: list, degenerate: dict) -> Facts:
+        assert self.main is not None
+        main, s, drafter, target, base_run = self.main, self.main.summary, self.drafter, self.target, self.base_run
+        return Facts(tau=s.tau["macro"], block_size=main.block_size, eval_top1=s.per_position["top1_accuracy"],
+                     train_metrics=self.train_metrics, cache_notes=self.report.notes,
+                     drafter_dtype=str(drafter.fc.weight.dtype).removeprefix("torch."),
+                     target_dtype=str(target.dtype).removeprefix("torch."), layer_ids=main.layer_ids,
+                     target_layers=target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
+                     tokenizer_mask_id=target.mask_token_id(), greedy_divergence=divergence,
+                     empty_prompts=empty, degenerate=degenerate, num_prompts=len(self.refs),
+                     validation=self.validation,
+                     sampled_validation={k: e["validation"] for k,
+                                         e in (self.sampled or {}).get("by_temperature", {}).items()
+                                         if e.get("validation")},
+                     baseline_layer_ids=base_run.layer_ids if base_run else None,
+                     reference_source=self.reference_source,
+                     layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe,
+                     sliding_rule_implicit=(drafter.config.attention_rule() if drafter.config.sliding_implicit
+                                            else None))
+
+    def _baseline(self) -> dict | None:
+        """The baseline's τ and the paired difference (None without a baseline)."""
+        if self.base_run is None or self.base is None:
+            return None
+        assert self.main is not None
+        b = self.base_run.summary
+        d = metrics.paired_delta(self.main.summary.per_prompt_tau, b.per_prompt_tau,
+                                 n_resamples=self.opts.bootstrap, seed=self.opts.seed)
+        binfo = self.base[1]
+        return {"checkpoint": binfo.path, "digest": binfo.digest, "tau": b.tau["macro"],
+                "tau_pooled": b.tau["pooled"], "ci95": b.tau["ci95"],
+                "delta_tau": d["delta"], "delta_ci95": d["ci95"], "num_pairs": d["num_pairs"],
+                "tree_tau": b.tree["tau"], "block_size": self.base_run.block_size}
+
+    def _decoder(self):
+        tok = self.target.tokenizer
+        if tok is None:
+            return lambda ids: "".join(f"<{i}>" for i in ids)
+        return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def software_version() -> str:
@@ -110,39 +235,40 @@ class Evaluator:
         eos = self._eos(opts)
         B_max = max(drafter.config.block_size, base[0].config.block_size if base else 0)
         lookahead = B_max - 1  # what the last verify step of the real loop can look at
+        parts = ResultBuilder(target=self.target, reference_source=getattr(self.reference_source, "name", "local"),
+                              info=info, drafter=drafter, suite=suite, opts=opts, max_new=max_new, eos=eos,
+                              lookahead=lookahead, report=report, timings=timings, base=base,
+                              train_metrics=train_metrics if train_metrics is not None else info.train_metrics)
         with _timer(timings, "references"):
             refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report)
+        parts.refs = refs
         # a server's reference must be the target's own greedy output (checked on the features
         # pass, which computes that argmax anyway); a local one is by construction, up to numerics
         check = opts.reference_mismatch == "fail" and getattr(self.reference_source, "name", "local") != "local"
         written: list[tuple[str, str]] = []
         try:
-            main = self._run(drafter, refs, suite, opts, report, timings, check=check, written=written, probe=True)
+            parts.main = self._run(drafter, refs, suite, opts, report, timings, check=check, written=written,
+                                   probe=True)
         except ReferenceSourceError:
             for kind, slot in written:  # a failed job leaves nothing behind
                 self.disk.remove(kind, slot)
             raise
         for slot, key, ref in pending:  # only references that passed the check are kept
             self.disk.put_json("references", slot, key, ref.to_dict())
-        base_run = None
         if base is not None:
             with _timer(timings, "baseline"):
-                base_run = self._baseline_run(base, refs, suite, opts, report)
-        validation = None
+                parts.base_run = self._baseline_run(base, refs, suite, opts, report)
         if opts.validate:
             with _timer(timings, "validation"):
-                full = [sc.full_walk().accept_lengths for sc in main.scores]
-                validation = self.validate(drafter, refs, full, max_new, eos, counting=opts.counting)
-        sampled = self._sampled(drafter, suite, prompts, opts, max_new, eos, lookahead, report, timings)
+                full = [sc.full_walk().accept_lengths for sc in parts.main.scores]
+                parts.validation = self.validate(drafter, refs, full, max_new, eos, counting=opts.counting)
+        parts.sampled = self._sampled(drafter, suite, prompts, opts, max_new, eos, lookahead, report, timings)
         with _timer(timings, "speed"):
-            speed = self._speedup(drafter, refs, main.summary.tau["macro"], opts)
-        for entry in (sampled or {}).get("by_temperature", {}).values():  # the same step costs, τ at T
-            entry["speedup_estimated"] = _estimate_at(speed, entry["tau"]["macro"])
+            parts.speed = self._speedup(drafter, refs, parts.main.summary.tau["macro"], opts)
+        for entry in (parts.sampled or {}).get("by_temperature", {}).values():  # the same step costs, τ at T
+            entry["speedup_estimated"] = _estimate_at(parts.speed, entry["tau"]["macro"])
         timings["total"] = time.perf_counter() - t_start
-        result = self._assemble(info, drafter, suite, opts, refs, main, base, base_run, validation, speed, report,
-                                train_metrics if train_metrics is not None else info.train_metrics, timings,
-                                max_new, eos, lookahead, sampled)
-        return result
+        return parts.build()
 
     def validate(self, drafter: DFlashDrafter, refs: list[Reference], replays: list[list[int]], max_new: int,
                  eos: int | None, counting: str = "response",
@@ -519,87 +645,6 @@ class Evaluator:
                                                        ar_s=costs["decode_s"]),
                    measured=costs, source=f"measured on {self.target.device}")
         return out
-
-    # --- result --------------------------------------------------------------------------
-    def _assemble(self, info: CheckpointInfo, drafter, suite: Suite, opts: EvalOptions, refs, main: DrafterRun,
-                  base, base_run: DrafterRun | None, validation, speed, report: CacheReport, train_metrics,
-                  timings, max_new, eos, lookahead, sampled: dict | None = None) -> EvalResult:
-        s = main.summary
-        decode = self._decoder()
-        base_taus = base_run.summary.per_prompt_tau if base_run else [None] * len(refs)
-        prompts, divergence, empty, degenerate = [], {}, [], {}
-        for ref, sc, prompt_tau, btau in zip(refs, main.scores, s.per_prompt_tau, base_taus, strict=False):
-            walk_spans = sc.online.spans if opts.mode == "online" else [
-                (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a,
-                n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride, strict=False)]
-            text, spans = _char_spans(decode, ref.tokens, walk_spans)
-            first = _first_divergence(sc.greedy.tolist(), ref.ext)
-            if first is not None:
-                divergence[ref.name] = first
-            if not sc.accepts(opts.mode):
-                empty.append(ref.name)
-            tree_acc = sc.tree_accepts(opts.mode)
-            collapse = reference_collapse(ref.tokens, text if self.target.tokenizer is not None else None)
-            if collapse:
-                degenerate[ref.name] = collapse
-            prompts.append(PromptResult(
-                name=ref.name, tau=prompt_tau, accept_lengths=list(sc.accepts(opts.mode)), baseline_tau=btau,
-                reference_text=text, accepted_spans=spans, num_tokens=len(ref.tokens), finish=ref.finish,
-                tree_tau=tau(tree_acc),
-                mean_streak=float(sc.sample_streaks.mean()) if sc.sample.size else None,
-                reference_agrees_with_target=first is None, degenerate=collapse))
-        baseline = None
-        if base_run is not None:
-            d = metrics.paired_delta(s.per_prompt_tau, base_run.summary.per_prompt_tau, n_resamples=opts.bootstrap,
-                                     seed=opts.seed)
-            binfo = base[1]
-            baseline = {"checkpoint": binfo.path, "digest": binfo.digest, "tau": base_run.summary.tau["macro"],
-                        "tau_pooled": base_run.summary.tau["pooled"], "ci95": base_run.summary.tau["ci95"],
-                        "delta_tau": d["delta"], "delta_ci95": d["ci95"], "num_pairs": d["num_pairs"],
-                        "tree_tau": base_run.summary.tree["tau"], "block_size": base_run.block_size}
-        facts = Facts(tau=s.tau["macro"], block_size=main.block_size, eval_top1=s.per_position["top1_accuracy"],
-                      train_metrics=train_metrics, cache_notes=report.notes,
-                      drafter_dtype=str(drafter.fc.weight.dtype).removeprefix("torch."),
-                      target_dtype=str(self.target.dtype).removeprefix("torch."), layer_ids=main.layer_ids,
-                      target_layers=self.target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
-                      tokenizer_mask_id=self.target.mask_token_id(), greedy_divergence=divergence,
-                      empty_prompts=empty, degenerate=degenerate, num_prompts=len(refs), validation=validation,
-                      sampled_validation={k: e["validation"] for k,
-                                          e in (sampled or {}).get("by_temperature", {}).items()
-                                          if e.get("validation")},
-                      baseline_layer_ids=base_run.layer_ids if base_run else None,
-                      reference_source=getattr(self.reference_source, "name", "local"),
-                      layer_ids_origin=drafter.config.layer_ids_origin, leak_probe=main.leak_probe,
-                      sliding_rule_implicit=(drafter.config.attention_rule() if drafter.config.sliding_implicit
-                                             else None))
-        return EvalResult(
-            checkpoint=info.to_dict(),
-            target={"path": self.target.source, "fingerprint": self.target.fingerprint(),
-                    "num_layers": self.target.num_layers, "dtype": str(self.target.dtype).removeprefix("torch.")},
-            suite=suite.to_dict(),
-            settings={"block_size": main.block_size, "max_new_tokens": max_new, "mode": opts.mode,
-                      "counting": opts.counting, "layer_ids_origin": drafter.config.layer_ids_origin,
-                      "sliding_rule": drafter.config.attention_rule(), "layout": drafter.config.layout,
-                      "tree_budget": opts.tree_budget, "tree_spine": opts.tree_spine, "max_blocks": opts.max_blocks,
-                      "chat_template": suite.chat_template if opts.chat_template is None else opts.chat_template,
-                      "eos_token_id": eos, "lookahead": lookahead, "layer_ids": main.layer_ids,
-                      "reference_source": getattr(self.reference_source, "name", "local"),
-                      "anchor_sample": main.drafting["anchor_sample"]},
-            tau=s.tau, acceptance_histogram=s.histogram, per_position=s.per_position,
-            mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=speed, baseline=baseline,
-            prompts=prompts, diagnostics=diagnose(facts), cache=report.to_dict(),
-            provenance={"software_version": software_version(),
-                        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                        "timings_s": {k: round(v, 4) for k, v in timings.items()},
-                        "drafting": {k: v for k, v in main.drafting.items() if k != "anchor_sample"},
-                        "torch": torch.__version__, "device": str(self.target.device), "host": platform.node()},
-            stride=s.stride, validation=validation, leak_probe=main.leak_probe, sampling=sampled)
-
-    def _decoder(self):
-        tok = self.target.tokenizer
-        if tok is None:
-            return lambda ids: "".join(f"<{i}>" for i in ids)
-        return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _bar(self, items, desc: str):
         """Progress of a per-prompt phase: a bar on a terminal, else a log line with counts and ETA

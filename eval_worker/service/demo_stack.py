@@ -27,11 +27,11 @@ class DemoStack:
 
     def start_redis(self) -> str:
         if self.redis_url:
-            from eval_worker.service.redis_local import connect
+            from eval_worker.redis_client import connect
 
             connect(self.redis_url).close()  # fail now, with a clear message, if unreachable
             return self.redis_url
-        from eval_worker.service.redis_local import LocalRedis
+        from eval_worker.service.redis_server import LocalRedis
 
         self._redis = LocalRedis(self.workdir / "redis").start()
         self.redis_url = self._redis.url

@@ -32,7 +32,7 @@ from eval_worker.results import sinks
 from eval_worker.results.ledger import Ledger, tau_of
 from eval_worker.service import evaluators, routing
 from eval_worker.service import jobs as jobs_mod
-from eval_worker.service.evaluators import WorkerSettings, target_loads
+from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.jobs import JobError
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class LedgerWriteFailed(DFlashError, OSError):
 def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None:
     """Tell the result sinks (W&B). Returns their errors as text instead of raising."""
     try:
-        env = evaluators.settings().env
+        env = evaluators.current().settings.env
         assert env is not None, "WorkerSettings fills env"
         outcome = sinks.publish_result(record, job, env)
     except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
@@ -89,7 +89,7 @@ def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
 def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
     t0 = time.monotonic()
     job = jobs_mod.validate_job(payload)
-    s = evaluators.settings()
+    s = evaluators.current().settings
     if s.roots is None:
         raise JobError("this worker has no checkpoint roots configured: start it with --checkpoint-root DIR "
                        "or set $DFLASH_CHECKPOINT_ROOTS; refusing to read checkpoints from arbitrary paths")
@@ -133,7 +133,8 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
     return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": record.get("attempt"),
             "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
             "from_spool": existing is None and spooled is not None, "sinks_deferred_to": deferred,
-            "worker_pid": os.getpid(), "target_loads": target_loads(), "seconds": round(time.monotonic() - t0, 3)}
+            "worker_pid": os.getpid(), "target_loads": evaluators.current().target_loads(),
+            "seconds": round(time.monotonic() - t0, 3)}
 
 
 def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path, seconds: float,
@@ -232,14 +233,14 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     if suite_name.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
         suite = load_suite(suite_name, hf_datasets_dir=s.env.hf_datasets_dir)
     remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
-    cache = evaluators.checkpoint_cache() if remote else None
+    cache = evaluators.current().checkpoint_cache() if remote else None
     for refetched in (False, True):
         used: list[str] = []
         try:
             # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
             with jobs_mod.materialize(job, s.roots, cache) as (checkpoint, baseline, verified):
                 used = [p for p in (checkpoint, baseline) if p]
-                evaluator = evaluators.get_evaluator(target)
+                evaluator = evaluators.current().get(target)
                 result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job["train_metrics"],
                                             options=job["options"], verified=verified).to_dict()
             break

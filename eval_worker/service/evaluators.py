@@ -1,4 +1,4 @@
-"""The worker process's settings and its evaluators: each target loaded once per process and kept.
+"""A worker's settings and its evaluators (`Evaluators`): each target loaded once per process and kept.
 
 Why once per process: a target may be tens of GB on a GPU, and the in-memory caches
 (tokenizer, reference/feature caches, compiled kernels) stay warm between jobs
@@ -61,48 +61,99 @@ class WorkerSettings:
         return cls(**values)
 
 
-_settings: WorkerSettings | None = None
-_checkpoint_cache = None
-_evaluators: OrderedDict[str, Any] = OrderedDict()
-_loads: dict[str, int] = {}
-_lock = threading.Lock()
+class Evaluators:
+    """A worker's settings, its checkpoint cache and the targets it holds loaded (an LRU of
+    `settings.max_targets` evaluators), each loaded once and kept.
+
+    The worker makes one and `install`s it before serving; the job function, called by RQ by
+    name, finds it with `current()`. Tests make their own: `Evaluators(settings)`, installed, and
+    `configure(settings)` to change the settings and keep what is loaded.
+    """
+
+    def __init__(self, settings: WorkerSettings | None = None) -> None:
+        self._settings = settings  # None: read from the environment when first needed
+        self._checkpoint_cache = None
+        self._loaded: OrderedDict[str, Any] = OrderedDict()
+        self._loads: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def settings(self) -> WorkerSettings:
+        if self._settings is None:  # a plain `rq worker` running our jobs: its process is the edge
+            self._settings = WorkerSettings.from_settings(Settings.from_env())
+        return self._settings
+
+    def configure(self, settings: WorkerSettings | None) -> None:
+        """New settings (None: the environment's); the loaded targets are kept, the checkpoint cache
+        is opened again from the new settings."""
+        self._settings, self._checkpoint_cache = settings, None
+
+    def checkpoint_cache(self):
+        """The cache of checkpoints pulled from object stores (eval_worker.service.checkpoint_cache)."""
+        s = self.settings
+        if self._checkpoint_cache is None:
+            from eval_worker.service.checkpoint_cache import CheckpointCache
+
+            assert s.env is not None, "WorkerSettings fills env"
+            root = (s.checkpoint_cache_dir or s.env.checkpoint_cache_dir
+                    or Path(s.results_dir).parent / "checkpoint-cache")
+            self._checkpoint_cache = CheckpointCache(root, max_bytes=int(s.checkpoint_cache_gb * 2**30))
+        return self._checkpoint_cache
+
+    def target_loads(self, target: str | None = None) -> int:
+        """How many times `target` (or any target) has been loaded."""
+        if target is None:
+            return sum(self._loads.values())
+        return self._loads.get(os.path.realpath(target), 0)
+
+    def loaded_targets(self) -> list[str]:
+        """The targets held loaded (real paths), least recently used first."""
+        with self._lock:
+            return list(self._loaded)
+
+    def get(self, target: str):
+        """The Evaluator for `target`, loaded once and kept (LRU of `settings.max_targets`)."""
+        s = self.settings
+        key = os.path.realpath(target)
+        with self._lock:
+            ev = self._loaded.get(key)
+            if ev is not None:
+                self._loaded.move_to_end(key)
+                return ev
+            if not os.path.isdir(key):
+                raise JobError(f"target {target} is not a directory on this worker")
+            while len(self._loaded) >= max(1, s.max_targets):
+                old, _ = self._loaded.popitem(last=False)
+                log.info("unloading target %s to make room for %s", old, key)
+                gc.collect()
+                _empty_device_cache()
+            t0 = time.monotonic()
+            ev = _new_evaluator(key, s)
+            self._loaded[key] = ev
+            self._loads[key] = self._loads.get(key, 0) + 1
+            log.info("loaded target %s in %.1fs (load #%d in pid %d)", key, time.monotonic() - t0, self._loads[key],
+                     os.getpid())
+            return ev
 
 
-def configure(settings: WorkerSettings) -> None:
-    global _settings, _checkpoint_cache
-    _settings, _checkpoint_cache = settings, None
+_current: Evaluators | None = None
 
 
-def checkpoint_cache():
-    """This process's cache of checkpoints pulled from object stores (eval_worker.service.checkpoint_cache)."""
-    global _checkpoint_cache
-    s = settings()
-    if _checkpoint_cache is None:
-        from eval_worker.service.checkpoint_cache import CheckpointCache
-
-        root = s.checkpoint_cache_dir or s.env.checkpoint_cache_dir or Path(s.results_dir).parent / "checkpoint-cache"
-        _checkpoint_cache = CheckpointCache(root, max_bytes=int(s.checkpoint_cache_gb * 2**30))
-    return _checkpoint_cache
+def current() -> Evaluators:
+    """This process's evaluators: the ones installed (by the worker), else, for a plain `rq worker`
+    running our jobs, ones configured from the environment."""
+    global _current
+    if _current is None:
+        _current = Evaluators()
+    return _current
 
 
-def settings() -> WorkerSettings:
-    global _settings
-    if _settings is None:  # a plain `rq worker` running our jobs: its process is the edge
-        _settings = WorkerSettings.from_settings(Settings.from_env())
-    return _settings
-
-
-def target_loads(target: str | None = None) -> int:
-    """How many times this process has loaded `target` (or any target)."""
-    if target is None:
-        return sum(_loads.values())
-    return _loads.get(os.path.realpath(target), 0)
-
-
-def loaded_targets() -> list[str]:
-    """The targets this process holds loaded (real paths), least recently used first."""
-    with _lock:
-        return list(_evaluators)
+def install(evaluators: Evaluators | None) -> Evaluators | None:
+    """Make `evaluators` this process's (None: the environment's, made when next needed); returns
+    the ones they replace, so a test can put them back."""
+    global _current
+    previous, _current = _current, evaluators
+    return previous
 
 
 def _new_evaluator(target: str, s: WorkerSettings):
@@ -117,30 +168,6 @@ def _new_evaluator(target: str, s: WorkerSettings):
     if s.device:
         kwargs["device"] = s.device
     return factory(target, **kwargs)
-
-
-def get_evaluator(target: str):
-    """The Evaluator for `target`, loaded once per process and kept (LRU of `max_targets`)."""
-    s = settings()
-    key = os.path.realpath(target)
-    with _lock:
-        ev = _evaluators.get(key)
-        if ev is not None:
-            _evaluators.move_to_end(key)
-            return ev
-        if not os.path.isdir(key):
-            raise JobError(f"target {target} is not a directory on this worker")
-        while len(_evaluators) >= max(1, s.max_targets):
-            old, _ = _evaluators.popitem(last=False)
-            log.info("unloading target %s to make room for %s", old, key)
-            gc.collect()
-            _empty_device_cache()
-        t0 = time.monotonic()
-        ev = _new_evaluator(key, s)
-        _evaluators[key] = ev
-        _loads[key] = _loads.get(key, 0) + 1
-        log.info("loaded target %s in %.1fs (load #%d in pid %d)", key, time.monotonic() - t0, _loads[key], os.getpid())
-        return ev
 
 
 def _empty_device_cache() -> None:

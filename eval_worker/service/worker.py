@@ -43,11 +43,11 @@ from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from dflash_train.common.redaction import install_log_redaction, redact
-from eval_worker.service import routing
-from eval_worker.service.evaluators import WorkerSettings, configure, get_evaluator, loaded_targets
+from eval_worker.redis_client import server_unavailable
+from eval_worker.service import evaluators, routing
+from eval_worker.service.evaluators import Evaluators, WorkerSettings
 from eval_worker.service.job_guard import EvalJob
 from eval_worker.service.queue import TARGET_FIELD, get_queue
-from eval_worker.service.redis_local import server_unavailable
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
 PROBE_PREFIX = "dflash:probe:"  # a write that tells whether Redis takes writes again (per worker, 60 s)
@@ -60,7 +60,7 @@ class JobInterrupted(Exception):
 
 @contextlib.contextmanager
 def _ride_out(log, what: str):
-    """Skip `what` when Redis is unavailable (redis_local.server_unavailable); other errors propagate."""
+    """Skip `what` when Redis is unavailable (redis_client.server_unavailable); other errors propagate."""
     try:
         yield
     except redis.exceptions.RedisError as e:
@@ -266,7 +266,7 @@ class EvalWorker(SimpleWorker):
     def _order_by_affinity(self) -> None:
         if not self._served or self._route_base is None:
             return
-        loaded = {self._served[t] for t in loaded_targets() if t in self._served}
+        loaded = {self._served[t] for t in evaluators.current().loaded_targets() if t in self._served}
         self._ordered_queues = routing.affinity_order(self._ordered_queues, self._route_base, loaded)
 
     def reorder_queues(self, reference_queue):
@@ -310,7 +310,7 @@ class EvalWorker(SimpleWorker):
     # an expensive target loaded, so it rides the outage out instead: the bookkeeping calls
     # below skip a beat, and a job caught by the outage is put back once Redis answers (its
     # result, if already recorded, stays in the ledger and is not evaluated again). An outage
-    # is anything `redis_local.server_unavailable` names: unreachable, or there but refusing
+    # is anything `redis_client.server_unavailable` names: unreachable, or there but refusing
     # writes (out of memory at maxmemory, MISCONF, BUSY, LOADING, a read-only replica).
     def _wait_for_redis(self) -> bool:
         delay, last_log = 0.5, 0.0
@@ -462,9 +462,10 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
     from rq.serializers import JSONSerializer
 
     install_log_redaction()  # the worker log: no secret of a URL a job names
-    configure(settings_)
+    loaded = Evaluators(settings_)
+    evaluators.install(loaded)  # the job function, called by RQ by name, finds them there
     if preload and settings_.default_target:
-        get_evaluator(settings_.default_target)  # before serving: the first job finds it warm
+        loaded.get(settings_.default_target)  # before serving: the first job finds it warm
     worker = EvalWorker([get_queue(connection, n) for n in queue_names], connection=connection,
                         serializer=JSONSerializer, job_class=EvalJob, name=name or worker_name(),
                         maintenance_interval=maintenance_interval, job_monitoring_interval=job_monitoring_interval,

@@ -84,7 +84,7 @@ def _main(argv: list[str] | None = None) -> int:
         info = mod.publish_run(args.run, cls.from_json(json.loads(raw_target)), results_dir=args.results,
                                redis_url=redis_url)
     except Exception as e:  # one line for the parent's log
-        from eval_worker.service.redis_local import redact_url
+        from dflash_train.common.redaction import redact_url
 
         print("error: " + redact_url(f"{type(e).__name__}: {e}").replace("\n", " "), file=sys.stderr)
         return 1

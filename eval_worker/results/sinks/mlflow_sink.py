@@ -130,7 +130,7 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    from eval_worker.service.redis_local import redact_url  # the outcome is logged: no password in it
+    from dflash_train.common.redaction import redact_url  # the outcome is logged: no password in it
 
     lock_dir = Path(target.lock_dir or _local_path(target.tracking_uri) or tempfile.gettempdir())
     lock_dir.mkdir(parents=True, exist_ok=True)

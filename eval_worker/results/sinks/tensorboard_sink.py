@@ -30,9 +30,8 @@ from pathlib import Path
 
 from dflash_train.common.fsutil import atomic_write_text
 from eval_worker.results.run_results import RunResult, load_run
-from eval_worker.results.sinks.names import points
+from eval_worker.results.sinks.names import points, suite_prefix
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_payload import suite_prefix
 from eval_worker.results.sinks.wandb_sink import eval_run_id, primary_suite
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ class LockTimeout(TimeoutError):
 
 @contextlib.contextmanager
 def redis_lock(url: str, name: str, *, wait_s: float = 600.0, ttl_s: float = 60.0) -> Iterator[None]:
-    from eval_worker.service.redis_local import connect, redact_url
+    from dflash_train.common.redaction import redact_url
+    from eval_worker.redis_client import connect
 
     client = connect(url)
     lock = client.lock(LOCK_PREFIX + name, timeout=ttl_s, blocking_timeout=wait_s, thread_local=False)

@@ -23,25 +23,20 @@ the suites side by side, as the published tables show them, and two suites never
 the run's primary suite (``$DFLASH_WANDB_PRIMARY_SUITE``, else the first evaluated) is logged
 under plain ``eval/...`` too (its scalars also under its own prefix), which keeps the single-suite
 keys of earlier versions. Beside them the field's names (``eval/<suite>/accept_length``,
-``accept_rate@<i>``, ``verify_rate``: ``sinks/names.py``).
+``accept_rate@<i>``, ``verify_rate``). The scalars and every name are ``sinks/names.py``'s, shared by
+every sink; this module adds what only W&B shows (histograms, plots, tables, the HF step key).
 """
 from __future__ import annotations
 
 import html
-import math
-import re
+
+from eval_worker.results.sinks.names import aliases, finite, sampled, scalars, suite_prefix
 
 STEP_KEY = "train/step"
 # HF Trainer's x-axis: the same number (its state.global_step is the step the callback
 # publishes), logged too so a panel of an HF run's group plots both runs on one axis.
 HF_STEP_KEY = "train/global_step"
 MARK_OPEN, MARK_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧: rare in code, unlike brackets
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-def suite_prefix(suite_name: str) -> str:
-    """``eval/<suite>/``: where every suite's numbers go."""
-    return f"eval/{_SAFE.sub('_', suite_name)}/"
 
 
 def prefix_for(suite_name: str, primary_suite: str | None) -> str:
@@ -58,60 +53,8 @@ def run_log(result: dict, primary_suite: str | None, *, html_column: bool = True
     payload = log_dict(result, prefix_for(name, primary_suite), html_column=html_column)
     if prefix_for(name, primary_suite) != suite_prefix(name):
         payload.update(scalars(result, suite_prefix(name)))
-    from eval_worker.results.sinks.names import aliases  # the field's names beside ours
-
-    payload.update(aliases(result))
+    payload.update(aliases(result))  # the field's names beside ours
     return payload
-
-
-def _num(x) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def scalars(result: dict, prefix: str = "eval/") -> dict[str, float]:
-    """The numeric part of a result (also what the tests read back)."""
-    tau = result["tau"]
-    ci = tau.get("ci95") or [None, None]
-    out = {
-        "tau": tau.get("macro"), "tau_pooled": tau.get("pooled"), "tau_ci_low": ci[0], "tau_ci_high": ci[1],
-        "num_verify_steps": tau.get("num_steps"),
-        "tree_tau": (result.get("tree") or {}).get("tau"),
-        "mean_streak": result.get("mean_streak_all_anchors"),
-        "speedup_est": (result.get("speedup") or {}).get("estimated"),
-        "diagnostic_errors": sum(1 for d in result.get("diagnostics") or [] if d.get("severity") == "error"),
-    }
-    base = result.get("baseline")
-    if base:
-        dci = base.get("delta_ci95") or [None, None]
-        out.update(baseline_tau=base.get("tau"), delta_tau_vs_baseline=base.get("delta_tau"),
-                   delta_tau_ci_low=dci[0], delta_tau_ci_high=dci[1])
-    out.update(_per_position(result.get("per_position")))
-    for tkey, entry in sampled(result):
-        tau = entry.get("tau") or {}
-        ci = tau.get("ci95") or [None, None]
-        block = {"tau": tau.get("macro"), "tau_pooled": tau.get("pooled"), "tau_ci_low": ci[0],
-                 "tau_ci_high": ci[1], "num_verify_steps": tau.get("num_steps"),
-                 "mean_streak": entry.get("mean_streak_all_anchors"), "speedup_est": entry.get("speedup_estimated"),
-                 **_per_position(entry.get("per_position"))}
-        out.update({f"t{tkey}/{k}": v for k, v in block.items()})
-    return {prefix + k: n for k, v in out.items() if (n := _num(v)) is not None}
-
-
-def sampled(result: dict) -> list[tuple[str, dict]]:
-    """(temperature key, block) per sampled temperature of a result, in the job's order."""
-    by = ((result.get("sampling") or {}).get("by_temperature")) or {}
-    return [(str(k), v) for k, v in by.items() if isinstance(v, dict)]
-
-
-def _per_position(per: dict | None) -> dict:
-    out = {}
-    for name, key in (("conditional_accept", "pos_accept"), ("top1_accuracy", "pos_top1")):
-        for k, v in enumerate((per or {}).get(name) or [], start=1):
-            out[f"{key}/{k}"] = v
-    return out
 
 
 def marked_text(text: str, spans: list) -> str:
@@ -187,7 +130,7 @@ def log_dict(result: dict, prefix: str = "eval/", *, html_column: bool = True) -
     rows = []
     for p in result.get("prompts") or []:
         text = str(p.get("reference_text") or "")
-        row = [step, str(p.get("name")), _num(p.get("tau")), _num(p.get("baseline_tau")),
+        row = [step, str(p.get("name")), finite(p.get("tau")), finite(p.get("baseline_tau")),
                len(p.get("accept_lengths") or []), marked_text(text, p.get("accepted_spans"))]
         if html_column:
             row.append(wandb.Html(marked_html(text, p.get("accepted_spans")), inject=False))

@@ -48,8 +48,9 @@ from dflash_train.common.fsutil import atomic_write_text
 from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, lag_scalars, load_run
 from eval_worker.results.sinks.base import SinkError, run_child  # noqa: F401 - SinkError: the sinks' one error
+from eval_worker.results.sinks.names import suite_prefix
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log, suite_prefix
+from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +387,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         info = publish_run(args.run, target, results_dir=args.results, redis_url=redis_url)
     except Exception as e:  # one line for the parent's log; the details stay in W&B's debug logs
-        from eval_worker.service.redis_local import redact_url
+        from dflash_train.common.redaction import redact_url
 
         print("error: " + redact_url(f"{type(e).__name__}: {e}").replace("\n", " "), file=sys.stderr)
         return 1

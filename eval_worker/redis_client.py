@@ -1,0 +1,116 @@
+"""The client side of the project's Redis: URLs, connecting, and what its errors mean.
+
+Here, at the top of `eval_worker`, rather than in `service/`: the results' sinks (the W&B writer
+lock, the sinks' messages) talk to Redis too, and results never import the service; the service,
+the commands and `hooks` import it alike. Not in `dflash_train.common`: the drafter and its trainer
+never talk to Redis (the trainer reaches it only through the `hooks` plug-in). The embedded
+redis-server that commands start when no URL is given is the service's
+(`eval_worker.service.redis_server`).
+
+:func:`connect` opens a client for ``redis://``, ``rediss://`` (TLS; ``ssl_*`` options go in
+the URL query, e.g. ``?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem``) and ``unix://`` URLs;
+its errors show the URL redacted (``dflash_train.common.redaction.redact_url``, the one
+redaction: use it whenever a URL is logged or shown). :func:`server_unavailable` tells a
+server that cannot take a write now from a command that was wrong.
+"""
+from __future__ import annotations
+
+import re
+from urllib.parse import quote
+
+import redis
+
+from dflash_train.common.errors import DFlashError
+from dflash_train.common.redaction import redact_url
+
+__all__ = [
+    "ENV_URL",
+    "RedisAccessError",
+    "RedisAuthError",
+    "RedisConnectError",
+    "build_url",
+    "connect",
+    "server_unavailable",
+]
+
+ENV_URL = "REDIS_URL"  # named in messages (dflash_train.common.settings reads it)
+
+
+class RedisAccessError(DFlashError, RuntimeError):
+    """Redis cannot be reached or set up: no or an invalid URL, a server that does not answer or
+    refuses the credentials, an embedded server that cannot be started."""
+
+    retryable = True  # a condition of the server, not of a job
+
+
+class RedisConnectError(RedisAccessError, redis.exceptions.ConnectionError):
+    """Could not reach the Redis named by a URL."""
+
+
+class RedisAuthError(RedisConnectError, redis.exceptions.AuthenticationError):
+    """Redis rejected the credentials (wrong or missing password)."""
+
+
+def build_url(host: str, port: int, password: str | None, db: int = 0) -> str:
+    """``redis://[:password@]host:port/db``, the password percent-encoded."""
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}{host}:{port}/{db}"
+
+
+def connect(url: str, *, ping: bool = True, **kwargs) -> redis.Redis:
+    """Open a :class:`redis.Redis` client for ``url``.
+
+    Supports ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS;
+    ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+    ``ssl_check_hostname`` ... are taken from the URL query) and
+    ``unix:///path/to/redis.sock?db=0[&password=...]``. Extra keyword
+    arguments go to :meth:`redis.Redis.from_url`.
+
+    With ``ping=True`` (default) the server is contacted once, so a wrong
+    password or an unreachable host fails here with :class:`RedisAuthError` /
+    :class:`RedisConnectError`, whose messages show the URL redacted.
+    """
+    if not url:
+        raise RedisAccessError(f"no Redis URL given (set {ENV_URL})")
+    try:
+        client = redis.Redis.from_url(url, **kwargs)
+    except ValueError as exc:
+        raise RedisAccessError(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+    if ping:
+        try:
+            client.ping()
+        except redis.exceptions.AuthenticationError as exc:
+            client.close()
+            raise RedisAuthError(
+                f"Redis at {redact_url(url)} rejected the credentials "
+                f"(wrong or missing password in the URL): {exc}"
+            ) from None
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            client.close()
+            raise RedisConnectError(f"cannot connect to Redis at {redact_url(url)}: {exc}") from None
+        except redis.exceptions.ResponseError as exc:
+            client.close()
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise RedisAuthError(
+                    f"Redis at {redact_url(url)} rejected the credentials: {exc}"
+                ) from None
+            raise
+    return client
+
+
+# Replies of a server that is there but cannot take a write now; none is the request's fault.
+_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,  # incl. LOADING, auth
+                redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                redis.exceptions.MasterDownError, redis.exceptions.TryAgainError,
+                redis.exceptions.ClusterDownError, redis.exceptions.MovedError, redis.exceptions.AskError)
+_UNAVAILABLE_RE = re.compile(r"(^|caused error: )(MISCONF|BUSY|NOREPLICAS|OOM|LOADING|READONLY|MASTERDOWN|"
+                             r"TRYAGAIN|CLUSTERDOWN|MOVED|ASK)\b")
+
+
+def server_unavailable(error: BaseException) -> bool:
+    """Whether a Redis error means the server cannot serve writes right now (unreachable, out of
+    memory at maxmemory, MISCONF, BUSY, LOADING, read-only replica, cluster redirection) rather
+    than that the command was wrong: wait and try again."""
+    if isinstance(error, _UNAVAILABLE):
+        return True
+    return isinstance(error, redis.exceptions.ResponseError) and bool(_UNAVAILABLE_RE.search(str(error)))
