@@ -89,6 +89,12 @@ def ctx(setup, redis_url, tmp_path):
         conn.close()
 
 
+def _replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def test_target_loaded_once_failures_visible_and_requeueable(ctx):
     w = ctx.start("w-once")
     w.wait_registered(ctx.conn)
@@ -107,11 +113,13 @@ def test_target_loaded_once_failures_visible_and_requeueable(ctx):
     assert ctx.finished(outs[1].job_id + "-r1").get_status().value == "finished"
     assert [(e.step, e.attempt) for e in ctx.ledger.entries("run-w")] == [(10, 0), (20, 1), (30, 0)]
 
-    # a checkpoint changed after enqueue: the job fails at once with the reason, the worker carries on
+    # a checkpoint changed after publication: the job fails at once with the reason, the worker carries on.
+    # Changed before enqueue (enqueue reads the marker, not the weights) and by rename: changed in place after
+    # enqueue, the worker could map the file while it is being rewritten (a SIGBUS, not the error under test)
     weights = ctx.ckpts[40] / "model.safetensors"
     good = weights.read_bytes()
+    _replace(weights, good[:-1] + bytes([good[-1] ^ 0xFF]))
     bad = enqueue(ctx.conn, ctx.job(40))
-    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
     j = ctx.finished(bad.job_id)
     assert j.get_status().value == "failed" and j.retries_left == 0 and len(j.results()) == 1
     st = status(ctx.conn)
@@ -121,7 +129,7 @@ def test_target_loaded_once_failures_visible_and_requeueable(ctx):
     assert (ctx.ckpts[40] / ".pins" / bad.job_id).exists()  # still pinned: it will be re-run
 
     # fixed, then re-queued by hand under the same id
-    weights.write_bytes(good)
+    _replace(weights, good)
     assert cli(["requeue", "--failed", "--redis-url", ctx.url]) == 0
     assert ctx.finished(bad.job_id).get_status().value == "finished"
     assert status(ctx.conn)["failed"] == [] and len(ctx.ledger.entries("run-w")) == 4
