@@ -409,7 +409,7 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
     check_run_id(urls.name(run_url))
     store = _store(run_url)
     store.check_writable(run_url)
-    dest = store.join(run_url, step_dir_name(manifest["step"]))
+    dest = urls.join(run_url, step_dir_name(manifest["step"]))
     marker = store.join(dest, MARKER_NAME)
     if store.exists(marker):
         raise CheckpointError(f"{dest} is already published")

@@ -53,7 +53,7 @@ __all__ = ["StoreError", "StoreUnavailable", "Store", "LocalStore", "FsspecStore
            "within_prefixes", "store_for", "canonical", "redact", "preflight"]
 
 READ_ONLY = ("hf",)  # the Hugging Face Hub: read, never uploaded to, pinned or pruned
-Location = str | Path  # a URL for a store, a path for a LocalStore
+Location = str | os.PathLike[str]  # a URL for a store, a path for a LocalStore
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,14 @@ class Store(ABC):
     read_only = False
 
     # --- names (URL arithmetic; LocalStore's are paths)
-    def join(self, location: Location, *parts: str) -> str:
-        return join(str(location), *parts)
+    def join(self, location: Location, *parts: str) -> Location:
+        return join(os.fspath(location), *parts)
 
     def name(self, location: Location) -> str:
-        return name(str(location))
+        return name(os.fspath(location))
 
-    def parent(self, location: Location) -> str:
-        return parent(str(location))
+    def parent(self, location: Location) -> Location:
+        return parent(os.fspath(location))
 
     # --- objects
     @abstractmethod
@@ -122,7 +122,7 @@ class Store(ABC):
 
     def check_writable(self, location: Location) -> None:
         if self.read_only:
-            raise StoreError(f"{redact(str(location))}: this store is read-only here "
+            raise StoreError(f"{redact(os.fspath(location))}: this store is read-only here "
                              "(nothing is uploaded, pinned or removed)")
 
 
@@ -238,40 +238,40 @@ class FsspecStore(Store):
         except OSError as e:
             if e.errno in LOCAL_DISK_ERRNOS:
                 raise
-            raise StoreUnavailable(f"{what} {redact(str(url))} failed: {type(e).__name__}: {e}") from e
+            raise StoreUnavailable(f"{what} {redact(os.fspath(url))} failed: {type(e).__name__}: {e}") from e
         except transport_errors() as e:
-            raise StoreUnavailable(f"{what} {redact(str(url))} failed: {type(e).__name__}: {e}") from e
+            raise StoreUnavailable(f"{what} {redact(os.fspath(url))} failed: {type(e).__name__}: {e}") from e
 
     def read_bytes(self, url: Location) -> bytes:
-        return self._call("reading", url, self.fs.cat_file, path_of(str(url)))
+        return self._call("reading", url, self.fs.cat_file, path_of(os.fspath(url)))
 
     def write_bytes(self, url: Location, data: bytes) -> None:
-        self._call("writing", url, self.fs.pipe_file, path_of(str(url)), data)
+        self._call("writing", url, self.fs.pipe_file, path_of(os.fspath(url)), data)
 
     def put_file(self, local: str | Path, url: Location) -> None:
-        self._call("uploading to", url, self.fs.put_file, str(local), path_of(str(url)))
+        self._call("uploading to", url, self.fs.put_file, str(local), path_of(os.fspath(url)))
 
     def get_file(self, url: Location, local: str | Path) -> None:
-        self._call("downloading", url, self.fs.get_file, path_of(str(url)), str(local))
+        self._call("downloading", url, self.fs.get_file, path_of(os.fspath(url)), str(local))
 
     def exists(self, url: Location) -> bool:
-        return bool(self._call("checking", url, self.fs.exists, path_of(str(url))))
+        return bool(self._call("checking", url, self.fs.exists, path_of(os.fspath(url))))
 
     def size(self, url: Location) -> int:
-        return int(self._call("checking", url, self.fs.size, path_of(str(url))))
+        return int(self._call("checking", url, self.fs.size, path_of(os.fspath(url))))
 
     def list_names(self, url: Location) -> list[str]:
         """Names directly under `url` (objects and common prefixes); [] when there are none."""
         try:
-            entries = self._call("listing", url, self.fs.ls, path_of(str(url)), detail=False)
+            entries = self._call("listing", url, self.fs.ls, path_of(os.fspath(url)), detail=False)
         except FileNotFoundError:
             return []
-        here = path_of(str(url))
+        here = path_of(os.fspath(url))
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != here})
 
     def remove(self, url: Location, recursive: bool = False) -> None:
         try:
-            self._call("removing", url, self.fs.rm, path_of(str(url)), recursive=recursive)
+            self._call("removing", url, self.fs.rm, path_of(os.fspath(url)), recursive=recursive)
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache()
@@ -284,7 +284,7 @@ class HubStore(Store):
     read_only = True
 
     def _file(self, url: Location) -> Path:
-        repo_id, revision, path = hub.parse(str(url))
+        repo_id, revision, path = hub.parse(os.fspath(url))
         if not path or "/" in path:
             raise FileNotFoundError(url)
         f = hub.snapshot(repo_id, revision) / path
@@ -309,7 +309,7 @@ class HubStore(Store):
         return self._file(location).stat().st_size
 
     def list_names(self, location: Location) -> list[str]:
-        repo_id, revision, path = hub.parse(str(location))
+        repo_id, revision, path = hub.parse(os.fspath(location))
         return [] if path else sorted(p.name for p in hub.snapshot(repo_id, revision).iterdir())
 
     def write_bytes(self, location: Location, data: bytes) -> None:
@@ -323,7 +323,7 @@ class HubStore(Store):
 
     def snapshot(self, location: Location) -> Snapshot:
         """The drafter's files at the location's commit (CheckpointError unless it names one)."""
-        repo_id, revision = hub.pinned(str(location))
+        repo_id, revision = hub.pinned(os.fspath(location))
         return Snapshot(hub.snapshot(repo_id, revision), f"{repo_id.replace('/', '--')}-{revision[:8]}",
                         {"hub": {"repo": repo_id, "revision": revision}})
 
@@ -354,7 +354,7 @@ def store_for(location: Location, *, file_mode: int | None = None, dir_mode: int
     return FsspecStore(_filesystem(proto))
 
 
-def canonical(location: Location) -> Location:
+def canonical(location: Location) -> str | Path:
     """`location` as jobs and pins name it: a URL in canonical form, a path made absolute."""
     return check_url(location) if is_url(location) else Path(os.path.abspath(location))
 
@@ -367,7 +367,6 @@ def preflight(url: str, *, write: bool = True) -> None:
     object can be written under the prefix and deleted. StoreError (the bucket is missing) or
     StoreUnavailable (unreachable, no permission), each one sentence that says what to do;
     read-only stores (the Hub) are not probed."""
-    import os
     import secrets
     import socket
 
@@ -375,19 +374,19 @@ def preflight(url: str, *, write: bool = True) -> None:
     store = store_for(url)
     if store.read_only:
         return
-    proto, path = protocol(url), path_of(str(url))
+    proto, path = protocol(url), path_of(url)
     if proto in BUCKET_PROTOCOLS:
         bucket = path.split("/", 1)[0]
         try:
             found = store.exists(f"{proto}://{bucket}")
         except StoreUnavailable as e:
-            raise StoreUnavailable(f"cannot reach the store for {redact(str(url))}: {e.__cause__ or e}") from None
+            raise StoreUnavailable(f"cannot reach the store for {redact(url)}: {e.__cause__ or e}") from None
         if not found:
             # the endpoint the client resolved (AWS_ENDPOINT_URL, a profile, or AWS itself)
             client = getattr(getattr(store, "fs", None), "s3", None)
             endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None) or "AWS"
             raise StoreError(f"bucket {bucket!r} does not exist (endpoint {endpoint}): create it first "
-                             f"(`aws s3 mb s3://{bucket}`, `mc mb ALIAS/{bucket}`) or fix the URL {redact(str(url))}")
+                             f"(`aws s3 mb s3://{bucket}`, `mc mb ALIAS/{bucket}`) or fix the URL {redact(url)}")
     if not write:
         return
     probe = join(url, f".dflash-preflight-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
@@ -395,6 +394,6 @@ def preflight(url: str, *, write: bool = True) -> None:
         store.write_bytes(probe, b"dflash-eval preflight: safe to delete\n")
         store.remove(probe)
     except (StoreUnavailable, FileNotFoundError, PermissionError) as e:
-        raise StoreUnavailable(f"cannot write and delete a probe object under {redact(str(url))} "
+        raise StoreUnavailable(f"cannot write and delete a probe object under {redact(url)} "
                                f"({type(e.__cause__ or e).__name__}: {e.__cause__ or e}): check the credentials' "
                                "permissions (put and delete) on that prefix") from None
