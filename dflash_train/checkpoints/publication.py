@@ -274,9 +274,11 @@ def read_manifest(directory: str | Path) -> dict:
     return parse_manifest(read_marker(directory), directory)
 
 
-def _store(location: str | Path) -> storage.Store:
-    """The store of a checkpoint location; what it writes on a local disk gets the published modes."""
-    return storage.store_for(location, file_mode=FILE_MODE, dir_mode=DIR_MODE)
+def _located(location: str | Path) -> tuple[storage.Store, str | Path]:
+    """The store of a checkpoint location (what it writes on a local disk gets the published modes) and
+    the location as it names it (a canonical URL, a Path)."""
+    store = storage.store_for(location, file_mode=FILE_MODE, dir_mode=DIR_MODE)
+    return store, store.location(location)
 
 
 def read_marker(directory: str | Path) -> bytes:
@@ -285,7 +287,7 @@ def read_marker(directory: str | Path) -> bytes:
     A read-only store whose files are fixed at one revision (the Hub) has no marker: it is derived from
     the drafter's files there (`_derived_marker`). A store that cannot be reached raises
     storage.StoreUnavailable (retryable)."""
-    store = _store(directory)
+    store, directory = _located(directory)
     snapshot = store.snapshot(directory)
     if snapshot is not None:
         return _derived_marker(snapshot)
@@ -385,7 +387,7 @@ def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None 
 def list_checkpoints(run_dir: str | Path) -> list:
     """Published (marked) checkpoints of a run directory or run URL, oldest step first
     (Paths for a directory, URLs for a store)."""
-    store = _store(run_dir)
+    store, run_dir = _located(run_dir)
     steps = [store.join(run_dir, n) for n in store.list_names(run_dir) if _STEP_DIR.match(n)]
     return sorted((s for s in steps if MARKER_NAME in store.list_names(s)), key=_step_of)
 
@@ -407,7 +409,7 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
         verify_checkpoint(directory)
     run_url = storage.check_url(run_url)
     check_run_id(urls.name(run_url))
-    store = _store(run_url)
+    store, _ = _located(run_url)
     store.check_writable(run_url)
     dest = urls.join(run_url, step_dir_name(manifest["step"]))
     marker = store.join(dest, MARKER_NAME)
@@ -443,7 +445,7 @@ def pin_checkpoint(directory: str | Path, token: str) -> bool:
     """
     _check_token(token)
     try:
-        store = _store(directory)
+        store, directory = _located(directory)
         if store.read_only:
             return False  # nothing to protect: the Hub keeps every commit
         if not store.exists(store.join(directory, MARKER_NAME)):
@@ -458,7 +460,7 @@ def unpin_checkpoint(directory: str | Path, token: str) -> bool:
     """Release pin `token` (True if one was removed); a missing pin or checkpoint is not an error."""
     _check_token(token)
     try:
-        store = _store(directory)
+        store, directory = _located(directory)
         pin = store.join(directory, PINS_DIR, token)
         if store.read_only or not store.exists(pin):
             return False
@@ -469,13 +471,13 @@ def unpin_checkpoint(directory: str | Path, token: str) -> bool:
 
 
 def is_pinned(directory: str | Path) -> bool:
-    store = _store(directory)
+    store, directory = _located(directory)
     return not store.read_only and bool(store.list_names(store.join(directory, PINS_DIR)))
 
 
 def remove_checkpoint(directory: str | Path) -> None:
     """Invalidate first (marker gone), then delete: a reader never loads a half-deleted one."""
-    store = _store(directory)
+    store, directory = _located(directory)
     store.remove(store.join(directory, MARKER_NAME))
     store.remove(directory, recursive=True)
 
@@ -506,7 +508,7 @@ def cleanup_incomplete(run_dir: str | Path) -> list:
     and `.step-*.tmp-<pid>` directories of dead processes (or of this one: nothing is in flight yet).
     Returns the removed paths (URLs for a store).
     """
-    store = _store(run_dir)
+    store, run_dir = _located(run_dir)
     removed = []
     for n in store.list_names(run_dir):
         where = store.join(run_dir, n)

@@ -80,6 +80,10 @@ class Store(ABC):
     read_only = False
 
     # --- names (URL arithmetic; LocalStore's are paths)
+    def location(self, location: Location) -> str | Path:
+        """`location` as this store names it: the URL in canonical form (StoreError if it breaks the rules)."""
+        return check_url(os.fspath(location))
+
     def join(self, location: Location, *parts: str) -> Location:
         return join(os.fspath(location), *parts)
 
@@ -136,6 +140,9 @@ class LocalStore(Store):
 
     def __init__(self, *, file_mode: int | None = None, dir_mode: int | None = None):
         self.file_mode, self.dir_mode = file_mode, dir_mode
+
+    def location(self, location: Location) -> Path:
+        return Path(location)
 
     def join(self, location: Location, *parts: str) -> Path:
         return Path(location).joinpath(*parts)
