@@ -157,9 +157,11 @@ class LocalStore(Store):
         return Path(location).read_bytes()
 
     def _make_parents(self, path: Path) -> None:
-        missing = [p for p in reversed(path.parents) if not p.is_dir()]
-        for d in missing:
-            d.mkdir(exist_ok=True)
+        for d in [p for p in reversed(path.parents) if not p.is_dir()]:
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue  # another writer made it: its mode is that writer's
             if self.dir_mode is not None:
                 os.chmod(d, self.dir_mode)
 
