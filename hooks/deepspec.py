@@ -22,6 +22,7 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         from dflash_train.checkpoints.publication import run_id_from
         from dflash_train.checkpoints.training_state import import_checkpoint
         from dflash_train.common.settings import Settings
+        from dflash_train.common.urls import is_url
         from eval_worker.redis_client import connect
         from eval_worker.service.jobs import make_job
         from eval_worker.service.queue import QueueConfig, enqueue
@@ -29,9 +30,11 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
 
         settings = Settings.from_env()
         roots = settings.checkpoint_roots
-        into = into or (str(roots[0]) if roots else None)
+        # converted into a local root: a store prefix among the roots is read by workers, not written here
+        into = into or next((str(r) for r in roots or () if not is_url(r)), None)
         if into is None:
-            raise ValueError("set $DFLASH_CHECKPOINT_ROOTS (or pass into=) for the converted checkpoints")
+            raise ValueError("set $DFLASH_CHECKPOINT_ROOTS (a local directory among them) or pass into= for the "
+                             "converted checkpoints")
         run = run_id_from(str(exp_name or Path(checkpoint_dir).parent.name), default="deepspec")
         record, _, _ = import_checkpoint(into, run, int(step), checkpoint_dir,
                                          config=Path(checkpoint_dir) / "config.json")

@@ -142,9 +142,9 @@ class EvalOnCheckpoint:
     def _outbox_dir(self, path: str | os.PathLike) -> Path:
         """The outbox beside the run's checkpoints; for checkpoints in an object store (which
         has no local run directory), `$DFLASH_HOME/outbox/<run>`."""
-        if storage.is_url(path):
-            return self.settings.home / "outbox" / storage.name(storage.parent(str(path)))
-        return Path(path).parent / OUTBOX_DIRNAME
+        store = storage.store_for(path)
+        run = store.parent(path)
+        return Path(run) / OUTBOX_DIRNAME if store.local else self.settings.home / "outbox" / store.name(run)
 
     def protects(self, path: Path) -> bool:
         d = self._deliverers.get(self._outbox_dir(path))  # its jobs owed in memory count too
@@ -167,7 +167,7 @@ class EvalOnCheckpoint:
     def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> list[Path]:
         """For each suite: pin the checkpoint, write the job to the outbox; then wake the delivery
         thread. Returns the job files."""
-        path = storage.check_url(str(path)) if storage.is_url(path) else Path(os.path.abspath(path))
+        path = storage.canonical(path)
         outbox = self._deliverer(self._outbox_dir(path))
         files = []
         for suite in self.suites:

@@ -65,7 +65,7 @@ def test_s3_interrupted_upload_leaves_no_checkpoint(tmp_path, bucket, monkeypatc
     """The marker goes last: an upload cut after any number of files is not a checkpoint to
     any reader, and the next run's cleanup removes it."""
     local = publish_random(tmp_path / "ck", "run1", 100)
-    real_put, real_write, calls = storage.Store.put_file, storage.Store.write_bytes, []
+    real_put, real_write, calls = storage.FsspecStore.put_file, storage.FsspecStore.write_bytes, []
 
     def cut(real):
         def write(self, src, url):
@@ -75,8 +75,8 @@ def test_s3_interrupted_upload_leaves_no_checkpoint(tmp_path, bucket, monkeypatc
             real(self, src, url)
         return write
 
-    monkeypatch.setattr(storage.Store, "put_file", cut(real_put))
-    monkeypatch.setattr(storage.Store, "write_bytes", lambda self, url, data: cut(real_write)(self, url, data))
+    monkeypatch.setattr(storage.FsspecStore, "put_file", cut(real_put))
+    monkeypatch.setattr(storage.FsspecStore, "write_bytes", lambda self, url, data: cut(real_write)(self, url, data))
     run_url = f"s3://{bucket}/runs/run1"
     with pytest.raises(storage.StoreUnavailable):
         upload_checkpoint(local, run_url)
@@ -131,7 +131,7 @@ def test_s3_corrupted_object_is_detected_by_digest(tmp_path, bucket):
 def test_s3_download_corrupted_in_transit_is_retried(tmp_path, bucket, monkeypatch):
     local = publish_random(tmp_path / "ck", "run1", 100)
     url = upload_checkpoint(local, f"s3://{bucket}/runs/run1")
-    real_get, seen = storage.Store.get_file, []
+    real_get, seen = storage.FsspecStore.get_file, []
 
     def get_file(self, src, dest):
         real_get(self, src, dest)
@@ -140,7 +140,7 @@ def test_s3_download_corrupted_in_transit_is_retried(tmp_path, bucket, monkeypat
             with open(dest, "r+b") as f:
                 f.write(b"\0\0\0\0")
 
-    monkeypatch.setattr(storage.Store, "get_file", get_file)
+    monkeypatch.setattr(storage.FsspecStore, "get_file", get_file)
     cache = CheckpointCache(tmp_path / "cache")
     with cache.checkout(url) as (entry, manifest):
         assert all(sha256_file(entry / n) == d for n, d in manifest["files"].items())

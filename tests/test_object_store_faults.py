@@ -309,14 +309,14 @@ def test_s3_missing_object_is_a_permanent_error_naming_the_file(tmp_path, bucket
     storage.store_for(url).remove(f"{url}/{missing}")
     cache = CheckpointCache(tmp_path / "cache", attempts=3)
     gets = []
-    real = storage.Store.get_file
+    real = storage.FsspecStore.get_file
 
     def counting(self, src, dest):  # a spy only: the real download runs
         gets.append(src)
         return real(self, src, dest)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(storage.Store, "get_file", counting)
+        mp.setattr(storage.FsspecStore, "get_file", counting)
         with pytest.raises(CheckpointError, match=f"{missing}, listed in its COMPLETE.json, is missing") as e:
             with cache.checkout(url):
                 pass

@@ -1,25 +1,22 @@
 """Drafters published on the Hugging Face Hub as read-only checkpoint locations: `hf://ORG/REPO[@REVISION]`.
 
-A Hub repository has no COMPLETE.json, so one is derived (`marker_bytes`): the drafter's
-files (config.json and its weights, `publication.drafter_files`) fetched through
-huggingface_hub (its cache, `HF_TOKEN` / the stored login, `HF_HUB_OFFLINE`: all its own
-settings) at one commit, each with its sha256, the run id `ORG--REPO-<commit[:8]>` and step 0.
-The URL a job carries names the commit (`resolve`: a branch or tag becomes its commit sha),
-so the same job always means the same bytes; the digest recorded is the weights' sha256
-like any checkpoint's. The worker's cache (checkpoint_cache) then treats it like a store
-checkpoint: keyed by that manifest, every file copied and verified. The Hub is never written
-to: pins, retention and uploads refuse `hf://` (`storage.READ_ONLY`).
+The Hub side of `storage.HubStore`: names (`parse`), a branch or tag pinned to its commit
+(`resolve`), and the drafter's files at one commit fetched through huggingface_hub (`snapshot`:
+its cache, `HF_TOKEN` / the stored login, `HF_HUB_OFFLINE`: all its own settings). The URL a job
+carries names the commit, so the same job always means the same bytes. A Hub repository has no
+COMPLETE.json: `publication.read_marker` derives one from the files of `snapshot` (their sha256,
+the run id `ORG--REPO-<commit[:8]>`, step 0), and the worker's cache (checkpoint_cache) then
+treats it like a store checkpoint. The Hub is never written to: `HubStore` refuses uploads, pins
+and removals. Also here: targets named by a Hub model id (`resolve_target`).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 from pathlib import Path
 
-from .publication import MANIFEST_FORMAT, CheckpointError, drafter_files, run_id_from, sha256_file, weights_digest
-from .storage import StoreError, StoreUnavailable, check_url
+from dflash_train.common.errors import CheckpointError, StoreError, StoreUnavailable
+from dflash_train.common.urls import check_url
 
 _REPO = re.compile(r"^hf://(\w[\w.-]*)/(\w[\w.-]*)(?:@([\w.-]+))?(?:/(.*))?$", re.ASCII)  # Hub names, not run ids
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -56,7 +53,7 @@ def parse(url: str) -> tuple[str, str | None, str | None]:
     return f"{m.group(1)}/{m.group(2)}", m.group(3), m.group(4)
 
 
-def _snapshot(repo_id: str, revision: str | None) -> Path:
+def snapshot(repo_id: str, revision: str | None) -> Path:
     """The drafter's files at `revision`, in huggingface_hub's cache (downloaded when missing)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -81,63 +78,19 @@ def resolve(url: str) -> str:
         raise StoreError(f"{url}: name the repository (hf://ORG/REPO[@REVISION]), not a file in it")
     if revision and _COMMIT.match(revision):
         return f"hf://{repo_id}@{revision}"
-    commit = _snapshot(repo_id, revision).name  # snapshots/<commit>
+    commit = snapshot(repo_id, revision).name  # snapshots/<commit>
     if not _COMMIT.match(commit):
         raise StoreError(f"{url}: could not resolve the revision to a commit (got {commit!r})")
     return f"hf://{repo_id}@{commit}"
 
 
-def marker_bytes(url: str) -> bytes:
-    """The COMPLETE.json bytes standing for the drafter at `url` (which must name a commit)."""
+def pinned(url: str) -> tuple[str, str]:
+    """(repo id, commit) of a Hub checkpoint location, which must name a commit; CheckpointError otherwise."""
     repo_id, revision, path = parse(url)
     if path or not revision or not _COMMIT.match(revision):
         raise CheckpointError(f"{url}: a Hub checkpoint must name a commit (hf://ORG/REPO@<40-hex sha>); "
                               "`dflash-eval enqueue` resolves a branch or tag")
-    snap = _snapshot(repo_id, revision)
-    files = {name: sha256_file(snap / name) for name in drafter_files(snap)}
-    try:
-        config = json.loads((snap / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{url}: config.json unreadable ({e})") from None
-    manifest = {"format": MANIFEST_FORMAT, "run_id": run_id_from(f"{repo_id.replace('/', '--')}-{revision[:8]}"),
-                "step": 0, "digest": weights_digest(files), "files": files, "config": config, "train_metrics": {},
-                "hub": {"repo": repo_id, "revision": revision}}
-    return json.dumps(manifest, sort_keys=True, indent=2).encode()
-
-
-class HubStore:
-    """The read side of `storage.Store` for `hf://ORG/REPO@COMMIT/FILE`, through huggingface_hub."""
-
-    def _file(self, url: str) -> Path:
-        repo_id, revision, path = parse(url)
-        if not path or "/" in path:
-            raise FileNotFoundError(url)
-        f = _snapshot(repo_id, revision) / path
-        if not f.is_file():
-            raise FileNotFoundError(url)
-        return f
-
-    def read_bytes(self, url: str) -> bytes:
-        return self._file(url).read_bytes()
-
-    def get_file(self, url: str, local: str | Path) -> None:
-        shutil.copyfile(self._file(url), local)
-
-    def exists(self, url: str) -> bool:
-        try:
-            self._file(url)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def list_names(self, url: str) -> list[str]:
-        repo_id, revision, path = parse(url)
-        return [] if path else sorted(p.name for p in _snapshot(repo_id, revision).iterdir())
-
-    def _refuse(self, url, *_a, **_k):
-        raise StoreError(f"{url}: the Hugging Face Hub is read-only here (nothing is uploaded, pinned or removed)")
-
-    write_bytes = put_file = remove = _refuse
+    return repo_id, revision
 
 
 # --- targets named as users name them: a Hub model id ------------------------------------------

@@ -32,7 +32,9 @@ step-<step:08d>/...`, see `storage.py`). A store has no atomic directory rename,
 marker is the commit point: `upload_checkpoint` uploads every file of a published local
 checkpoint, then COMPLETE.json last; a prefix without the marker is never a checkpoint
 (an interrupted upload is ignored by readers and removed by `cleanup_incomplete`). Reading
-the manifest, listing, pins and retention take a URL wherever they take a directory.
+the manifest, listing, pins, retention and cleanup take a URL wherever they take a directory:
+they are written once against `storage.Store`, whose kind (local directory, object store,
+read-only Hub) `storage.store_for` picks once per location.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dflash_train.common.errors import DFlashError
+from dflash_train.common import urls
+from dflash_train.common.errors import CheckpointError, StoreError
 from dflash_train.common.fsutil import atomic_write_json, fsync_path, pid_alive
 
 from . import storage
@@ -66,9 +69,7 @@ _RUN_ID = re.compile(rf"^{RUN_ID_PATTERN}$")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_DIR = re.compile(r"^\.step-(\d{8,})\.tmp-(\d+)$")
 
-
-class CheckpointError(DFlashError, ValueError):
-    """A checkpoint that is not published, not intact, or cannot be loaded; the message says why."""
+__all__ = ["CheckpointError"]  # defined in the kernel (common/errors.py: the Hub raises it too), named here
 
 
 # --------------------------------------------------------------------------- names
@@ -97,8 +98,7 @@ def step_dir_name(step: int) -> str:
 
 def checkpoint_step(directory: str | Path) -> int | None:
     """The step a `step-NNNNNNNN` directory name stands for, else None."""
-    base = storage.name(directory) if storage.is_url(directory) else Path(directory).name
-    m = _STEP_DIR.match(base)
+    m = _STEP_DIR.match(urls.name(os.fspath(directory)))
     return int(m.group(1)) if m else None
 
 
@@ -274,34 +274,52 @@ def read_manifest(directory: str | Path) -> dict:
     return parse_manifest(read_marker(directory), directory)
 
 
+def _located(location: str | Path) -> tuple[storage.Store, str | Path]:
+    """The store of a checkpoint location (what it writes on a local disk gets the published modes) and
+    the location as it names it (a canonical URL, a Path)."""
+    store = storage.store_for(location, file_mode=FILE_MODE, dir_mode=DIR_MODE)
+    return store, store.location(location)
+
+
 def read_marker(directory: str | Path) -> bytes:
     """The bytes of a checkpoint's COMPLETE.json (local or in a store); CheckpointError when there is none.
 
-    A store that cannot be reached raises storage.StoreUnavailable (retryable)."""
-    if storage.is_url(directory):
-        if storage.check_url(directory).startswith("hf://"):  # a Hub repo: its manifest is derived
-            from . import hub
-
-            return hub.marker_bytes(str(directory))
-        marker = storage.join(storage.check_url(directory), MARKER_NAME)
-        try:
-            return storage.store_for(marker).read_bytes(marker)
-        except FileNotFoundError:
-            raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
-                                  "(still being uploaded, or an interrupted upload)") from None
-    marker_path = Path(directory) / MARKER_NAME
+    A read-only store whose files are fixed at one revision (the Hub) has no marker: it is derived from
+    the drafter's files there (`_derived_marker`). A store that cannot be reached raises
+    storage.StoreUnavailable (retryable)."""
+    store, directory = _located(directory)
+    snapshot = store.snapshot(directory)
+    if snapshot is not None:
+        return _derived_marker(snapshot)
     try:
-        return marker_path.read_bytes()
+        return store.read_bytes(store.join(directory, MARKER_NAME))
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
-                              "(still being written, or abandoned)") from None
+                              "(still being written or uploaded, or abandoned)") from None
+    except storage.StoreUnavailable:
+        raise
     except OSError as e:
-        raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
+        raise CheckpointError(f"{store.join(directory, MARKER_NAME)}: unreadable marker ({e})") from None
+
+
+def _derived_marker(snapshot: storage.Snapshot) -> bytes:
+    """COMPLETE.json bytes for a drafter directory fixed at one revision: its files and their sha256,
+    the run id made from `snapshot.name`, step 0, and `snapshot.fields` (the Hub repo and commit).
+    Deterministic (no time in it): the bytes are the worker's cache key."""
+    files = {name: sha256_file(snapshot.directory / name) for name in drafter_files(snapshot.directory)}
+    try:
+        config = json.loads((snapshot.directory / CONFIG_NAME).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{snapshot.directory / CONFIG_NAME}: unreadable ({e})") from None
+    manifest = {"format": MANIFEST_FORMAT, "run_id": run_id_from(snapshot.name), "step": 0,
+                "digest": weights_digest(files), "files": files, "config": config, "train_metrics": {},
+                **snapshot.fields}
+    return json.dumps(manifest, sort_keys=True, indent=2).encode()
 
 
 def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
     """The manifest in marker bytes `raw`, checked; CheckpointError naming `directory` if invalid."""
-    marker = storage.join(str(directory), MARKER_NAME) if storage.is_url(directory) else Path(directory) / MARKER_NAME
+    marker = urls.join(os.fspath(directory), MARKER_NAME)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -335,7 +353,7 @@ def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
 def within(path: str | os.PathLike, roots: Iterable[Path | str]) -> Path | None:
     """The real path of `path` (symlinks resolved) if it lies inside one of `roots`, else None."""
     real = Path(os.path.realpath(path))
-    local = [Path(r) for r in roots if not storage.is_url(r)]  # store prefixes never hold a local path
+    local = [Path(r) for r in roots if not urls.is_url(r)]  # store prefixes never hold a local path
     return real if any(real == root or root in real.parents for root in local) else None
 
 
@@ -369,18 +387,9 @@ def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None 
 def list_checkpoints(run_dir: str | Path) -> list:
     """Published (marked) checkpoints of a run directory or run URL, oldest step first
     (Paths for a directory, URLs for a store)."""
-    if storage.is_url(run_dir):
-        run_url = storage.check_url(run_dir)
-        store = storage.store_for(run_url)
-        steps = [storage.join(run_url, n) for n in store.list_names(run_url) if _STEP_DIR.match(n)]
-        found = [u for u in steps if MARKER_NAME in store.list_names(u)]
-        return sorted(found, key=_step_of)
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    local = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None
-             and (p / MARKER_NAME).is_file()]
-    return sorted(local, key=_step_of)
+    store, run_dir = _located(run_dir)
+    steps = [store.join(run_dir, n) for n in store.list_names(run_dir) if _STEP_DIR.match(n)]
+    return sorted((s for s in steps if MARKER_NAME in store.list_names(s)), key=_step_of)
 
 
 # --------------------------------------------------------------------------- object stores
@@ -399,10 +408,11 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
     if verify:
         verify_checkpoint(directory)
     run_url = storage.check_url(run_url)
-    check_run_id(storage.name(run_url))
-    dest = storage.join(run_url, step_dir_name(manifest["step"]))
-    store = storage.store_for(dest)
-    marker = storage.join(dest, MARKER_NAME)
+    check_run_id(urls.name(run_url))
+    store, _ = _located(run_url)
+    store.check_writable(run_url)
+    dest = urls.join(run_url, step_dir_name(manifest["step"]))
+    marker = store.join(dest, MARKER_NAME)
     if store.exists(marker):
         raise CheckpointError(f"{dest} is already published")
     if store.list_names(dest):  # an interrupted earlier upload
@@ -411,7 +421,7 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
     if manifest.get("source"):  # an import record: in the store its files lie beside the marker
         raw = json.dumps({k: v for k, v in manifest.items() if k != "source"}, indent=2).encode()
     for file_name in sorted(manifest["files"]):
-        url = storage.join(dest, file_name)
+        url = store.join(dest, file_name)
         store.put_file(where / file_name, url)
         want, got = (where / file_name).stat().st_size, store.size(url)
         if got != want:
@@ -422,15 +432,9 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
 
 # --------------------------------------------------------------------------- pins and retention
 
-def _pin_path(directory: Path, token: str) -> Path:
+def _check_token(token: str) -> None:
     if not token or "/" in token or token.startswith("."):
         raise CheckpointError(f"invalid pin token {token!r}")
-    return Path(directory) / PINS_DIR / token
-
-
-def _pin_url(directory: str, token: str) -> str:
-    _pin_path(Path("."), token)  # the same token rule
-    return storage.join(storage.check_url(directory), PINS_DIR, token)
 
 
 def pin_checkpoint(directory: str | Path, token: str) -> bool:
@@ -439,82 +443,43 @@ def pin_checkpoint(directory: str | Path, token: str) -> bool:
     Returns False when the pin cannot be written (no such checkpoint, a read-only mount or
     store): the checkpoint is then only less protected, never refused.
     """
-    if storage.is_url(directory):
-        if storage.read_only(directory):
-            return False  # nothing to protect: the Hub keeps every commit
-        try:
-            url = _pin_url(directory, token)
-            store = storage.store_for(url)
-            if not store.exists(storage.join(storage.check_url(directory), MARKER_NAME)):
-                return False
-            store.write_bytes(url, b"")
-        except (storage.StoreError, OSError):
-            return False
-        return True
-    p = _pin_path(Path(directory), token)
+    _check_token(token)
     try:
-        if not Path(directory).is_dir():
+        store, directory = _located(directory)
+        if store.read_only:
+            return False  # nothing to protect: the Hub keeps every commit
+        if not store.exists(store.join(directory, MARKER_NAME)):
             return False
-        if not p.parent.is_dir():
-            p.parent.mkdir(mode=DIR_MODE, exist_ok=True)
-            os.chmod(p.parent, DIR_MODE)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT, FILE_MODE)
-        try:
-            os.fchmod(fd, FILE_MODE)
-        except OSError:
-            pass  # another user's pin of the same token: leave its mode
-        finally:
-            os.close(fd)
-    except OSError:
+        store.write_bytes(store.join(directory, PINS_DIR, token), b"")
+    except (StoreError, OSError):
         return False
     return True
 
 
 def unpin_checkpoint(directory: str | Path, token: str) -> bool:
     """Release pin `token` (True if one was removed); a missing pin or checkpoint is not an error."""
-    if storage.is_url(directory):
-        if storage.read_only(directory):
-            return False
-        try:
-            url = _pin_url(directory, token)
-            store = storage.store_for(url)
-            if not store.exists(url):
-                return False
-            store.remove(url)
-        except (storage.StoreError, OSError):
-            return False
-        return True
+    _check_token(token)
     try:
-        _pin_path(Path(directory), token).unlink()
-    except OSError:
+        store, directory = _located(directory)
+        pin = store.join(directory, PINS_DIR, token)
+        if store.read_only or not store.exists(pin):
+            return False
+        store.remove(pin)
+    except (StoreError, OSError):
         return False
     return True
 
 
 def is_pinned(directory: str | Path) -> bool:
-    if storage.is_url(directory):
-        if storage.read_only(directory):
-            return False
-        url = storage.join(storage.check_url(directory), PINS_DIR)
-        return bool(storage.store_for(url).list_names(url))
-    pins = Path(directory) / PINS_DIR
-    return pins.is_dir() and any(pins.iterdir())
+    store, directory = _located(directory)
+    return not store.read_only and bool(store.list_names(store.join(directory, PINS_DIR)))
 
 
 def remove_checkpoint(directory: str | Path) -> None:
     """Invalidate first (marker gone), then delete: a reader never loads a half-deleted one."""
-    if storage.is_url(directory):
-        url = storage.check_url(directory)
-        store = storage.store_for(url)
-        store.remove(storage.join(url, MARKER_NAME))
-        store.remove(url, recursive=True)
-        return
-    directory = Path(directory)
-    try:
-        (directory / MARKER_NAME).unlink()
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(directory, ignore_errors=True)
+    store, directory = _located(directory)
+    store.remove(store.join(directory, MARKER_NAME))
+    store.remove(directory, recursive=True)
 
 
 def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list:
@@ -539,29 +504,18 @@ def apply_retention(run_dir: str | Path, keep_last: int, protect=None) -> list:
 def cleanup_incomplete(run_dir: str | Path) -> list:
     """Remove half-written publications of earlier runs (call before training starts).
 
-    `.step-*.tmp-<pid>` directories of dead processes (or of this one: nothing is in
-    flight yet) and `step-*` directories that never got their marker. For a run URL:
-    `step-*` prefixes without a marker (interrupted uploads).
+    `step-*` directories or prefixes that never got their marker (an interrupted write or upload),
+    and `.step-*.tmp-<pid>` directories of dead processes (or of this one: nothing is in flight yet).
+    Returns the removed paths (URLs for a store).
     """
-    if storage.is_url(run_dir):
-        run_url = storage.check_url(run_dir)
-        store = storage.store_for(run_url)
-        removed: list[str | Path] = []
-        for n in store.list_names(run_url):
-            url = storage.join(run_url, n)
-            if _STEP_DIR.match(n) and MARKER_NAME not in store.list_names(url):
-                store.remove(url, recursive=True)
-                removed.append(url)
-        return removed
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
+    store, run_dir = _located(run_dir)
     removed = []
-    for p in run_dir.iterdir():
-        m = _TMP_DIR.match(p.name)
+    for n in store.list_names(run_dir):
+        where = store.join(run_dir, n)
+        m = _TMP_DIR.match(n)
         stale_tmp = m is not None and (int(m.group(2)) == os.getpid() or not pid_alive(int(m.group(2))))
-        unmarked = checkpoint_step(p) is not None and p.is_dir() and not (p / MARKER_NAME).exists()
+        unmarked = _STEP_DIR.match(n) is not None and MARKER_NAME not in store.list_names(where)
         if stale_tmp or unmarked:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+            store.remove(where, recursive=True)
+            removed.append(where)
     return removed

@@ -1,17 +1,27 @@
-"""Where published checkpoints live: a local directory, or an object store named by a URL.
+"""Where published checkpoints live: one `Store` interface, its kind chosen once per location.
 
-A checkpoint location is a local path (the default) or a URL: `s3://bucket/prefix/...`
-(S3, MinIO, R2, any S3-compatible store) or another fsspec protocol whose library is
-installed (`gs://` with gcsfs, `memory://`, ...). This module is the one place that talks
-to a store: URL rules (`check_url`, `join`, `within_prefixes`) and a handful of object
-operations (`Store`). The checkpoint contract itself (layout, marker, verification, pins,
-retention) stays in `publication.py`, which calls this for URLs.
+A checkpoint location is a local path (the default) or a URL: `s3://bucket/prefix/...` (S3,
+MinIO, R2, any S3-compatible store), another fsspec protocol whose library is installed
+(`gs://` with gcsfs, `memory://`, ...) or `hf://ORG/REPO@COMMIT` (a drafter on the Hugging Face
+Hub, read-only). `store_for(location)` decides which kind serves it, once; the checkpoint
+contract (`publication.py`: layout, marker, pins, retention, listing, cleanup) is then written
+once against the `Store` operations, for every kind:
+
+- `LocalStore`: files on this machine; every write is atomic (a temporary file, fsynced, renamed
+  over the target, the directory fsynced: `common/fsutil.py`) with the modes the store was made
+  with, so a reader sees a whole file or none;
+- `FsspecStore`: an object store through fsspec (s3fs, gcsfs, ...); an object appears whole when
+  its upload completes;
+- `HubStore`: the Hub through huggingface_hub's cache (`hub.py`); every write refuses with
+  StoreError, and a location's files at its commit stand in for the marker it lacks (`snapshot`).
+
+The URL rules (`check_url`, `join`, `within_prefixes`, ...) live in the kernel
+(`dflash_train/common/urls.py`) and are re-exported here, like the errors.
 
 Why fsspec/s3fs rather than boto3: one interface for every protocol (S3 through s3fs, GCS
-through gcsfs, the Hub through huggingface_hub's HfFileSystem, local files in tests), with
-multipart transfers and retries inside the library; fsspec is already installed (the
-datasets/transformers stack depends on it). boto3 would be S3 only and would leave paging,
-multipart and the other stores to us.
+through gcsfs, local memory in tests), with multipart transfers and retries inside the library;
+fsspec is already installed (the datasets/transformers stack depends on it). boto3 would be S3
+only and would leave paging, multipart and the other stores to us.
 
 Credentials and endpoints come from where the libraries look: `AWS_ACCESS_KEY_ID` /
 `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`, `AWS_PROFILE` and `~/.aws/{config,credentials}`,
@@ -23,102 +33,176 @@ from __future__ import annotations
 
 import errno
 import functools
-import re
+import os
+import shutil
 import sys
-from collections.abc import Iterable
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeGuard
+from typing import Any
 
-from dflash_train.common.errors import DFlashError
+from dflash_train.common.errors import StoreError, StoreUnavailable
+from dflash_train.common.fsutil import atomic_writer, fsync_dir, is_temp_name
 from dflash_train.common.redaction import redact  # re-exported: one redaction for every URL in the project
+from dflash_train.common.urls import check_url, is_url, join, name, parent, path_of, protocol, within_prefixes
 
-__all__ = ["StoreError", "StoreUnavailable", "Store", "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url",
-           "join", "parent", "name", "within_prefixes", "store_for", "redact", "read_only",
-           "preflight"]
+from . import hub
 
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
-LOCAL_PROTOCOLS = ("file", "local")
-READ_ONLY = ("hf",)  # the Hugging Face Hub (dflash_train/checkpoints/hub.py): read, never uploaded to, pinned or pruned
+__all__ = ["StoreError", "StoreUnavailable", "Store", "LocalStore", "FsspecStore", "HubStore", "Snapshot",
+           "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url", "join", "parent", "name",
+           "within_prefixes", "store_for", "canonical", "redact", "preflight"]
 
-
-class StoreError(DFlashError, ValueError):
-    """A location that is not acceptable (bad URL, unknown protocol, outside the allowed prefixes)."""
+READ_ONLY = ("hf",)  # the Hugging Face Hub: read, never uploaded to, pinned or pruned
+Location = str | os.PathLike[str]  # a URL for a store, a path for a LocalStore
 
 
-class StoreUnavailable(DFlashError, OSError):
-    """The store could not be reached or answered with an error: trying again may help."""
+@dataclass(frozen=True)
+class Snapshot:
+    """A location with no COMPLETE.json of its own whose files are fixed at one revision (a Hub
+    commit): where they are on this machine, the name a run id is made from, and the fields the
+    derived manifest carries besides the files (`publication.read_marker`)."""
 
-    retryable = True
-
-
-def is_url(location: object) -> TypeGuard[str]:
-    """Whether `location` names an object-store location (`proto://...`, not `file://`)."""
-    if isinstance(location, Path) or not isinstance(location, str):
-        return False
-    m = _URL.match(location)
-    return m is not None and m.group(1).lower() not in LOCAL_PROTOCOLS
+    directory: Path
+    name: str
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
-def check_url(url: str) -> str:
-    """`url` in canonical form (no trailing '/'), or StoreError saying what is wrong with it.
+class Store(ABC):
+    """The operations the checkpoint contract needs, on one kind of place.
 
-    Refused: credentials in the URL (they would travel in jobs and results), a query or
-    fragment, NUL bytes, empty, '.' or '..' path segments (a prefix check must mean what it
-    says), a bucket-less URL.
+    Missing things: `read_bytes`, `get_file` and `size` raise FileNotFoundError; `list_names` gives
+    []; `remove` of nothing is no error. A write is atomic: a reader sees the whole object (file) or
+    none. A store that cannot be reached raises StoreUnavailable (retryable); a read-only store
+    refuses every write with StoreError.
     """
-    if not isinstance(url, str) or "\x00" in url:
-        raise StoreError(f"invalid location {url!r}")
-    m = _URL.match(url)
-    if m is None:
-        raise StoreError(f"{url!r} is not a URL (protocol://bucket/path)")
-    proto, rest = m.group(1).lower(), m.group(2).rstrip("/")
-    if "?" in rest or "#" in rest:
-        raise StoreError(f"{redact(url)}: a query or fragment is not allowed in a checkpoint location")
-    segments = rest.split("/")
-    if "@" in segments[0]:
-        raise StoreError(f"{redact(url)}: credentials may not be part of a location; use the store's standard "
-                         "configuration (environment, profile, credentials file)")
-    if not segments[0] or any(s in ("", ".", "..") for s in segments):
-        raise StoreError(f"{redact(url)}: empty, '.' or '..' path segments are not allowed")
-    return f"{proto}://{rest}"
 
+    local = False  # its locations are paths on this machine
+    read_only = False
 
-def join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+    # --- names (URL arithmetic; LocalStore's are paths)
+    def location(self, location: Location) -> str | Path:
+        """`location` as this store names it: the URL in canonical form (StoreError if it breaks the rules)."""
+        return check_url(os.fspath(location))
 
+    def join(self, location: Location, *parts: str) -> Location:
+        return join(os.fspath(location), *parts)
 
-def parent(url: str) -> str:
-    return url.rstrip("/").rsplit("/", 1)[0]
+    def name(self, location: Location) -> str:
+        return name(os.fspath(location))
 
+    def parent(self, location: Location) -> Location:
+        return parent(os.fspath(location))
 
-def name(url: str) -> str:
-    return url.rstrip("/").rsplit("/", 1)[-1]
+    # --- objects
+    @abstractmethod
+    def read_bytes(self, location: Location) -> bytes: ...
 
+    @abstractmethod
+    def write_bytes(self, location: Location, data: bytes) -> None: ...
 
-def within_prefixes(url: str, roots: Iterable[object] | None) -> str | None:
-    """The canonical `url` if it lies under one of the URL prefixes in `roots` (whole path
-    segments: `s3://b/runs` admits `s3://b/runs/x`, not `s3://b/runs-old/x`), else None."""
-    try:
-        url = check_url(url)
-    except StoreError:
+    @abstractmethod
+    def put_file(self, local: str | Path, location: Location) -> None: ...
+
+    @abstractmethod
+    def get_file(self, location: Location, local: str | Path) -> None: ...
+
+    @abstractmethod
+    def exists(self, location: Location) -> bool: ...
+
+    @abstractmethod
+    def size(self, location: Location) -> int: ...
+
+    @abstractmethod
+    def list_names(self, location: Location) -> list[str]:
+        """Names directly under `location` (objects and common prefixes / files and directories); [] when none."""
+
+    @abstractmethod
+    def remove(self, location: Location, recursive: bool = False) -> None: ...
+
+    def snapshot(self, location: Location) -> Snapshot | None:
+        """The files standing for a checkpoint that has no marker of its own (the Hub); None for stores
+        whose checkpoints carry their COMPLETE.json."""
         return None
-    for root in roots or ():
-        if not is_url(root):
-            continue
+
+    def check_writable(self, location: Location) -> None:
+        if self.read_only:
+            raise StoreError(f"{redact(os.fspath(location))}: this store is read-only here "
+                             "(nothing is uploaded, pinned or removed)")
+
+
+class LocalStore(Store):
+    """Files on this machine. Writes go through a fsynced temporary file renamed into place (the
+    directory fsynced after), with `file_mode`; missing directories are made with `dir_mode` (both
+    exact, whatever the umask; None: the usual permissions). Temporaries of writes in flight are not
+    listed."""
+
+    local = True
+
+    def __init__(self, *, file_mode: int | None = None, dir_mode: int | None = None):
+        self.file_mode, self.dir_mode = file_mode, dir_mode
+
+    def location(self, location: Location) -> Path:
+        return Path(location)
+
+    def join(self, location: Location, *parts: str) -> Path:
+        return Path(location).joinpath(*parts)
+
+    def name(self, location: Location) -> str:
+        return Path(location).name
+
+    def parent(self, location: Location) -> Path:
+        return Path(location).parent
+
+    def read_bytes(self, location: Location) -> bytes:
+        return Path(location).read_bytes()
+
+    def _make_parents(self, path: Path) -> None:
+        for d in [p for p in reversed(path.parents) if not p.is_dir()]:
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue  # another writer made it: its mode is that writer's
+            if self.dir_mode is not None:
+                os.chmod(d, self.dir_mode)
+
+    def write_bytes(self, location: Location, data: bytes) -> None:
+        path = Path(location)
+        self._make_parents(path)
+        with atomic_writer(path, mode=self.file_mode) as f:
+            f.write(data)
+
+    def put_file(self, local: str | Path, location: Location) -> None:
+        path = Path(location)
+        self._make_parents(path)
+        with open(local, "rb") as src, atomic_writer(path, mode=self.file_mode) as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+
+    def get_file(self, location: Location, local: str | Path) -> None:
+        shutil.copyfile(location, local)
+
+    def exists(self, location: Location) -> bool:
+        return os.path.exists(location)
+
+    def size(self, location: Location) -> int:
+        return os.path.getsize(location)
+
+    def list_names(self, location: Location) -> list[str]:
         try:
-            prefix = check_url(root)
-        except StoreError:
-            continue
-        if url == prefix or url.startswith(prefix + "/"):
-            return url
-    return None
+            names = os.listdir(location)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if not is_temp_name(n))
 
-
-def _strip(url: str) -> str:
-    """The path part fsspec wants for `url` (no protocol)."""
-    m = _URL.match(url)
-    assert m is not None, "called with a checked URL"
-    return m.group(2).rstrip("/")
+    def remove(self, location: Location, recursive: bool = False) -> None:
+        path = Path(location)
+        if recursive and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)  # best effort: what stays is found by the next cleanup
+        else:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return
+        fsync_dir(path.parent)
 
 
 # Local-disk conditions, not the store's: a caller frees space or reports the disk (checkpoint_cache).
@@ -143,8 +227,8 @@ def transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-class Store:
-    """The object operations the checkpoint contract needs, on one fsspec filesystem.
+class FsspecStore(Store):
+    """An object store through one fsspec filesystem (s3fs, gcsfs, memory, ...).
 
     Every transport error of the libraries is turned into StoreUnavailable (retryable), except
     a missing object (FileNotFoundError) and a full or read-only local disk (OSError with
@@ -155,7 +239,7 @@ class Store:
     def __init__(self, fs):
         self.fs = fs
 
-    def _call(self, what: str, url: str, fn, *args, **kwargs):
+    def _call(self, what: str, url: Location, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except FileNotFoundError:
@@ -163,43 +247,94 @@ class Store:
         except OSError as e:
             if e.errno in LOCAL_DISK_ERRNOS:
                 raise
-            raise StoreUnavailable(f"{what} {redact(url)} failed: {type(e).__name__}: {e}") from e
+            raise StoreUnavailable(f"{what} {redact(os.fspath(url))} failed: {type(e).__name__}: {e}") from e
         except transport_errors() as e:
-            raise StoreUnavailable(f"{what} {redact(url)} failed: {type(e).__name__}: {e}") from e
+            raise StoreUnavailable(f"{what} {redact(os.fspath(url))} failed: {type(e).__name__}: {e}") from e
 
-    def read_bytes(self, url: str) -> bytes:
-        return self._call("reading", url, self.fs.cat_file, _strip(url))
+    def read_bytes(self, url: Location) -> bytes:
+        return self._call("reading", url, self.fs.cat_file, path_of(os.fspath(url)))
 
-    def write_bytes(self, url: str, data: bytes) -> None:
-        self._call("writing", url, self.fs.pipe_file, _strip(url), data)
+    def write_bytes(self, url: Location, data: bytes) -> None:
+        self._call("writing", url, self.fs.pipe_file, path_of(os.fspath(url)), data)
 
-    def put_file(self, local: str | Path, url: str) -> None:
-        self._call("uploading to", url, self.fs.put_file, str(local), _strip(url))
+    def put_file(self, local: str | Path, url: Location) -> None:
+        self._call("uploading to", url, self.fs.put_file, str(local), path_of(os.fspath(url)))
 
-    def get_file(self, url: str, local: str | Path) -> None:
-        self._call("downloading", url, self.fs.get_file, _strip(url), str(local))
+    def get_file(self, url: Location, local: str | Path) -> None:
+        self._call("downloading", url, self.fs.get_file, path_of(os.fspath(url)), str(local))
 
-    def exists(self, url: str) -> bool:
-        return bool(self._call("checking", url, self.fs.exists, _strip(url)))
+    def exists(self, url: Location) -> bool:
+        return bool(self._call("checking", url, self.fs.exists, path_of(os.fspath(url))))
 
-    def size(self, url: str) -> int:
-        return int(self._call("checking", url, self.fs.size, _strip(url)))
+    def size(self, url: Location) -> int:
+        return int(self._call("checking", url, self.fs.size, path_of(os.fspath(url))))
 
-    def list_names(self, url: str) -> list[str]:
+    def list_names(self, url: Location) -> list[str]:
         """Names directly under `url` (objects and common prefixes); [] when there are none."""
         try:
-            entries = self._call("listing", url, self.fs.ls, _strip(url), detail=False)
+            entries = self._call("listing", url, self.fs.ls, path_of(os.fspath(url)), detail=False)
         except FileNotFoundError:
             return []
-        here = _strip(url)
+        here = path_of(os.fspath(url))
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != here})
 
-    def remove(self, url: str, recursive: bool = False) -> None:
+    def remove(self, url: Location, recursive: bool = False) -> None:
         try:
-            self._call("removing", url, self.fs.rm, _strip(url), recursive=recursive)
+            self._call("removing", url, self.fs.rm, path_of(os.fspath(url)), recursive=recursive)
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache()
+
+
+class HubStore(Store):
+    """Drafters on the Hugging Face Hub, `hf://ORG/REPO@COMMIT/FILE`, read through huggingface_hub's
+    cache (`hub.py`). Read-only: every write refuses with StoreError."""
+
+    read_only = True
+
+    def _file(self, url: Location) -> Path:
+        repo_id, revision, path = hub.parse(os.fspath(url))
+        if not path or "/" in path:
+            raise FileNotFoundError(url)
+        f = hub.snapshot(repo_id, revision) / path
+        if not f.is_file():
+            raise FileNotFoundError(url)
+        return f
+
+    def read_bytes(self, location: Location) -> bytes:
+        return self._file(location).read_bytes()
+
+    def get_file(self, location: Location, local: str | Path) -> None:
+        shutil.copyfile(self._file(location), local)
+
+    def exists(self, location: Location) -> bool:
+        try:
+            self._file(location)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size(self, location: Location) -> int:
+        return self._file(location).stat().st_size
+
+    def list_names(self, location: Location) -> list[str]:
+        repo_id, revision, path = hub.parse(os.fspath(location))
+        return [] if path else sorted(p.name for p in hub.snapshot(repo_id, revision).iterdir())
+
+    def write_bytes(self, location: Location, data: bytes) -> None:
+        self.check_writable(location)
+
+    def put_file(self, local: str | Path, location: Location) -> None:
+        self.check_writable(location)
+
+    def remove(self, location: Location, recursive: bool = False) -> None:
+        self.check_writable(location)
+
+    def snapshot(self, location: Location) -> Snapshot:
+        """The drafter's files at the location's commit (CheckpointError unless it names one)."""
+        repo_id, revision = hub.pinned(os.fspath(location))
+        return Snapshot(hub.snapshot(repo_id, revision), f"{repo_id.replace('/', '--')}-{revision[:8]}",
+                        {"hub": {"repo": repo_id, "revision": revision}})
 
 
 @functools.lru_cache(maxsize=16)
@@ -216,19 +351,21 @@ def _filesystem(protocol: str):
     return cls(**options)
 
 
-def store_for(url: str) -> Store:
-    """The Store that serves `url`'s protocol (one filesystem per protocol and process);
-    `hf://` is served by dflash_train.checkpoints.hub (read-only, through huggingface_hub's cache)."""
-    protocol = check_url(url).split("://", 1)[0]
-    if protocol == "hf":
-        from .hub import HubStore
+def store_for(location: Location, *, file_mode: int | None = None, dir_mode: int | None = None) -> Store:
+    """The Store that serves `location`: a LocalStore (with `file_mode` / `dir_mode` for what it writes) for
+    a path, the read-only HubStore for `hf://`, an FsspecStore (one filesystem per protocol and process) for
+    any other URL. StoreError for a URL that breaks the rules or whose protocol has no library here."""
+    if not is_url(location):
+        return LocalStore(file_mode=file_mode, dir_mode=dir_mode)
+    proto = protocol(check_url(location))
+    if proto in READ_ONLY:
+        return HubStore()
+    return FsspecStore(_filesystem(proto))
 
-        return HubStore()  # type: ignore[return-value]
-    return Store(_filesystem(protocol))
 
-
-def read_only(url: object) -> bool:
-    return is_url(url) and str(url).split("://", 1)[0].lower() in READ_ONLY
+def canonical(location: Location) -> str | Path:
+    """`location` as jobs and pins name it: a URL in canonical form, a path made absolute."""
+    return check_url(location) if is_url(location) else Path(os.path.abspath(location))
 
 
 BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")  # the URL's first segment is a bucket/container
@@ -239,24 +376,24 @@ def preflight(url: str, *, write: bool = True) -> None:
     object can be written under the prefix and deleted. StoreError (the bucket is missing) or
     StoreUnavailable (unreachable, no permission), each one sentence that says what to do;
     read-only stores (the Hub) are not probed."""
-    import os
     import secrets
     import socket
 
     url = check_url(url)
-    if read_only(url):
-        return
-    protocol, path = url.split("://", 1)
     store = store_for(url)
-    if protocol.lower() in BUCKET_PROTOCOLS:
+    if store.read_only:
+        return
+    proto, path = protocol(url), path_of(url)
+    if proto in BUCKET_PROTOCOLS:
         bucket = path.split("/", 1)[0]
         try:
-            found = store.exists(f"{protocol}://{bucket}")
+            found = store.exists(f"{proto}://{bucket}")
         except StoreUnavailable as e:
             raise StoreUnavailable(f"cannot reach the store for {redact(url)}: {e.__cause__ or e}") from None
         if not found:
             # the endpoint the client resolved (AWS_ENDPOINT_URL, a profile, or AWS itself)
-            endpoint = getattr(getattr(getattr(store.fs, "s3", None), "meta", None), "endpoint_url", None) or "AWS"
+            client = getattr(getattr(store, "fs", None), "s3", None)
+            endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None) or "AWS"
             raise StoreError(f"bucket {bucket!r} does not exist (endpoint {endpoint}): create it first "
                              f"(`aws s3 mb s3://{bucket}`, `mc mb ALIAS/{bucket}`) or fix the URL {redact(url)}")
     if not write:

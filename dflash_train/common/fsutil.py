@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,7 +24,7 @@ from typing import Any, BinaryIO
 import psutil
 
 __all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "atomic_writer",
-           "fsync_dir", "fsync_path", "pid_alive"]
+           "fsync_dir", "fsync_path", "is_temp_name", "pid_alive"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -46,6 +47,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def _temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp-{os.getpid()}")
+
+
+_TEMP = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp-\d+$")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether `name` is one of `atomic_writer`'s temporaries (a write in flight, or a dead writer's leftover)."""
+    return bool(_TEMP.match(name))
 
 
 @contextlib.contextmanager

@@ -53,6 +53,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .urls import check_url, is_url
+
 __all__ = ["Settings", "KNOWN_SINKS", "parse_roots", "parse_sinks"]
 
 KNOWN_SINKS = ("wandb", "tensorboard", "mlflow")
@@ -71,8 +73,7 @@ def parse_roots(roots) -> tuple[Path | str, ...] | None:
     """Roots as the confinement checks compare them: directories user expanded with symlinks
     resolved (Path), object-store prefixes in canonical form (str, `s3://bucket/prefix`);
     `roots` is an iterable or an os.pathsep-separated string (the ':' of `s3://` is no
-    separator); None when it names none. An invalid URL raises storage.StoreError."""
-    from dflash_train.checkpoints.storage import check_url, is_url
+    separator); None when it names none. An invalid URL raises errors.StoreError."""
 
     if roots is None:
         return None

@@ -201,7 +201,7 @@ class CheckpointCache:
                     for file_name, want in sorted(manifest["files"].items()):
                         path = tmp / file_name
                         try:
-                            store.get_file(storage.join(url, file_name), path)
+                            store.get_file(store.join(url, file_name), path)
                         except FileNotFoundError:  # listed by the marker, gone from the store: no retry helps
                             raise CheckpointError(
                                 f"{storage.redact(url)}: {file_name}, listed in its {MARKER_NAME}, is missing from "

@@ -232,7 +232,8 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
     assert s.env is not None, "WorkerSettings fills env"
     if suite_name.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
         suite = load_suite(suite_name, hf_datasets_dir=s.env.hf_datasets_dir)
-    remote = any(storage.is_url(job.get(k)) for k in ("checkpoint", "baseline"))
+    # what is not on this machine (an object store, the Hub) is evaluated from the worker's checkpoint cache
+    remote = {k: job[k] for k in ("checkpoint", "baseline") if job.get(k) and not storage.store_for(job[k]).local}
     cache = evaluators.current().checkpoint_cache() if remote else None
     for refetched in (False, True):
         used: list[str] = []
@@ -252,10 +253,9 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
             log.warning("job %s: the cached copy failed to load (%s: %s); fetching it again",
                         storage.redact(job["checkpoint"]), "; ".join(why), e)
     # a result names what was asked for (the store URL), not the worker's cache entry
-    if storage.is_url(job["checkpoint"]) and isinstance(result.get("checkpoint"), dict):
-        result["checkpoint"] = {**result["checkpoint"], "path": job["checkpoint"]}
-    if storage.is_url(job.get("baseline")) and isinstance(result.get("baseline"), dict):
-        result["baseline"] = {**result["baseline"], "checkpoint": job["baseline"]}
+    for key, field in (("checkpoint", "path"), ("baseline", "checkpoint")):
+        if key in remote and isinstance(result.get(key), dict):
+            result[key] = {**result[key], field: remote[key]}
     worker_info = {"host": socket.gethostname(), "pid": os.getpid(),
                    "name": s.env.worker_id or (rq_job.worker_name if rq_job else None)}
     return result, worker_info

@@ -53,12 +53,12 @@ class Watcher:
                  run_id: str | None = None, state_path: str | Path | None = None, prefix: str | None = None,
                  log: Callable[[str], None] = print, clock: Callable[[], float] = time.time):
         # an object-store run prefix (s3://...): its published checkpoints (COMPLETE.json written last) are queued
-        self.url = storage.check_url(str(directory)) if storage.is_url(str(directory)) else None
-        self.directory = None if self.url else Path(directory).resolve()
+        store = storage.store_for(str(directory))
+        self.url = None if store.local else storage.check_url(str(directory))
+        self.directory = Path(directory).resolve() if store.local else None
         self.into = Path(into) if into is not None else None
         self.submit, self.config, self.every, self.settle, self.prefix = submit, config, every, settle, prefix
-        name = self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else Path(directory).resolve().name
-        self.run_id = run_id or run_id_from(name, default="watch")
+        self.run_id = run_id or run_id_from(store.name(self.url or Path(directory).resolve()), default="watch")
         if state_path is None and self.into is None:
             raise ValueError("give `into` (converted checkpoints and the state file) or `state_path`")
         if state_path:
