@@ -48,7 +48,7 @@ def main():
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import enqueue, fetch_job
     from eval_worker.service.redis_local import LocalRedis, connect
     from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, worker_env, write_suite

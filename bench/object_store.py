@@ -87,7 +87,7 @@ def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
     verify in place, or pull into the cache and verify, or find it cached), fastest of `n`
     interleaved rounds: local path, store URL with an empty cache, store URL cached."""
     from eval_worker.service.checkpoint_cache import CheckpointCache
-    from eval_worker.service.jobs import check_checkpoint, materialize
+    from eval_worker.service.job_checkpoints import check_checkpoint, materialize
 
     def phase(j: dict, clear: bool) -> float:
         if clear:
@@ -111,7 +111,7 @@ def jobs(tmp: Path, n: int, big: Path | None) -> dict:
     from dflash_train.checkpoints.publication import upload_checkpoint
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings, configure
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
     from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
     target = REPO / "dflash_train" / "assets" / "tiny_target"

@@ -22,7 +22,7 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         from dflash_train.checkpoints.publication import run_id_from
         from dflash_train.checkpoints.training_state import import_checkpoint
         from dflash_train.common.settings import Settings
-        from eval_worker.service.jobs import make_job
+        from eval_worker.service.job_builder import make_job
         from eval_worker.service.queue import QueueConfig, enqueue
         from eval_worker.service.redis_local import connect, resolve_redis_url
 

@@ -524,7 +524,7 @@ class Stack:
         return publish(self.root, self.target, step, run=run, cfg=self.cfg)
 
     def job(self, checkpoint: Path, **kw) -> dict:
-        from eval_worker.service.jobs import make_job
+        from eval_worker.service.job_builder import make_job
 
         kw.setdefault("options", dict(OPTIONS))
         return make_job(checkpoint, suite=str(self.suite), target=str(self.target), **kw)

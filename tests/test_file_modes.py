@@ -14,7 +14,7 @@ import stat
 
 import pytest
 
-from eval_worker.service.jobs import make_job
+from eval_worker.service.job_builder import make_job
 from eval_worker.service.outbox import Outbox
 from tests.sidecar_support import publish_random
 

@@ -7,7 +7,8 @@ import pytest
 from rq.job import JobStatus
 
 from dflash_train.checkpoints.publication import apply_retention, is_pinned, read_manifest
-from eval_worker.service.jobs import JobError, make_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError
 from eval_worker.service.outbox import OUTBOX_DIRNAME, job_key
 from eval_worker.service.queue import enqueue, get_queue, status
 from eval_worker.service.redis_local import connect

@@ -210,7 +210,7 @@ def test_s3_sticky_cache_job_recovers_from_a_corrupt_entry(tmp_path, bucket, mon
 
     from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
 
     prefix = f"s3://{bucket}/runs"
     cfg, mask, suite = _job_env(tmp_path, monkeypatch, prefix)
@@ -339,7 +339,8 @@ def test_s3_missing_object_is_a_permanent_error_naming_the_file(tmp_path, bucket
 
 def test_s3_missing_object_fails_the_job_once_with_the_name(tmp_path, bucket, monkeypatch, restore_evaluators):
     from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_schema import JobError
 
     prefix = f"s3://{bucket}/runs"
     cfg, mask, suite = _job_env(tmp_path, monkeypatch, prefix)

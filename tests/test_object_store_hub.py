@@ -23,7 +23,9 @@ from dflash_train.checkpoints.publication import (
     upload_checkpoint,
 )
 from eval_worker.service.checkpoint_cache import CheckpointCache
-from eval_worker.service.jobs import JobError, check_checkpoint, make_job, validate_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_checkpoints import check_checkpoint
+from eval_worker.service.job_schema import JobError, validate_job
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
 

@@ -16,7 +16,7 @@ from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.publication import MARKER_NAME, read_manifest, upload_checkpoint
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.jobs import make_job
+from eval_worker.service.job_builder import make_job
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.redis_local import connect
 from tests.s3_server import CREDENTIALS

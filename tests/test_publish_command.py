@@ -54,7 +54,7 @@ def ledger(tmp_path, wandb_offline, monkeypatch):
 def test_worker_carries_on_through_a_wandb_outage_and_publish_reproduces_every_point(ledger, redis_url, tmp_path):
     """A real worker with W&B "online" at a dead 127.0.0.1 port: the sink fails fast, every job
     still finishes and is in the ledger; `publish --mode offline` then rebuilds every point."""
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import enqueue, fetch_job
     from eval_worker.service.redis_local import connect
 

@@ -92,8 +92,8 @@ def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tm
     publishes every record (an offline W&B rebuild costs ~0.1 s per record: per job, it was quadratic)."""
     import json
 
-    from eval_worker.service import jobs
     from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import fetch_job
     from eval_worker.service.worker import serve
     from tests.eval_results import fake_checkpoint
@@ -101,9 +101,9 @@ def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tm
 
     monkeypatch.delenv("DFLASH_SINKS", raising=False)  # the default: W&B (offline here)
     root = tmp_path / "ck"
-    ids = [enqueue(conn, jobs.make_job(fake_checkpoint(root, "run-s", step)[0], suite="builtin:coding-v1")).job_id
+    ids = [enqueue(conn, make_job(fake_checkpoint(root, "run-s", step)[0], suite="builtin:coding-v1")).job_id
            for step in (100, 200, 300)]
-    other = enqueue(conn, jobs.make_job(fake_checkpoint(root, "run-o", 100)[0], suite="builtin:coding-v1")).job_id
+    other = enqueue(conn, make_job(fake_checkpoint(root, "run-o", 100)[0], suite="builtin:coding-v1")).job_id
     serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root],
                                                 default_target=str(tmp_path),
                                                 evaluator_factory="tests.fake_evaluator:FakeEvaluator"),

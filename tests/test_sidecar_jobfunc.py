@@ -8,7 +8,8 @@ from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.service import evaluators
 from eval_worker.service.eval_job import run_eval_job
 from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.jobs import JobError, make_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
 

@@ -10,8 +10,9 @@ import pytest
 
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
-from eval_worker.service import jobs
-from eval_worker.service.jobs import JobError
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_ids import job_id_for, suite_fingerprint
+from eval_worker.service.job_schema import SCHEMA, JobError
 from eval_worker.service.queue import JOB_FUNC, QueueConfig, cancel, enqueue, fetch_job, get_queue, status
 from eval_worker.service.redis_local import connect
 from tests.sidecar_support import REPO_ROOT, publish_random
@@ -31,7 +32,7 @@ def conn(redis_url):
 
 
 def _job(path, **kw):
-    return jobs.make_job(path, suite="builtin:coding-v1", **kw)
+    return make_job(path, suite="builtin:coding-v1", **kw)
 
 
 def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
@@ -42,7 +43,7 @@ def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
     assert not data.startswith(b"\x80")  # a pickle would start with the PROTO opcode
     func, instance, args, kwargs = json.loads(data)
     assert func == JOB_FUNC and instance is None and kwargs == {}
-    assert args[0]["schema"] == jobs.SCHEMA and args[0]["checkpoint"] == str(c100)
+    assert args[0]["schema"] == SCHEMA and args[0]["checkpoint"] == str(c100)
     assert json.loads(raw[b"meta"])["run_id"] == "run-q"
     assert int(raw[b"timeout"]) == QueueConfig().job_timeout
     assert int(raw[b"failure_ttl"]) == QueueConfig().failure_ttl and int(raw[b"result_ttl"]) == QueueConfig().result_ttl
@@ -73,8 +74,8 @@ def test_force_evaluates_again_under_a_new_attempt(conn, ckpts):
 def test_recorded_in_ledger_is_not_enqueued_again(conn, ckpts, tmp_path):
     root, (c100, _) = ckpts
     job = _job(c100)
-    fp = jobs.suite_fingerprint(job["suite"])
-    job_id = jobs.job_id_for(job, fp)
+    fp = suite_fingerprint(job["suite"])
+    job_id = job_id_for(job, fp)
     Ledger(tmp_path, connection=conn).write(job=job, job_id=job_id, result={
         "suite": {"fingerprint": fp}, "tau": {"macro": 2.75}})
     out = enqueue(conn, job)
@@ -142,7 +143,7 @@ def test_cli_enqueue_status_cancel(redis_url, ckpts, capsys):
     assert cli(["status", "--redis-url", redis_url]) == 0
     out = capsys.readouterr().out
     assert "dflash-eval=2" in out and "failed (0)" in out
-    job_id = jobs.job_id_for(_job(c100), jobs.suite_fingerprint("builtin:coding-v1"))
+    job_id = job_id_for(_job(c100), suite_fingerprint("builtin:coding-v1"))
     assert cli(["cancel", job_id, "--redis-url", redis_url]) == 0
     assert "canceled" in capsys.readouterr().out
     assert cli(["status", "--json", "--redis-url", redis_url]) == 0

@@ -185,7 +185,7 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
     The engine is replaced by tests.fake_evaluator (seconds, not minutes); queue, worker,
     ledger, sink child processes, Redis lock and W&B are all real.
     """
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import enqueue
     from eval_worker.service.redis_local import connect
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.common.settings import Settings
-from eval_worker.service.jobs import JobError
+from eval_worker.service.job_schema import JobError
 
 log = logging.getLogger(__name__)
 
