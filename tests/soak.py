@@ -1426,7 +1426,7 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
             s.start_worker(umask=0)
             ck = s.publish(1)
             box = Outbox(s.root / RUN / ".eval-outbox")
-            box.put(make_job(ck, suite=str(s.suite)))
+            box.put(make_job(ck, suite=str(s.suite)).to_json())
 
             def refuse(job):
                 raise JobError("set aside for the mode check")

@@ -429,8 +429,7 @@ def test_secret_redaction_no_output_shows_a_planted_secret(conn, redis_url, tmp_
     assert "***@bkt/runs/run-sec/step-00000001" in outputs["enqueue"]  # the location is still named
 
     # a job planted straight into RQ (as any client of the queue could), naming the URL
-    job = make_job(path, suite="builtin:coding-v1", target=str(tmp_path))
-    job["checkpoint"] = STORE_URL
+    job = {**make_job(path, suite="builtin:coding-v1", target=str(tmp_path)).to_json(), "checkpoint": STORE_URL}
     get_queue(conn, "dflash-eval").enqueue_call(JOB_FUNC, args=(job,), job_id="planted", retry=QueueConfig().retry(),
                                                meta={"run_id": "run-sec", "step": 1})
     w = WorkerProcess(tmp_path, redis_url, [root, tmp_path], name="w-sec", target=tmp_path,

@@ -12,7 +12,7 @@ from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.job_builder import make_job
 from eval_worker.service.job_ids import job_id_for, suite_fingerprint
-from eval_worker.service.job_schema import SCHEMA, JobError
+from eval_worker.service.job_schema import SCHEMA, JobError, validate_job
 from eval_worker.service.queue import JOB_FUNC, QueueConfig, cancel, enqueue, fetch_job, get_queue, status
 from eval_worker.service.redis_local import connect
 from tests.sidecar_support import REPO_ROOT, publish_random
@@ -67,14 +67,14 @@ def test_force_evaluates_again_under_a_new_attempt(conn, ckpts):
     forced = [enqueue(conn, _job(c100), force=True) for _ in range(2)]
     assert [f.status for f in forced] == ["enqueued", "enqueued"]
     assert [f.job_id for f in forced] == [first.job_id + "-r1", first.job_id + "-r2"]
-    assert [f.job["attempt"] for f in forced] == [1, 2]
+    assert [f.job.attempt for f in forced] == [1, 2]
     assert get_queue(conn, "dflash-eval").count == 3
 
 
 def test_recorded_in_ledger_is_not_enqueued_again(conn, ckpts, tmp_path):
     root, (c100, _) = ckpts
     job = _job(c100)
-    fp = suite_fingerprint(job["suite"])
+    fp = suite_fingerprint(job.suite)
     job_id = job_id_for(job, fp)
     Ledger(tmp_path, connection=conn).write(job=job, job_id=job_id, result={
         "suite": {"fingerprint": fp}, "tau": {"macro": 2.75}})
@@ -98,9 +98,9 @@ def test_invalid_jobs_never_reach_redis(conn, ckpts, tmp_path):
     unpublished = root / "run-q" / "step-00000300"
     unpublished.mkdir()
     with pytest.raises(JobError, match="COMPLETE.json"):
-        enqueue(conn, {**_job(c100), "checkpoint": str(unpublished), "step": 300})
+        enqueue(conn, {**_job(c100).to_json(), "checkpoint": str(unpublished), "step": 300})
     with pytest.raises(JobError, match="unknown job schema version"):
-        enqueue(conn, {**_job(c100), "schema": "dflash-eval-job/0"})
+        enqueue(conn, {**_job(c100).to_json(), "schema": "dflash-eval-job/0"})
     assert not conn.keys("rq:job:*")
 
 
@@ -217,8 +217,8 @@ def test_status_shows_tau_per_suite(redis_url, tmp_path, capsys):
     for step, p in ((100, 0.3), (200, 0.5)):
         for suite, spec, q in (("coding", "builtin:coding-v1", p), ("gsm8k-n8", "hf:gsm8k:n=8", p + 0.3)):
             res = make_result("run-s", step, p=q, suite=suite)
-            job = {"schema": "dflash-eval-job/1", "run_id": "run-s", "step": step, "checkpoint": "/x",
-                   "checkpoint_digest": res["checkpoint"]["digest"], "suite": spec, "attempt": 0}
+            job = validate_job({"schema": "dflash-eval-job/1", "run_id": "run-s", "step": step, "checkpoint": "/x",
+                                "checkpoint_digest": res["checkpoint"]["digest"], "suite": spec, "attempt": 0})
             path, record, _ = ledger.write(job=job, job_id=f"eval-run-s-{step}-{suite}", result=res)
             ledger.index(record, path)
             taus[(spec, step)] = res["tau"]["macro"]
