@@ -129,7 +129,7 @@ def jobs(tmp: Path, n: int, big: Path | None) -> dict:
                                  default_target=str(target), checkpoint_cache_dir=tmp / "job-cache"))
         t0 = time.perf_counter()
         # no speed estimate: it times target and drafter rounds, noise that has nothing to do with the checkpoint
-        r = run_eval_job(make_job(checkpoint, suite=str(suite), options={"measure_speed": False}))
+        r = run_eval_job(make_job(checkpoint, suite=str(suite), options={"measure_speed": False}).to_json())
         assert r["recorded_now"], r
         return time.perf_counter() - t0
 

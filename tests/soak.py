@@ -1066,7 +1066,7 @@ def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: flo
                 "other options": s.job(ck, options={**OPTIONS, "max_new_tokens": 2}),
                 "second checkpoint": s.job(ck2),
                 # no `target`: the worker's own, the same target by another name (another job id)
-                "same evaluation, other id": make_job(ck, suite=str(s.suite), options=dict(OPTIONS))}
+                "same evaluation, other id": make_job(ck, suite=str(s.suite), options=dict(OPTIONS)).to_json()}
         outcomes = {name: enqueue(s.conn, job, roots=roots) for name, job in jobs.items()}
         ids = s.accepted = [o.job_id for o in outcomes.values() if o.status == "enqueued"]
         s.start_worker(args=["--checkpoint-root", str(other_root)])

@@ -197,10 +197,10 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(evaluators, "_loads", {})
     opts = {"max_new_tokens": 8, "tree_budget": 0, "measure_speed": False}
     job = make_job(ck, suite="hf:gsm8k:n=2:seed=0", options=opts)
-    assert job["suite"] == "hf:gsm8k:n=2"  # one spelling, one job id
+    assert job.suite == "hf:gsm8k:n=2"  # one spelling, one job id
     assert job_fingerprint(job) == job_fingerprint(make_job(ck, suite="hf:gsm8k:n=2", options=opts))
     assert job_fingerprint(job) != job_fingerprint(make_job(ck, suite="hf:gsm8k:n=3", options=opts))
-    out = run_eval_job(job)
+    out = run_eval_job(job.to_json())
     suite = read_record(out["ledger_path"])["result"]["suite"]
     want = load_suite("hf:gsm8k:n=2", hf_datasets_dir=hf_dir)
     assert (suite["name"], suite["num_prompts"], suite["fingerprint"]) == ("gsm8k-n2", 2, want.fingerprint())

@@ -11,8 +11,9 @@ import hashlib
 import pytest
 
 from eval_worker.results.ledger import STEP_CKPTS_DONE, STEP_CKPTS_PREFIX, Ledger
-from eval_worker.service.queue import QueueConfig, _job_brief, _jobs, enqueue, get_queue, status
+from eval_worker.service.queue import QueueConfig, _job_brief, enqueue, get_queue, status
 from eval_worker.service.redis_local import connect
+from eval_worker.service.rq_jobs import fetch_jobs
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def test_scale_status_loads_only_the_jobs_it_lists(conn):
     full = status(conn)  # --json: every job, in the order served
     assert [j["job_id"] for j in full["queued"]] == served and full["queued_total"] == 150
     # read field by field, each brief is what the whole job says
-    assert full["queued"] == [_job_brief(j) for j in _jobs(conn, served)]
+    assert full["queued"] == [_job_brief(j) for j in fetch_jobs(conn, served)]
 
 
 def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tmp_path, wandb_offline, monkeypatch):

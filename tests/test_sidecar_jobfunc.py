@@ -26,7 +26,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluators, "_settings", settings)
     monkeypatch.setattr(evaluators, "_evaluators", type(evaluators._evaluators)())
     monkeypatch.setattr(evaluators, "_loads", {})
-    jobs = [make_job(c, suite=str(suite)) for c in ckpts]  # no target: the worker's default
+    jobs = [make_job(c, suite=str(suite)).to_json() for c in ckpts]  # RQ payloads; no target: the worker's default
     return settings, jobs
 
 
@@ -92,7 +92,7 @@ def test_a_drafter_for_another_target_fails_with_the_reason(env, tmp_path):
     settings, _ = env
     wrong = publish_random(settings.roots[0], "run-f", 9, seed=9)  # shaped for a 32-wide random target
     with pytest.raises(ValueError, match="do not fit"):
-        run_eval_job(make_job(wrong, suite=str(settings.roots[0] / "suite.jsonl")))
+        run_eval_job(make_job(wrong, suite=str(settings.roots[0] / "suite.jsonl")).to_json())
     assert Ledger(settings.results_dir).entries("run-f") == []
 
 
@@ -159,7 +159,7 @@ def test_ledger_collision_second_checkpoint_at_one_step_is_recorded_next_to_the_
     other = publish_random(other_root, "run-f", 1, target_config=cfg, mask_token_id=mask, seed=77)
     monkeypatch.setattr(evaluators, "_settings", WorkerSettings(**{**settings.__dict__,
                                                                    "roots": settings.roots + [other_root]}))
-    j_other = make_job(other, suite=j1["suite"])
+    j_other = make_job(other, suite=j1["suite"]).to_json()
     assert j_other["step"] == j1["step"] and j_other["checkpoint_digest"] != j1["checkpoint_digest"]
     ra, rb = run_eval_job(j1), run_eval_job(j_other)
     assert ra["recorded_now"] and rb["recorded_now"] and ra["ledger_path"] != rb["ledger_path"]
