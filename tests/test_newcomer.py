@@ -232,7 +232,7 @@ def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path
     record = next((tmp_path / "records").glob("*/step-*"))
     with pytest.raises((JobError, CheckpointError)):
         make_job(record, suite="builtin:coding-v1", roots=[tmp_path / "records"])
-    assert make_job(record, suite="builtin:coding-v1", roots=named)["checkpoint"] == str(record)
+    assert make_job(record, suite="builtin:coding-v1", roots=named).checkpoint == str(record)
     # with roots configured the same import is checked, and says nothing more
     roots = _settings(tmp_path / "home").replace(checkpoint_roots=tuple(named))
     assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=roots) == 0
