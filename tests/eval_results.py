@@ -108,7 +108,8 @@ def write_ledger(results_dir: Path, result: dict, attempt: int = 0, train_metric
            "checkpoint_digest": ck["digest"], "suite": f"builtin:{result['suite']['name']}-v1", "attempt": attempt,
            "train_metrics": train_metrics}
     job_id = f"eval-{ck['run_id']}-{ck['step']}-{ck['digest'][:12]}-{result['suite']['fingerprint'][:8]}"
-    path, _, _ = Ledger(results_dir).write(job=validate_job(job), job_id=job_id + (f"-r{attempt}" if attempt else ""), result=result)
+    path, _, _ = Ledger(results_dir).write(job=validate_job(job), job_id=job_id + (f"-r{attempt}" if attempt else ""),
+                                           result=result)
     return path
 
 

@@ -158,11 +158,11 @@ def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, red
     assert summary.step == 6 and not hook.errors, hook.errors
     assert threads and set(threads) == {"checkpoint-publisher"}  # never the training thread
     jobs = [o.job for o in hook.outcomes]
-    assert [j["checkpoint"] for j in jobs] == [f"{prefix}/st/step-00000004", f"{prefix}/st/step-00000006"]
+    assert [j.checkpoint for j in jobs] == [f"{prefix}/st/step-00000004", f"{prefix}/st/step-00000006"]
     assert (home / "outbox" / "st").is_dir()  # the hook's outbox is local, the checkpoints are not
     # retention on the store: keep_last=1 plus the pinned ones (their jobs are queued)
-    assert list_checkpoints(f"{prefix}/st") == [j["checkpoint"] for j in jobs]
-    assert all(is_pinned(j["checkpoint"]) for j in jobs)
+    assert list_checkpoints(f"{prefix}/st") == [j.checkpoint for j in jobs]
+    assert all(is_pinned(j.checkpoint) for j in jobs)
 
     eval_box = tmp_path / "eval-box"
     eval_box.mkdir()
@@ -174,7 +174,7 @@ def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, red
         worker.stop()
     records = [e.read() for e in Ledger(eval_box / "results").entries("st")]
     assert sorted(r["step"] for r in records) == [4, 6]
-    assert not any(is_pinned(j["checkpoint"]) for j in jobs)  # the worker released its pins in the store
+    assert not any(is_pinned(j.checkpoint) for j in jobs)  # the worker released its pins in the store
     assert (eval_box / "home" / "checkpoint-cache").is_dir()
 
 

@@ -31,8 +31,8 @@ class WorkerSettings:
     results_dir: Path
     roots: Sequence[Path | str] | None
     cache_dir: Path | None = None
-    target_roots: Sequence[Path | str] | None = None  # where a job's own `target` may lie (see confinement.check_target)
-    suite_roots: Sequence[Path | str] | None = None   # where a job's suite file may lie (see confinement.check_suite)
+    target_roots: Sequence[Path | str] | None = None  # where a job's `target` may lie (confinement.check_target)
+    suite_roots: Sequence[Path | str] | None = None   # where a job's suite file may lie (confinement.check_suite)
     default_target: str | None = None
     device: str | None = None
     max_targets: int = 1
