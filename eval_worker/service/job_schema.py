@@ -39,6 +39,7 @@ SCHEMA = "dflash-eval-job/1"
 PRIORITIES = ("high", "default", "low")
 REQUESTERS = ("hook", "user", "requeue")
 
+
 class JobError(DFlashError, ValueError):
     """A job that cannot be enqueued or run; the message is the reason."""
 
@@ -112,8 +113,6 @@ class MlflowSettings(BaseModel):
 
     experiment: _Name | None = None
     parent_run_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-zA-Z_-]{1,64}$")] | None = None
-
-
 
 
 class JobPayload(BaseModel):
