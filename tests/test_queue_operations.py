@@ -128,3 +128,28 @@ def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, m
     assert m, lines[0]
     assert [float(x) for x in m.group(1, 2, 3)] == [round(tau["macro"], 3), *(round(x, 3) for x in tau["ci95"])]
     assert int(m.group(4)) == tau["num_steps"] and m.group(5).endswith("attempt-0.json")
+
+
+def test_submission_expands_run_directories_and_queues_one_job_per_checkpoint_and_suite(conn, tmp_path):
+    """The service behind `enqueue`: a run directory stands for its checkpoints, a suite named twice is one job,
+    a checkpoint that cannot be made into a job is an error with its reason, the others are queued."""
+    from eval_worker.service.submission import Submission, expand_checkpoints, is_published
+
+    root = tmp_path / "ck"
+    ck = {s: publish_random(root, "run-s", s) for s in (1, 2)}
+    (tmp_path / "plain").mkdir()
+    paths = expand_checkpoints([str(root / "run-s"), str(tmp_path / "plain")])
+    assert paths == [str(ck[1]), str(ck[2]), str(tmp_path / "plain")]
+    assert is_published(str(root / "run-s")) and not is_published(str(tmp_path / "plain"))
+    sub = Submission(suites=["builtin:coding-v1", "builtin:coding-v1"], roots=[root], priority="high")
+    sub.make_jobs(paths)
+    assert [(j.step, j.priority) for j in sub.jobs] == [(1, "high"), (2, "high")]
+    [error] = sub.errors
+    assert error["checkpoint"] == str(tmp_path / "plain") and "outside the checkpoint roots" in error["error"]
+    sub.enqueue_all(conn, QueueConfig())
+    assert [o.status for o in sub.outcomes] == ["enqueued", "enqueued"]
+    assert get_queue(conn, "dflash-eval-high").count == 2
+    again = Submission(suites=["builtin:coding-v1"], roots=[root], priority="high")
+    again.make_jobs([str(ck[1])])
+    again.enqueue_all(conn, QueueConfig())
+    assert [o.status for o in again.outcomes] == ["duplicate"] and not again.errors
