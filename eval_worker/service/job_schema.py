@@ -221,22 +221,22 @@ def validate_job(payload: Any) -> JobPayload:
     unknown = sorted(k[:MAX_SHOWN] if isinstance(k, str) else repr(k) for k in set(payload) - FIELDS)
     if unknown:
         raise JobError(f"job payload has unknown field(s) {unknown[:10]} for schema {SCHEMA!r}")
-    job = {**DEFAULTS, **payload}
+    data = {**DEFAULTS, **payload}
     problems: list[str] = []
     validated = None
     try:
-        validated = JobPayload.model_validate(job)
+        validated = JobPayload.model_validate(data)
     except ValidationError as e:
-        problems += _problems(e, job)
-    if isinstance(job["options"], dict):
+        problems += _problems(e, data)
+    if isinstance(data["options"], dict):
         try:
-            EvalOptions.from_dict(job["options"])
+            EvalOptions.from_dict(data["options"])
         except OptionsError as e:
             problems.append(str(e))
     if problems:
         raise JobError("invalid job: " + "; ".join(problems))
     try:  # JSON data only: a payload that does not round-trip is refused here, not in RQ
-        size = len(json.dumps(job, allow_nan=False))
+        size = len(json.dumps(data, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise JobError(f"job payload is not plain JSON data: {shorten(str(e))}") from None
     if size > MAX_PAYLOAD_BYTES:

@@ -273,10 +273,10 @@ def record_owed(connection, run_id: str, owed: list[tuple[dict[str, Any], str]],
     with connection.pipeline() as pipe:
         if not lost:
             pipe.delete(key)
-        for job, why in owed:
-            pipe.hset(key, job_key(job), json.dumps({"step": job.get("step"), "checkpoint": job.get("checkpoint"),
-                                                     "suite": job.get("suite"), "why": why, "lost": lost,
-                                                     "since": datetime.now(UTC).isoformat()}))
+        for payload, why in owed:
+            entry = {"step": payload.get("step"), "checkpoint": payload.get("checkpoint"),
+                     "suite": payload.get("suite"), "why": why, "lost": lost, "since": datetime.now(UTC).isoformat()}
+            pipe.hset(key, job_key(payload), json.dumps(entry))
         pipe.execute()
 
 
