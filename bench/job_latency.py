@@ -49,7 +49,7 @@ def main():
     args = ap.parse_args()
 
     from eval_worker.redis_client import connect
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import enqueue, fetch_job
     from eval_worker.service.redis_server import LocalRedis
     from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, worker_env, write_suite

@@ -12,7 +12,7 @@ Part 1, a synthetic checkpoint of `--mb` MB (config.json + random weights bytes)
 - cold pull: `CheckpointCache.checkout` on an empty cache (download + sha256 of every file);
 - warm pull: the same on the filled cache (the second job for that checkpoint).
 
-Part 2, a job: the checkpoint phase of the worker's job (`jobs.materialize`) for a local path,
+Part 2, a job: the checkpoint phase of the worker's job (`job_checkpoints.materialize`) for a local path,
 a store URL with an empty cache and one cached, fastest of interleaved rounds, for the tiny
 target's drafter and the part-1 checkpoint; a whole job with the real engine on the bundled tiny
 target (in-process `run_eval_job`, target resident, references cached, no speed estimate)
@@ -83,11 +83,11 @@ def transfer(tmp: Path, mb: int, repeats: int) -> dict:
 
 
 def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
-    """The checkpoint part of a worker's job (`jobs.materialize`: confine, read the marker, then
+    """The checkpoint part of a worker's job (`job_checkpoints.materialize`: confine, read the marker, then
     verify in place, or pull into the cache and verify, or find it cached), fastest of `n`
     interleaved rounds: local path, store URL with an empty cache, store URL cached."""
     from eval_worker.service.checkpoint_cache import CheckpointCache
-    from eval_worker.service.jobs import check_checkpoint, materialize
+    from eval_worker.service.job_checkpoints import check_checkpoint, materialize
 
     def phase(j: dict, clear: bool) -> float:
         if clear:
@@ -112,7 +112,7 @@ def jobs(tmp: Path, n: int, big: Path | None) -> dict:
     from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
     from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
     target = REPO / "dflash_train" / "assets" / "tiny_target"
@@ -132,7 +132,7 @@ def jobs(tmp: Path, n: int, big: Path | None) -> dict:
                                                       checkpoint_cache_dir=tmp / "job-cache"))
         t0 = time.perf_counter()
         # no speed estimate: it times target and drafter rounds, noise that has nothing to do with the checkpoint
-        r = run_eval_job(make_job(checkpoint, suite=str(suite), options={"measure_speed": False}))
+        r = run_eval_job(make_job(checkpoint, suite=str(suite), options={"measure_speed": False}).to_json())
         assert r["recorded_now"], r
         return time.perf_counter() - t0
 

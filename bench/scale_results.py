@@ -62,6 +62,7 @@ def _job(run: str, step: int, digest: str) -> dict:
 def fill_ledger(results: Path, conn, runs: list[str], per_run: int, first_step: int = 0) -> list[float]:
     """Write per_run records for every run as a worker would (record + index); per-write seconds."""
     from eval_worker.results.ledger import Ledger
+    from eval_worker.service.job_schema import validate_job
     from tests.eval_results import make_result
 
     ledger = Ledger(results, connection=conn)
@@ -70,7 +71,7 @@ def fill_ledger(results: Path, conn, runs: list[str], per_run: int, first_step: 
         for run in runs:
             step = 100 * (i + 1)
             result = make_result(run, step, seed=i)
-            job = _job(run, step, result["checkpoint"]["digest"])
+            job = validate_job(_job(run, step, result["checkpoint"]["digest"]))  # as the worker holds it
             t0 = time.perf_counter()
             ledger.write(job=job, job_id=f"eval-{run}-{step}", result=result)
             times.append(time.perf_counter() - t0)

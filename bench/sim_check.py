@@ -43,7 +43,8 @@ class SleepyEvaluator:
 def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     from eval_worker.redis_client import connect
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service import jobs, routing
+    from eval_worker.service import routing
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import QueueConfig, enqueue, fetch_job
     from tests.eval_results import fake_checkpoint
     from tests.sidecar_support import WorkerProcess
@@ -89,7 +90,7 @@ def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     for at, run, i in events:
         time.sleep(max(0.0, at - (time.monotonic() - t0)))
         ck, _ = fake_checkpoint(root, run, 100 * i)
-        ids.append(enqueue(conn, jobs.make_job(ck, suite="builtin:coding-v1", target=str(runs[run])),
+        ids.append(enqueue(conn, make_job(ck, suite="builtin:coding-v1", target=str(runs[run])),
                            config=config).job_id)
     stop.set()
     sampler.join()

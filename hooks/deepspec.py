@@ -24,7 +24,7 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         from dflash_train.common.settings import Settings
         from dflash_train.common.urls import is_url
         from eval_worker.redis_client import connect
-        from eval_worker.service.jobs import make_job
+        from eval_worker.service.job_builder import make_job
         from eval_worker.service.queue import QueueConfig, enqueue
         from eval_worker.service.redis_server import resolve_redis_url
 

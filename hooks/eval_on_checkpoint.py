@@ -40,8 +40,11 @@ from dflash_train.common.errors import retryable
 from dflash_train.common.redaction import redact
 from dflash_train.common.settings import Settings
 from eval_worker.redis_client import connect
+from eval_worker.results.attempts import strip_attempt
 from eval_worker.results.ledger import Ledger
-from eval_worker.service import jobs as jobs_mod
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_ids import job_fingerprint, job_id_for
+from eval_worker.service.job_schema import JobError, JobPayload, validate_job
 from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_key
 from eval_worker.service.queue import QueueConfig, enqueue, record_owed
 from eval_worker.service.redis_server import resolve_redis_url
@@ -157,9 +160,8 @@ class EvalOnCheckpoint:
         """The first suite (the hook's jobs run every one of `suites`)."""
         return self.suites[0]
 
-    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> dict[str,
-                                                                                                                Any]:
-        return jobs_mod.make_job(path, manifest=manifest, suite=suite or self.suite, target=self.target,
+    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> JobPayload:
+        return make_job(path, manifest=manifest, suite=suite or self.suite, target=self.target,
                                  baseline=self.baseline, wandb=self.wandb, sinks=self.sinks, mlflow=self.mlflow,
                                  requested_by="hook",
                                  priority=self.priority, options=self.options)
@@ -173,17 +175,18 @@ class EvalOnCheckpoint:
         for suite in self.suites:
             job = self.make_job(path, manifest, suite)
             try:
-                pin_checkpoint(path, jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
-            except jobs_mod.JobError as e:  # unknown suite: still queued, the queue will say why
+                pin_checkpoint(path, job_id_for(job, job_fingerprint(job)))
+            except JobError as e:  # unknown suite: still queued, the queue will say why
                 self._note(f"cannot pin {path}: {e}")
-            written = outbox.outbox.put_or_owe(job)
+            payload = job.to_json()  # the outbox holds JSON data, on disk or owed in memory
+            written = outbox.outbox.put_or_owe(payload)
             if written is None:
-                why = {job_key(j): w for j, w in outbox.outbox.owed()}.get(job_key(job), "write failed")
-                self._note(f"eval job for step {job['step']} could not be written to {outbox.outbox.dir} "
+                why = {job_key(j): w for j, w in outbox.outbox.owed()}.get(job_key(payload), "write failed")
+                self._note(f"eval job for step {job.step} could not be written to {outbox.outbox.dir} "
                            f"({why}); kept in memory and retried until it is written or queued")
             else:
                 files.append(written)
-            self._enqueued_steps.add(int(job["step"]))
+            self._enqueued_steps.add(job.step)
         outbox.kick()
         return files
 
@@ -209,13 +212,14 @@ class EvalOnCheckpoint:
         owed = outbox.give_up_owed()
         if not owed:
             return
-        for job, why in owed:
-            job_id = jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job))
-            unpin_checkpoint(job["checkpoint"], job_id)
+        for payload, why in owed:
+            job = validate_job(payload)  # what submit() made: valid
+            job_id = job_id_for(job, job_fingerprint(job))
+            unpin_checkpoint(job.checkpoint, job_id)
             self._pins.pop(job_id, None)
-            self._note(f"eval job for step {job['step']} was never queued nor written to disk ({why}); it is "
-                       f"lost when training ends: queue it by hand with `dflash-eval enqueue {job['checkpoint']} "
-                       f"--suite {job['suite']}`")
+            self._note(f"eval job for step {job.step} was never queued nor written to disk ({why}); it is "
+                       f"lost when training ends: queue it by hand with `dflash-eval enqueue {job.checkpoint} "
+                       f"--suite {job.suite}`")
         log.error("eval jobs NOT QUEUED for step(s) %s of run %s: the outbox %s could not be written and the "
                   "queue did not take them", [j["step"] for j, _ in owed], owed[0][0].get("run_id"), outbox.dir)
         try:
@@ -248,7 +252,7 @@ class EvalOnCheckpoint:
         done = {JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED}
         released = 0
         for job_id, job in zip(ids, Job.fetch_many(ids, connection=conn, serializer=JSONSerializer), strict=True):
-            gone = job is None and Ledger(connection=conn).lookup_job(jobs_mod.strip_attempt(job_id)) is not None
+            gone = job is None and Ledger(connection=conn).lookup_job(strip_attempt(job_id)) is not None
             if gone or (job is not None and job.get_status(refresh=False) in done):
                 checkpoint = self._pins.pop(job_id, None)
                 if checkpoint is not None:
@@ -299,8 +303,8 @@ class EvalOnCheckpoint:
             raise
         self.outcomes.append(outcome)
         if outcome.status in ("enqueued", "duplicate"):
-            self._pins[outcome.job_id] = job["checkpoint"]
-        log.info("eval job for step %s: %s", job.get("step"), outcome.message)
+            self._pins[outcome.job_id] = outcome.job.checkpoint
+        log.info("eval job for step %s: %s", outcome.job.step, outcome.message)
         return outcome
 
     def _note(self, message: str) -> None:

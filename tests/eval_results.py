@@ -101,13 +101,15 @@ def make_result(run_id: str = "run-a", step: int = 100, *, p: float = 0.6, block
 def write_ledger(results_dir: Path, result: dict, attempt: int = 0, train_metrics: dict | None = None) -> Path:
     """Record ``result`` through the real ledger, as the worker does; returns the record path."""
     from eval_worker.results.ledger import Ledger
+    from eval_worker.service.job_schema import validate_job
 
     ck = result["checkpoint"]
     job = {"schema": "dflash-eval-job/1", "run_id": ck["run_id"], "step": ck["step"], "checkpoint": ck["path"],
            "checkpoint_digest": ck["digest"], "suite": f"builtin:{result['suite']['name']}-v1", "attempt": attempt,
            "train_metrics": train_metrics}
     job_id = f"eval-{ck['run_id']}-{ck['step']}-{ck['digest'][:12]}-{result['suite']['fingerprint'][:8]}"
-    path, _, _ = Ledger(results_dir).write(job=job, job_id=job_id + (f"-r{attempt}" if attempt else ""), result=result)
+    path, _, _ = Ledger(results_dir).write(job=validate_job(job), job_id=job_id + (f"-r{attempt}" if attempt else ""),
+                                           result=result)
     return path
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eval_worker.service.jobs import suite_fingerprint
+from eval_worker.service.job_ids import suite_fingerprint
 from tests.eval_results import make_result
 
 

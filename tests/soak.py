@@ -159,7 +159,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
 
     from dflash_train.checkpoints.checkpoint import AsyncPublisher
     from dflash_train.core.model import DFlashDrafter
-    from eval_worker.service import jobs as jobs_mod
+    from eval_worker.service.job_ids import job_fingerprint, job_id_for
     from hooks import EvalOnCheckpoint
 
     t0 = time.monotonic()
@@ -176,7 +176,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
         def on_published(step, path, manifest):
             hook.on_checkpoint_published(None, step, path, manifest)
             job = hook.make_job(path, manifest)
-            accepted.append(jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
+            accepted.append(job_id_for(job, job_fingerprint(job)))
 
         publisher = AsyncPublisher(s.root, RUN, on_published=on_published)
         drafter = DFlashDrafter(s.cfg).eval()
@@ -958,7 +958,7 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
         w = s.start_worker()
         s.wait_settled([good], timeout)
         wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the planted entries to be taken")
-        from eval_worker.service.jobs import JobError
+        from eval_worker.service.job_schema import JobError
         from eval_worker.service.queue import failure_reason, fetch_job
 
         result = {}
@@ -1053,7 +1053,7 @@ def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: flo
     second checkpoint published under the same run and step (another root), and the same
     evaluation under another job id (the worker's own target named by omission). Each must end
     in a record of its own; none may take another's."""
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import enqueue
 
     t0 = time.monotonic()
@@ -1066,7 +1066,7 @@ def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: flo
                 "other options": s.job(ck, options={**OPTIONS, "max_new_tokens": 2}),
                 "second checkpoint": s.job(ck2),
                 # no `target`: the worker's own, the same target by another name (another job id)
-                "same evaluation, other id": make_job(ck, suite=str(s.suite), options=dict(OPTIONS))}
+                "same evaluation, other id": make_job(ck, suite=str(s.suite), options=dict(OPTIONS)).to_json()}
         outcomes = {name: enqueue(s.conn, job, roots=roots) for name, job in jobs.items()}
         ids = s.accepted = [o.job_id for o in outcomes.values() if o.status == "enqueued"]
         s.start_worker(args=["--checkpoint-root", str(other_root)])
@@ -1149,7 +1149,7 @@ def scenario_refusing(base: Path, zygote: Zygote, target: Path, *, per_phase: in
     (BUSY), unable to persist (MISCONF) — while the trainer's hook enqueues and workers run. The
     jobs wait in the outbox (none set aside), the workers wait (none quits), and everything is
     delivered and recorded once the operator fixes Redis."""
-    from eval_worker.service import jobs as jobs_mod
+    from eval_worker.service.job_ids import job_fingerprint, job_id_for
     from hooks import EvalOnCheckpoint
 
     t0 = time.monotonic()
@@ -1171,7 +1171,7 @@ def scenario_refusing(base: Path, zygote: Zygote, target: Path, *, per_phase: in
                 manifest = json.loads((ck / "COMPLETE.json").read_text())
                 hook.on_checkpoint_published(None, step, ck, manifest)
                 job = hook.make_job(ck, manifest)
-                accepted.append(jobs_mod.job_id_for(job, jobs_mod.job_fingerprint(job)))
+                accepted.append(job_id_for(job, job_fingerprint(job)))
             delivered = hook.flush(hold_s)
             waiting = len(list(box.glob("*.json")))
             set_aside = len(list((box / "rejected").glob("*.json")))
@@ -1359,7 +1359,7 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
 
     from dflash_train.checkpoints.publication import is_pinned
     from eval_worker.cli import main as cli
-    from eval_worker.service.jobs import JobError
+    from eval_worker.service.job_schema import JobError
     from eval_worker.service.queue import enqueue, failure_reason, fetch_job
 
     t0 = time.monotonic()
@@ -1415,7 +1415,8 @@ def _modes(paths: Iterable[Path]) -> dict[str, str]:
 def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
     """Every file the system writes, made under umask 000 (the trainer, the hook, the worker and
     the embedded Redis all under it): modes as documented, not as the umask says."""
-    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_schema import JobError
     from eval_worker.service.outbox import Outbox
     from eval_worker.service.queue import QueueConfig, requeue_failed
 
@@ -1426,7 +1427,7 @@ def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float =
             s.start_worker(umask=0)
             ck = s.publish(1)
             box = Outbox(s.root / RUN / ".eval-outbox")
-            box.put(make_job(ck, suite=str(s.suite)))
+            box.put(make_job(ck, suite=str(s.suite)).to_json())
 
             def refuse(job):
                 raise JobError("set aside for the mode check")

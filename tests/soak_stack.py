@@ -525,10 +525,11 @@ class Stack:
         return publish(self.root, self.target, step, run=run, cfg=self.cfg)
 
     def job(self, checkpoint: Path, **kw) -> dict:
-        from eval_worker.service.jobs import make_job
+        """A job payload as RQ carries it (JSON data: the scenarios plant and mutate it)."""
+        from eval_worker.service.job_builder import make_job
 
         kw.setdefault("options", dict(OPTIONS))
-        return make_job(checkpoint, suite=str(self.suite), target=str(self.target), **kw)
+        return make_job(checkpoint, suite=str(self.suite), target=str(self.target), **kw).to_json()
 
     def enqueue(self, checkpoint: Path, *, config=None, force: bool = False, **kw) -> str:
         from eval_worker.service.queue import enqueue

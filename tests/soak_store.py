@@ -55,7 +55,7 @@ class StoreStack:
                                                         str(self.cache_dir), "--checkpoint-cache-gb", "1000"])
 
     def enqueue(self, url: str, *, retries: int = 0, force: bool = False) -> str:
-        from eval_worker.service.jobs import make_job
+        from eval_worker.service.job_builder import make_job
         from eval_worker.service.queue import enqueue
 
         job = make_job(url, suite=str(self.s.suite), target=str(self.s.target), options=dict(OPTIONS),

@@ -176,9 +176,12 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch, worke
     record carries the suite's dataset identity; a bad spec is refused at enqueue."""
     from dflash_train.common.settings import Settings
     from eval_worker.results.ledger import read_record
+    from eval_worker.service.confinement import check_suite
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.jobs import JobError, check_suite, job_fingerprint, make_job
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_ids import job_fingerprint
+    from eval_worker.service.job_schema import JobError
     from tests.sidecar_support import publish_random, tiny_target_drafter_config
     from tests.test_sidecar_worker import _target
 
@@ -191,10 +194,10 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch, worke
     worker_evaluators(settings)
     opts = {"max_new_tokens": 8, "tree_budget": 0, "measure_speed": False}
     job = make_job(ck, suite="hf:gsm8k:n=2:seed=0", options=opts)
-    assert job["suite"] == "hf:gsm8k:n=2"  # one spelling, one job id
+    assert job.suite == "hf:gsm8k:n=2"  # one spelling, one job id
     assert job_fingerprint(job) == job_fingerprint(make_job(ck, suite="hf:gsm8k:n=2", options=opts))
     assert job_fingerprint(job) != job_fingerprint(make_job(ck, suite="hf:gsm8k:n=3", options=opts))
-    out = run_eval_job(job)
+    out = run_eval_job(job.to_json())
     suite = read_record(out["ledger_path"])["result"]["suite"]
     want = load_suite("hf:gsm8k:n=2", hf_datasets_dir=hf_dir)
     assert (suite["name"], suite["num_prompts"], suite["fingerprint"]) == ("gsm8k-n2", 2, want.fingerprint())

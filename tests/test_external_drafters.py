@@ -26,7 +26,8 @@ from dflash_train.checkpoints.publication import (
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service import jobs
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError
 from eval_worker.service.queue import fetch_job
 from tests.factories import drafter_for, qwen3_target
 from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, wait_for, write_suite
@@ -118,13 +119,13 @@ def test_import_records_a_read_only_directory_without_touching_it(tmp_path):
     # the source's files confine like a checkpoint's: a worker whose roots lack them refuses the record
     with pytest.raises(CheckpointError, match="outside the checkpoint roots"):
         verify_checkpoint(record, [tmp_path / "ckpts"])
-    with pytest.raises(jobs.JobError, match="records the drafter at"):
-        jobs.make_job(record, suite="builtin:coding-v1", roots=[tmp_path / "ckpts"])
+    with pytest.raises(JobError, match="records the drafter at"):
+        make_job(record, suite="builtin:coding-v1", roots=[tmp_path / "ckpts"])
     # a marker-less directory is refused by enqueue with the way out named
-    with pytest.raises(jobs.JobError, match="dflash-eval import"):
-        jobs.make_job(src, suite="builtin:coding-v1", roots=[tmp_path])
-    with pytest.raises(jobs.JobError, match="baseline.*dflash-eval import"):
-        jobs.make_job(record, suite="builtin:coding-v1", roots=[tmp_path], baseline=src)
+    with pytest.raises(JobError, match="dflash-eval import"):
+        make_job(src, suite="builtin:coding-v1", roots=[tmp_path])
+    with pytest.raises(JobError, match="baseline.*dflash-eval import"):
+        make_job(record, suite="builtin:coding-v1", roots=[tmp_path], baseline=src)
     # the source changed after the import: the digest check says so
     for p in [src, *src.iterdir()]:
         p.chmod(0o755 if p.is_dir() else 0o644)

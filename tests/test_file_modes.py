@@ -14,7 +14,7 @@ import stat
 
 import pytest
 
-from eval_worker.service.jobs import make_job
+from eval_worker.service.job_builder import make_job
 from eval_worker.service.outbox import Outbox
 from tests.sidecar_support import publish_random
 
@@ -49,7 +49,7 @@ def test_file_modes_of_the_outbox_are_owner_only(tmp_path, mask):
     ck = publish_random(tmp_path / "ck", "run-m", 100)
     with _umask(mask):
         box = Outbox(tmp_path / "ck" / "run-m" / ".eval-outbox")
-        path = box.put(make_job(ck, suite="builtin:coding-v1"))
+        path = box.put(make_job(ck, suite="builtin:coding-v1").to_json())
         box.deliver(lambda job: (_ for _ in ()).throw(ValueError("refused")), is_invalid=lambda e: True)
     assert _mode(box.dir) == 0o700 and _mode(box.rejected_dir) == 0o700
     moved = box.rejected_dir / path.name

@@ -19,8 +19,10 @@ from dflash_train.checkpoints.checkpoint import load_drafter, publish_checkpoint
 from dflash_train.checkpoints.publication import CheckpointError, read_manifest
 from dflash_train.core.config import ConfigError, DrafterConfig
 from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
-from eval_worker.service import jobs
-from eval_worker.service.jobs import JobError
+from eval_worker.service.confinement import confine
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_ids import job_id_for, suite_fingerprint
+from eval_worker.service.job_schema import DEFAULTS, FIELDS, SCHEMA, JobError, validate_job
 from eval_worker.service.queue import JOB_FUNC
 from tests import soak, soak_stack
 
@@ -38,12 +40,12 @@ paths = st.sampled_from(["/abs/ok", "relative/path", "", "/", "/a/../b", "/x\x00
 
 # --------------------------------------------------------------------------- job payloads
 
-VALID = {"schema": jobs.SCHEMA, "run_id": "run-1", "step": 100, "checkpoint": "/ckpts/run-1/step-00000100",
+VALID = {"schema": SCHEMA, "run_id": "run-1", "step": 100, "checkpoint": "/ckpts/run-1/step-00000100",
          "checkpoint_digest": "a" * 64, "suite": "builtin:coding-v1", "target": "/models/t", "baseline": None,
          "wandb": {"project": "p", "mode": "offline"}, "requested_by": "hook", "priority": "default", "attempt": 0,
          "train_metrics": {"loss": 1.5}, "options": {"max_new_tokens": 8}}
 FIELD_VALUES = {
-    "schema": st.sampled_from([jobs.SCHEMA, "dflash-eval-job/2", ""]) | scalars,
+    "schema": st.sampled_from([SCHEMA, "dflash-eval-job/2", ""]) | scalars,
     "run_id": st.text(alphabet=string.ascii_letters + string.digits + "._-/ \u00e9", max_size=140) | scalars,
     "step": st.integers(min_value=-5, max_value=2**64) | scalars,
     "checkpoint": paths | scalars, "baseline": paths | scalars, "target": paths | scalars,
@@ -80,18 +82,22 @@ def payloads(draw):
 @given(payloads())
 def test_job_payloads_are_valid_or_refused_with_a_reason(payload):
     try:
-        job = jobs.validate_job(payload)
+        job = validate_job(payload)
     except JobError as e:
         assert str(e).strip()
         return
-    assert set(job) == jobs.FIELDS
-    json.dumps(job, allow_nan=False)  # plain JSON data
-    assert jobs.validate_job(job) == job  # and stable
-    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", job["run_id"]) and ".." not in job["run_id"]
-    assert isinstance(job["step"], int) and not isinstance(job["step"], bool) and job["step"] >= 0
-    for key in ("checkpoint", "baseline", "target"):
-        assert job[key] is None or (os.path.isabs(job[key]) and "\x00" not in job[key])
-    job_id = jobs.job_id_for(job, "0123abcd")
+    data = job.to_json()
+    given = json.loads(payload) if isinstance(payload, (str, bytes)) else payload
+    assert set(data) == FIELDS
+    # the JSON on the wire and on disk: the payload as given, defaults filled (text compared: 1 is not 1.0)
+    assert json.dumps(data, sort_keys=True) == json.dumps({**DEFAULTS, **given}, sort_keys=True)
+    json.dumps(data, allow_nan=False)  # plain JSON data
+    assert validate_job(data) == job  # and stable
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", job.run_id) and ".." not in job.run_id
+    assert isinstance(job.step, int) and not isinstance(job.step, bool) and job.step >= 0
+    for where in (job.checkpoint, job.baseline, job.target):
+        assert where is None or (os.path.isabs(where) and "\x00" not in where)
+    job_id = job_id_for(job, "0123abcd")
     assert re.fullmatch(r"[A-Za-z0-9_-]+", job_id), job_id  # RQ-safe
 
 
@@ -121,7 +127,7 @@ def test_checkpoint_paths_never_leave_the_roots(tree, segments, from_base):
     real = Path(os.path.realpath(path))
     inside = real == root or root in real.parents
     try:
-        got = jobs.confine(path, [root])
+        got = confine(path, [root])
     except JobError as e:
         assert not inside, f"{path} resolves inside the root ({real}) but was refused: {e}"
         assert "outside the checkpoint roots" in str(e)
@@ -171,7 +177,7 @@ def test_suite_file_bytes_are_a_suite_error_never_a_crash(tmp_path, data):
     except SuiteError as e:
         assert str(e).strip()
     try:
-        jobs.suite_fingerprint(str(path))
+        suite_fingerprint(str(path))
     except JobError as e:
         assert "fuzz.jsonl" in str(e)
 
@@ -260,11 +266,11 @@ def test_completion_markers_are_valid_or_refused(published, tmp_path_factory, da
     else:
         assert isinstance(manifest["step"], int) and len(manifest["digest"]) == 64
     try:
-        job = jobs.make_job(d, suite="builtin:coding-v1", roots=[d.parent])
+        job = make_job(d, suite="builtin:coding-v1", roots=[d.parent])
     except JobError as e:
         assert str(e).strip()
     else:
-        assert job["checkpoint_digest"] == bad["digest"] and job["step"] == bad["step"]
+        assert job.checkpoint_digest == bad["digest"] and job.step == bad["step"]
 
 
 # --------------------------------------------------------------------------- the worker never crashes

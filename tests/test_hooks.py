@@ -8,7 +8,8 @@ from rq.job import JobStatus
 
 from dflash_train.checkpoints.publication import apply_retention, is_pinned, read_manifest
 from eval_worker.redis_client import connect
-from eval_worker.service.jobs import JobError, make_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError
 from eval_worker.service.outbox import OUTBOX_DIRNAME, job_key
 from eval_worker.service.queue import enqueue, get_queue, status
 from hooks import EvalOnCheckpoint, Outbox
@@ -43,7 +44,7 @@ def test_outbox_put_is_idempotent_and_delivery_keeps_order(tmp_path):
     root = tmp_path / "ck"
     ck = _publish(root, (1, 2))
     box = Outbox(tmp_path / "box")
-    jobs = [make_job(ck[s], suite=SUITE) for s in (2, 1)]
+    jobs = [make_job(ck[s], suite=SUITE).to_json() for s in (2, 1)]  # the outbox holds JSON data
     for j in jobs + jobs:
         box.put(j)
     assert len(box) == 2 and box.holds(ck[1]) and not box.holds(root)
@@ -56,7 +57,7 @@ def test_outbox_transport_error_keeps_jobs_and_invalid_ones_are_set_aside(tmp_pa
     ck = _publish(tmp_path / "ck", (1, 2, 3))
     box = Outbox(tmp_path / "box")
     for s in (1, 2, 3):
-        box.put(make_job(ck[s], suite=SUITE))
+        box.put(make_job(ck[s], suite=SUITE).to_json())
 
     def send(job):
         if job["step"] == 1:
@@ -65,9 +66,9 @@ def test_outbox_transport_error_keeps_jobs_and_invalid_ones_are_set_aside(tmp_pa
             raise ConnectionError("redis down")
 
     report = box.deliver(send, is_invalid=lambda e: isinstance(e, JobError))
-    assert report.rejected == [job_key(make_job(ck[1], suite=SUITE))] and report.remaining == 2
+    assert report.rejected == [job_key(make_job(ck[1], suite=SUITE).to_json())] and report.remaining == 2
     assert "redis down" in report.error
-    assert [p.stem for p in box.pending()] == [job_key(make_job(ck[s], suite=SUITE)) for s in (2, 3)]
+    assert [p.stem for p in box.pending()] == [job_key(make_job(ck[s], suite=SUITE).to_json()) for s in (2, 3)]
     reason = next(box.rejected_dir.glob("*.reason.txt")).read_text()
     assert "checkpoint is gone" in reason
 
@@ -157,7 +158,7 @@ def test_outbox_delivers_after_redis_comes_back(tmp_path, redis_server, redis_ur
     assert not hook.protects(ck[100]) and is_pinned(ck[100])  # queued now: the pin keeps it
     # delivering the same jobs again (e.g. a crash before the files were removed) adds nothing
     for s in (100, 200):
-        box.put(make_job(ck[s], suite=SUITE, requested_by="hook"))
+        box.put(make_job(ck[s], suite=SUITE, requested_by="hook").to_json())
     assert box.deliver(lambda j: enqueue(conn, j), is_invalid=lambda e: False).complete
     assert _queued_steps(conn) == [100, 200, 300]
     hook.on_train_end(None)
@@ -188,7 +189,7 @@ def test_leftovers_are_delivered_by_the_cli(tmp_path, redis_server, redis_url, c
     ck = _publish(tmp_path / "ck", (100, 200))
     box = Outbox(tmp_path / "ck" / "run-h" / OUTBOX_DIRNAME)
     for s in (100, 200):
-        box.put(make_job(ck[s], suite=SUITE, requested_by="hook"))
+        box.put(make_job(ck[s], suite=SUITE, requested_by="hook").to_json())
     assert cli(["enqueue", "--outbox", str(box.dir), "--redis-url", redis_url]) == 0
     assert "delivered 2" in capsys.readouterr().out and len(box) == 0
     conn = connect(redis_url)

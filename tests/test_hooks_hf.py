@@ -153,7 +153,7 @@ def test_evals_join_the_hf_wandb_run(tmp_path, redis_url, wandb_offline):
         assert cb.run_id == "my-run"
         assert cb.hook.wandb == {"project": "hf-proj", "entity": None, "mode": "offline", "group": "exp-7"}
         job = cb.hook.make_job(publish_random(tmp_path / "ckpts", "my-run", 1), suite="builtin:coding-v1")
-        assert job["wandb"]["group"] == "exp-7" and job["wandb"]["project"] == "hf-proj"
+        assert job.wandb is not None and (job.wandb.group, job.wandb.project) == ("exp-7", "hf-proj")
     finally:
         run.finish()
     # no W&B in report_to: the job's W&B settings are left alone

@@ -225,3 +225,17 @@ def test_no_import_cycles_between_modules():
         if m not in index:
             visit(m)
     assert cycles == [], cycles
+
+
+def test_the_service_reads_a_validated_job_by_attribute():
+    """A job is validated once into a frozen model and read as `job.step`, not `job["step"]`: dicts only where it
+    leaves the process (the outbox's files are JSON data, read back before validation)."""
+    json_side = {"eval_worker/service/outbox.py"}
+    trees = [*_sources("eval_worker/service", "hooks"),
+             ("eval_worker/results/ledger.py", ast.parse((REPO / "eval_worker/results/ledger.py").read_text()))]
+    found = [(rel, node.lineno) for rel, tree in trees if rel not in json_side for node in ast.walk(tree)
+             if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "job"
+                 and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str))
+             or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "job")]
+    assert found == []

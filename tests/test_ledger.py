@@ -7,13 +7,15 @@ import multiprocessing as mp
 import pytest
 
 from eval_worker.results.ledger import Ledger, LedgerError, read_record, record_key, tau_of
+from eval_worker.service.job_schema import validate_job
 
 DIGEST = "ab" * 32
 
 
-def _job(step=100, attempt=0, run="run-a"):
-    return {"schema": "dflash-eval-job/1", "run_id": run, "step": step, "checkpoint": f"/ck/{run}/step-{step:08d}",
-            "checkpoint_digest": DIGEST, "suite": "builtin:coding-v1", "attempt": attempt}
+def _job(step=100, attempt=0, run="run-a", **changes):
+    return validate_job({"schema": "dflash-eval-job/1", "run_id": run, "step": step,
+                         "checkpoint": f"/ck/{run}/step-{step:08d}", "checkpoint_digest": DIGEST,
+                         "suite": "builtin:coding-v1", "attempt": attempt, **changes})
 
 
 def _result(tau, fp="fp0123456789abcd"):
@@ -106,7 +108,8 @@ def test_redis_index_and_reindex(tmp_path, redis_url):
 def test_names_that_would_escape_the_results_dir_are_refused(tmp_path):
     ledger = Ledger(tmp_path)
     with pytest.raises(LedgerError, match="cannot name a ledger directory"):
-        ledger.write(job=_job(run="../x"), job_id="j", result=_result(1.0))
+        # a validated job never names such a run; the ledger refuses it all the same (model_copy skips validation)
+        ledger.write(job=_job().model_copy(update={"run_id": "../x"}), job_id="j", result=_result(1.0))
     with pytest.raises(LedgerError, match="no suite.fingerprint"):
         ledger.write(job=_job(), job_id="j", result={"tau": {}})
 
@@ -123,8 +126,8 @@ def test_unreadable_record_is_a_clear_error(tmp_path):
 def test_ledger_collision_other_options_are_another_record(tmp_path):
     """Same checkpoint, other options (max_new_tokens 16, then 32): two records, each its own τ and job id."""
     ledger = Ledger(tmp_path)
-    j16 = {**_job(), "options": {"max_new_tokens": 16}}
-    j32 = {**_job(), "options": {"max_new_tokens": 32}}
+    j16 = _job(options={"max_new_tokens": 16})
+    j32 = _job(options={"max_new_tokens": 32})
     p16, r16, c16 = ledger.write(job=j16, job_id="eval-16", result=_result(2.0))
     p32, r32, c32 = ledger.write(job=j32, job_id="eval-32", result=_result(3.0))
     assert c16 and c32 and p16 != p32
@@ -138,7 +141,7 @@ def test_ledger_collision_other_checkpoint_at_the_same_step_is_recorded_next_to_
     from eval_worker.redis_client import connect
 
     ledger = Ledger(tmp_path, connection=connect(redis_url))
-    other = {**_job(), "checkpoint_digest": "cd" * 32}
+    other = _job(checkpoint_digest="cd" * 32)
     pa, ra, _ = ledger.write(job=_job(), job_id="eval-a", result=_result(2.0))
     pb, rb, created = ledger.write(job=other, job_id="eval-b", result=_result(4.0))
     assert created and pa != pb
@@ -150,8 +153,8 @@ def test_ledger_collision_other_checkpoint_at_the_same_step_is_recorded_next_to_
 def test_ledger_collision_same_evaluation_of_another_job_becomes_the_next_attempt(tmp_path):
     """Two job ids, one identity (the options differ only in how the work is done): never claimed."""
     ledger = Ledger(tmp_path)
-    a = {**_job(), "options": {"head_rows": 64}}
-    b = {**_job(), "options": {"head_rows": 128, "tree_budget": 8}}  # 8 is the default: same evaluation
+    a = _job(options={"head_rows": 64})
+    b = _job(options={"head_rows": 128, "tree_budget": 8})  # 8 is the default: same evaluation
     pa, ra, _ = ledger.write(job=a, job_id="eval-a", result=_result(2.0))
     pb, rb, created = ledger.write(job=b, job_id="eval-b", result=_result(2.1))
     assert created and pb.parent == pa.parent and (ra["attempt"], rb["attempt"]) == (0, 1)
@@ -164,11 +167,11 @@ def test_ledger_collision_same_evaluation_of_another_job_becomes_the_next_attemp
 
 def test_ledger_collision_identity_covers_digest_suite_target_and_result_options(tmp_path):
     base = record_key(_job(), _result(1.0))
-    assert record_key({**_job(), "checkpoint_digest": "cd" * 32}, _result(1.0)) != base
+    assert record_key(_job(checkpoint_digest="cd" * 32), _result(1.0)) != base
     assert record_key(_job(), _result(1.0, fp="fedcba9876543210")) != base
     assert record_key(_job(), {**_result(1.0), "target": {"fingerprint": "t2"}}) != base
-    assert record_key({**_job(), "options": {"mode": "stride"}}, _result(1.0)) != base
-    assert record_key({**_job(), "options": {"backend": "sdpa", "tree_budget": 8}}, _result(1.0)) == base
+    assert record_key(_job(options={"mode": "stride"}), _result(1.0)) != base
+    assert record_key(_job(options={"backend": "sdpa", "tree_budget": 8}), _result(1.0)) == base
     with pytest.raises(LedgerError, match="checkpoint changed"):
         record_key(_job(), {**_result(1.0), "checkpoint": {"digest": "ee" * 32}})
 

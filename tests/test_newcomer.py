@@ -149,12 +149,13 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
     from rq.worker import Worker
 
     from eval_worker.redis_client import connect
-    from eval_worker.service import jobs
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_ids import canonical_target
     from eval_worker.service.queue import TARGET_FIELD, enqueue
 
     root, (c100, c200) = identity_ckpts
     conn = connect(redis_url)
-    make = lambda **kw: jobs.make_job(c200, suite="builtin:coding-v1", roots=[root], **kw)  # noqa: E731
+    make = lambda **kw: make_job(c200, suite="builtin:coding-v1", roots=[root], **kw)  # noqa: E731
     plain = enqueue(conn, make())
     with_baseline = enqueue(conn, make(baseline=c100))
     assert (plain.status, with_baseline.status) == ("enqueued", "enqueued")
@@ -170,7 +171,7 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
     conn.flushall()
     worker = Worker(["dflash-eval"], connection=conn, serializer=JSONSerializer, name="w-identity")
     worker.register_birth()
-    conn.hset(worker.key, TARGET_FIELD, jobs.canonical_target(target))
+    conn.hset(worker.key, TARGET_FIELD, canonical_target(target))
     import json
 
     argv = ["enqueue", str(c200), "--checkpoint-root", str(root), "--redis-url", redis_url, "--json"]
@@ -187,7 +188,7 @@ def test_job_identity_baseline_property(identity_ckpts):
     from hypothesis import settings as hsettings
     from hypothesis import strategies as st
 
-    from eval_worker.service.jobs import suite_fingerprint
+    from eval_worker.service.job_ids import suite_fingerprint
 
     @hsettings(max_examples=40, deadline=None)
     @given(st.sampled_from([None, "/t/a", "/t/b"]), st.sampled_from([None, "/b/x", "s3://b/r/run/step-00000001"]),
@@ -216,7 +217,8 @@ def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path
 
     from dflash_train.checkpoints.checkpoint import save_drafter
     from dflash_train.checkpoints.publication import CheckpointError
-    from eval_worker.service import jobs
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_schema import JobError
     from tests.factories import drafter_for, qwen3_target
 
     drafter = drafter_for(qwen3_target(layers=2), layers=1, features=1, block_size=4)
@@ -229,9 +231,9 @@ def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path
     named = [Path(p) for p in re.findall(r"--checkpoint-root (\S+?)[` ]", err.split("e.g.")[1])]
     assert set(named) == {tmp_path / "records", src.parent}
     record = next((tmp_path / "records").glob("*/step-*"))
-    with pytest.raises((jobs.JobError, CheckpointError)):
-        jobs.make_job(record, suite="builtin:coding-v1", roots=[tmp_path / "records"])
-    assert jobs.make_job(record, suite="builtin:coding-v1", roots=named)["checkpoint"] == str(record)
+    with pytest.raises((JobError, CheckpointError)):
+        make_job(record, suite="builtin:coding-v1", roots=[tmp_path / "records"])
+    assert make_job(record, suite="builtin:coding-v1", roots=named).checkpoint == str(record)
     # with roots configured the same import is checked, and says nothing more
     roots = _settings(tmp_path / "home").replace(checkpoint_roots=tuple(named))
     assert cli(["import", str(src), "--into", str(tmp_path / "records")], settings=roots) == 0

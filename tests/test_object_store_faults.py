@@ -198,19 +198,19 @@ def test_s3_sticky_cache_job_recovers_from_a_corrupt_entry(tmp_path, bucket, wor
 
     from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.jobs import make_job
+    from eval_worker.service.job_builder import make_job
 
     prefix = f"s3://{bucket}/runs"
     cfg, mask, suite = _job_env(tmp_path, worker_evaluators, prefix)
     (url,) = _publish(tmp_path, bucket, 1, target_config=cfg, mask_token_id=mask)
     job = make_job(url, suite=str(suite), roots=[prefix])
-    first = run_eval_job(job)
+    first = run_eval_job(job.to_json())  # the RQ job function: JSON in
     assert first["recorded_now"]
     cache = evaluators.current().checkpoint_cache()
     (entry,) = cache.entries()
     with open(entry / WEIGHTS, "r+b") as f:
         f.truncate(200)
-    second = run_eval_job({**job, "attempt": 1})
+    second = run_eval_job({**job.to_json(), "attempt": 1})
     assert second["recorded_now"] and second["ledger_path"] != first["ledger_path"]
     assert cache.downloads == 2
     # stat-preserving damage: the load fails, the full digest finds it, one more fetch, recorded
@@ -221,11 +221,11 @@ def test_s3_sticky_cache_job_recovers_from_a_corrupt_entry(tmp_path, bucket, wor
     stamps[WEIGHTS].update(mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
     (entry / ".verified.json").write_text(json.dumps(stamps))
     with caplog.at_level(logging.WARNING):
-        third = run_eval_job({**job, "attempt": 2})
+        third = run_eval_job({**job.to_json(), "attempt": 2})
     assert third["recorded_now"] and cache.downloads == 3
     assert "failed to load" in caplog.text and WEIGHTS in caplog.text
     records = [json.loads(Path(r["ledger_path"]).read_text()) for r in (first, second, third)]
-    assert {r["result"]["checkpoint"]["digest"] for r in records} == {job["checkpoint_digest"]}
+    assert {r["result"]["checkpoint"]["digest"] for r in records} == {job.checkpoint_digest}
     assert len({r["result"]["tau"]["macro"] for r in records}) == 1  # the same weights, the same τ
 
 
@@ -327,7 +327,8 @@ def test_s3_missing_object_is_a_permanent_error_naming_the_file(tmp_path, bucket
 
 def test_s3_missing_object_fails_the_job_once_with_the_name(tmp_path, bucket, worker_evaluators):
     from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_schema import JobError
 
     prefix = f"s3://{bucket}/runs"
     cfg, mask, suite = _job_env(tmp_path, worker_evaluators, prefix)
@@ -335,7 +336,7 @@ def test_s3_missing_object_fails_the_job_once_with_the_name(tmp_path, bucket, wo
     job = make_job(url, suite=str(suite), roots=[prefix])
     storage.store_for(url).remove(f"{url}/config.json")
     with pytest.raises(JobError, match="config.json, listed in its COMPLETE.json, is missing from the store") as e:
-        run_eval_job(job)
+        run_eval_job(job.to_json())
     assert not retryable(e.value)
 
 

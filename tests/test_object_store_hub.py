@@ -23,7 +23,9 @@ from dflash_train.checkpoints.publication import (
     upload_checkpoint,
 )
 from eval_worker.service.checkpoint_cache import CheckpointCache
-from eval_worker.service.jobs import JobError, check_checkpoint, make_job, validate_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_checkpoints import check_checkpoint
+from eval_worker.service.job_schema import JobError, validate_job
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
 
@@ -86,24 +88,24 @@ def test_object_store_hub_is_read_only(hub_cache, tmp_path):
 def test_object_store_hub_jobs_confined_to_orgs_and_pulled_once(hub_cache, tmp_path):
     suite = write_suite(tmp_path / "suite.jsonl")
     job = make_job("hf://org/drafter@main", suite=str(suite), roots=["hf://org"])
-    assert job["checkpoint"] == f"hf://org/drafter@{COMMIT}"  # the branch is pinned to its commit
-    assert job["checkpoint_digest"] == sha256_file(hub_cache / "model.safetensors")
+    assert job.checkpoint == f"hf://org/drafter@{COMMIT}"  # the branch is pinned to its commit
+    assert job.checkpoint_digest == sha256_file(hub_cache / "model.safetensors")
     with pytest.raises(JobError, match="outside the checkpoint prefixes"):
         check_checkpoint(job, ["hf://other-org", "s3://bucket/runs"])
     with pytest.raises(JobError, match="hf://ORG/REPO@<commit>"):  # a job made elsewhere, with a moving branch
-        validate_job({**job, "checkpoint": "hf://org/drafter@main"})
+        validate_job({**job.to_json(), "checkpoint": "hf://org/drafter@main"})
     cache = CheckpointCache(tmp_path / "cache")
     for _ in range(2):
-        with cache.checkout(job["checkpoint"]) as (entry, manifest):
+        with cache.checkout(job.checkpoint) as (entry, manifest):
             assert all(sha256_file(entry / n) == d for n, d in manifest["files"].items())
     assert (cache.downloads, cache.hits) == (1, 1)
     # the cached Hub file changes under us (a bad disk, a tampered cache): caught by digest
     data = bytearray((hub_cache / "model.safetensors").read_bytes())
     data[-1] ^= 1
-    raw = read_marker(job["checkpoint"])
+    raw = read_marker(job.checkpoint)
     (hub_cache / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="digest mismatch after download"):
-        with CheckpointCache(tmp_path / "cache2", attempts=1).checkout(job["checkpoint"], raw):
+        with CheckpointCache(tmp_path / "cache2", attempts=1).checkout(job.checkpoint, raw):
             pass
 
 
@@ -123,7 +125,7 @@ def test_object_store_hub_drafter_as_baseline_is_evaluated(hub_cache, tmp_path, 
                                      cache_dir=tmp_path / "cache", default_target=str(target),
                                      checkpoint_cache_dir=tmp_path / "ckcache"))
     job = make_job(ckpt, suite=str(suite), baseline="hf://org/drafter", roots=[root, "hf://org"])
-    r = run_eval_job(job)
+    r = run_eval_job(job.to_json())
     assert r["recorded_now"]
     record = Ledger(tmp_path / "results").entries("run-h")[0].read()
     base = record["result"]["baseline"]

@@ -17,7 +17,7 @@ from dflash_train.checkpoints.publication import MARKER_NAME, read_manifest, upl
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.jobs import make_job
+from eval_worker.service.job_builder import make_job
 from eval_worker.service.queue import enqueue, fetch_job
 from tests.s3_server import CREDENTIALS
 from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, wait_for, write_suite
@@ -158,11 +158,11 @@ def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, red
     assert summary.step == 6 and not hook.errors, hook.errors
     assert threads and set(threads) == {"checkpoint-publisher"}  # never the training thread
     jobs = [o.job for o in hook.outcomes]
-    assert [j["checkpoint"] for j in jobs] == [f"{prefix}/st/step-00000004", f"{prefix}/st/step-00000006"]
+    assert [j.checkpoint for j in jobs] == [f"{prefix}/st/step-00000004", f"{prefix}/st/step-00000006"]
     assert (home / "outbox" / "st").is_dir()  # the hook's outbox is local, the checkpoints are not
     # retention on the store: keep_last=1 plus the pinned ones (their jobs are queued)
-    assert list_checkpoints(f"{prefix}/st") == [j["checkpoint"] for j in jobs]
-    assert all(is_pinned(j["checkpoint"]) for j in jobs)
+    assert list_checkpoints(f"{prefix}/st") == [j.checkpoint for j in jobs]
+    assert all(is_pinned(j.checkpoint) for j in jobs)
 
     eval_box = tmp_path / "eval-box"
     eval_box.mkdir()
@@ -174,7 +174,7 @@ def test_s3_trainer_publishes_to_the_store_off_the_training_thread(tmp_path, red
         worker.stop()
     records = [e.read() for e in Ledger(eval_box / "results").entries("st")]
     assert sorted(r["step"] for r in records) == [4, 6]
-    assert not any(is_pinned(j["checkpoint"]) for j in jobs)  # the worker released its pins in the store
+    assert not any(is_pinned(j.checkpoint) for j in jobs)  # the worker released its pins in the store
     assert (eval_box / "home" / "checkpoint-cache").is_dir()
 
 

@@ -18,7 +18,8 @@ from dflash_train.checkpoints.publication import is_pinned
 from eval_worker.cli import main as cli
 from eval_worker.engine import acceptance, options
 from eval_worker.redis_client import connect
-from eval_worker.service.jobs import JobError, make_job, validate_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError, validate_job
 from eval_worker.service.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
 from tests.sidecar_support import publish_random
 
@@ -50,7 +51,7 @@ def test_options_schema_refuses_at_enqueue_before_anything_is_pinned(ckpt, redis
     assert reason in str(err.value) and len(str(err.value)) < 1000
     job = make_job(ckpt, suite="builtin:coding-v1")
     with pytest.raises(JobError, match="invalid eval options|unknown eval options"):
-        enqueue(conn, {**job, "options": bad})  # a hand-made payload: same schema
+        enqueue(conn, {**job.to_json(), "options": bad})  # a hand-made payload: same schema
     assert not is_pinned(ckpt) and get_queue(conn, "dflash-eval").count == 0
     assert not list(conn.scan_iter("dflash:*"))  # nothing remembered, nothing hashed into Redis
 
@@ -100,7 +101,7 @@ def test_options_schema_accepts_at_enqueue_exactly_what_the_engine_accepts(opts)
 def test_options_schema_size_limits_on_every_string_field(ckpt, field, value):
     job = make_job(ckpt, suite="builtin:coding-v1")
     with pytest.raises(JobError) as err:
-        validate_job({**job, field: value})
+        validate_job({**job.to_json(), field: value})
     assert field in str(err.value) and len(str(err.value)) < 1000
 
 
@@ -113,7 +114,7 @@ def test_options_schema_oversized_fields_fail_once_at_the_worker_and_status_stay
 
     job = make_job(ckpt, suite="builtin:coding-v1")
     worker_evaluators(WorkerSettings(results_dir=tmp_path / "results", roots=[ckpt.parents[1]]))
-    for bad in ({**job, "suite": BIG}, {**job, "options": {"chat_template": BIG}}):
+    for bad in ({**job.to_json(), "suite": BIG}, {**job.to_json(), "options": {"chat_template": BIG}}):
         with pytest.raises(JobError) as err:  # a ValueError: run_eval_job stops RQ's retries for it
             run_eval_job(bad)
         assert isinstance(err.value, ValueError) and len(str(err.value)) < 1000
@@ -122,7 +123,7 @@ def test_options_schema_oversized_fields_fail_once_at_the_worker_and_status_stay
 
     # a failure whose text is huge anyway (any exception): `status` shows the start of it
     conn = connect(redis_url)
-    rq_job = get_queue(conn, "dflash-eval").enqueue_call(JOB_FUNC, args=(job,), job_id="huge-failure",
+    rq_job = get_queue(conn, "dflash-eval").enqueue_call(JOB_FUNC, args=(job.to_json(),), job_id="huge-failure",
                                                          meta={"run_id": "run-o", "step": 100})
     with conn.pipeline() as pipe:
         rq_job.set_status(JobStatus.FAILED, pipeline=pipe)

@@ -19,8 +19,9 @@ from rq import Queue
 from rq.job import JobStatus
 
 from eval_worker.redis_client import connect
-from eval_worker.service import jobs
 from eval_worker.service.evaluators import WorkerSettings
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError
 from eval_worker.service.queue import enqueue, fetch_job
 from eval_worker.service.worker import serve
 from tests.sidecar_support import REPO_ROOT, publish_random
@@ -64,7 +65,7 @@ def test_pin_race_a_worker_done_before_enqueue_returns_leaves_no_pin(conn, tmp_p
         return job
 
     monkeypatch.setattr(Queue, "enqueue_call", with_a_fast_worker)
-    out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
+    out = enqueue(conn, make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
     assert out.status == "enqueued" and ran == [JobStatus.FINISHED]
     assert _pins(path) == []  # retention may remove the checkpoint now: its only job is recorded
 
@@ -72,7 +73,7 @@ def test_pin_race_a_worker_done_before_enqueue_returns_leaves_no_pin(conn, tmp_p
     # finished (or recorded), and takes its pin back
     monkeypatch.setattr(Queue, "enqueue_call", real)
     for _ in range(3):
-        again = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
+        again = enqueue(conn, make_job(path, suite="builtin:coding-v1", target=str(tmp_path)))
         assert again.status in ("duplicate", "evaluated")
     assert _pins(path) == []
 
@@ -84,7 +85,7 @@ def test_pin_race_a_worker_done_before_enqueue_returns_leaves_no_pin(conn, tmp_p
 
     monkeypatch.setattr(Queue, "enqueue_call", refused)
     with pytest.raises(redis.exceptions.ConnectionError):
-        enqueue(conn, jobs.make_job(other, suite="builtin:coding-v1", target=str(tmp_path)))
+        enqueue(conn, make_job(other, suite="builtin:coding-v1", target=str(tmp_path)))
     assert _pins(other) == []
 
 
@@ -141,7 +142,7 @@ def test_clock_skew_a_box_ahead_does_not_take_a_running_job_for_abandoned(conn, 
     a = _running_worker(tmp_path, redis_url, root, "w-true-clock")
     try:
         a.wait_registered(conn)
-        out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
+        out = enqueue(conn, make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
                       config=QueueConfig(retry_max=2, retry_intervals=[]))
         wait_for(lambda: read_calls(calls), 60, "the job to start on the first worker")
 
@@ -178,7 +179,7 @@ def test_clock_skew_a_box_behind_still_recovers_a_dead_workers_job(conn, redis_u
     a = _running_worker(tmp_path, redis_url, root, "w-doomed")
     try:
         a.wait_registered(conn)
-        out = enqueue(conn, jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
+        out = enqueue(conn, make_job(path, suite="builtin:coding-v1", target=str(tmp_path)),
                       config=QueueConfig(retry_max=2, retry_intervals=[]))
         wait_for(lambda: read_calls(tmp_path / "calls.jsonl"), 60, "the job to start")
         [entry] = conn.zrange(StartedJobRegistry("dflash-eval", connection=conn).key, 0, -1)
@@ -243,8 +244,8 @@ def test_suite_limits_an_oversized_suite_file_is_refused_at_enqueue(conn, tmp_pa
     root = tmp_path / "ck"
     path = publish_random(root, "run-suite", 3, seed=3)
     suite = _suite_file(root / "big.jsonl", header, prompts)
-    with pytest.raises(jobs.JobError, match=match):
-        enqueue(conn, jobs.make_job(path, suite=str(suite), target=str(tmp_path)))
+    with pytest.raises(JobError, match=match):
+        enqueue(conn, make_job(path, suite=str(suite), target=str(tmp_path)))
     assert _pins(path) == []  # refused before anything was pinned or queued
 
 
@@ -257,7 +258,7 @@ def test_suite_limits_a_suite_grown_after_enqueue_fails_its_job_once(conn, tmp_p
     root = tmp_path / "ck"
     path = publish_random(root, "run-suite", 4, seed=4)
     suite = _suite_file(root / "grows.jsonl", {"max_new_tokens": 16})
-    out = enqueue(conn, jobs.make_job(path, suite=str(suite), target=str(tmp_path)), config=QueueConfig(retry_max=2))
+    out = enqueue(conn, make_job(path, suite=str(suite), target=str(tmp_path)), config=QueueConfig(retry_max=2))
     _suite_file(suite, {"max_new_tokens": 1_000_000_000})
     serve(conn, ["dflash-eval"], _settings(tmp_path, root), burst=True, preload=False, with_scheduler=False,
           name="w-suite")
@@ -428,8 +429,7 @@ def test_secret_redaction_no_output_shows_a_planted_secret(conn, redis_url, tmp_
     assert "***@bkt/runs/run-sec/step-00000001" in outputs["enqueue"]  # the location is still named
 
     # a job planted straight into RQ (as any client of the queue could), naming the URL
-    job = jobs.make_job(path, suite="builtin:coding-v1", target=str(tmp_path))
-    job["checkpoint"] = STORE_URL
+    job = {**make_job(path, suite="builtin:coding-v1", target=str(tmp_path)).to_json(), "checkpoint": STORE_URL}
     get_queue(conn, "dflash-eval").enqueue_call(JOB_FUNC, args=(job,), job_id="planted", retry=QueueConfig().retry(),
                                                meta={"run_id": "run-sec", "step": 1})
     w = WorkerProcess(tmp_path, redis_url, [root, tmp_path], name="w-sec", target=tmp_path,

@@ -12,7 +12,8 @@ import pytest
 
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import STEP_CKPTS_DONE, STEP_CKPTS_PREFIX, Ledger
-from eval_worker.service.queue import QueueConfig, _job_brief, _jobs, enqueue, get_queue, status
+from eval_worker.service.queue import QueueConfig, _job_brief, enqueue, get_queue, status
+from eval_worker.service.rq_jobs import fetch_jobs
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def test_scale_status_loads_only_the_jobs_it_lists(conn):
     full = status(conn)  # --json: every job, in the order served
     assert [j["job_id"] for j in full["queued"]] == served and full["queued_total"] == 150
     # read field by field, each brief is what the whole job says
-    assert full["queued"] == [_job_brief(j) for j in _jobs(conn, served)]
+    assert full["queued"] == [_job_brief(j) for j in fetch_jobs(conn, served)]
 
 
 def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tmp_path, wandb_offline, monkeypatch):
@@ -92,8 +93,8 @@ def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tm
     publishes every record (an offline W&B rebuild costs ~0.1 s per record: per job, it was quadratic)."""
     import json
 
-    from eval_worker.service import jobs
     from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import fetch_job
     from eval_worker.service.worker import serve
     from tests.eval_results import fake_checkpoint
@@ -101,9 +102,9 @@ def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tm
 
     monkeypatch.delenv("DFLASH_SINKS", raising=False)  # the default: W&B (offline here)
     root = tmp_path / "ck"
-    ids = [enqueue(conn, jobs.make_job(fake_checkpoint(root, "run-s", step)[0], suite="builtin:coding-v1")).job_id
+    ids = [enqueue(conn, make_job(fake_checkpoint(root, "run-s", step)[0], suite="builtin:coding-v1")).job_id
            for step in (100, 200, 300)]
-    other = enqueue(conn, jobs.make_job(fake_checkpoint(root, "run-o", 100)[0], suite="builtin:coding-v1")).job_id
+    other = enqueue(conn, make_job(fake_checkpoint(root, "run-o", 100)[0], suite="builtin:coding-v1")).job_id
     serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root],
                                                 default_target=str(tmp_path),
                                                 evaluator_factory="tests.fake_evaluator:FakeEvaluator"),

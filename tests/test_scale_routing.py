@@ -17,8 +17,9 @@ from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.results.run_results import load_run
-from eval_worker.service import evaluators, jobs, routing
+from eval_worker.service import evaluators, routing
 from eval_worker.service.evaluators import WorkerSettings
+from eval_worker.service.job_builder import make_job
 from eval_worker.service.queue import QueueConfig, enqueue, fetch_job, requeue_run, status
 from eval_worker.service.worker import serve
 from tests.eval_results import fake_checkpoint
@@ -48,7 +49,7 @@ def _queue(conn, stack, run: str, steps, *, target=None, config=None, priority="
     ids = []
     for step in steps:
         ck, _ = fake_checkpoint(stack["root"], run, step)
-        job = jobs.make_job(ck, suite="builtin:coding-v1", target=str(target) if target else None, priority=priority)
+        job = make_job(ck, suite="builtin:coding-v1", target=str(target) if target else None, priority=priority)
         out = enqueue(conn, job, config=config or QueueConfig())
         assert out.status == "enqueued", out.message
         ids.append(out.job_id)

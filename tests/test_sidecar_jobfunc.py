@@ -8,7 +8,8 @@ from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.service import evaluators
 from eval_worker.service.eval_job import run_eval_job
 from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.jobs import JobError, make_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError
 from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 from tests.test_sidecar_worker import _target
 
@@ -23,7 +24,7 @@ def env(tmp_path, worker_evaluators):
     settings = WorkerSettings(results_dir=tmp_path / "results", roots=[root], cache_dir=tmp_path / "cache",
                               default_target=str(target))
     worker_evaluators(settings)
-    jobs = [make_job(c, suite=str(suite)) for c in ckpts]  # no target: the worker's default
+    jobs = [make_job(c, suite=str(suite)).to_json() for c in ckpts]  # RQ payloads; no target: the worker's default
     return settings, jobs
 
 
@@ -89,7 +90,7 @@ def test_a_drafter_for_another_target_fails_with_the_reason(env, tmp_path):
     settings, _ = env
     wrong = publish_random(settings.roots[0], "run-f", 9, seed=9)  # shaped for a 32-wide random target
     with pytest.raises(ValueError, match="do not fit"):
-        run_eval_job(make_job(wrong, suite=str(settings.roots[0] / "suite.jsonl")))
+        run_eval_job(make_job(wrong, suite=str(settings.roots[0] / "suite.jsonl")).to_json())
     assert Ledger(settings.results_dir).entries("run-f") == []
 
 
@@ -155,7 +156,7 @@ def test_ledger_collision_second_checkpoint_at_one_step_is_recorded_next_to_the_
     cfg, mask = tiny_target_drafter_config(settings.default_target)
     other = publish_random(other_root, "run-f", 1, target_config=cfg, mask_token_id=mask, seed=77)
     evaluators.current().configure(WorkerSettings(**{**settings.__dict__, "roots": settings.roots + [other_root]}))
-    j_other = make_job(other, suite=j1["suite"])
+    j_other = make_job(other, suite=j1["suite"]).to_json()
     assert j_other["step"] == j1["step"] and j_other["checkpoint_digest"] != j1["checkpoint_digest"]
     ra, rb = run_eval_job(j1), run_eval_job(j_other)
     assert ra["recorded_now"] and rb["recorded_now"] and ra["ledger_path"] != rb["ledger_path"]

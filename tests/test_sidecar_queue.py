@@ -11,8 +11,9 @@ import pytest
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service import jobs
-from eval_worker.service.jobs import JobError
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_ids import job_id_for, suite_fingerprint
+from eval_worker.service.job_schema import SCHEMA, JobError, validate_job
 from eval_worker.service.queue import JOB_FUNC, QueueConfig, cancel, enqueue, fetch_job, get_queue, status
 from tests.sidecar_support import REPO_ROOT, publish_random
 
@@ -31,7 +32,7 @@ def conn(redis_url):
 
 
 def _job(path, **kw):
-    return jobs.make_job(path, suite="builtin:coding-v1", **kw)
+    return make_job(path, suite="builtin:coding-v1", **kw)
 
 
 def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
@@ -42,7 +43,7 @@ def test_rq_stores_the_job_as_json_not_pickle(conn, ckpts):
     assert not data.startswith(b"\x80")  # a pickle would start with the PROTO opcode
     func, instance, args, kwargs = json.loads(data)
     assert func == JOB_FUNC and instance is None and kwargs == {}
-    assert args[0]["schema"] == jobs.SCHEMA and args[0]["checkpoint"] == str(c100)
+    assert args[0]["schema"] == SCHEMA and args[0]["checkpoint"] == str(c100)
     assert json.loads(raw[b"meta"])["run_id"] == "run-q"
     assert int(raw[b"timeout"]) == QueueConfig().job_timeout
     assert int(raw[b"failure_ttl"]) == QueueConfig().failure_ttl and int(raw[b"result_ttl"]) == QueueConfig().result_ttl
@@ -66,15 +67,15 @@ def test_force_evaluates_again_under_a_new_attempt(conn, ckpts):
     forced = [enqueue(conn, _job(c100), force=True) for _ in range(2)]
     assert [f.status for f in forced] == ["enqueued", "enqueued"]
     assert [f.job_id for f in forced] == [first.job_id + "-r1", first.job_id + "-r2"]
-    assert [f.job["attempt"] for f in forced] == [1, 2]
+    assert [f.job.attempt for f in forced] == [1, 2]
     assert get_queue(conn, "dflash-eval").count == 3
 
 
 def test_recorded_in_ledger_is_not_enqueued_again(conn, ckpts, tmp_path):
     root, (c100, _) = ckpts
     job = _job(c100)
-    fp = jobs.suite_fingerprint(job["suite"])
-    job_id = jobs.job_id_for(job, fp)
+    fp = suite_fingerprint(job.suite)
+    job_id = job_id_for(job, fp)
     Ledger(tmp_path, connection=conn).write(job=job, job_id=job_id, result={
         "suite": {"fingerprint": fp}, "tau": {"macro": 2.75}})
     out = enqueue(conn, job)
@@ -97,9 +98,9 @@ def test_invalid_jobs_never_reach_redis(conn, ckpts, tmp_path):
     unpublished = root / "run-q" / "step-00000300"
     unpublished.mkdir()
     with pytest.raises(JobError, match="COMPLETE.json"):
-        enqueue(conn, {**_job(c100), "checkpoint": str(unpublished), "step": 300})
+        enqueue(conn, {**_job(c100).to_json(), "checkpoint": str(unpublished), "step": 300})
     with pytest.raises(JobError, match="unknown job schema version"):
-        enqueue(conn, {**_job(c100), "schema": "dflash-eval-job/0"})
+        enqueue(conn, {**_job(c100).to_json(), "schema": "dflash-eval-job/0"})
     assert not conn.keys("rq:job:*")
 
 
@@ -142,7 +143,7 @@ def test_cli_enqueue_status_cancel(redis_url, ckpts, capsys):
     assert cli(["status", "--redis-url", redis_url]) == 0
     out = capsys.readouterr().out
     assert "dflash-eval=2" in out and "failed (0)" in out
-    job_id = jobs.job_id_for(_job(c100), jobs.suite_fingerprint("builtin:coding-v1"))
+    job_id = job_id_for(_job(c100), suite_fingerprint("builtin:coding-v1"))
     assert cli(["cancel", job_id, "--redis-url", redis_url]) == 0
     assert "canceled" in capsys.readouterr().out
     assert cli(["status", "--json", "--redis-url", redis_url]) == 0
@@ -216,8 +217,8 @@ def test_status_shows_tau_per_suite(redis_url, tmp_path, capsys):
     for step, p in ((100, 0.3), (200, 0.5)):
         for suite, spec, q in (("coding", "builtin:coding-v1", p), ("gsm8k-n8", "hf:gsm8k:n=8", p + 0.3)):
             res = make_result("run-s", step, p=q, suite=suite)
-            job = {"schema": "dflash-eval-job/1", "run_id": "run-s", "step": step, "checkpoint": "/x",
-                   "checkpoint_digest": res["checkpoint"]["digest"], "suite": spec, "attempt": 0}
+            job = validate_job({"schema": "dflash-eval-job/1", "run_id": "run-s", "step": step, "checkpoint": "/x",
+                                "checkpoint_digest": res["checkpoint"]["digest"], "suite": spec, "attempt": 0})
             path, record, _ = ledger.write(job=job, job_id=f"eval-run-s-{step}-{suite}", result=res)
             ledger.index(record, path)
             taus[(spec, step)] = res["tau"]["macro"]

@@ -18,7 +18,7 @@ import pytest
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service import jobs
+from eval_worker.service.job_builder import make_job
 from eval_worker.service.queue import QueueConfig, cancel, enqueue, fetch_job, status
 from tests.sidecar_support import (
     REPO_ROOT,
@@ -69,7 +69,7 @@ def ctx(setup, redis_url, tmp_path):
         return w
 
     def job(step, **kw):
-        return jobs.make_job(setup["ckpts"][step], suite=str(setup["suite"]), target=str(setup["target"]), **kw)
+        return make_job(setup["ckpts"][step], suite=str(setup["suite"]), target=str(setup["target"]), **kw)
 
     def finished(job_id, timeout=120):
         j = fetch_job(conn, job_id)

@@ -24,7 +24,8 @@ def _imported_after(code: str) -> list[str]:
 @pytest.mark.parametrize("code", [
     "import dflash_train.checkpoints.publication",
     "import dflash_train.checkpoints.storage, eval_worker.service.checkpoint_cache, dflash_train.checkpoints.hub",
-    "import eval_worker.service.jobs",
+    "import eval_worker.service.job_schema, eval_worker.service.job_ids, eval_worker.service.confinement",
+    "import eval_worker.service.job_checkpoints, eval_worker.service.job_builder, eval_worker.service.submission",
     "import eval_worker.service.queue, eval_worker.results.ledger",
     "import eval_worker.redis_client, eval_worker.service.redis_server",
     "import eval_worker.commands.enqueue",
@@ -43,7 +44,9 @@ def test_enqueue_path_imports_no_torch(tmp_path):
     code = f"""
 import hashlib, json, pathlib
 from dflash_train.checkpoints.publication import publish_directory, pin_checkpoint
-from eval_worker.service.jobs import check_checkpoint, job_fingerprint, job_id_for, make_job
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_checkpoints import check_checkpoint
+from eval_worker.service.job_ids import job_fingerprint, job_id_for
 
 def write(tmp):
     (tmp / "config.json").write_text("{{}}")

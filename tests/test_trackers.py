@@ -261,17 +261,17 @@ def test_mlflow_sink_server_on_loopback_nested_under_trainer_run(tmp_path, monke
 
 def test_tensorboard_sink_chosen_per_job_over_the_workers(tmp_path, monkeypatch):
     """A job's `sinks` list wins over the worker's: W&B configured, the job asks for TensorBoard only."""
-    from eval_worker.service.jobs import JobError, validate_job
+    from eval_worker.service.job_schema import JobError, validate_job
 
     monkeypatch.setenv("DFLASH_SINKS", "wandb")
     monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))
     monkeypatch.setenv("DFLASH_TENSORBOARD_DIR", str(tmp_path / "tb"))
     record, res = record_for(tmp_path, "run-j", 10, 0.5)
-    job = validate_job({**record["job"], "sinks": ["tensorboard"]})
+    job = validate_job({**record["job"], "sinks": ["tensorboard"]}).to_json()  # sinks read the job's JSON
     outcome = publish_result(record, job, Settings.from_env())
     assert set(outcome) == {"tensorboard"} and outcome["tensorboard"]["ok"], outcome
     assert [e.step for e in read_events(tmp_path / "tb" / "run-j-eval").Scalars("eval/tau")] == [10]
-    assert publish_result(record, validate_job({**record["job"], "sinks": []}), Settings.from_env()) == {}
+    assert publish_result(record, validate_job({**record["job"], "sinks": []}).to_json(), Settings.from_env()) == {}
     with pytest.raises(JobError, match="sinks"):
         validate_job({**record["job"], "sinks": ["tensorbored"]})
 

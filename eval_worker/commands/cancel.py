@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.service.jobs import JobError
+    from eval_worker.service.job_schema import JobError
     from eval_worker.service.queue import cancel
 
     try:

@@ -96,10 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from dflash_train.checkpoints.hub import resolve_target
+    from dflash_train.checkpoints.publication import CheckpointError
+    from dflash_train.checkpoints.storage import StoreError
     from dflash_train.common.settings import parse_roots
     from eval_worker.engine.suite import DEFAULT_SUITE
-    from eval_worker.service.jobs import JobError, make_job
-    from eval_worker.service.queue import QueueConfig, enqueue, queue_name, workers_target
+    from eval_worker.service.job_schema import JobError
+    from eval_worker.service.queue import QueueConfig
+    from eval_worker.service.routing import parse_policy
+    from eval_worker.service.submission import Submission, deliver_outbox, expand_checkpoints, is_published
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -126,8 +131,6 @@ def main(args: argparse.Namespace) -> int:
             return fail(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
     mlflow = {k: v for k, v in (("experiment", args.mlflow_experiment), ("parent_run_id", args.mlflow_parent_run))
               if v} or None
-    from eval_worker.service.routing import parse_policy
-
     try:
         parse_policy(args.backlog)
     except JobError as e:
@@ -137,27 +140,22 @@ def main(args: argparse.Namespace) -> int:
         config.job_timeout = args.job_timeout
     if args.retries is not None:
         config.retry_max = args.retries
-    from dflash_train.checkpoints.storage import StoreError
-
     try:
         roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     except StoreError as e:
         return fail(f"--checkpoint-root: {e}")
-    from dflash_train.checkpoints.hub import resolve_target
-    from dflash_train.checkpoints.publication import CheckpointError
-
     try:  # a Hub model id: the job carries its snapshot directory (one commit) in the Hugging Face cache
         target = resolve_target(args.target or args.settings.target)
     except CheckpointError as e:
         return fail(str(e))
 
-    outcomes, errors = [], []
-    paths, baseline = _expand(args.checkpoints), args.baseline
+    paths, baseline = expand_checkpoints(args.checkpoints), args.baseline
     records: list = []
+    import_errors: list = []
     if args.external:  # drafters trained elsewhere: queue their import records instead
-        external = [p for p in paths + ([baseline] if baseline else []) if not _published(p)]
-        records, import_errors = import_drafters(args, external)
-        errors += [{"checkpoint": e["given"], "error": e["error"]} for e in import_errors]
+        external = [p for p in paths + ([baseline] if baseline else []) if not is_published(p)]
+        records, failed = import_drafters(args, external)
+        import_errors = [{"checkpoint": e["given"], "error": e["error"]} for e in failed]
         record_of = {r["given"]: r["record"] for r in records}
         for r in records:
             if not args.json:
@@ -166,30 +164,18 @@ def main(args: argparse.Namespace) -> int:
             paths = []  # the comparison was asked for: nothing is queued without its baseline
         paths = [record_of.get(p, p) for p in paths if p not in external or p in record_of]
         baseline = record_of.get(baseline, baseline)
-    jobs = []
-    for path in paths:
-        for suite in dict.fromkeys(args.suite or [DEFAULT_SUITE]):
-            try:
-                jobs.append(make_job(path, suite=suite, target=target, baseline=baseline, wandb=wandb,
-                                     sinks=sinks, mlflow=mlflow, requested_by="user", priority=args.priority,
-                                     options=options or None,
-                                     roots=roots))
-            except (JobError, StoreError, OSError) as e:  # OSError: StoreUnavailable, the store did not answer
-                errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
+    submission = Submission(suites=args.suite or [DEFAULT_SUITE], target=target, baseline=baseline, wandb=wandb,
+                            sinks=sinks, mlflow=mlflow, priority=args.priority, options=options or None,
+                            roots=roots, errors=import_errors)
+    submission.make_jobs(paths)
     try:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost
         return fail(str(e))
-    for job in jobs:
-        if not job["target"]:  # the workers' own target, spelled out: the same job as naming it
-            job["target"] = workers_target(conn, queue_name(config.base, job["priority"]))
-        try:
-            outcomes.append(enqueue(conn, job, force=args.force, config=config, roots=roots))
-        except (JobError, StoreError, OSError) as e:
-            errors.append({"checkpoint": job["checkpoint"], "error": str(e)})
-    delivered = []
-    for directory in args.outbox:
-        delivered.append(_deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected))
+    submission.enqueue_all(conn, config, force=args.force)
+    delivered = [deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected)
+                 for directory in args.outbox]
+    outcomes, errors = submission.outcomes, submission.errors
 
     if args.json:
         print_json({"redis": url, "outcomes": [o.to_dict() for o in outcomes], "errors": errors,
@@ -209,47 +195,3 @@ def main(args: argparse.Namespace) -> int:
         for err in errors:
             print(f"error     {err['checkpoint']}: {err['error']}")
     return 2 if errors or any(d["remaining"] or d["rejected"] or d["set_aside"] for d in delivered) else 0
-
-
-def _published(path: str) -> bool:
-    from pathlib import Path
-
-    from dflash_train.checkpoints import storage
-    from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
-
-    if storage.is_url(path):  # never imported: a store URL is a published checkpoint or refused by make_job
-        return True
-    return (Path(path) / MARKER_NAME).exists() or bool(list_checkpoints(path))
-
-
-def _expand(paths: list[str]) -> list[str]:
-    """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
-    from pathlib import Path
-
-    from dflash_train.checkpoints import storage
-    from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
-
-    out: list = []
-    for p in paths:
-        if storage.is_url(p):  # a run prefix in a store stands for its marked step prefixes
-            try:
-                url = storage.check_url(p)
-                store = storage.store_for(url)
-                inner = [] if store.exists(storage.join(url, MARKER_NAME)) else list_checkpoints(url)
-            except (storage.StoreError, OSError):
-                inner = []  # make_job says what is wrong with it
-        else:
-            inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)
-        out.extend(str(c) for c in inner) if inner else out.append(p)
-    return out
-
-
-def _deliver_outbox(directory: str, conn, config, *, retry_rejected: bool = False) -> dict:
-    from eval_worker.service.outbox import Outbox
-    from eval_worker.service.queue import enqueue
-
-    box = Outbox(directory)
-    restored = box.restore_rejected() if retry_rejected else []
-    report = box.deliver(lambda job: enqueue(conn, job, config=config))
-    return {"dir": directory, "restored": restored, "delivered": report.delivered, "rejected": report.rejected,
-            "remaining": report.remaining, "error": report.error, "set_aside": box.rejected()}

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.service.jobs import JobError
+    from eval_worker.service.job_schema import JobError
     from eval_worker.service.queue import EnqueueOutcome, QueueConfig, requeue_failed, requeue_run
 
     if not args.failed and not args.run:

@@ -41,7 +41,8 @@ def main(args: argparse.Namespace) -> int:
 
     from dflash_train.checkpoints import storage
     from dflash_train.common.settings import parse_roots
-    from eval_worker.service.jobs import JobError, make_job
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_schema import JobError
     from eval_worker.service.queue import QueueConfig, enqueue
     from eval_worker.service.watch import Watcher
 

@@ -41,13 +41,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dflash_train.checkpoints.publication import checkpoint_step, step_dir_name, valid_run_id
 from dflash_train.common.errors import DFlashError
 from dflash_train.common.fsutil import fsync_dir
 from eval_worker.engine.options import OptionsError, options_identity
-from eval_worker.service.jobs import strip_attempt
+from eval_worker.results.attempts import strip_attempt
 
 RECORD_SCHEMA = "dflash-eval-record/1"
 # Redis keys of this module: the index is a cache of the files (`Ledger.reindex` rebuilds it)
@@ -60,6 +60,30 @@ STEP_CKPTS_PREFIX = "dflash:step-ckpts:"  # "<run>:<step>" -> {digest, ...}
 STEP_CKPTS_DONE = "dflash:step-ckpts-migrated"  # runs whose older entries have been copied into the sets
 _ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.json$")
 FILE_MODE, DIR_MODE = 0o644, 0o755  # shared results: readable by the report/publish user, written by the worker
+
+
+class RecordedJob(Protocol):
+    """What the ledger reads of a job: the service's validated job (`JobPayload`), read by attribute;
+    `to_json()` is what a record keeps under "job"."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def suite(self) -> str: ...
+    @property
+    def checkpoint_digest(self) -> str: ...
+    @property
+    def target(self) -> str | None: ...
+    @property
+    def baseline(self) -> str | None: ...
+    @property
+    def options(self) -> dict[str, Any] | None: ...
+
+    def to_json(self) -> dict[str, Any]: ...
 
 
 class LedgerError(DFlashError, RuntimeError):
@@ -90,7 +114,7 @@ def tau_of(record: dict[str, Any]) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def record_key(job: dict[str, Any], result: dict[str, Any]) -> str:
+def record_key(job: RecordedJob, result: dict[str, Any]) -> str:
     """The identity of an evaluation (16 hex): checkpoint digest, suite fingerprint, target, options, baseline.
 
     The suite fingerprint is the result's (after `num_prompts`); the target is the one the
@@ -100,33 +124,33 @@ def record_key(job: dict[str, Any], result: dict[str, Any]) -> str:
     suite_fp = (result.get("suite") or {}).get("fingerprint")
     if not suite_fp:
         raise LedgerError("result has no suite.fingerprint; cannot place it in the ledger")
-    digest = job.get("checkpoint_digest")
+    digest = job.checkpoint_digest
     result_digest = (result.get("checkpoint") or {}).get("digest")
     if result_digest and digest and result_digest != digest:
         raise LedgerError(f"the result is of checkpoint {str(result_digest)[:12]}..., the job names "
                           f"{str(digest)[:12]}...: the checkpoint changed during the evaluation")
     target = result.get("target") or {}
     try:
-        options = options_identity(job.get("options"))
+        options = options_identity(job.options)
     except OptionsError as e:
         raise LedgerError(str(e)) from None
     spec = {"checkpoint": digest or result_digest, "suite": suite_fp, "options": options,
-            "target": target.get("fingerprint") or target.get("path") or job.get("target")}
-    if job.get("baseline"):  # Δτ against it is part of the result; keys without one are unchanged
-        spec["baseline"] = job["baseline"]
+            "target": target.get("fingerprint") or target.get("path") or job.target}
+    if job.baseline:  # Δτ against it is part of the result; keys without one are unchanged
+        spec["baseline"] = job.baseline
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def same_job(record: dict[str, Any], job: dict[str, Any], job_id: str) -> bool:
+def same_job(record: dict[str, Any], job: RecordedJob, job_id: str) -> bool:
     """Whether `record` is the result of this very job: its id, and the request behind the id
     (checkpoint digest, suite, target, result-changing options; a reused id is not enough)."""
     if record.get("job_id") != job_id:
         return False
     theirs = record.get("job") or {}
     try:
-        return (theirs.get("checkpoint_digest") == job.get("checkpoint_digest")
-                and theirs.get("suite") == job.get("suite") and theirs.get("target") == job.get("target")
-                and options_identity(theirs.get("options")) == options_identity(job.get("options")))
+        return (theirs.get("checkpoint_digest") == job.checkpoint_digest
+                and theirs.get("suite") == job.suite and theirs.get("target") == job.target
+                and options_identity(theirs.get("options")) == options_identity(job.options))
     except OptionsError:
         return False
 
@@ -244,7 +268,7 @@ class Ledger:
         return Path(record_path).resolve().parents[3]
 
     # ---- writing -------------------------------------------------------------------
-    def write(self, *, job: dict[str, Any], job_id: str, result: dict[str, Any],
+    def write(self, *, job: RecordedJob, job_id: str, result: dict[str, Any],
               worker: dict[str, Any] | None = None,
               queue: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any], bool]:
         """Record `result` of `job`; return (path, record, created).
@@ -256,12 +280,12 @@ class Ledger:
         """
         suite_fp = (result.get("suite") or {}).get("fingerprint")
         key = record_key(job, result)
-        run_id, step, attempt = job["run_id"], int(job["step"]), int(job.get("attempt") or 0)
+        run_id, step, attempt = job.run_id, job.step, job.attempt
         record_dir = self.record_dir(run_id, step, key)
         record = {
-            "schema": RECORD_SCHEMA, "run_id": run_id, "step": step, "suite": job.get("suite"),
+            "schema": RECORD_SCHEMA, "run_id": run_id, "step": step, "suite": job.suite,
             "suite_fingerprint": suite_fp, "key": key, "attempt": attempt, "job_id": job_id,
-            "checkpoint_digest": job.get("checkpoint_digest"), "recorded_at": _utcnow(), "job": job,
+            "checkpoint_digest": job.checkpoint_digest, "recorded_at": _utcnow(), "job": job.to_json(),
             "worker": worker or {"host": socket.gethostname(), "pid": os.getpid()}, "result": result,
         }
         if queue:  # the queue's view when it was recorded (eval lag: service/routing.py)
@@ -296,7 +320,7 @@ class Ledger:
     def _attempts(record_dir: Path) -> list[int]:
         return [int(m.group(1)) for p in record_dir.iterdir() if (m := _ATTEMPT_RE.match(p.name))]
 
-    def _record_of(self, record_dir: Path, job: dict[str, Any], job_id: str) -> tuple[Path, dict[str, Any]] | None:
+    def _record_of(self, record_dir: Path, job: RecordedJob, job_id: str) -> tuple[Path, dict[str, Any]] | None:
         for n in sorted(self._attempts(record_dir)):
             path = record_dir / f"attempt-{n}.json"
             with contextlib.suppress(LedgerError):
@@ -428,9 +452,9 @@ class Ledger:
         for entry in self.entries(run_id, **kw):
             yield entry.read()
 
-    def find_job(self, job: dict[str, Any], job_id: str) -> tuple[Path, dict[str, Any]] | None:
+    def find_job(self, job: RecordedJob, job_id: str) -> tuple[Path, dict[str, Any]] | None:
         """An existing record of exactly this job (see `same_job`), or None."""
-        step_dir = self.step_dir(job["run_id"], job["step"])
+        step_dir = self.step_dir(job.run_id, job.step)
         if not step_dir.is_dir():
             return None
         for path in sorted(step_dir.glob("*/attempt-*.json")):

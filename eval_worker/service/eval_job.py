@@ -31,9 +31,11 @@ from eval_worker.engine.suite import HF_PREFIX, Suite, load_suite
 from eval_worker.results import sinks
 from eval_worker.results.ledger import Ledger, tau_of
 from eval_worker.service import evaluators, routing
-from eval_worker.service import jobs as jobs_mod
+from eval_worker.service.confinement import check_suite, check_target
 from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.jobs import JobError
+from eval_worker.service.job_checkpoints import check_checkpoint, materialize
+from eval_worker.service.job_ids import job_id_for
+from eval_worker.service.job_schema import JobError, JobPayload, validate_job
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +48,12 @@ class LedgerWriteFailed(DFlashError, OSError):
     retryable = True  # the retry only writes the spooled result
 
 
-def _publish_to_sinks(record: dict[str, Any], job: dict[str, Any]) -> str | None:
+def _publish_to_sinks(record: dict[str, Any], job: JobPayload) -> str | None:
     """Tell the result sinks (W&B). Returns their errors as text instead of raising."""
     try:
         env = evaluators.current().settings.env
         assert env is not None, "WorkerSettings fills env"
-        outcome = sinks.publish_result(record, job, env)
+        outcome = sinks.publish_result(record, job.to_json(), env)  # sinks read JSON, as the ledger keeps it
     except Exception as e:  # noqa: BLE001 - the ledger has the record; `publish` fills the gap later
         log.warning("result sink failed for %s (kept in the ledger; `dflash-eval publish` can retry): %s",
                     record.get("job_id"), e, exc_info=True)
@@ -88,7 +90,7 @@ def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
     t0 = time.monotonic()
-    job = jobs_mod.validate_job(payload)
+    job = validate_job(payload)
     s = evaluators.current().settings
     if s.roots is None:
         raise JobError("this worker has no checkpoint roots configured: start it with --checkpoint-root DIR "
@@ -124,20 +126,20 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
             deferred = _next_job_of_run(rq_job, job) if _rebuilds_run(job, s) else None
             if deferred:
                 log.info("job %s: result sinks left to %s, queued next for run %s (its publication includes "
-                         "this record)", job_id, deferred, job["run_id"])
+                         "this record)", job_id, deferred, job.run_id)
             else:
                 sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
-    unpin_checkpoint(job["checkpoint"], job_id)
+    unpin_checkpoint(job.checkpoint, job_id)
     tau = tau_of(record)
     _log_outcome(job_id, job, record, path, time.monotonic() - t0, created)
-    return {"job_id": job_id, "run_id": job["run_id"], "step": job["step"], "attempt": record.get("attempt"),
+    return {"job_id": job_id, "run_id": job.run_id, "step": job.step, "attempt": record.get("attempt"),
             "tau": tau, "ledger_path": str(path), "recorded_now": created, "sink_error": sink_error,
             "from_spool": existing is None and spooled is not None, "sinks_deferred_to": deferred,
             "worker_pid": os.getpid(), "target_loads": evaluators.current().target_loads(),
             "seconds": round(time.monotonic() - t0, 3)}
 
 
-def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path, seconds: float,
+def _log_outcome(job_id: str, job: JobPayload, record: dict[str, Any], path, seconds: float,
                  created: bool) -> None:
     """One line per job in the worker's log: what was measured, how sure, how long it took."""
     result = record.get("result") or {}
@@ -153,7 +155,7 @@ def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path,
         extra += "; " + ", ".join(f"τ@t={k} {f((e.get('tau') or {}).get('macro'))}" for k, e in by_t.items())
     errors = [d.get("code") for d in result.get("diagnostics") or [] if d.get("severity") == "error"]
     log.info("job %s: run %s step %s suite %s: τ %s (95%% CI [%s, %s], %s verify steps%s)%s in %s; %s %s",
-             job_id, job["run_id"], job["step"], (result.get("suite") or {}).get("name", job["suite"]),
+             job_id, job.run_id, job.step, (result.get("suite") or {}).get("name", job.suite),
              f(tau.get("macro")), f(ci[0]), f(ci[1]), tau.get("num_steps", "?"), extra,
              f"; diagnostics: {', '.join(errors)}" if errors else "", format_duration(seconds),
              "recorded at" if created else "already recorded at", path)
@@ -162,7 +164,7 @@ def _log_outcome(job_id: str, job: dict[str, Any], record: dict[str, Any], path,
 PEEK = 20  # queued jobs looked at for a later job of the same run
 
 
-def _rebuilds_run(job: dict[str, Any], s: WorkerSettings) -> bool:
+def _rebuilds_run(job: JobPayload, s: WorkerSettings) -> bool:
     """Whether publishing this job rebuilds its run from the ledger: W&B offline is the only sink
     on (online W&B appends the missing records; a sink that logs the record it is given must get it)."""
     assert s.env is not None, "WorkerSettings fills env"
@@ -171,12 +173,12 @@ def _rebuilds_run(job: dict[str, Any], s: WorkerSettings) -> bool:
     try:
         from eval_worker.results.sinks.wandb_sink import target_from
 
-        return target_from(job.get("wandb"), s.env).mode == "offline"
+        return target_from(job.to_json()["wandb"], s.env).mode == "offline"
     except Exception:  # noqa: BLE001 - when in doubt, publish now
         return False
 
 
-def _next_job_of_run(rq_job, job: dict[str, Any]) -> str | None:
+def _next_job_of_run(rq_job, job: JobPayload) -> str | None:
     """A job of the same run (and W&B settings) among the next ones queued where this one came from.
 
     Publishing rebuilds the run's sink state from the whole ledger (an offline W&B run: ~0.1 s per
@@ -186,64 +188,65 @@ def _next_job_of_run(rq_job, job: dict[str, Any]) -> str | None:
     if rq_job is None:
         return None
     try:
-        from eval_worker.service.queue import _jobs, get_queue
+        from eval_worker.service.rq_jobs import fetch_jobs, get_queue
 
         ids = [i for i in get_queue(rq_job.connection, rq_job.origin).get_job_ids(0, PEEK) if i != rq_job.id]
-        for other in _jobs(rq_job.connection, ids):
-            payload = other.args[0] if other.args else {}
-            if (isinstance(payload, dict) and payload.get("run_id") == job["run_id"]
-                    and payload.get("wandb") == job.get("wandb")):
+        for other in fetch_jobs(rq_job.connection, ids):
+            payload = other.args[0] if other.args else {}  # another job as RQ holds it: JSON data
+            if (isinstance(payload, dict) and payload.get("run_id") == job.run_id
+                    and payload.get("wandb") == job.to_json()["wandb"]):
                 return other.id
     except Exception as e:  # noqa: BLE001 - when in doubt, publish now
-        log.debug("could not look for a later job of %s: %s", job["run_id"], e)
+        log.debug("could not look for a later job of %s: %s", job.run_id, e)
     return None
 
 
-def _queue_view(connection, job: dict[str, Any]) -> dict[str, Any] | None:
+def _queue_view(connection, job: JobPayload) -> dict[str, Any] | None:
     """The run's eval lag once this job is recorded (service/routing.py); None outside a queue."""
     if connection is None:
         return None
     try:
-        lag = routing.lag_at_completion(connection, job["run_id"], int(job["step"]))
+        lag = routing.lag_at_completion(connection, job.run_id, job.step)
     except Exception as e:  # noqa: BLE001 - bookkeeping: never worth failing a computed result
-        log.warning("eval lag of %s not recorded: %s", job["run_id"], e)
+        log.warning("eval lag of %s not recorded: %s", job.run_id, e)
         return None
     return {"eval_lag": lag} if lag else None
 
 
-def _local_job_id(job: dict[str, Any]) -> str:
+def _local_job_id(job: JobPayload) -> str:
     """A job run outside RQ: an id from the request itself (suite spec, options, target), nothing read."""
-    spec = json.dumps({"suite": job["suite"], "options": options_identity(job["options"]), "target": job["target"]},
+    spec = json.dumps({"suite": job.suite, "options": options_identity(job.options), "target": job.target},
                       sort_keys=True)
-    return jobs_mod.job_id_for(job, "local-" + hashlib.sha256(spec.encode()).hexdigest()[:10])
+    return job_id_for(job, "local-" + hashlib.sha256(spec.encode()).hexdigest()[:10])
 
 
-def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
+def _evaluate(job: JobPayload, s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check the job's files (checkpoint, target, suite: inside their roots), run the engine; (result, worker info)."""
-    jobs_mod.check_checkpoint(job, s.roots)  # confined and marked: cheap, before anything is loaded or pulled
-    target = job["target"] or s.default_target
+    check_checkpoint(job, s.roots)  # confined and marked: cheap, before anything is loaded or pulled
+    target = job.target or s.default_target
     if not target:
         raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
-    if job["target"]:
+    if job.target:
         # a worker has checkpoint roots: it refuses to start without them
-        jobs_mod.check_target(target, s.default_target, s.target_roots, s.roots)  # type: ignore[arg-type]
-    suite_name = jobs_mod.check_suite(job["suite"], s.suite_roots, s.roots)
+        check_target(target, s.default_target, s.target_roots, s.roots)  # type: ignore[arg-type]
+    suite_name = check_suite(job.suite, s.suite_roots, s.roots)
     suite: str | Suite = suite_name
     assert s.env is not None, "WorkerSettings fills env"
     if suite_name.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
         suite = load_suite(suite_name, hf_datasets_dir=s.env.hf_datasets_dir)
     # what is not on this machine (an object store, the Hub) is evaluated from the worker's checkpoint cache
-    remote = {k: job[k] for k in ("checkpoint", "baseline") if job.get(k) and not storage.store_for(job[k]).local}
+    remote = {k: v for k, v in (("checkpoint", job.checkpoint), ("baseline", job.baseline))
+              if v and not storage.store_for(v).local}
     cache = evaluators.current().checkpoint_cache() if remote else None
     for refetched in (False, True):
         used: list[str] = []
         try:
             # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
-            with jobs_mod.materialize(job, s.roots, cache) as (checkpoint, baseline, verified):
+            with materialize(job, s.roots, cache) as (checkpoint, baseline, verified):
                 used = [p for p in (checkpoint, baseline) if p]
                 evaluator = evaluators.current().get(target)
-                result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job["train_metrics"],
-                                            options=job["options"], verified=verified).to_dict()
+                result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job.train_metrics,
+                                            options=job.options, verified=verified).to_dict()
             break
         except CheckpointError as e:
             # a cache entry that fails to load is re-hashed: a corrupt one is dropped and fetched once more
@@ -251,7 +254,7 @@ def _evaluate(job: dict[str, Any], s: WorkerSettings, rq_job) -> tuple[dict[str,
             if not why:
                 raise
             log.warning("job %s: the cached copy failed to load (%s: %s); fetching it again",
-                        storage.redact(job["checkpoint"]), "; ".join(why), e)
+                        storage.redact(job.checkpoint), "; ".join(why), e)
     # a result names what was asked for (the store URL), not the worker's cache entry
     for key, field in (("checkpoint", "path"), ("baseline", "checkpoint")):
         if key in remote and isinstance(result.get(key), dict):
@@ -268,11 +271,11 @@ def _spool_path(s: WorkerSettings, job_id: str) -> Path:
     return Path(s.spool_dir) / f"{job_id}.json"
 
 
-def _spool(s: WorkerSettings, job: dict[str, Any], job_id: str, result: dict[str, Any],
+def _spool(s: WorkerSettings, job: JobPayload, job_id: str, result: dict[str, Any],
            worker_info: dict[str, Any], error: OSError, rq_job) -> LedgerWriteFailed:
     """Keep a computed result whose ledger write failed; the error to fail the job with."""
     path = _spool_path(s, job_id)
-    entry = {"schema": SPOOL_SCHEMA, "job_id": job_id, "job": job, "results_dir": str(s.results_dir),
+    entry = {"schema": SPOOL_SCHEMA, "job_id": job_id, "job": job.to_json(), "results_dir": str(s.results_dir),
              "worker": worker_info, "error": f"{type(error).__name__}: {error}", "result": result}
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -287,7 +290,7 @@ def _spool(s: WorkerSettings, job: dict[str, Any], job_id: str, result: dict[str
                              "a retry only writes it (no re-evaluation)")
 
 
-def _read_spool(s: WorkerSettings, job: dict[str, Any], job_id: str) -> dict[str, Any] | None:
+def _read_spool(s: WorkerSettings, job: JobPayload, job_id: str) -> dict[str, Any] | None:
     """The spooled result of exactly this job for this ledger, or None."""
     path = _spool_path(s, job_id)
     try:
@@ -299,7 +302,7 @@ def _read_spool(s: WorkerSettings, job: dict[str, Any], job_id: str) -> dict[str
         return None
     ok = (isinstance(entry, dict) and entry.get("schema") == SPOOL_SCHEMA and entry.get("job_id") == job_id
           and entry.get("results_dir") == str(s.results_dir) and isinstance(entry.get("result"), dict)
-          and (entry.get("job") or {}).get("checkpoint_digest") == job["checkpoint_digest"])
+          and (entry.get("job") or {}).get("checkpoint_digest") == job.checkpoint_digest)
     return entry if ok else None
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.common.settings import Settings
-from eval_worker.service.jobs import JobError
+from eval_worker.service.job_schema import JobError
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ class WorkerSettings:
     results_dir: Path
     roots: Sequence[Path | str] | None
     cache_dir: Path | None = None
-    target_roots: Sequence[Path | str] | None = None  # where a job's own `target` may lie (see jobs.check_target)
-    suite_roots: Sequence[Path | str] | None = None   # where a job's suite file may lie (see jobs.check_suite)
+    target_roots: Sequence[Path | str] | None = None  # where a job's `target` may lie (confinement.check_target)
+    suite_roots: Sequence[Path | str] | None = None   # where a job's suite file may lie (confinement.check_suite)
     default_target: str | None = None
     device: str | None = None
     max_targets: int = 1

@@ -5,7 +5,7 @@ from rq.exceptions import DeserializationError
 from rq.job import Job
 
 from eval_worker.service.eval_job import run_eval_job
-from eval_worker.service.jobs import JobError
+from eval_worker.service.job_schema import JobError
 from eval_worker.service.queue import JOB_FUNC
 
 

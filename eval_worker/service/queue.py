@@ -5,11 +5,14 @@ order. Every RQ job stores JSON only (`JSONSerializer`: the function is named by
 dotted path, the argument is the job payload), so `rq info`, rq-dashboard and any
 language can read them, and no pickle is ever loaded.
 
-Dedupe: the job id is deterministic (see jobs.job_id_for) and enqueued with RQ's
+Dedupe: the job id is deterministic (see job_ids.job_id_for) and enqueued with RQ's
 `unique=True`, so a second enqueue of the same evaluation is refused atomically while the
 first job exists (queued, running, finished within its result TTL, failed within its
 failure TTL); after that, the ledger index still knows the evaluation was done. `force`
 takes a new attempt number (`-r<n>` id) from a Redis counter.
+
+A job is the validated, frozen `JobPayload` here; `to_json()` makes the RQ argument and the payload
+remembered for `requeue`.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any
 
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
-from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
+from rq.exceptions import DuplicateJobError, InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -30,17 +33,21 @@ from rq.worker import Worker
 
 from dflash_train.checkpoints.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.common.redaction import redact
+from eval_worker.results.attempts import strip_attempt
 from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
-from eval_worker.service import jobs as jobs_mod
 from eval_worker.service import routing
-from eval_worker.service.jobs import JobError
+from eval_worker.service.job_checkpoints import check_checkpoint
+from eval_worker.service.job_ids import base_job_id, job_fingerprint, job_id_for
+from eval_worker.service.job_schema import PRIORITIES, JobError, JobPayload, validate_job
+from eval_worker.service.outbox import job_key
+from eval_worker.service.rq_jobs import fetch_job, fetch_jobs, get_queue
 
 JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an eval job may name (job_guard.EvalJob)
 DEFAULT_BASE = "dflash-eval"
 # Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
 ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
-TARGET_FIELD = "dflash_target"      # in an RQ worker's hash: its own --target (jobs.canonical_target)
+TARGET_FIELD = "dflash_target"      # in an RQ worker's hash: its own --target (job_ids.canonical_target)
 OWED_PREFIX = "dflash:owed:"        # hash per run: outbox key -> a job the trainer holds in memory only
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
            JobStatus.CREATED, JobStatus.READY_TO_ENQUEUE}
@@ -65,25 +72,14 @@ class QueueConfig:
 
 
 def queue_name(base: str, priority: str) -> str:
-    if priority not in jobs_mod.PRIORITIES:
-        raise JobError(f"unknown priority {priority!r} (one of {list(jobs_mod.PRIORITIES)})")
+    if priority not in PRIORITIES:
+        raise JobError(f"unknown priority {priority!r} (one of {list(PRIORITIES)})")
     return base if priority == "default" else f"{base}-{priority}"
 
 
 def queue_names(base: str = DEFAULT_BASE) -> list[str]:
     """All queues of a base, highest priority first (the order workers listen in)."""
-    return [queue_name(base, p) for p in jobs_mod.PRIORITIES]
-
-
-def get_queue(connection, name: str) -> Queue:
-    return Queue(name, connection=connection, serializer=JSONSerializer)
-
-
-def fetch_job(connection, job_id: str) -> Job:
-    try:
-        return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-    except NoSuchJobError:
-        raise JobError(f"no job {job_id!r} (never enqueued, or its result/failure TTL expired)") from None
+    return [queue_name(base, p) for p in PRIORITIES]
 
 
 def failure_reason(job: Job) -> str:
@@ -121,7 +117,7 @@ class EnqueueOutcome:
     job_id: str
     queue: str
     message: str
-    job: dict[str, Any]
+    job: JobPayload
 
     @property
     def enqueued(self) -> bool:
@@ -131,7 +127,7 @@ class EnqueueOutcome:
         return {"status": self.status, "job_id": self.job_id, "queue": self.queue, "message": self.message}
 
 
-def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config: QueueConfig | None = None,
+def enqueue(connection, payload: JobPayload | dict[str, Any], *, force: bool = False, config: QueueConfig | None = None,
             roots: Sequence[Path | str] | None = None, check: bool = True,
             suite_fp: str | None = None) -> EnqueueOutcome:
     """Validate `payload` and put it on its priority queue (or say why not).
@@ -144,62 +140,62 @@ def enqueue(connection, payload: dict[str, Any], *, force: bool = False, config:
     Raises JobError for an invalid job; Redis errors propagate (the hook's outbox catches them).
     """
     config = config or QueueConfig()
-    job = jobs_mod.validate_job(payload)
+    job = validate_job(payload)  # a dict from the outbox, Redis or a caller; a JobPayload as it is
     if check:
-        jobs_mod.check_checkpoint(job, roots)
-    suite_fp = suite_fp or jobs_mod.job_fingerprint(job)
-    base_id = jobs_mod.base_job_id(job["run_id"], job["step"], job["checkpoint_digest"], suite_fp)
+        check_checkpoint(job, roots)
+    suite_fp = suite_fp or job_fingerprint(job)
+    base_id = base_job_id(job.run_id, job.step, job.checkpoint_digest, suite_fp)
     if force:
-        job["attempt"] = int(connection.incr(ATTEMPT_PREFIX + base_id))
-    job_id = jobs_mod.job_id_for(job, suite_fp)
-    family = routing.routed_base(config.base, job["target"]) if config.route_by_target else config.base
-    qname = queue_name(family, job["priority"])
+        job = job.replace(attempt=int(connection.incr(ATTEMPT_PREFIX + base_id)))
+    job_id = job_id_for(job, suite_fp)
+    family = routing.routed_base(config.base, job.target) if config.route_by_target else config.base
+    qname = queue_name(family, job.priority)
 
     if not force:
         done = Ledger(connection=connection).lookup_job(base_id)
         if done:
-            unpin_checkpoint(job["checkpoint"], job_id)
+            unpin_checkpoint(job.checkpoint, job_id)
             return EnqueueOutcome(
                 "evaluated", done.get("job_id") or job_id, qname,
-                f"already evaluated: run {job['run_id']} step {job['step']} τ={_fmt(done.get('tau'))} "
+                f"already evaluated: run {job.run_id} step {job.step} τ={_fmt(done.get('tau'))} "
                 f"(attempt {done.get('attempt')}, {done.get('path')}); use --force to evaluate again", job)
 
     queue = get_queue(connection, qname)
-    meta = {"run_id": job["run_id"], "step": job["step"], "suite": job["suite"], "suite_fingerprint": suite_fp,
-            "checkpoint": job["checkpoint"], "attempt": job["attempt"], "requested_by": job["requested_by"]}
+    meta = {"run_id": job.run_id, "step": job.step, "suite": job.suite, "suite_fingerprint": suite_fp,
+            "checkpoint": job.checkpoint, "attempt": job.attempt, "requested_by": job.requested_by}
     # Pin first: a fast worker may run the job and unpin before enqueue_call even returns, and
     # a pin written after that would keep the checkpoint through retention for ever.
-    pin_checkpoint(job["checkpoint"], job_id)
+    pin_checkpoint(job.checkpoint, job_id)
     try:
         queue.enqueue_call(
-            JOB_FUNC, args=(job,), job_id=job_id, unique=True, timeout=config.job_timeout,
+            JOB_FUNC, args=(job.to_json(),), job_id=job_id, unique=True, timeout=config.job_timeout,
             result_ttl=config.result_ttl, failure_ttl=config.failure_ttl, ttl=config.ttl, retry=config.retry(),
-            meta=meta, description=f"eval {job['run_id']} step {job['step']} suite {job['suite']}"
-                                   + (f" attempt {job['attempt']}" if job["attempt"] else ""),
+            meta=meta, description=f"eval {job.run_id} step {job.step} suite {job.suite}"
+                                   + (f" attempt {job.attempt}" if job.attempt else ""),
             at_front=False)
     except DuplicateJobError:
         outcome, state = _duplicate(connection, job_id, qname, job)
         # done, or recorded (the worker records, then unpins, then RQ hears it finished): our pin,
         # written before this check, would outlive the job
         if state in (JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED) or _recorded(connection, job_id):
-            unpin_checkpoint(job["checkpoint"], job_id)  # nothing will read it for this job any more
+            unpin_checkpoint(job.checkpoint, job_id)  # nothing will read it for this job any more
         return outcome
     except BaseException:
-        unpin_checkpoint(job["checkpoint"], job_id)  # not queued: nothing will ever release it
+        unpin_checkpoint(job.checkpoint, job_id)  # not queued: nothing will ever release it
         raise
     others = other_checkpoints_at_step(connection, job)
     _remember(connection, job, job_id, suite_fp)
     note = _after_enqueue(connection, job, job_id, qname, family, config)
     if others:
-        note = (f"; note: run {job['run_id']} step {job['step']} already has checkpoint(s) "
-                f"{', '.join(d[:12] + '...' for d in others)} and this one is {job['checkpoint_digest'][:12]}...: "
+        note = (f"; note: run {job.run_id} step {job.step} already has checkpoint(s) "
+                f"{', '.join(d[:12] + '...' for d in others)} and this one is {job.checkpoint_digest[:12]}...: "
                 "each is recorded and shown on its own (docs/design.md)")
     return EnqueueOutcome("enqueued", job_id, qname, f"enqueued {job_id} on {qname}{note}", job)
 
 
 def _recorded(connection, job_id: str) -> bool:
     """Whether the ledger index holds this very job id (attempt included) as recorded."""
-    done = Ledger(connection=connection).lookup_job(jobs_mod.strip_attempt(job_id))
+    done = Ledger(connection=connection).lookup_job(strip_attempt(job_id))
     return bool(done and done.get("job_id") == job_id)
 
 
@@ -215,29 +211,29 @@ def workers_target(connection, queue: str) -> str | None:
     return targets.pop() if len(targets) == 1 and None not in targets else None
 
 
-def _after_enqueue(connection, job: dict[str, Any], job_id: str, qname: str, family: str,
+def _after_enqueue(connection, job: JobPayload, job_id: str, qname: str, family: str,
                    config: QueueConfig) -> str:
     """Routing, backlog policy and eval-lag bookkeeping of a queued job (service/routing.py)."""
     if family != config.base:
-        routing.remember_target(connection, job["target"])
-    routing.note_published(connection, job["run_id"], job["step"])
+        routing.remember_target(connection, job.target)
+    routing.note_published(connection, job.run_id, job.step)
     done = routing.apply_backlog(connection, job, job_id, qname, config.backlog, family)
     return f"; {done}" if done else ""
 
 
-def other_checkpoints_at_step(connection, job: dict[str, Any]) -> list[str]:
+def other_checkpoints_at_step(connection, job: JobPayload) -> list[str]:
     """Digests of other checkpoints queued or recorded at the job's (run, step) (one set read:
     the run's job hash and ledger index are only scanned once, for entries older than the sets)."""
-    found = step_checkpoints(connection, job["run_id"], job["step"],
-                             legacy_hashes=(INDEX_PREFIX + job["run_id"], JOBS_PREFIX + job["run_id"]))
-    return sorted(d for d in found if isinstance(d, str) and d != job["checkpoint_digest"])
+    found = step_checkpoints(connection, job.run_id, job.step,
+                             legacy_hashes=(INDEX_PREFIX + job.run_id, JOBS_PREFIX + job.run_id))
+    return sorted(d for d in found if isinstance(d, str) and d != job.checkpoint_digest)
 
 
 def _fmt(tau) -> str:
     return f"{tau:.3f}" if isinstance(tau, (int, float)) else "?"
 
 
-def _duplicate(connection, job_id: str, qname: str, job: dict[str, Any]):
+def _duplicate(connection, job_id: str, qname: str, job: JobPayload):
     try:
         existing = fetch_job(connection, job_id)
         status = existing.get_status()
@@ -255,15 +251,14 @@ def _duplicate(connection, job_id: str, qname: str, job: dict[str, Any]):
     return EnqueueOutcome("duplicate", job_id, qname, msg, job), status
 
 
-def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> None:
+def _remember(connection, job: JobPayload, job_id: str, suite_fp: str) -> None:
     """Index the payload by run/step so `requeue --run` can find it later."""
-    entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": job}, sort_keys=True)
-    from eval_worker.service.outbox import job_key
-
+    payload = job.to_json()
+    entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": payload}, sort_keys=True)
     with connection.pipeline() as pipe:
-        pipe.hset(JOBS_PREFIX + job["run_id"], f"{job['step']}:{job['checkpoint_digest'][:12]}:{suite_fp}", entry)
-        pipe.hdel(OWED_PREFIX + job["run_id"], job_key(job))  # queued: a trainer owes it no more
-        note_step_checkpoint(pipe, job["run_id"], job["step"], job["checkpoint_digest"])
+        pipe.hset(JOBS_PREFIX + job.run_id, f"{job.step}:{job.checkpoint_digest[:12]}:{suite_fp}", entry)
+        pipe.hdel(OWED_PREFIX + job.run_id, job_key(payload))  # queued: a trainer owes it no more
+        note_step_checkpoint(pipe, job.run_id, job.step, job.checkpoint_digest)
         pipe.execute()
 
 
@@ -272,17 +267,16 @@ def _remember(connection, job: dict[str, Any], job_id: str, suite_fp: str) -> No
 def record_owed(connection, run_id: str, owed: list[tuple[dict[str, Any], str]], *, lost: bool = False) -> None:
     """Tell `status` which of a run's jobs its trainer holds in memory only (its outbox could not
     be written: disk full, read-only) and has not queued yet; `lost`: the trainer gave them up
-    (training ended). An empty `owed` clears the run's entry (unless `lost`, which only adds)."""
-    from eval_worker.service.outbox import job_key
-
+    (training ended). An empty `owed` clears the run's entry (unless `lost`, which only adds).
+    The jobs are the outbox's JSON data (what it would have written)."""
     key = OWED_PREFIX + run_id
     with connection.pipeline() as pipe:
         if not lost:
             pipe.delete(key)
-        for job, why in owed:
-            pipe.hset(key, job_key(job), json.dumps({"step": job.get("step"), "checkpoint": job.get("checkpoint"),
-                                                     "suite": job.get("suite"), "why": why, "lost": lost,
-                                                     "since": datetime.now(UTC).isoformat()}))
+        for payload, why in owed:
+            entry = {"step": payload.get("step"), "checkpoint": payload.get("checkpoint"),
+                     "suite": payload.get("suite"), "why": why, "lost": lost, "since": datetime.now(UTC).isoformat()}
+            pipe.hset(key, job_key(payload), json.dumps(entry))
         pipe.execute()
 
 
@@ -308,14 +302,6 @@ def _job_brief(job: Job) -> dict[str, Any]:
             "spooled_result": meta.get("spooled_result"),  # computed; only its ledger write is retried
             "enqueued_at": job.enqueued_at.isoformat() if job.enqueued_at else None,
             "started_at": job.started_at.isoformat() if job.started_at else None}
-
-
-def _jobs(connection, ids: Iterable[str]) -> list[Job]:
-    ids, out = list(ids), []
-    for lo in range(0, len(ids), 1000):  # one pipeline per 1000 jobs: bounded reply buffers on long queues
-        out += [j for j in Job.fetch_many(ids[lo:lo + 1000], connection=connection, serializer=JSONSerializer)
-                if j is not None]
-    return out
 
 
 STATUS_CHUNK = 1000  # job ids read per round trip when a long queue is filtered by run
@@ -396,11 +382,11 @@ def status(connection, base: str = DEFAULT_BASE, run: str | None = None, limit: 
         out["queued"] += briefs  # in the order served
         out["queued_total"] += total
         started = StartedJobRegistry(name, connection=connection, serializer=JSONSerializer)
-        out["running"] += [_job_brief(j) for j in _jobs(connection, started.get_job_ids(cleanup=False))]
+        out["running"] += [_job_brief(j) for j in fetch_jobs(connection, started.get_job_ids(cleanup=False))]
         sched = ScheduledJobRegistry(name, connection=connection, serializer=JSONSerializer)
-        out["scheduled"] += [_job_brief(j) for j in _jobs(connection, sched.get_job_ids())]
+        out["scheduled"] += [_job_brief(j) for j in fetch_jobs(connection, sched.get_job_ids())]
         failed = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
-        for j in _jobs(connection, failed.get_job_ids()):
+        for j in fetch_jobs(connection, failed.get_job_ids()):
             out["failed"].append({**_job_brief(j), "reason": failure_reason(j),
                                   "ended_at": j.ended_at.isoformat() if j.ended_at else None})
     names = set(all_queue_names(connection, base))
@@ -449,7 +435,7 @@ def requeue_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] 
     done = []
     for name in all_queue_names(connection, base):
         registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
-        for job in _jobs(connection, registry.get_job_ids()):
+        for job in fetch_jobs(connection, registry.get_job_ids()):
             if wanted is not None and job.id not in wanted:
                 continue
             if run is not None and (job.meta or {}).get("run_id") != run:
@@ -555,7 +541,7 @@ def dismiss_failed(connection, base: str = DEFAULT_BASE, job_ids: Iterable[str] 
     found: dict[str, Job] = {}
     for name in all_queue_names(connection, base):
         registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
-        for job in _jobs(connection, registry.get_job_ids()):
+        for job in fetch_jobs(connection, registry.get_job_ids()):
             if (wanted is None or job.id in wanted) and (run is None or (job.meta or {}).get("run_id") == run):
                 found[job.id] = job
     problems = []

@@ -37,7 +37,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from eval_worker.service.jobs import PRIORITIES, JobError
+from eval_worker.service.job_schema import PRIORITIES, JobError, JobPayload
+from eval_worker.service.rq_jobs import fetch_job, fetch_jobs
 
 BACKLOG = "backlog"                      # the fill-in queue of a family: served after `low`
 POLICIES_HELP = "all | newest-first | thin:K"
@@ -143,25 +144,25 @@ def _take(connection, queue: str, job_id: str, dest: str | None) -> bool:
     return bool(connection.eval(_TAKE, len(keys), *keys, job_id, dest or ""))
 
 
-def apply_backlog(connection, job: dict[str, Any], job_id: str, queue: str, policy: str | None,
+def apply_backlog(connection, job: JobPayload, job_id: str, queue: str, policy: str | None,
                   family: str) -> str | None:
     """After `job_id` was queued on `queue`: apply the run's policy to its previous newest job.
     Returns a note on what was done to it (None: nothing)."""
     name, k = parse_policy(policy)
-    if name == "all" or job.get("requested_by") == "requeue":
+    if name == "all" or job.requested_by == "requeue":
         return None
     # one stream per (run, suite): a checkpoint's jobs on two suites never displace each other
-    key = BACKLOG_PREFIX + job["run_id"] + ":" + hashlib.sha256(job["suite"].encode()).hexdigest()[:12]
+    key = BACKLOG_PREFIX + job.run_id + ":" + hashlib.sha256(job.suite.encode()).hexdigest()[:12]
     seq = int(connection.hincrby(key, "seq", 1))
     prev = connection.hgetall(key)
     prev = {(a.decode() if isinstance(a, bytes) else a): (b.decode() if isinstance(b, bytes) else b)
             for a, b in prev.items()}
-    if prev.get("head") and int(prev.get("head_step", -1)) > int(job["step"]):
+    if prev.get("head") and int(prev.get("head_step", -1)) > job.step:
         # an older checkpoint queued late: under newest-first it waits with the other older ones
         if name == "newest-first" and _take(connection, queue, job_id, backlog_queue(family)):
             return f"older than step {prev['head_step']}: waits in {backlog_queue(family)}"
         return None
-    connection.hset(key, mapping={"head": job_id, "head_step": int(job["step"]), "head_seq": seq,
+    connection.hset(key, mapping={"head": job_id, "head_step": job.step, "head_seq": seq,
                                   "head_queue": queue, "head_family": family})
     if not prev.get("head"):
         return None
@@ -177,7 +178,7 @@ def apply_backlog(connection, job: dict[str, Any], job_id: str, queue: str, poli
         return None
     if _take(connection, old_queue, old_id, None):
         _mark_skipped(connection, old_id, f"thin:{k}: not a {k}-th checkpoint and a newer one is queued")
-        return f"{old_id} skipped (thin:{k}; `dflash-eval requeue --run {job['run_id']} --steps "\
+        return f"{old_id} skipped (thin:{k}; `dflash-eval requeue --run {job.run_id} --steps "\
                f"{prev.get('head_step')}` evaluates it)"
     return None
 
@@ -188,7 +189,6 @@ def _mark_skipped(connection, job_id: str, reason: str) -> None:
     from rq.serializers import JSONSerializer
 
     from dflash_train.checkpoints.publication import unpin_checkpoint
-    from eval_worker.service.queue import fetch_job
 
     job = fetch_job(connection, job_id)
     job.meta["skipped"] = reason
@@ -206,12 +206,10 @@ def skipped(connection, queues: Iterable[str], run: str | None = None) -> list[d
     from rq.registry import CanceledJobRegistry
     from rq.serializers import JSONSerializer
 
-    from eval_worker.service.queue import _jobs
-
     out = []
     for q in queues:
         reg = CanceledJobRegistry(q, connection=connection, serializer=JSONSerializer)
-        for j in _jobs(connection, reg.get_job_ids()):
+        for j in fetch_jobs(connection, reg.get_job_ids()):
             meta = j.meta or {}
             if meta.get("skipped") and (run is None or meta.get("run_id") == run):
                 out.append({"job_id": j.id, "run_id": meta.get("run_id"), "step": meta.get("step"),

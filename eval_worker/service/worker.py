@@ -472,7 +472,7 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
                         worker_ttl=worker_ttl, heartbeat_grace=heartbeat_grace, stop_timeout=stop_timeout,
                         route_base=route_base, serve_targets=serve_targets)
     if settings_.default_target:
-        from eval_worker.service.jobs import canonical_target
+        from eval_worker.service.job_ids import canonical_target
 
         worker.default_target = canonical_target(settings_.default_target)
     return worker.work(burst=burst, with_scheduler=with_scheduler, logging_level=logging_level, max_jobs=max_jobs)

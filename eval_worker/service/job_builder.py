@@ -1,0 +1,68 @@
+"""Building a job: a published checkpoint (run, step, digest read from its marker) and what to
+evaluate it on, spelled canonically (one spelling, one job id), validated."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import CheckpointError
+from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec
+from eval_worker.service.job_checkpoints import check_location
+from eval_worker.service.job_ids import canonical_target
+from eval_worker.service.job_schema import SCHEMA, JobError, JobPayload, validate_job
+
+
+def _canonical(location: str | os.PathLike) -> str:
+    """A store URL in canonical form, or an absolute local path."""
+    if storage.is_url(location):
+        try:
+            url = storage.check_url(str(location))
+            if url.startswith("hf://"):  # a branch or tag becomes its commit: the job means fixed bytes
+                from dflash_train.checkpoints import hub
+
+                url = hub.resolve(url)
+            return url
+        except (storage.StoreError, CheckpointError) as e:
+            raise JobError(str(e)) from None
+    return os.path.abspath(os.fspath(location))
+
+
+def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.PathLike | None = None,
+             baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
+             sinks: Sequence[str] | None = None, mlflow: dict[str, Any] | None = None,
+             requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
+             manifest: dict[str, Any] | None = None, roots: Sequence[Path | str] | None = None) -> JobPayload:
+    """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
+    checkpoint = _canonical(checkpoint)
+    if manifest is None:
+        _, manifest = check_location(checkpoint, roots, False, "checkpoint")
+    if baseline:  # refused here, not an hour later on the worker
+        check_location(_canonical(baseline), roots, False, "baseline")
+    run_id, step, digest = manifest["run_id"], manifest["step"], manifest["digest"]
+    metrics = manifest.get("train_metrics") or None
+    if not isinstance(metrics, dict):
+        metrics = None
+    if metrics:
+        metrics = {k: v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    if suite.startswith(HF_PREFIX):  # one spelling per request: one job id
+        try:
+            suite = parse_hf_spec(suite).canonical
+        except SuiteError as e:
+            raise JobError(str(e)) from None
+    elif not suite.startswith("builtin:") and (suite.endswith(".jsonl") or "/" in suite or os.path.exists(suite)):
+        suite = os.path.abspath(suite)  # a suite file: the worker runs elsewhere (another cwd, another box)
+    payload = {
+        "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,
+        "checkpoint_digest": digest, "target": canonical_target(target) if target else None,
+        "suite": suite, "baseline": _canonical(baseline) if baseline else None,
+        "wandb": wandb, "requested_by": requested_by,
+        **({"sinks": list(sinks)} if sinks is not None else {}), **({"mlflow": mlflow} if mlflow else {}),
+        "priority": priority, "attempt": 0,
+        "train_metrics": metrics or None, "options": options or None,
+    }
+    return validate_job(payload)

@@ -1,0 +1,144 @@
+"""A job's checkpoints: checked where they are (confined, marked, digest equal to the job's) and,
+on the worker, materialized for the engine (local ones verified in place, a store's pulled into the
+checkpoint cache and verified file by file).
+
+`checkpoint` and `baseline` may be URLs of an object store (`s3://bucket/runs/<run>/step-…`,
+dflash_train/checkpoints/storage.py): confined to the store prefixes among the worker's checkpoint
+roots, their marker read from the store, and the worker evaluates a local copy pulled into
+its cache and verified file by file (:func:`materialize`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import (
+    MARKER_NAME,
+    CheckpointError,
+    files_dir,
+    parse_manifest,
+    read_manifest,
+    read_marker,
+    verify_checkpoint,
+)
+from eval_worker.service.confinement import confine
+from eval_worker.service.job_schema import JobError, JobPayload
+
+
+def check_checkpoint(job: JobPayload, roots: Sequence[Path | str] | None, *,
+                     verify_digest: bool = False) -> dict[str, dict[str, Any]]:
+    """Check the job's checkpoint on disk; return the manifests read, keyed by real path.
+
+    - inside `roots` after resolving symlinks (skipped when `roots` is None);
+    - a directory with a valid COMPLETE.json whose digest, run and step match the job;
+    - with `verify_digest`, every listed file hashed again, each inside the roots (the
+      worker does this, once per job: the engine is handed the verified manifests).
+    The same is done for `baseline` when the job names one. A store URL is checked by its
+    marker only (confined to the store prefixes); `materialize` pulls and verifies its files.
+    """
+    path, manifest = check_location(job.checkpoint, roots, verify_digest, "checkpoint")
+    _match_job(job, manifest)
+    manifests = {path: manifest}
+    if job.baseline:
+        base_path, base = check_location(job.baseline, roots, verify_digest, "baseline")
+        manifests[base_path] = base
+    return manifests
+
+
+def check_location(path: str, roots: Sequence[Path | str] | None, verify_digest: bool,
+                   what: str) -> tuple[str, dict[str, Any]]:
+    """(real path or canonical URL, manifest) of a published checkpoint: confined to `roots` (unless
+    None), its marker read; with `verify_digest` (local only) every file hashed again."""
+    if storage.is_url(path):
+        url, _, manifest = _check_remote(path, roots, what)
+        return url, manifest
+    if roots is not None:
+        confine(path, roots)
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        raise JobError(f"{what}: checkpoint {path} does not exist or is not a directory")
+    try:
+        manifest = read_manifest(real)
+    except CheckpointError as e:
+        hint = ""
+        if not os.path.exists(os.path.join(real, MARKER_NAME)) and os.path.isfile(os.path.join(real, "config.json")):
+            hint = ("; a drafter trained elsewhere (a z-lab release, a SpecForge output, a Hugging Face snapshot) "
+                    f"is evaluated through an import record: `dflash-eval import {path}` (or `enqueue --external`)")
+        raise JobError(f"{what}: checkpoint {path} is not published: {e}{hint}") from None
+    if roots is not None and manifest.get("source"):  # an import record: its drafter is confined alike
+        try:
+            confine(files_dir(real, manifest), roots)
+        except JobError as e:
+            raise JobError(f"{what}: {path} records the drafter at {manifest['source']}: {e}") from None
+    if verify_digest:
+        try:
+            verify_checkpoint(real, roots)
+        except CheckpointError as e:
+            raise JobError(f"{what}: {e}") from None
+    return real, manifest
+
+
+def _check_remote(url: str, roots: Sequence[Path | str] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
+    """(canonical url, marker bytes, manifest) of a checkpoint in a store, confined to the store
+    prefixes among `roots`. A store that cannot be reached raises StoreUnavailable (retryable)."""
+    url = str(confine(url, roots)) if roots is not None else storage.check_url(url)
+    try:
+        raw = read_marker(url)
+        return str(url), raw, parse_manifest(raw, url)
+    except CheckpointError as e:
+        raise JobError(f"{what}: checkpoint {url} is not published: {e}") from None
+
+
+@contextlib.contextmanager
+def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None):
+    """What the worker evaluates: `(checkpoint dir, baseline dir or None, verified manifests)`.
+
+    Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
+    pass). Store URLs: confined, the marker read and compared with the job, then a local copy
+    from `cache` (a eval_worker.service.checkpoint_cache.CheckpointCache; downloaded once per
+    publication, every file's digest verified), held for the block so it is not evicted.
+    """
+    if not any(storage.is_url(where) for where in (job.checkpoint, job.baseline)):
+        manifests = check_checkpoint(job, roots, verify_digest=True)
+        yield job.checkpoint, job.baseline, manifests
+        return
+    if cache is None:
+        raise JobError("this worker has no checkpoint cache to pull store checkpoints into")
+    with contextlib.ExitStack() as stack:
+        local: dict[str, str | None] = {"checkpoint": None, "baseline": None}
+        verified: dict[str, dict[str, Any]] = {}
+        for key, where in (("checkpoint", job.checkpoint), ("baseline", job.baseline)):
+            if not where:
+                continue
+            if not storage.is_url(where):
+                real, manifest = check_location(where, roots, True, key)
+            else:
+                url, raw, manifest = _check_remote(where, roots, key)
+                if key == "checkpoint":
+                    _match_job(job, manifest)
+                try:
+                    entry, manifest = stack.enter_context(cache.checkout(url, raw))
+                except CheckpointError as e:
+                    raise JobError(f"{key}: {e}") from None
+                real = os.path.realpath(entry)
+            if key == "checkpoint" and not storage.is_url(where):
+                _match_job(job, manifest)
+            local[key], verified[real] = real, manifest
+        yield local["checkpoint"], local["baseline"], verified
+
+
+def _match_job(job: JobPayload, manifest: dict[str, Any]) -> None:
+    digest = manifest.get("digest")
+    if digest != job.checkpoint_digest:
+        raise JobError(f"checkpoint {job.checkpoint}: digest in {MARKER_NAME} ({str(digest)[:12]}...) "
+                       f"differs from the job's ({job.checkpoint_digest[:12]}...): "
+                       "the checkpoint was replaced after the job was made")
+    if int(manifest["step"]) != job.step:
+        raise JobError(f"checkpoint {job.checkpoint} is step {manifest['step']}, the job says step {job.step}")
+    if manifest["run_id"] != job.run_id:
+        raise JobError(f"checkpoint {job.checkpoint} belongs to run {manifest['run_id']!r}, "
+                       f"the job says {job.run_id!r}")

@@ -1,0 +1,93 @@
+"""Submitting evaluations: checkpoints (or run directories) named by a user turned into jobs and queued.
+
+The service side of `dflash-eval enqueue`: which paths a run directory stands for, one job per
+checkpoint and suite, the workers' own target spelled out, each job enqueued, hook outboxes
+delivered. The command parses flags and prints what it gets back; nothing here prints.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
+from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_schema import JobError, JobPayload
+from eval_worker.service.outbox import Outbox
+from eval_worker.service.queue import EnqueueOutcome, QueueConfig, enqueue, queue_name, workers_target
+
+
+def is_published(path: str) -> bool:
+    """Whether `path` is a published checkpoint or a run directory of them (else: a drafter to import)."""
+    if storage.is_url(path):  # never imported: a store URL is a published checkpoint or refused by make_job
+        return True
+    return (Path(path) / MARKER_NAME).exists() or bool(list_checkpoints(path))
+
+
+def expand_checkpoints(paths: Sequence[str]) -> list[str]:
+    """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
+    out: list = []
+    for p in paths:
+        if storage.is_url(p):  # a run prefix in a store stands for its marked step prefixes
+            try:
+                url = storage.check_url(p)
+                store = storage.store_for(url)
+                inner = [] if store.exists(storage.join(url, MARKER_NAME)) else list_checkpoints(url)
+            except (storage.StoreError, OSError):
+                inner = []  # make_job says what is wrong with it
+        else:
+            inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)
+        out.extend(str(c) for c in inner) if inner else out.append(p)
+    return out
+
+
+@dataclass
+class Submission:
+    """What was asked (everything but the checkpoints) and what came of it."""
+
+    suites: Sequence[str]
+    target: str | None = None
+    baseline: str | None = None
+    wandb: dict[str, Any] | None = None
+    sinks: Sequence[str] | None = None
+    mlflow: dict[str, Any] | None = None
+    priority: str = "default"
+    options: dict[str, Any] | None = None
+    roots: Sequence[Path | str] | None = None
+    jobs: list[JobPayload] = field(default_factory=list)
+    outcomes: list[EnqueueOutcome] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)  # {"checkpoint", ["suite"], "error"}
+
+    def make_jobs(self, paths: Sequence[str]) -> None:
+        """One job per checkpoint and suite (suites deduplicated); what cannot be made goes to `errors`."""
+        for path in paths:
+            for suite in dict.fromkeys(self.suites):
+                try:
+                    self.jobs.append(make_job(path, suite=suite, target=self.target, baseline=self.baseline,
+                                              wandb=self.wandb, sinks=self.sinks, mlflow=self.mlflow,
+                                              requested_by="user", priority=self.priority,
+                                              options=self.options or None, roots=self.roots))
+                except (JobError, storage.StoreError, OSError) as e:  # OSError: StoreUnavailable, no answer
+                    self.errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
+
+    def enqueue_all(self, connection, config: QueueConfig, *, force: bool = False) -> None:
+        """Enqueue every job made; a job naming no target gets the workers' own, spelled out (the same
+        job as one naming it)."""
+        for job in self.jobs:
+            if not job.target:
+                job = job.replace(target=workers_target(connection, queue_name(config.base, job.priority)))
+            try:
+                self.outcomes.append(enqueue(connection, job, force=force, config=config, roots=self.roots))
+            except (JobError, storage.StoreError, OSError) as e:
+                self.errors.append({"checkpoint": job.checkpoint, "error": str(e)})
+
+
+def deliver_outbox(directory: str, connection, config: QueueConfig, *, retry_rejected: bool = False) -> dict:
+    """Deliver the jobs waiting in a hook outbox; what happened, as JSON data."""
+    box = Outbox(directory)
+    restored = box.restore_rejected() if retry_rejected else []
+    report = box.deliver(lambda job: enqueue(connection, job, config=config))
+    return {"dir": directory, "restored": restored, "delivered": report.delivered, "rejected": report.rejected,
+            "remaining": report.remaining, "error": report.error, "set_aside": box.rejected()}
