@@ -17,18 +17,17 @@ from eval_worker.service.job_schema import SCHEMA, JobError, JobPayload, validat
 
 
 def _canonical(location: str | os.PathLike) -> str:
-    """A store URL in canonical form, or an absolute local path."""
-    if storage.is_url(location):
-        try:
-            url = storage.check_url(str(location))
-            if url.startswith("hf://"):  # a branch or tag becomes its commit: the job means fixed bytes
-                from dflash_train.checkpoints import hub
+    """A store URL in canonical form, or an absolute local path (storage.canonical); a Hub branch or
+    tag becomes its commit: the job means fixed bytes."""
+    try:
+        where = storage.canonical(os.fspath(location))
+        if storage.store_for(where).read_only:
+            from dflash_train.checkpoints import hub
 
-                url = hub.resolve(url)
-            return url
-        except (storage.StoreError, CheckpointError) as e:
-            raise JobError(str(e)) from None
-    return os.path.abspath(os.fspath(location))
+            where = hub.resolve(str(where))
+        return str(where)
+    except (storage.StoreError, CheckpointError) as e:
+        raise JobError(str(e)) from None
 
 
 def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.PathLike | None = None,

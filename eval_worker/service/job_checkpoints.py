@@ -102,7 +102,7 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
     from `cache` (a eval_worker.service.checkpoint_cache.CheckpointCache; downloaded once per
     publication, every file's digest verified), held for the block so it is not evicted.
     """
-    if not any(storage.is_url(where) for where in (job.checkpoint, job.baseline)):
+    if all(_on_this_machine(where) for where in (job.checkpoint, job.baseline) if where):
         manifests = check_checkpoint(job, roots, verify_digest=True)
         yield job.checkpoint, job.baseline, manifests
         return
@@ -114,7 +114,7 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
         for key, where in (("checkpoint", job.checkpoint), ("baseline", job.baseline)):
             if not where:
                 continue
-            if not storage.is_url(where):
+            if _on_this_machine(where):
                 real, manifest = check_location(where, roots, True, key)
             else:
                 url, raw, manifest = _check_remote(where, roots, key)
@@ -125,10 +125,15 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
                 except CheckpointError as e:
                     raise JobError(f"{key}: {e}") from None
                 real = os.path.realpath(entry)
-            if key == "checkpoint" and not storage.is_url(where):
+            if key == "checkpoint" and _on_this_machine(where):
                 _match_job(job, manifest)
             local[key], verified[real] = real, manifest
         yield local["checkpoint"], local["baseline"], verified
+
+
+def _on_this_machine(where: str) -> bool:
+    """A local directory is evaluated in place; anything else (an object store, the Hub) from the cache."""
+    return storage.store_for(where).local
 
 
 def _match_job(job: JobPayload, manifest: dict[str, Any]) -> None:
