@@ -67,6 +67,7 @@ class WalkBlocks:
     need: dict[int, int] = field(default_factory=dict)  # per visited offset, the fewest head slots its readers need
 
 
+@torch.no_grad()  # with autograd on, each prompt's keys would keep the graph's activations alive while it waits
 def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the rotated context keys and values `[kv_heads, S, head_dim]` of `features [S, n*H]`
     (what `DFlashDrafter.forward` computes from the context, once for every anchor)."""
