@@ -43,7 +43,8 @@ def forced_reference(drafter, feats, prompt, n, policy, rng):
     while len(ext) < n + B - 1:
         ids = torch.tensor(prompt + ext)
         drafts = draft_one_block(drafter, EMBED, HEAD, ids, feats, len(prompt) + s)[0].tolist()
-        a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(B // 2 if policy == "mostly" else 0, B)))
+        least = B // 2 if policy == "mostly" else 0
+        a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(least, B)))
         ext += drafts[:a]
         if a < B - 1:  # the first rejected slot gets a token the drafter did not propose
             ext.append(int((drafts[a] + 1 + rng.integers(0, VOCAB - 3)) % (VOCAB - 1)))
