@@ -36,7 +36,7 @@ from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, ancho
 from eval_worker.engine.scoring import walk_labels
 from eval_worker.engine.tree import DraftTree, build_tree, tree_streak
 
-# the context keys/values a group of prompts holds at once (the rest of the suite waits its turn)
+# the context keys/values a group of prompts holds at once (the rest of the suite waits its turn), at most
 WALK_KV_BUDGET = 64 * 1024 * 1024
 SLOT_BOUNDS = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128)  # early-exit chunks grow ~1.4x
 TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with (doubling while its tree reads the last)
@@ -74,6 +74,16 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
     ctx = drafter.hidden_norm(drafter.fc(features[None].to(drafter.fc.weight.dtype)))
     cos, sin = drafter.rotary_emb(ctx, torch.arange(features.shape[0], device=ctx.device)[None])
     return [tuple(t[0] for t in layer.self_attn.key_value(ctx, cos, sin)) for layer in drafter.layers]
+
+
+def group_kv_budget(drafter: DFlashDrafter, context_len: int) -> int:
+    """Bytes of context keys/values a group of prompts may hold while it walks: the dense attention
+    scores one all-anchor pass holds at this context length (the walk's passes hold half its
+    blocks, `Walker._draft`), so keys and a pass together stay within the all-anchor pass's peak."""
+    cfg = drafter.config
+    cap = anchors_per_pass(cfg.block_size, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
+    scores = cfg.num_attention_heads * cap * cfg.block_size * (context_len + cap * cfg.block_size) * 4
+    return min(WALK_KV_BUDGET, scores // 2)
 
 
 def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
@@ -154,8 +164,9 @@ class Walker:
 
     def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list) -> None:
         """Draft (prompt, offset, with tree top-k, every slot) rows: the ones whose slot hiddens are kept
-        run the head only; the others go through the drafter in passes no larger than the all-anchor
-        pass's (`anchors_per_pass`: prompts x blocks per prompt, so the dense scores stay within its)."""
+        run the head only; the others go through the drafter in passes of half the all-anchor pass's
+        blocks (`anchors_per_pass`; prompts x blocks per prompt, padding included), so its dense scores
+        and head rows take half the all-anchor pass's and the group's context keys fit in the rest."""
         heads_only = [row for row in rows if (row[0], row[1]) in kept]
         drafted = [row for row in rows if (row[0], row[1]) not in kept]
         passes: list[list] = [[]]
@@ -163,8 +174,8 @@ class Walker:
         cap = 0  # its anchors per pass: prompts x the most blocks of one prompt stay within it
         for row in sorted(drafted, key=lambda r: r[:2]):
             s = seqs[row[0]]
-            c = anchors_per_pass(self.B, context_len=s.prompt_len + s.num_tokens,
-                                 heads=self.drafter.config.num_attention_heads, dense=True)
+            c = max(1, anchors_per_pass(self.B, context_len=s.prompt_len + s.num_tokens,
+                                        heads=self.drafter.config.num_attention_heads, dense=True) // 2)
             trial = {**counts, row[0]: counts.get(row[0], 0) + 1}
             if passes[-1] and len(trial) * max(trial.values()) > min(cap, c):
                 passes.append([])
@@ -227,10 +238,8 @@ class Walker:
             anchors[where[r]], valid[where[r]], first[where[r]] = a, True, seqs[i].ids[a]
         anchors, valid = anchors.to(dev), valid.to(dev)
         L = max(seqs[i].prompt_len + off for i, off in rows)  # context keys beyond the last anchor are never visible
-        cache = DraftCache(len(drafter.layers))
-        for layer in range(len(drafter.layers)):
-            for which, store in ((0, cache.keys), (1, cache.values)):
-                store[layer] = torch.stack([_fit(kvs[i][layer][which], L) for i in prompts])
+        cache = DraftCache(len(drafter.layers))  # each layer's stack built when that layer reads it
+        cache.keys, cache.values = _Stacked(kvs, prompts, 0, L), _Stacked(kvs, prompts, 1, L)  # type: ignore
         block = mask_blocks(first.to(dev), B, drafter.config.mask_token_id).reshape(len(prompts), N * B)
         layout = BlockLayout(anchors=anchors, valid=valid, context_len=L, block_size=B)
         built = {}
@@ -322,6 +331,18 @@ class Walker:
 def _streaks(arg: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Leading slots whose draft equals the label (as `metrics.matches`: -1 labels never match)."""
     return metrics.leading_true((arg == labels) & (labels >= 0))
+
+
+class _Stacked:
+    """`[layer]`: the prompts' context keys (which=0) or values (1) of that layer, `[prompts, kv_heads,
+    L, head_dim]`, stacked when the layer asks, so one layer's copy is alive at a time (none for one prompt)."""
+
+    def __init__(self, kvs: list, prompts: list[int], which: int, length: int):
+        self.kvs, self.prompts, self.which, self.length = kvs, prompts, which, length
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        parts = [_fit(self.kvs[i][layer][self.which], self.length) for i in self.prompts]
+        return parts[0][None] if len(parts) == 1 else torch.stack(parts)
 
 
 def _fit(x: torch.Tensor, length: int) -> torch.Tensor:
