@@ -1,10 +1,10 @@
 """Per-checkpoint cost: all-anchor drafting vs walk-driven drafting vs the reference loop, and the FLOP bound.
 
     python bench/walk_cost.py [--cases demo,tau8,qwen3,qwen3_5] [--num-prompts 8] [--max-new-tokens 128]
-                              [--work DIR] [--threads 1] [--json OUT]
+                              [--work DIR] [--threads 1] [--repeat 2] [--json OUT]
 
 Per case, one process, warm caches (references and features computed by a first evaluation,
-not timed), one thread:
+not timed), one thread, the two paths run alternately --repeat times each (fastest time, highest peak):
   - today: `Evaluator.evaluate(..., drafting="all")`, a block at every anchor (whole call);
   - new: the same call with `drafting="walk"` (eval_worker/engine/walk.py); the two results
     are checked equal field for field (provenance aside) before anything is printed;
@@ -54,6 +54,16 @@ CASES = {  # target, drafter layers, fit steps
     "qwen3": ("qwen3", 1, 0),  # random drafter: τ ≈ 1 on a random target, where the head is all the cost
     "qwen3_5": ("qwen3_5", 1, 0),
 }
+
+
+def side_by_side(a, b, repeat: int):
+    """(result, fastest seconds, highest peak MiB) of a and of b, run alternately `repeat` times each,
+    so a busy spell on the shared machine hits both alike."""
+    runs: list[list] = [[], []]
+    for _ in range(repeat):
+        for k, fn in enumerate((a, b)):
+            runs[k].append(peak_during(fn))
+    return tuple((r[0][0], min(x[1] for x in r), max(x[2] for x in r)) for r in runs)
 
 
 def matmul_gflops(reps: int = 7) -> float:
@@ -182,8 +192,9 @@ def run_case(name: str, args, work: Path) -> dict:
     base = {"measure_speed": False, "tree_budget": 8, "anchor_sample": max(8, round(512 * tokens / 34_500)),
             "leak_probe_anchors": max(8, round(256 * tokens / 34_500))}
     ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"})  # warm: references, features, one-time setup
-    old, old_s, old_mb = peak_during(lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}))
-    new, new_s, new_mb = peak_during(lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}))
+    (old, old_s, old_mb), (new, new_s, new_mb) = side_by_side(
+        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}),
+        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}), args.repeat)
     a, b = old.to_dict(), new.to_dict()
     for d in (a, b):
         d.pop("provenance"), d.pop("cache")
@@ -314,8 +325,7 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
         return out, got, ws
 
     today(), new()  # warm
-    old, old_s, old_mb = peak_during(today)
-    (fresh, got, ws), new_s, new_mb = peak_during(new)
+    (old, old_s, old_mb), ((fresh, got, ws), new_s, new_mb) = side_by_side(today, new, args.repeat)
     for a, b in zip(old, fresh, strict=True):
         assert a.online.accept_lengths == b.online.accept_lengths
         assert a.tree_online.accept_lengths == b.tree_online.accept_lengths
@@ -346,6 +356,7 @@ def main() -> None:
     p.add_argument("--real-max-new-tokens", type=int, default=64, help="reference tokens, real-shape targets")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dflash-walk-bench"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=2, help="alternate runs per path: fastest time, highest peak")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -173,7 +173,7 @@ def test_walk_drafts_each_block_through_the_layers_once_with_a_plain_tree(policy
     """τ near B, a flat drafter's plain tree (its walk far behind the greedy one, visiting anchors the
     greedy walk drafted without top-k, and the sample's): every anchor goes through the drafter layers
     at most once per run (the tree's visit runs the head on the kept slot hiddens), the results equal
-    the all-anchor pass's, and no pass holds more than half the all-anchor pass's blocks."""
+    the all-anchor pass's, and no pass holds more blocks than the all-anchor pass."""
     n, rng = 96, np.random.default_rng(seed)
     drafter = drafter_for(TARGET, block_size=B, seed=seed)
     counter = CountingDrafter(drafter)
@@ -202,7 +202,7 @@ def test_walk_drafts_each_block_through_the_layers_once_with_a_plain_tree(policy
     assert revisits > 0, "the case never sent the tree walk to a block drafted without its top-k"
     cap = anchors_per_pass(B, context_len=seqs[-1].prompt_len + n, heads=drafter.config.num_attention_heads,
                            dense=True)
-    assert all(rows * blocks <= max(1, cap // 2) for rows, blocks in counter.calls)
+    assert all(rows * blocks <= cap for rows, blocks in counter.calls)
 
 
 def score_walked(seq, got, sample, B, n):

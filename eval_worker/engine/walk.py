@@ -77,9 +77,9 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
 
 
 def group_kv_budget(drafter: DFlashDrafter, context_len: int) -> int:
-    """Bytes of context keys/values a group of prompts may hold while it walks: the dense attention
-    scores one all-anchor pass holds at this context length (the walk's passes hold half its
-    blocks, `Walker._draft`), so keys and a pass together stay within the all-anchor pass's peak."""
+    """Bytes of context keys/values a group of prompts may hold while it walks: half the dense
+    attention scores one all-anchor pass holds at this context length (the walk's passes hold at most
+    the other half, `Walker._draft`), so keys and a pass together stay within the all-anchor pass's peak."""
     cfg = drafter.config
     cap = anchors_per_pass(cfg.block_size, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
     scores = cfg.num_attention_heads * cap * cfg.block_size * (context_len + cap * cfg.block_size) * 4
@@ -106,12 +106,17 @@ class Walker:
         # log-softmax takes a second temporary), so a call's peak is the all-anchor pass's top-k chunk's
         self.head_rows = head_rows or max(1, logits_rows(head.weight.shape[0]) // 2)
         self.dev = next(drafter.parameters()).device
+        self.call_rows = self.head_rows
 
     @torch.no_grad()
     def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
         """`kvs[i]`: `context_kv` of seqs[i]'s features (computed as each prompt's features arrive)."""
         out = [WalkBlocks() for _ in seqs]
         tree_on = self.topk > 0 and self.D > 0
+        # head rows per call: within half the slot rows of the all-anchor pass at the longest context too
+        S = max((s.prompt_len + s.num_tokens for s in seqs), default=1)
+        cap = anchors_per_pass(self.B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
+        self.call_rows = min(self.head_rows, max(1, cap * (self.B - 1) // 2))
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
@@ -164,24 +169,26 @@ class Walker:
 
     def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list) -> None:
         """Draft (prompt, offset, with tree top-k, every slot) rows: the ones whose slot hiddens are kept
-        run the head only; the others go through the drafter in passes of half the all-anchor pass's
-        blocks (`anchors_per_pass`; prompts x blocks per prompt, padding included), so its dense scores
-        and head rows take half the all-anchor pass's and the group's context keys fit in the rest."""
+        run the head only; the others go through the drafter in passes whose dense scores (prompts x
+        blocks per prompt, padding included, over the longest context) take at most half the all-anchor
+        pass's (`anchors_per_pass`), so the group's context keys fit in the rest (`group_kv_budget`)."""
         heads_only = [row for row in rows if (row[0], row[1]) in kept]
         drafted = [row for row in rows if (row[0], row[1]) not in kept]
-        passes: list[list] = [[]]
+        B, passes = self.B, [[]]
         counts: dict[int, int] = {}  # blocks per prompt in the pass being filled
-        cap = 0  # its anchors per pass: prompts x the most blocks of one prompt stay within it
+        limit = (0, 0, 0)  # its (blocks, score elements, longest context): the all-anchor pass's, half its scores
         for row in sorted(drafted, key=lambda r: r[:2]):
-            s = seqs[row[0]]
-            c = max(1, anchors_per_pass(self.B, context_len=s.prompt_len + s.num_tokens,
-                                        heads=self.drafter.config.num_attention_heads, dense=True) // 2)
+            S = seqs[row[0]].prompt_len + seqs[row[0]].num_tokens
+            c = anchors_per_pass(B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
+            mine = (c, c * B * (S + c * B) // 2, S)
             trial = {**counts, row[0]: counts.get(row[0], 0) + 1}
-            if passes[-1] and len(trial) * max(trial.values()) > min(cap, c):
+            both = (min(limit[0], c), min(limit[1], mine[1]), max(limit[2], S)) if passes[-1] else mine
+            p, n = len(trial), max(trial.values())
+            if passes[-1] and (p * n > both[0] or p * n * B * (both[2] + n * B) > both[1]):
                 passes.append([])
-                counts, cap = {row[0]: 1}, c
+                counts, limit = {row[0]: 1}, mine
             else:
-                counts, cap = trial, min(cap, c) if passes[-1] else c
+                counts, limit = trial, both
             passes[-1].append(row)
         for n, chunk in enumerate(passes):
             extra = heads_only if n == 0 else []
@@ -306,7 +313,7 @@ class Walker:
         return trees, done
 
     def _call(self, slots: torch.Tensor, rows: np.ndarray, cols: np.ndarray, k: int):
-        """One head call on the (row, slot) pairs, `head_rows` at a time: argmax of each, and the
+        """One head call on the (row, slot) pairs, `call_rows` at a time: argmax of each, and the
         top-k log-probs of the first k. Returns (argmax [M], top-k ids [k, K], log-probs [k, K])."""
         hidden = slots[torch.as_tensor(rows), torch.as_tensor(cols)]
         M, wdtype = hidden.shape[0], self.head.weight.dtype
@@ -314,8 +321,8 @@ class Walker:
         ids = torch.empty(k, self.topk, dtype=torch.long)
         logp = torch.empty(k, self.topk, dtype=torch.float32)
         K = self.topk
-        for s in range(0, M, self.head_rows):
-            e = min(s + self.head_rows, M)
+        for s in range(0, M, self.call_rows):
+            e = min(s + self.call_rows, M)
             logits = self.head(hidden[s:e].to(wdtype))
             m = max(0, min(e, k) - s)  # this chunk's top-k rows
             if m:
