@@ -258,13 +258,14 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     drafter, random features, and references that follow the drafter's own blocks for a random
     `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
     construction of tests/test_engine_walk.py). `draft_anchors` + `score_prompt` (today) vs
-    `Walker` + `score_blocks` (new) on the same inputs, results checked equal; each run once
+    `Walker` + `score_blocks` (new, prompts grouped as the engine groups them) on the same inputs,
+    results checked equal; each run once
     untimed first (one-time costs: code paths paged in, allocator pools).
     `peaked`: the drafter's final norm scaled by `PEAK`, so its logits are too (same argmax, the
     same references): distributions as peaked as a trained drafter's, whose plain tree holds the chain."""
     from eval_worker.engine.drafting import draft_anchors
     from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt
-    from eval_worker.engine.walk import Walker, WalkSeq, context_kv
+    from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
     from tests.test_engine_walk import forced_reference
 
     target = load_case_target("tiny")
@@ -307,14 +308,21 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
 
     walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
 
-    def new():
-        ws, kvs = [], []
+    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs))
+
+    def new():  # prompts in groups whose context keys fit the budget, as the engine walks them
+        ws, got, group, kvs, size = [], [], [], [], 0
         for j, (prompt, feats, ext) in enumerate(seqs):
             P = len(prompt)
             ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
                               full=sample_offsets(n, quota, 0, f"p{j}")))
+            if group and size + kv_bytes(drafter, P + n) > budget:
+                got += walker.run(group, kvs)
+                group, kvs, size = [], [], 0
+            group.append(ws[-1])
             kvs.append(context_kv(drafter, feats[:P + n - 1]))
-        got = walker.run(ws, kvs)
+            size += kv_bytes(drafter, P + n)
+        got += walker.run(group, kvs)
         out = []
         for j, (w, g) in enumerate(zip(ws, got, strict=True)):
             st = np.full(n, -1)
