@@ -308,7 +308,7 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
 
     walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
 
-    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs))
+    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
 
     def new():  # prompts in groups whose context keys fit the budget, as the engine walks them
         ws, got, group, kvs, size = [], [], [], [], 0

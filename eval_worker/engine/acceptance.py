@@ -393,7 +393,8 @@ class Evaluator:
         walker = Walker(drafter, embed, head, topk=topk, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
                         head_rows=opts.head_rows or DEFAULT_HEAD_ROWS)
         groups, size = [[]], 0
-        budget = group_kv_budget(drafter, max((len(r.prompt_ids) + len(r.tokens) for r in refs), default=1))
+        budget = group_kv_budget(drafter, max((len(r.prompt_ids) + len(r.tokens) for r in refs), default=1),
+                                 head.weight.shape[0])
         for ref in refs:  # context keys/values of a group stay within the budget
             need = kv_bytes(drafter, len(ref.prompt_ids) + len(ref.tokens))
             if groups[-1] and size + need > budget:

@@ -76,14 +76,17 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
     return [tuple(t[0] for t in layer.self_attn.key_value(ctx, cos, sin)) for layer in drafter.layers]
 
 
-def group_kv_budget(drafter: DFlashDrafter, context_len: int) -> int:
-    """Bytes of context keys/values a group of prompts may hold while it walks: half the dense
-    attention scores one all-anchor pass holds at this context length (the walk's passes hold at most
-    the other half, `Walker._draft`), so keys and a pass together stay within the all-anchor pass's peak."""
+def group_kv_budget(drafter: DFlashDrafter, context_len: int, vocab: int) -> int:
+    """Bytes of context keys/values a group of prompts may hold while it walks: half of what one
+    all-anchor pass holds at this context length (its dense attention scores or its LM-head logits,
+    the larger), so the keys and a walk pass (at most the other half: `Walker._draft`, `Walker.run`)
+    stay within the all-anchor pass's peak."""
     cfg = drafter.config
-    cap = anchors_per_pass(cfg.block_size, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
-    scores = cfg.num_attention_heads * cap * cfg.block_size * (context_len + cap * cfg.block_size) * 4
-    return min(WALK_KV_BUDGET, scores // 2)
+    B = cfg.block_size
+    cap = anchors_per_pass(B, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
+    scores = cfg.num_attention_heads * cap * B * (context_len + cap * B) * 4
+    logits = min(cap * (B - 1), logits_rows(vocab)) * vocab * 4
+    return min(WALK_KV_BUDGET, max(scores, logits) // 2)
 
 
 def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
@@ -113,10 +116,10 @@ class Walker:
         """`kvs[i]`: `context_kv` of seqs[i]'s features (computed as each prompt's features arrive)."""
         out = [WalkBlocks() for _ in seqs]
         tree_on = self.topk > 0 and self.D > 0
-        # head rows per call: within half the slot rows of the all-anchor pass at the longest context too
+        # head rows per call: half the all-anchor pass's logits rows (a top-k row's log-softmax doubles its)
         S = max((s.prompt_len + s.num_tokens for s in seqs), default=1)
         cap = anchors_per_pass(self.B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
-        self.call_rows = min(self.head_rows, max(1, cap * (self.B - 1) // 2))
+        self.call_rows = max(1, min(self.head_rows, cap * (self.B - 1)) // 2)
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
