@@ -12,10 +12,14 @@ step (a GPU still gets batched work):
   - the greedy cursor moves s -> s + streak + 1 (the walk of `metrics.online_walk`, run to
     the end of the reference: a superset of what any counting rule reads), the tree cursor
     likewise with the tree's streak, and the fixed anchors are the stride blocks and the
-    seeded sample that the all-anchor statistics come from;
+    seeded sample that the all-anchor statistics come from; a block goes through the drafter
+    layers once (a tree visit to a block the greedy cursor drafted reuses its kept slot hiddens);
   - the LM head runs slot chunk by slot chunk (1, 2, 3, 4, 6, 8, 11, ... slots), only on the
     rows whose block has matched so far, so it stops at the first miss; rows the tree visits
-    get top-k as deep as a tree of that budget can reach, rows of the sample all slots.
+    get top-k as deep as a tree of that budget can reach, rows of the sample all slots; each
+    round of chunks is one head call over every row of the step;
+  - memory is sized from the all-anchor pass's at the same context length (`group_kv_budget`),
+    so the walk's peak is no higher than that pass's.
 
 The walks themselves are then replayed by the same code as on the all-anchor drafts
 (`scoring.score_blocks`), so every number is made by one piece of code either way.
