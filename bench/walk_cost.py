@@ -1,10 +1,10 @@
 """Per-checkpoint cost: all-anchor drafting vs walk-driven drafting vs the reference loop, and the FLOP bound.
 
     python bench/walk_cost.py [--cases demo,tau8,qwen3,qwen3_5] [--num-prompts 8] [--max-new-tokens 128]
-                              [--work DIR] [--threads 1] [--json OUT]
+                              [--work DIR] [--threads 1] [--repeat 2] [--json OUT]
 
 Per case, one process, warm caches (references and features computed by a first evaluation,
-not timed), one thread:
+not timed), one thread, the two paths run alternately --repeat times each (fastest time, highest peak):
   - today: `Evaluator.evaluate(..., drafting="all")`, a block at every anchor (whole call);
   - new: the same call with `drafting="walk"` (eval_worker/engine/walk.py); the two results
     are checked equal field for field (provenance aside) before anything is printed;
@@ -19,8 +19,9 @@ not timed), one thread:
 
 Cases: `demo` the bundled tiny target with a 2-layer B=16 drafter fitted briefly to the suite's
 references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer (τ ≈ 8);
-`forced8` / `forced8_spine` τ ≈ 9 by construction, drafting phase only (`forced_case`; a random
-drafter's flat distributions keep a plain tree near τ 1.9 there, a spine tree holds the chain);
+`forced8` / `forced8_spine` / `forced8_peaked` τ ≈ 9 by construction, drafting phase only (`forced_case`; a
+random drafter's flat distributions keep a plain tree near τ 1.9 there, a spine tree holds the chain, and so
+does a plain tree when the drafter's logits are scaled up);
 `qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (tests/factories.py)
 with a random drafter (τ ≈ 1 on their random weights). Fitted drafters are kept in --work, so a rerun skips fitting.
 """
@@ -53,6 +54,16 @@ CASES = {  # target, drafter layers, fit steps
     "qwen3": ("qwen3", 1, 0),  # random drafter: τ ≈ 1 on a random target, where the head is all the cost
     "qwen3_5": ("qwen3_5", 1, 0),
 }
+
+
+def side_by_side(a, b, repeat: int):
+    """(result, fastest seconds, highest peak MiB) of a and of b, run alternately `repeat` times each,
+    so a busy spell on the shared machine hits both alike."""
+    runs: list[list] = [[], []]
+    for _ in range(repeat):
+        for k, fn in enumerate((a, b)):
+            runs[k].append(peak_during(fn))
+    return tuple((r[0][0], min(x[1] for x in r), max(x[2] for x in r)) for r in runs)
 
 
 def matmul_gflops(reps: int = 7) -> float:
@@ -181,8 +192,9 @@ def run_case(name: str, args, work: Path) -> dict:
     base = {"measure_speed": False, "tree_budget": 8, "anchor_sample": max(8, round(512 * tokens / 34_500)),
             "leak_probe_anchors": max(8, round(256 * tokens / 34_500))}
     ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"})  # warm: references, features, one-time setup
-    old, old_s, old_mb = peak_during(lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}))
-    new, new_s, new_mb = peak_during(lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}))
+    (old, old_s, old_mb), (new, new_s, new_mb) = side_by_side(
+        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}),
+        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}), args.repeat)
     a, b = old.to_dict(), new.to_dict()
     for d in (a, b):
         d.pop("provenance"), d.pop("cache")
@@ -238,15 +250,22 @@ def qwen3_8b_estimate(row: dict) -> dict:
             "h200_s_today": today / (H200_GFLOPS * 1e9), "h200_s_new": new / (H200_GFLOPS * 1e9)}
 
 
-def forced_case(args, spine: bool = False) -> dict:
+PEAK = 32.0  # forced8_peaked: logits x 32 (a random drafter's are flat: top-1 vs top-2 a few 0.01 apart)
+
+
+def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
     drafter, random features, and references that follow the drafter's own blocks for a random
     `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
     construction of tests/test_engine_walk.py). `draft_anchors` + `score_prompt` (today) vs
-    `Walker` + `score_blocks` (new) on the same inputs, results checked equal."""
+    `Walker` + `score_blocks` (new, prompts grouped as the engine groups them) on the same inputs,
+    results checked equal; each run once
+    untimed first (one-time costs: code paths paged in, allocator pools).
+    `peaked`: the drafter's final norm scaled by `PEAK`, so its logits are too (same argmax, the
+    same references): distributions as peaked as a trained drafter's, whose plain tree holds the chain."""
     from eval_worker.engine.drafting import draft_anchors
     from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt
-    from eval_worker.engine.walk import Walker, WalkSeq, context_kv
+    from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
     from tests.test_engine_walk import forced_reference
 
     target = load_case_target("tiny")
@@ -257,6 +276,9 @@ def forced_case(args, spine: bool = False) -> dict:
     cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
                                    num_features=3, block_size=16)
     drafter = DFlashDrafter(cfg).eval()
+    if peaked:
+        with torch.no_grad():
+            drafter.norm.weight.mul_(PEAK)
     embed, head = target.parts.embed_tokens, target.parts.lm_head
     B, n, V = 16, args.max_new_tokens, target.vocab_size
     rng = np.random.default_rng(0)
@@ -286,14 +308,21 @@ def forced_case(args, spine: bool = False) -> dict:
 
     walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
 
-    def new():
-        ws, kvs = [], []
+    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
+
+    def new():  # prompts in groups whose context keys fit the budget, as the engine walks them
+        ws, got, group, kvs, size = [], [], [], [], 0
         for j, (prompt, feats, ext) in enumerate(seqs):
             P = len(prompt)
             ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
                               full=sample_offsets(n, quota, 0, f"p{j}")))
+            if group and size + kv_bytes(drafter, P + n) > budget:
+                got += walker.run(group, kvs)
+                group, kvs, size = [], [], 0
+            group.append(ws[-1])
             kvs.append(context_kv(drafter, feats[:P + n - 1]))
-        got = walker.run(ws, kvs)
+            size += kv_bytes(drafter, P + n)
+        got += walker.run(group, kvs)
         out = []
         for j, (w, g) in enumerate(zip(ws, got, strict=True)):
             st = np.full(n, -1)
@@ -303,8 +332,8 @@ def forced_case(args, spine: bool = False) -> dict:
                                     counting="response", ends_with_stop=False))
         return out, got, ws
 
-    old, old_s, old_mb = peak_during(today)
-    (fresh, got, ws), new_s, new_mb = peak_during(new)
+    today(), new()  # warm
+    (old, old_s, old_mb), ((fresh, got, ws), new_s, new_mb) = side_by_side(today, new, args.repeat)
     for a, b in zip(old, fresh, strict=True):
         assert a.online.accept_lengths == b.online.accept_lengths
         assert a.tree_online.accept_lengths == b.tree_online.accept_lengths
@@ -317,7 +346,7 @@ def forced_case(args, spine: bool = False) -> dict:
             flops += f["block"] + (w.prompt_len + off + B) * f["block_per_key"] + need * f["slot"]
     tau_ = float(np.mean([a.online.tau for a in old]))
     bound_s = flops / (args.gflops * 1e9)
-    return {"case": "forced8_spine" if spine else "forced8", "vocab": V, "tau": tau_,
+    return {"case": "forced8" + ("_spine" if spine else "") + ("_peaked" if peaked else ""), "vocab": V, "tau": tau_,
             "tree_tau": float(np.mean([a.tree_online.tau for a in old])),
             "prompts": len(seqs), "tokens": tokens, "today_s": old_s, "new_s": new_s, "today_draft_s": old_s,
             "new_draft_s": new_s, "loop_s": float("nan"), "loop_steps": 0, "flops": flops, "bound_s": bound_s,
@@ -335,6 +364,7 @@ def main() -> None:
     p.add_argument("--real-max-new-tokens", type=int, default=64, help="reference tokens, real-shape targets")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dflash-walk-bench"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=2, help="alternate runs per path: fastest time, highest peak")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -346,7 +376,8 @@ def main() -> None:
     hdr = (f"{'case':>8} {'vocab':>7} {'tau':>5} {'today s':>8} {'new s':>7} {'x':>5} {'loop s':>7} {'vs loop':>7} "
            f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'peak MB':>13}")
     for name in args.cases.split(","):
-        r = forced_case(args, name.endswith("spine")) if name.startswith("forced8") else run_case(name, args, work)
+        r = (forced_case(args, "spine" in name, "peaked" in name) if name.startswith("forced8")
+             else run_case(name, args, work))
         rows.append(r)
         if len(rows) == 1:
             print(hdr)

@@ -10,7 +10,8 @@ first miss.
 The references are built against the drafter so that every acceptance length can be forced:
 at each step of the walk the block is drafted (the spec loop's own one-block path) and the
 reference continues with the first `a` drafts, then a token the drafter did not propose. `a`
-always B-1 gives τ = B (an accept-everything pair), always 0 gives τ = 1, random gives the rest.
+always B-1 gives τ = B (an accept-everything pair), always 0 gives τ = 1, random gives the rest
+("mostly": a in B/2..B-1, a greedy walk well ahead of a flat drafter's plain tree).
 """
 import json
 
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
-from eval_worker.engine.drafting import draft_anchors, draft_one_block
+from eval_worker.engine.drafting import anchors_per_pass, draft_anchors, draft_one_block
 from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.walk import Walker, WalkSeq, context_kv
 
@@ -42,7 +43,8 @@ def forced_reference(drafter, feats, prompt, n, policy, rng):
     while len(ext) < n + B - 1:
         ids = torch.tensor(prompt + ext)
         drafts = draft_one_block(drafter, EMBED, HEAD, ids, feats, len(prompt) + s)[0].tolist()
-        a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(0, B)))
+        least = B // 2 if policy == "mostly" else 0
+        a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(least, B)))
         ext += drafts[:a]
         if a < B - 1:  # the first rejected slot gets a token the drafter did not propose
             ext.append(int((drafts[a] + 1 + rng.integers(0, VOCAB - 3)) % (VOCAB - 1)))
@@ -147,6 +149,68 @@ def test_walk_driven_blocks_are_the_visited_ones_at_tau_block_size():
                                counting="response", stop=False, sample=np.zeros(0, dtype=np.int64), full_walk=True)
     assert_same(old, new, True)
     assert got.blocks == len(set(range(0, n, B)) | set(range(0, n - 1, B)))  # walk anchors 0, B, 2B ... = stride
+
+
+class CountingDrafter:
+    """Counts the blocks each drafter call runs through the layers, per (batch row's prompt, anchor)."""
+
+    def __init__(self, drafter):
+        self.drafted: list[tuple[int, int]] = []  # (prompt, anchor position) per block through the layers
+        self.calls: list[tuple[int, int]] = []  # (batch rows, blocks per row) per call
+        B = drafter.config.block_size
+
+        def hook(module, args, kwargs):
+            pos = args[1][:, ::B]  # block positions: each block starts at its anchor
+            self.calls.append(tuple(pos.shape))
+            for row in pos.tolist():
+                self.drafted += [a for a in row if a > 0]  # anchor 0: a padding block (every prompt is longer)
+
+        drafter.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("policy,B,seed", [("accept_all", 8, 0), ("mostly", 8, 1), ("mostly", 6, 2)])
+def test_walk_drafts_each_block_through_the_layers_once_with_a_plain_tree(policy, B, seed):
+    """τ near B, a flat drafter's plain tree (its walk far behind the greedy one, visiting anchors the
+    greedy walk drafted without top-k, and the sample's): every anchor goes through the drafter layers
+    at most once per run (the tree's visit runs the head on the kept slot hiddens), the results equal
+    the all-anchor pass's, and no pass holds more blocks than the all-anchor pass."""
+    n, rng = 96, np.random.default_rng(seed)
+    drafter = drafter_for(TARGET, block_size=B, seed=seed)
+    counter = CountingDrafter(drafter)
+    seqs, kvs, olds = [], [], []
+    for j in range(3):
+        prompt = rng.integers(0, VOCAB - 1, 3 + 100 * j).tolist()  # anchor positions apart: a repeat is a redraft
+        feats = torch.randn(len(prompt) + n + B, drafter.config.num_features * TARGET.hidden_size,
+                            generator=torch.Generator().manual_seed(seed * 10 + j))
+        ext = forced_reference(drafter, feats, prompt, n, policy, rng)
+        sample = sample_offsets(n, 6, seed, f"p{j}")
+        old, _, _ = both_paths(drafter, feats, prompt, ext, n, tree_budget=8, spine=False, max_blocks=None,
+                               counting="response", stop=False, sample=sample, full_walk=True)
+        olds.append((old, sample))
+        seqs.append(WalkSeq(torch.tensor(prompt + ext[:n]), len(prompt), n, np.asarray(ext), full=sample))
+        kvs.append(context_kv(drafter, feats[:len(prompt) + n - 1]))
+    counter.drafted.clear(), counter.calls.clear()
+    got = Walker(drafter, EMBED, HEAD, topk=8, tree_budget=8).run(seqs, kvs)
+    assert len(counter.drafted) == len(set(counter.drafted)), "a block went through the layers twice"
+    assert sum(g.blocks for g in got) == len(counter.drafted) == sum(len(g.need) for g in got)
+    revisits = 0
+    for (old, sample), seq, g in zip(olds, seqs, got, strict=True):
+        assert_same(old, score_walked(seq, g, sample, B, n), True)
+        # the tree walk's visits to blocks drafted first without its top-k (greedy walk, sample)
+        first_plain = (set(old.online.anchors) | set(sample.tolist())) - set(range(0, n - 1, B))
+        revisits += len(set(old.tree_online.anchors) & first_plain)
+    assert revisits > 0, "the case never sent the tree walk to a block drafted without its top-k"
+    cap = anchors_per_pass(B, context_len=seqs[-1].prompt_len + n, heads=drafter.config.num_attention_heads,
+                           dense=True)
+    assert all(rows * blocks <= cap for rows, blocks in counter.calls)
+
+
+def score_walked(seq, got, sample, B, n):
+    streaks = np.full(n, -1)
+    streaks[list(got.streak)] = list(got.streak.values())
+    arg = np.stack([got.argmax[o] for o in sample.tolist()])
+    return score_blocks("p", seq.ext.tolist(), n, B, streaks, got.tree_streaks.__getitem__, sample, arg,
+                        max_blocks=None, counting="response", ends_with_stop=False)
 
 
 # --- the engine: whole results equal ------------------------------------------------------------

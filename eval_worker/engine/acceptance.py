@@ -45,7 +45,7 @@ from eval_worker.engine.result import EvalResult, PromptResult
 from eval_worker.engine.scoring import PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.speed import measure_step_costs
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
-from eval_worker.engine.walk import WALK_KV_BUDGET, Walker, WalkSeq, context_kv, kv_bytes
+from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
 
 log = logging.getLogger(__name__)
 # what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
@@ -519,9 +519,11 @@ class Evaluator:
         walker = Walker(drafter, embed, head, topk=topk, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
                         head_rows=opts.head_rows or DEFAULT_HEAD_ROWS)
         groups, size = [[]], 0
-        for ref in refs:  # context keys/values of a group stay within WALK_KV_BUDGET
+        budget = group_kv_budget(drafter, max((len(r.prompt_ids) + len(r.tokens) for r in refs), default=1),
+                                 head.weight.shape[0])
+        for ref in refs:  # context keys/values of a group stay within the budget
             need = kv_bytes(drafter, len(ref.prompt_ids) + len(ref.tokens))
-            if groups[-1] and size + need > WALK_KV_BUDGET:
+            if groups[-1] and size + need > budget:
                 groups.append([])
                 size = 0
             groups[-1].append(ref)

@@ -67,18 +67,25 @@ def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chu
         if not topk:
             arg[s:s + rows_per_chunk] = logits.argmax(-1).cpu()  # same op as the spec loop
             continue
-        v, i = logits.topk(min(topk, logits.shape[-1]), dim=-1)
-        a = i[:, 0].clone()
-        if v.shape[1] > 1:  # an exact tie at the top: topk's pick may differ from argmax's first index
-            tied = v[:, 0] == v[:, 1]
-            if tied.any():
-                a[tied] = logits[tied].argmax(-1)
+        a, v, i = logits_topk(logits, topk)
         arg[s:s + rows_per_chunk] = a.cpu()
-        lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # log-probs of the top k only
-        logp[s:s + rows_per_chunk, : v.shape[1]] = (v.float() - lse).cpu()
+        logp[s:s + rows_per_chunk, : v.shape[1]] = v.cpu()
         ids[s:s + rows_per_chunk, : v.shape[1]] = i.cpu()
         del logits
     return arg, ids, logp
+
+
+def logits_topk(logits: torch.Tensor, topk: int):
+    """(argmax, top-k log-probs, their ids) of `[rows, vocab]` logits: the one top-k rule (argmax
+    as `logits.argmax` picks it, also on an exact tie at the top)."""
+    v, i = logits.topk(min(topk, logits.shape[-1]), dim=-1)
+    a = i[:, 0].clone()
+    if v.shape[1] > 1:  # an exact tie at the top: topk's pick may differ from argmax's first index
+        tied = v[:, 0] == v[:, 1]
+        if tied.any():
+            a[tied] = logits[tied].argmax(-1)
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # log-probs of the top k only
+    return a, v.float() - lse, i
 
 
 def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET, *, context_len: int = 0,

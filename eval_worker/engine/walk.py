@@ -12,10 +12,14 @@ step (a GPU still gets batched work):
   - the greedy cursor moves s -> s + streak + 1 (the walk of `metrics.online_walk`, run to
     the end of the reference: a superset of what any counting rule reads), the tree cursor
     likewise with the tree's streak, and the fixed anchors are the stride blocks and the
-    seeded sample that the all-anchor statistics come from;
+    seeded sample that the all-anchor statistics come from; a block goes through the drafter
+    layers once (a tree visit to a block the greedy cursor drafted reuses its kept slot hiddens);
   - the LM head runs slot chunk by slot chunk (1, 2, 3, 4, 6, 8, 11, ... slots), only on the
     rows whose block has matched so far, so it stops at the first miss; rows the tree visits
-    get top-k as deep as a tree of that budget can reach, rows of the sample all slots.
+    get top-k as deep as a tree of that budget can reach, rows of the sample all slots; each
+    round of chunks is one head call over every row of the step;
+  - memory is sized from the all-anchor pass's at the same context length (`group_kv_budget`),
+    so the walk's peak is no higher than that pass's.
 
 The walks themselves are then replayed by the same code as on the all-anchor drafts
 (`scoring.score_blocks`), so every number is made by one piece of code either way.
@@ -32,11 +36,11 @@ from dflash_train.core.masks import BlockLayout, dense_mask
 from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.core.target import logits_rows
 from eval_worker.engine import metrics
-from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, anchors_per_pass, head_topk
+from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, anchors_per_pass, logits_topk
 from eval_worker.engine.scoring import walk_labels
 from eval_worker.engine.tree import DraftTree, build_tree, tree_streak
 
-# the context keys/values a group of prompts holds at once (the rest of the suite waits its turn)
+# the context keys/values a group of prompts holds at once (the rest of the suite waits its turn), at most
 WALK_KV_BUDGET = 64 * 1024 * 1024
 SLOT_BOUNDS = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128)  # early-exit chunks grow ~1.4x
 TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with (doubling while its tree reads the last)
@@ -67,12 +71,26 @@ class WalkBlocks:
     need: dict[int, int] = field(default_factory=dict)  # per visited offset, the fewest head slots its readers need
 
 
+@torch.no_grad()  # with autograd on, each prompt's keys would keep the graph's activations alive while it waits
 def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the rotated context keys and values `[kv_heads, S, head_dim]` of `features [S, n*H]`
     (what `DFlashDrafter.forward` computes from the context, once for every anchor)."""
     ctx = drafter.hidden_norm(drafter.fc(features[None].to(drafter.fc.weight.dtype)))
     cos, sin = drafter.rotary_emb(ctx, torch.arange(features.shape[0], device=ctx.device)[None])
     return [tuple(t[0] for t in layer.self_attn.key_value(ctx, cos, sin)) for layer in drafter.layers]
+
+
+def group_kv_budget(drafter: DFlashDrafter, context_len: int, vocab: int) -> int:
+    """Bytes of context keys/values a group of prompts may hold while it walks: half of what one
+    all-anchor pass holds at this context length (its dense attention scores or its LM-head logits,
+    the larger), so the keys and a walk pass (at most the other half: `Walker._draft`, `Walker.run`)
+    stay within the all-anchor pass's peak."""
+    cfg = drafter.config
+    B = cfg.block_size
+    cap = anchors_per_pass(B, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
+    scores = cfg.num_attention_heads * cap * B * (context_len + cap * B) * 4
+    logits = min(cap * (B - 1), logits_rows(vocab)) * vocab * 4
+    return min(WALK_KV_BUDGET, max(scores, logits) // 2)
 
 
 def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
@@ -91,84 +109,116 @@ class Walker:
         self.B = drafter.config.block_size
         self.topk, self.D = topk, (min(tree_budget, self.B - 1) if topk else 0)  # top-k depths at most
         self.budget, self.spine = tree_budget, tree_spine
-        # the argmax chunks get the top-k chunks' rows (half the logits budget): the walk's peak stays at or
-        # below the all-anchor pass's with a tree (measured: 113 MB -> see bench/README.md at vocab 151,936)
+        # rows per head call, top-k rows and argmax rows alike: half the logits budget (a top-k row's
+        # log-softmax takes a second temporary), so a call's peak is the all-anchor pass's top-k chunk's
         self.head_rows = head_rows or max(1, logits_rows(head.weight.shape[0]) // 2)
         self.dev = next(drafter.parameters()).device
+        self.call_rows = self.head_rows
 
     @torch.no_grad()
     def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
         """`kvs[i]`: `context_kv` of seqs[i]'s features (computed as each prompt's features arrive)."""
         out = [WalkBlocks() for _ in seqs]
         tree_on = self.topk > 0 and self.D > 0
-        # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot)
+        # head rows per call: half the all-anchor pass's logits rows (a top-k row's log-softmax doubles its)
+        S = max((s.prompt_len + s.num_tokens for s in seqs), default=1)
+        cap = anchors_per_pass(self.B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
+        self.call_rows = max(1, min(self.head_rows, cap * (self.B - 1)) // 2)
+        # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
+        # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
         for i, s in enumerate(seqs):
             stride = list(range(0, max(s.num_tokens - 1, 0), self.B))
             stride = stride if tree_on else stride[: s.max_blocks]  # the tree's stride streaks are all counted
             full = set(int(x) for x in s.full)
             for off in sorted(set(stride) | full):
-                fixed.append((i, off, tree_on and off in stride, off in full))
-        self._draft(seqs, kvs, out, fixed)
-        # then the walks, every prompt one step per pass
+                fixed.append((i, off, tree_on, off in full))
+        kept: dict[tuple[int, int], tuple] = {}
+        self._draft(seqs, kvs, out, fixed, kept, [None] * len(seqs))
+        # then the walks, every prompt one step per pass. The greedy cursor is usually the faster one:
+        # the slot hiddens of its blocks ahead of the tree cursor are kept (`kept`), so a tree visit
+        # there runs the head's top-k only; it waits while a block ahead of the tree cursor, which
+        # bounds what is kept to about one block's span per prompt
         greedy = [0 if s.num_tokens > 0 else None for s in seqs]
         tree = [0 if tree_on and s.num_tokens > 0 else None for s in seqs]
         g_steps, t_steps = [0] * len(seqs), [0] * len(seqs)
         while True:
             need: dict[tuple[int, int], list[bool]] = {}
             for i in range(len(seqs)):
-                for cur, is_tree in ((greedy[i], False), (tree[i], True)):
-                    if cur is None:
-                        continue
-                    known = cur in out[i].tree_streaks if is_tree else cur in out[i].streak
-                    if not known:
-                        want = need.setdefault((i, cur), [False, False])
-                        want[0] = want[0] or is_tree
-            if not need:
-                # advance every cursor whose block is known; stop when none moves
-                moved = False
-                for i, s in enumerate(seqs):
-                    if greedy[i] is not None:
-                        greedy[i], g_steps[i] = greedy[i] + out[i].streak[greedy[i]] + 1, g_steps[i] + 1
-                        if greedy[i] >= s.num_tokens or (s.greedy_steps is not None and g_steps[i] >= s.greedy_steps):
-                            greedy[i] = None
-                        moved = True
-                    if tree[i] is not None:
-                        t = out[i].tree_streaks[tree[i]]
-                        tree[i], t_steps[i] = tree[i] + t + 1, t_steps[i] + 1
-                        if tree[i] >= s.num_tokens or (s.max_blocks is not None and t_steps[i] >= s.max_blocks):
-                            tree[i] = None
-                        moved = True
-                if not moved:
-                    break
+                g, t = greedy[i], tree[i]
+                if t is not None and t not in out[i].tree_streaks:
+                    need[(i, t)] = [True]
+                if g is not None and g not in out[i].streak and (t is None or g <= t + self.B):
+                    need.setdefault((i, g), [False])
+            if need:
+                self._draft(seqs, kvs, out, [(i, off, want[0], False) for (i, off), want in need.items()], kept,
+                            tree)
                 continue
-            self._draft(seqs, kvs, out, [(i, off, want[0], False) for (i, off), want in need.items()])
+            moved = False  # every cursor not waiting has its block: advance them; stop when none moves
+            for i, s in enumerate(seqs):
+                g = greedy[i]
+                if g is not None and g in out[i].streak:
+                    greedy[i], g_steps[i] = g + out[i].streak[g] + 1, g_steps[i] + 1
+                    if greedy[i] >= s.num_tokens or (s.greedy_steps is not None and g_steps[i] >= s.greedy_steps):
+                        greedy[i] = None
+                    moved = True
+                if tree[i] is not None:
+                    t = out[i].tree_streaks[tree[i]]
+                    tree[i], t_steps[i] = tree[i] + t + 1, t_steps[i] + 1
+                    if tree[i] >= s.num_tokens or (s.max_blocks is not None and t_steps[i] >= s.max_blocks):
+                        tree[i] = None
+                    moved = True
+            for key in [k for k in kept if tree[k[0]] is None or k[1] < tree[k[0]]]:  # behind the tree cursor
+                del kept[key]
+            if not moved:
+                break
         return out
 
-    def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]]) -> None:
-        """Draft (prompt, offset, with tree top-k, every slot) rows, in passes of at most
-        `anchors_per_pass` blocks per prompt (the all-anchor pass's dense-mask sizing)."""
-        passes: list[list] = []
-        seen: dict[int, int] = {}
-        for row in rows:
-            i = row[0]
-            cap = anchors_per_pass(self.B, context_len=seqs[i].prompt_len + seqs[i].num_tokens,
-                                   heads=self.drafter.config.num_attention_heads, dense=True)
-            k = seen.get(i, 0) // cap
-            seen[i] = seen.get(i, 0) + 1
-            passes += [[] for _ in range(k + 1 - len(passes))]
-            passes[k].append(row)
-        for chunk in passes:
-            slots = self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in chunk])
-            labels = np.stack([walk_labels(seqs[i].ext, off, self.B) for i, off, _, _ in chunk])
-            tree = np.array([t for _, _, t, _ in chunk], dtype=bool)
-            full = np.array([f or (t and self.spine) for _, _, t, f in chunk], dtype=bool)
-            arg, trees, computed = self._head(slots, labels, tree, full)
+    def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list) -> None:
+        """Draft (prompt, offset, with tree top-k, every slot) rows: the ones whose slot hiddens are kept
+        run the head only; the others go through the drafter in passes whose dense scores (prompts x
+        blocks per prompt, padding included, over the longest context) take at most half the all-anchor
+        pass's (`anchors_per_pass`), so the group's context keys fit in the rest (`group_kv_budget`)."""
+        heads_only = [row for row in rows if (row[0], row[1]) in kept]
+        drafted = [row for row in rows if (row[0], row[1]) not in kept]
+        B, passes = self.B, [[]]
+        counts: dict[int, int] = {}  # blocks per prompt in the pass being filled
+        limit = (0, 0, 0)  # its (blocks, score elements, longest context): the all-anchor pass's, half its scores
+        for row in sorted(drafted, key=lambda r: r[:2]):
+            S = seqs[row[0]].prompt_len + seqs[row[0]].num_tokens
+            c = anchors_per_pass(B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
+            mine = (c, c * B * (S + c * B) // 2, S)
+            trial = {**counts, row[0]: counts.get(row[0], 0) + 1}
+            both = (min(limit[0], c), min(limit[1], mine[1]), max(limit[2], S)) if passes[-1] else mine
+            p, n = len(trial), max(trial.values())
+            if passes[-1] and (p * n > both[0] or p * n * B * (both[2] + n * B) > both[1]):
+                passes.append([])
+                counts, limit = {row[0]: 1}, mine
+            else:
+                counts, limit = trial, both
+            passes[-1].append(row)
+        for n, chunk in enumerate(passes):
+            extra = heads_only if n == 0 else []
+            if not chunk and not extra:
+                continue
+            parts = [self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in chunk])] if chunk else []
+            parts += [kept[(i, off)][0][None] for i, off, _, _ in extra]
+            slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+            rows_n = chunk + extra
+            labels = np.stack([walk_labels(seqs[i].ext, off, self.B) for i, off, _, _ in rows_n])
+            tree = np.array([t for _, _, t, _ in rows_n], dtype=bool)
+            full = np.array([f or (t and self.spine) for _, _, t, f in rows_n], dtype=bool)
+            arg = np.full((len(rows_n), self.B - 1), -1, dtype=np.int64)
+            done = np.zeros(len(rows_n), dtype=np.int64)
+            for r, (i, off, _, _) in enumerate(extra, start=len(chunk)):
+                arg[r], done[r] = kept.pop((i, off))[1:]
+            before = done.copy()
+            trees, computed = self._head(slots, labels, tree, full, arg, done)
             streak = _streaks(arg, labels)
-            for r, (i, off, t, f) in enumerate(chunk):
+            for r, (i, off, t, f) in enumerate(rows_n):
                 o = out[i]
-                o.blocks += 1
-                o.head_slots += int(computed[r])
+                o.blocks += r < len(chunk)
+                o.head_slots += int(computed[r] - before[r])
                 o.streak.setdefault(off, int(streak[r]))
                 least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0,
                                                        min(int(streak[r]) + 1, self.B - 1))
@@ -177,6 +227,8 @@ class Walker:
                     o.argmax.setdefault(off, arg[r].copy())
                 if t:
                     o.tree_streaks.setdefault(off, tree_streak(trees[r], labels[r]))
+                elif tree_at[i] is not None and off > tree_at[i] and r < len(chunk):
+                    kept[(i, off)] = (slots[r].clone(), arg[r].copy(), int(computed[r]))  # the tree may come here
 
     def _blocks(self, seqs, kvs, rows: list[tuple[int, int]]) -> torch.Tensor:
         """Final hiddens of slots 1..B-1 `[rows, B-1, H]`, one block per (prompt, offset): one
@@ -194,15 +246,14 @@ class Walker:
         N = max(count)
         anchors = torch.zeros(len(prompts), N, dtype=torch.long)
         valid = torch.zeros(len(prompts), N, dtype=torch.bool)
+        first = torch.zeros(len(prompts), N, dtype=torch.long)
         for r, (i, off) in enumerate(rows):
-            anchors[where[r]], valid[where[r]] = seqs[i].prompt_len + off, True
+            a = seqs[i].prompt_len + off
+            anchors[where[r]], valid[where[r]], first[where[r]] = a, True, seqs[i].ids[a]
         anchors, valid = anchors.to(dev), valid.to(dev)
-        L = int(anchors.max())  # context keys beyond the last anchor are never visible
-        cache = DraftCache(len(drafter.layers))
-        for layer in range(len(drafter.layers)):
-            for which, store in ((0, cache.keys), (1, cache.values)):
-                store[layer] = torch.stack([_fit(kvs[i][layer][which], L) for i in prompts])
-        first = torch.stack([torch.stack([seqs[i].ids[a] for a in anchors[b].tolist()]) for b, i in enumerate(prompts)])
+        L = max(seqs[i].prompt_len + off for i, off in rows)  # context keys beyond the last anchor are never visible
+        cache = DraftCache(len(drafter.layers))  # each layer's stack built when that layer reads it
+        cache.keys, cache.values = _Stacked(kvs, prompts, 0, L), _Stacked(kvs, prompts, 1, L)  # type: ignore
         block = mask_blocks(first.to(dev), B, drafter.config.mask_token_id).reshape(len(prompts), N * B)
         layout = BlockLayout(anchors=anchors, valid=valid, context_len=L, block_size=B)
         built = {}
@@ -211,68 +262,101 @@ class Walker:
                 built[spec] = dense_mask(dataclasses.replace(layout, window=spec[0], causal=spec[1]))
         masks = [built[spec] for spec in drafter.config.attention()]
         hidden = drafter(self.emb(block), layout.block_positions(), None, None, mask=masks, cache=cache)
-        hidden = hidden.view(len(prompts), N, B, -1)
-        return torch.stack([hidden[b, j, 1:] for b, j in where])
+        hidden = hidden.view(len(prompts), N, B, -1)[:, :, 1:]
+        b_idx = torch.tensor([b for b, _ in where], device=dev)
+        j_idx = torch.tensor([j for _, j in where], device=dev)
+        return hidden[b_idx, j_idx]
 
-    def _head(self, slots: torch.Tensor, labels: np.ndarray, tree: np.ndarray, full: np.ndarray):
-        """Argmax per slot (-1: not computed) and, for `tree` rows, the draft tree; each row's head
-        runs only as deep as its readers need. Returns (argmax, {row: DraftTree}, slots computed)."""
-        R, W, H = slots.shape
-        arg = np.full((R, W), -1, dtype=np.int64)
-        done = np.zeros(R, dtype=np.int64)  # slots computed per row (a prefix)
-        trees, ids, logp = self._topk(slots, np.flatnonzero(tree), arg, done)
-        for lo in sorted(set(done[full].tolist())):  # every slot of the sample's rows (and spine trees')
-            rows = np.flatnonzero(full & (done == lo))
-            if lo < W:
-                arg[rows, lo:] = self._argmax(slots, rows, lo, W)
-            done[rows] = W
+    def _head(self, slots: torch.Tensor, labels: np.ndarray, tree: np.ndarray, full: np.ndarray,
+              arg: np.ndarray, done: np.ndarray):
+        """Fill `arg` (argmax per slot, -1: not computed; `done`: its computed prefix per row, both
+        updated in place) as deep as each row's readers need, and for `tree` rows build the draft
+        tree. Each round is one head call over every row that still needs slots: the argmax up to
+        the first miss in chunks of `SLOT_BOUNDS` (every slot for `full` rows), and the tree rows'
+        top-k as deep as their tree reads: a best-first tree built on the first k depths is the tree
+        of all D depths unless it popped a node at depth k (`DraftTree.read_depth == k`); those rows
+        get the next depths (k doubling). A spine tree (its chain is the whole argmax) is built last,
+        on all D depths. Returns ({row: DraftTree}, slots computed per row)."""
+        R, W, _ = slots.shape
+        ids = np.zeros((R, self.D, self.topk), dtype=np.int64)
+        logp = np.zeros((R, self.D, self.topk), dtype=np.float32)
+        tk_done = np.zeros(R, dtype=np.int64)
+        tk_want = np.where(tree, self.D if self.spine else min(TREE_FIRST_DEPTHS, self.D), 0)
+        bound = np.array([next((b for b in SLOT_BOUNDS if b > d), W) for d in range(W)] + [W])
+        trees: dict[int, DraftTree] = {}
+        while True:
+            streak = _streaks(arg, labels)
+            want_arg = (done < W) & (full | (streak >= done))
+            want_tk = tk_done < tk_want
+            rows = np.flatnonzero(want_arg | want_tk)
+            if not rows.size:
+                break
+            a_hi = np.where(want_arg, np.where(full, W, np.minimum(bound[done], W)), done)
+            t_hi = np.where(want_tk, tk_want, tk_done)
+            # (row, slot) pairs: the top-k ones first, then argmax only
+            tk_r = np.repeat(rows, (t_hi - tk_done)[rows])
+            tk_s = np.concatenate([np.arange(tk_done[r], t_hi[r]) for r in rows]).astype(np.int64)
+            lo = np.maximum(done, t_hi)
+            ar_r = np.repeat(rows, np.maximum(a_hi - lo, 0)[rows])
+            ar_s = np.concatenate([np.arange(lo[r], max(a_hi[r], lo[r])) for r in rows]).astype(np.int64)
+            a, tids, tlogp = self._call(slots, np.concatenate([tk_r, ar_r]), np.concatenate([tk_s, ar_s]), len(tk_r))
+            k = len(tk_r)
+            if k:
+                K = tids.shape[1]
+                ids[tk_r, tk_s, :K], logp[tk_r, tk_s, :K] = tids, tlogp
+            arg[np.concatenate([tk_r, ar_r]), np.concatenate([tk_s, ar_s])] = a
+            done[rows] = np.maximum(done, np.maximum(a_hi, t_hi))[rows]
+            grown = np.flatnonzero(want_tk)
+            tk_done[grown] = t_hi[grown]
+            if not self.spine:
+                for r in grown.tolist():
+                    hi = int(tk_done[r])
+                    trees[r] = build_tree(logp[r, :hi], ids[r, :hi], self.budget)
+                    if trees[r].read_depth == hi and hi < self.D:
+                        tk_want[r] = min(2 * hi, self.D)
         if self.spine:  # the top-1 chain is part of the tree: built once the whole argmax is known
             trees = {r: build_tree(logp[r], ids[r], self.budget, spine=True, spine_ids=arg[r])
                      for r in np.flatnonzero(tree).tolist()}
-        bounds = sorted({0, W, *(b for b in SLOT_BOUNDS if b < W), *set(done.tolist())})
-        for lo, hi in zip(bounds, bounds[1:], strict=False):  # the rest: slot chunks up to each block's first miss
-            rows = np.flatnonzero((done == lo) & (_streaks(arg, labels) >= lo))
-            if rows.size:
-                arg[rows, lo:hi] = self._argmax(slots, rows, lo, hi)
-                done[rows] = hi
-        return arg, trees, done
+        return trees, done
 
-    def _argmax(self, slots, rows, lo, hi) -> np.ndarray:
-        a, _, _ = head_topk(self.head, slots[torch.as_tensor(rows), lo:hi].reshape(-1, slots.shape[-1]), 0,
-                            self.head_rows)
-        return a.view(len(rows), hi - lo).numpy()
-
-    def _topk(self, slots, rows: np.ndarray, arg, done):
-        """Top-k of the tree rows, as deep as each row's tree reads: a best-first tree built on the
-        first k depths is the tree of all D depths unless it popped a node at depth k
-        (`DraftTree.read_depth == k`); those rows get the next depths (k doubling) and are built
-        again. A spine tree is built later (its chain is the whole argmax): all D depths at once."""
-        ids = np.zeros((len(arg), self.D, self.topk), dtype=np.int64)
-        logp = np.zeros((len(arg), self.D, self.topk), dtype=np.float32)
-        trees: dict[int, DraftTree] = {}
-        lo, hi = 0, self.D if self.spine else min(TREE_FIRST_DEPTHS, self.D)
-        while rows.size and hi > lo:
-            a, tids, tlogp = head_topk(self.head, slots[torch.as_tensor(rows), lo:hi].reshape(-1, slots.shape[-1]),
-                                       self.topk, self.head_rows)
-            n, K = len(rows), tids.shape[1]
-            arg[rows, lo:hi] = a.view(n, hi - lo).numpy()
-            ids[rows, lo:hi, :K] = tids.view(n, hi - lo, K).numpy()
-            logp[rows, lo:hi, :K] = tlogp.view(n, hi - lo, K).numpy()
-            done[rows] = hi
-            if self.spine:
-                break
-            deeper = []
-            for r in rows.tolist():
-                trees[r] = build_tree(logp[r, :hi], ids[r, :hi], self.budget)
-                if trees[r].read_depth == hi and hi < self.D:
-                    deeper.append(r)
-            rows, lo, hi = np.array(deeper, dtype=np.int64), hi, min(2 * hi, self.D)
-        return trees, ids, logp
+    def _call(self, slots: torch.Tensor, rows: np.ndarray, cols: np.ndarray, k: int):
+        """One head call on the (row, slot) pairs, `call_rows` at a time: argmax of each, and the
+        top-k log-probs of the first k. Returns (argmax [M], top-k ids [k, K], log-probs [k, K])."""
+        hidden = slots[torch.as_tensor(rows), torch.as_tensor(cols)]
+        M, wdtype = hidden.shape[0], self.head.weight.dtype
+        arg = torch.empty(M, dtype=torch.long)
+        ids = torch.empty(k, self.topk, dtype=torch.long)
+        logp = torch.empty(k, self.topk, dtype=torch.float32)
+        K = self.topk
+        for s in range(0, M, self.call_rows):
+            e = min(s + self.call_rows, M)
+            logits = self.head(hidden[s:e].to(wdtype))
+            m = max(0, min(e, k) - s)  # this chunk's top-k rows
+            if m:
+                a, v, i = logits_topk(logits[:m], self.topk)
+                K = v.shape[1]
+                arg[s:s + m], logp[s:s + m, :K], ids[s:s + m, :K] = a.cpu(), v.cpu(), i.cpu()
+            if m < e - s:
+                arg[s + m:e] = logits[m:].argmax(-1).cpu()  # same op as the spec loop
+            del logits
+        return arg.numpy(), ids[:, :K].numpy(), logp[:, :K].numpy()
 
 
 def _streaks(arg: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Leading slots whose draft equals the label (as `metrics.matches`: -1 labels never match)."""
     return metrics.leading_true((arg == labels) & (labels >= 0))
+
+
+class _Stacked:
+    """`[layer]`: the prompts' context keys (which=0) or values (1) of that layer, `[prompts, kv_heads,
+    L, head_dim]`, stacked when the layer asks, so one layer's copy is alive at a time (none for one prompt)."""
+
+    def __init__(self, kvs: list, prompts: list[int], which: int, length: int):
+        self.kvs, self.prompts, self.which, self.length = kvs, prompts, which, length
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        parts = [_fit(self.kvs[i][layer][self.which], self.length) for i in self.prompts]
+        return parts[0][None] if len(parts) == 1 else torch.stack(parts)
 
 
 def _fit(x: torch.Tensor, length: int) -> torch.Tensor:
