@@ -76,7 +76,7 @@ class TimedHook:
 def setup(args):
     if args.target == "random":
         from dflash_train.training.data import Example, regenerate
-        from tests.factories import MASK_ID, qwen3_target
+        from tests.support.factories import MASK_ID, qwen3_target
 
         target = qwen3_target(layers=8, hidden=args.hidden)
         g = torch.Generator().manual_seed(0)

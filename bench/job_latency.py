@@ -52,7 +52,13 @@ def main():
     from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import enqueue, fetch_job
     from eval_worker.service.redis_server import LocalRedis
-    from tests.sidecar_support import WorkerProcess, publish_random, tiny_target_drafter_config, worker_env, write_suite
+    from tests.support.sidecar_support import (
+        WorkerProcess,
+        publish_random,
+        tiny_target_drafter_config,
+        worker_env,
+        write_suite,
+    )
 
     target = Path(args.target)
     cfg, mask = tiny_target_drafter_config(target)

@@ -113,7 +113,7 @@ def jobs(tmp: Path, n: int, big: Path | None) -> dict:
     from eval_worker.service.eval_job import run_eval_job
     from eval_worker.service.evaluators import WorkerSettings
     from eval_worker.service.job_builder import make_job
-    from tests.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
+    from tests.support.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
     target = REPO / "dflash_train" / "assets" / "tiny_target"
     cfg, mask = tiny_target_drafter_config(target)
@@ -162,7 +162,7 @@ def main():
     args = ap.parse_args()
 
     from dflash_train.checkpoints import storage
-    from tests.s3_server import S3Server
+    from tests.support.s3_server import S3Server
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)

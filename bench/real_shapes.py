@@ -6,7 +6,7 @@ validation cost per step, and the arithmetic for a real Qwen3-8B evaluation.
 
 1. phases: one whole `Evaluator.evaluate` (cold: no cache) per target, each in a fresh
    process: the bundled tiny target (vocab 2,048), Qwen3 at vocab 151,936 and a wrapped
-   hybrid Qwen3.5 at 248,320 (random weights, hidden 128, 8 layers: tests/factories.py),
+   hybrid Qwen3.5 at 248,320 (random weights, hidden 128, 8 layers: tests/support/factories.py),
    a random 1-layer B=16 drafter, the built-in coding suite. Per phase (references,
    features, draft, score): seconds, and peak RSS above the RSS once the target is loaded
    (RSS sampled every 0.5 ms; blocks over 128 KiB mmapped, so freed memory leaves RSS),
@@ -74,7 +74,7 @@ class RssSampler:
 
 def build(shape: str):
     from dflash_train.core.target import Target
-    from tests.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
+    from tests.support.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
 
     target = Target.load(TINY) if shape == "tiny" else {"qwen3": qwen3_real_shape,
                                                         "qwen3_5": qwen3_5_real_shape}[shape]()
@@ -171,7 +171,7 @@ def phases(args) -> list[dict]:
 
 def hybrid(args) -> dict:
     from dflash_train.core.speculative import speculative_generate
-    from tests.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
+    from tests.support.factories import qwen3_5_real_shape, qwen3_real_shape, real_shape_drafter
 
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]

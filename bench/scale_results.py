@@ -63,7 +63,7 @@ def fill_ledger(results: Path, conn, runs: list[str], per_run: int, first_step: 
     """Write per_run records for every run as a worker would (record + index); per-write seconds."""
     from eval_worker.results.ledger import Ledger
     from eval_worker.service.job_schema import validate_job
-    from tests.eval_results import make_result
+    from tests.support.eval_results import make_result
 
     ledger = Ledger(results, connection=conn)
     times = []

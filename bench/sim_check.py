@@ -30,7 +30,7 @@ class SleepyEvaluator:
     """Loads in $SIM_LOAD_S seconds, evaluates in $SIM_EVAL_S (the stand-in engine's result)."""
 
     def __init__(self, target, cache_dir=None, device=None):
-        from tests.fake_evaluator import FakeEvaluator
+        from tests.support.fake_evaluator import FakeEvaluator
 
         time.sleep(float(os.environ["SIM_LOAD_S"]))
         self.inner = FakeEvaluator(target)
@@ -46,8 +46,8 @@ def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     from eval_worker.service import routing
     from eval_worker.service.job_builder import make_job
     from eval_worker.service.queue import QueueConfig, enqueue, fetch_job
-    from tests.eval_results import fake_checkpoint
-    from tests.sidecar_support import WorkerProcess
+    from tests.support.eval_results import fake_checkpoint
+    from tests.support.sidecar_support import WorkerProcess
 
     conn = connect(redis_url)
     conn.flushall()

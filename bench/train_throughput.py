@@ -38,7 +38,7 @@ class StepClock:
 
 def random_setup(args):
     from dflash_train.training.data import Example, regenerate
-    from tests.factories import MASK_ID, qwen3_target
+    from tests.support.factories import MASK_ID, qwen3_target
 
     target = qwen3_target(layers=8, hidden=args.random_hidden)
     if args.device == "cuda":

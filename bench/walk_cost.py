@@ -22,7 +22,7 @@ references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer
 `forced8` / `forced8_spine` / `forced8_peaked` τ ≈ 9 by construction, drafting phase only (`forced_case`; a
 random drafter's flat distributions keep a plain tree near τ 1.9 there, a spine tree holds the chain, and so
 does a plain tree when the drafter's logits are scaled up);
-`qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (tests/factories.py)
+`qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (tests/support/factories.py)
 with a random drafter (τ ≈ 1 on their random weights). Fitted drafters are kept in --work, so a rerun skips fitting.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def load_case_target(kind: str):
 
     if kind == "tiny":
         return Target.load(TINY)
-    from tests.factories import qwen3_5_real_shape, qwen3_real_shape
+    from tests.support.factories import qwen3_5_real_shape, qwen3_real_shape
 
     return qwen3_real_shape() if kind == "qwen3" else qwen3_5_real_shape()
 
@@ -101,7 +101,7 @@ def fitted_checkpoint(target, kind, layers, steps, suite, work: Path, ev) -> Pat
     from dflash_train.core.config import DrafterConfig
     from dflash_train.core.model import DFlashDrafter
     from eval_worker.engine.cache import CacheReport
-    from tests.engine_helpers import fit_drafter
+    from tests.support.engine_helpers import fit_drafter
 
     path = work / f"{kind}-L{layers}-s{steps}-p{len(suite.prompts)}-n{suite.max_new_tokens}"
     if (path / "config.json").is_file():
@@ -257,7 +257,7 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
     drafter, random features, and references that follow the drafter's own blocks for a random
     `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
-    construction of tests/test_engine_walk.py). `draft_anchors` + `score_prompt` (today) vs
+    construction of tests/unit/engine/test_walk.py). `draft_anchors` + `score_prompt` (today) vs
     `Walker` + `score_blocks` (new, prompts grouped as the engine groups them) on the same inputs,
     results checked equal; each run once
     untimed first (one-time costs: code paths paged in, allocator pools).
@@ -266,7 +266,7 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     from eval_worker.engine.drafting import draft_anchors
     from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt
     from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
-    from tests.test_engine_walk import forced_reference
+    from tests.unit.engine.test_walk import forced_reference
 
     target = load_case_target("tiny")
     torch.manual_seed(1)
@@ -282,7 +282,7 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     embed, head = target.parts.embed_tokens, target.parts.lm_head
     B, n, V = 16, args.max_new_tokens, target.vocab_size
     rng = np.random.default_rng(0)
-    import tests.test_engine_walk as tw
+    import tests.unit.engine.test_walk as tw
 
     tw.EMBED, tw.HEAD, tw.VOCAB = embed, head, V  # the construction drafts with this target's parts
 

@@ -20,7 +20,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 # fixtures of support modules, available to every test without importing them
-pytest_plugins = ["tests.reliability_support"]
+pytest_plugins = ["tests.support.reliability_support"]
 
 
 def _hypothesis_profiles() -> None:
@@ -40,9 +40,9 @@ _hypothesis_profiles()
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its setting
 def pytest_configure(config: pytest.Config) -> None:
-    # the per-test bound (pyproject's `timeout`) scales like every wait in the tests (tests/waits.py)
+    # the per-test bound (pyproject's `timeout`) scales like every wait in the tests (tests/support/waits.py)
     if getattr(config.option, "timeout", None) is None and not os.environ.get("PYTEST_TIMEOUT"):
-        from tests import waits
+        from tests.support import waits
 
         try:
             ini = config.getini("timeout")
@@ -147,6 +147,16 @@ def worker_evaluators():
 
 
 @pytest.fixture
+def conn(redis_url):
+    """A client of the session's redis-server (its database flushed per test by `redis_url`)."""
+    from eval_worker.redis_client import connect
+
+    c = connect(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
 def tiny_target_path() -> Path:
     """The bundled tiny target model directory (skips if it is not there yet)."""
     if not (TINY_TARGET / "config.json").is_file():
@@ -183,7 +193,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("s3fs", reason="s3fs is in the dev extra (pip install -e '.[dev]')")
     pytest.importorskip("moto.server", reason="moto[server] is in the dev extra (pip install -e '.[dev]')")
     from dflash_train.checkpoints import storage
-    from tests.s3_server import S3Server
+    from tests.support.s3_server import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
     with pytest.MonkeyPatch.context() as mp:

@@ -4,7 +4,7 @@
 command lines, the RQ job function when a plain `rq worker` runs it, the W&B sink's child
 process, the constructors a training script calls (`EvalOnCheckpoint`) — and the frozen
 result is passed down from there. No other module of the project reads `os.environ`;
-`tests/test_settings.py` keeps it so. (Two protocols that are not ours stay with their
+`tests/unit/common/test_settings.py` keeps it so. (Two protocols that are not ours stay with their
 owners: torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK` in `distributed.py`, and the
 `WANDB_*` variables W&B itself reads in its own processes.)
 

@@ -34,7 +34,7 @@ MIN_PROBE_ANCHORS = 64  # fewer say nothing either way
 # Slot-1 accuracy a leak view must gain over the inference view, absolute and relative (the
 # views are compared on the same anchors). Measured: healthy drafters gain -0.06..+0.04 (demo
 # drafters on the built-in suite and on raw code, fitted test drafters); a drafter trained with
-# the inclusive-anchor leak gains +0.29 on held-out prompts (tests/test_leak_alarm.py).
+# the inclusive-anchor leak gains +0.29 on held-out prompts (tests/integration/test_leak_alarm.py).
 LEAK_GAIN_ABS = 0.15
 LEAK_GAIN_REL = 1.5
 
