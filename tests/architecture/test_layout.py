@@ -254,3 +254,24 @@ def test_every_test_lives_where_its_kind_says():
     assert not list((root / "support").glob("test_*.py")), "support/ holds helpers, not tests"
     folders = [root / k for k in kinds - {"unit"}] + [root / "unit" / u for u in units]
     assert all((d / "__init__.py").exists() for d in folders), "each folder a package: test names may repeat"
+
+
+def test_readme_layout_table_names_every_dflash_train_module():
+    """The README's map of dflash_train/: each layer's header, then every module and folder of that layer."""
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| **`dflash_train/`**"):readme.index("| **`eval_worker/`**")]
+    listed, sub = set(), ""
+    for row in table.splitlines()[1:]:
+        first = row.split("|")[1]
+        head = re.fullmatch(r"\s*\*\*`(\w+)/`\*\*\s*", first)
+        if head:
+            sub = head.group(1) + "/"
+            continue
+        names = re.findall(r"`([\w.]+/?)`", first)
+        listed |= {("" if name == "assets/" else sub) + name for name in names}  # assets/: the package's data
+    root = REPO / "dflash_train"
+    present = {p.relative_to(root).as_posix() + ("/" if p.is_dir() else "")
+               for layer in LAYERS for p in (REPO / layer.replace(".", "/")).iterdir()
+               if not p.name.startswith(("_", ".")) and (p.suffix == ".py" or p.is_dir())}
+    present.add("assets/")
+    assert listed == present
