@@ -101,6 +101,7 @@ def test_metric_aliases_documented_in_one_table():
 # --------------------------------------------------------------------------- TensorBoard
 
 
+@pytest.mark.slow  # 13-31 s (an MLflow store or TensorBoard reader starting): CI's slow pass
 def test_tensorboard_sink_out_of_order_steps_read_back(tmp_path, monkeypatch):
     """Results published out of order (a re-queued old checkpoint arrives last) read back in step order,
     every scalar and alias at its training step, the histogram and the per-position image present;
@@ -173,6 +174,7 @@ def _mlflow_run(client, run_id):
     return runs[0]
 
 
+@pytest.mark.slow  # 13-31 s (an MLflow store or TensorBoard reader starting): CI's slow pass
 def test_mlflow_sink_local_sqlite_store(tmp_path, monkeypatch):
     """Out-of-order results into a local sqlite tracking store: one run, each metric at its training
     step, params = the eval settings, every record and the report as artifacts; republishing logs
@@ -216,6 +218,7 @@ def test_mlflow_sink_local_sqlite_store(tmp_path, monkeypatch):
     assert len(client.get_metric_history(run.info.run_id, "eval/tau")) == 3  # idempotent
 
 
+@pytest.mark.slow  # 13-31 s (an MLflow store or TensorBoard reader starting): CI's slow pass
 def test_mlflow_sink_server_on_loopback_nested_under_trainer_run(tmp_path, monkeypatch):
     """Against `mlflow server` on 127.0.0.1: a publication while the server is down fails the sink, not
     the job; once it is up, `publish --sink mlflow --mlflow-parent-run` logs every ledger record into an
