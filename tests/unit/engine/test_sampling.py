@@ -49,7 +49,7 @@ def tiny_sampled(tmp_path_factory):
     from dflash_train.core.target import Target
     from tests.unit.engine.test_tiny import CODE_PREFIXES, new_drafter
 
-    from .conftest import TINY_TARGET
+    from tests.conftest import TINY_TARGET
 
     tiny = Target.load(TINY_TARGET)
     suite = Suite("code", "1", [Prompt(f"c{i}", prompt=t) for i, t in enumerate(CODE_PREFIXES[:3])],

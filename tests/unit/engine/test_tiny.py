@@ -18,7 +18,7 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def tiny():
-    from .conftest import TINY_TARGET
+    from tests.conftest import TINY_TARGET
 
     if not (TINY_TARGET / "config.json").is_file():
         pytest.skip(f"bundled tiny target missing: {TINY_TARGET}")
