@@ -83,7 +83,7 @@ def test_s3_two_boxes_publish_enqueue_pull_verify_evaluate(tmp_path, redis_url, 
     second = enqueue(conn, make_job(good, suite=str(suite_b), roots=[prefix]), roots=[prefix])  # same checkpoint
     # jobs that skipped the enqueue-side checks (another client): the worker refuses them itself
     m = read_manifest(good)
-    sneaky_partial = enqueue(conn, {**make_job(good, suite=str(suite_a)), "checkpoint": partial, "step": 300},
+    sneaky_partial = enqueue(conn, {**make_job(good, suite=str(suite_a)).to_json(), "checkpoint": partial, "step": 300},
                              check=False)
     sneaky_outside = enqueue(conn, make_job(outside, suite=str(suite_a)), check=False)
 
