@@ -194,3 +194,13 @@ def test_eval_every_queues_one_job_per_suite(tmp_path, tiny_target_path, redis_u
         conn.close()
     assert sorted((j["step"], j["suite"]) for j in queued) == sorted(
         (step, s) for step in (2, 4) for s in ("builtin:coding-v1", str(suite)))
+
+
+def test_the_eval_hook_is_a_plugin_the_hooks_package_registers():
+    """dflash-train finds the eval hook by name through packaging metadata, never by importing hooks itself."""
+    from dflash_train.training.callbacks import load_plugin
+    from hooks.eval_flags import eval_hook
+
+    assert load_plugin("eval") is eval_hook
+    with pytest.raises(LookupError, match="no 'nope' callback plug-in is installed"):
+        load_plugin("nope")
