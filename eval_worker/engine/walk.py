@@ -42,6 +42,10 @@ from eval_worker.engine.tree import DraftTree, build_tree, tree_streak
 
 # the context keys/values a group of prompts holds at once (the rest of the suite waits its turn), at most
 WALK_KV_BUDGET = 64 * 1024 * 1024
+# rows per head call at most: enough to spread the head's read, most of a small call's cost (at vocab 151,936
+# a 16-row product takes what a 4-row one does); larger calls, which a round's first chunks can fill, only
+# raise the peak (above the all-anchor pass's at 500-token contexts)
+HEAD_CALL_ROWS = 64
 TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with at least (doubling while its tree reads the last)
 
 
@@ -126,7 +130,7 @@ class Walker:
         # head rows per call: half the all-anchor pass's logits rows (a top-k row's log-softmax doubles its)
         S = max((s.prompt_len + s.num_tokens for s in seqs), default=1)
         cap = anchors_per_pass(self.B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
-        self.call_rows = max(1, min(self.head_rows, cap * (self.B - 1)) // 2)
+        self.call_rows = min(HEAD_CALL_ROWS, max(1, min(self.head_rows, cap * (self.B - 1)) // 2))
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
