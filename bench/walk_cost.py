@@ -4,7 +4,8 @@
                               [--work DIR] [--threads 1] [--repeat 2] [--json OUT]
 
 Per case, one process, warm caches (references and features computed by a first evaluation,
-not timed), one thread, the two paths run alternately --repeat times each (fastest time, highest peak):
+not timed), one thread, the two paths run alternately --repeat times each (fastest time of plain runs,
+highest peak of runs under the RSS sampler):
   - today: `Evaluator.evaluate(..., drafting="all")`, a block at every anchor (whole call);
   - new: the same call with `drafting="walk"` (eval_worker/engine/walk.py); the two results
     are checked equal field for field (provenance aside) before anything is printed;
@@ -58,11 +59,15 @@ CASES = {  # target, drafter layers, fit steps
 
 def side_by_side(a, b, repeat: int):
     """(result, fastest seconds, highest peak MiB) of a and of b, run alternately `repeat` times each,
-    so a busy spell on the shared machine hits both alike."""
+    so a busy spell on the shared machine hits both alike. Times come from plain runs, peaks from
+    separate runs under the RSS sampler: its thread wakes every 0.5 ms and takes the GIL, which cost
+    each call ~0.3 s on the tau-8 cases (both paths alike, so it flattened the ratios)."""
     runs: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
-            runs[k].append(peak_during(fn))
+            t = time.perf_counter()
+            out = fn()
+            runs[k].append((out, time.perf_counter() - t, peak_during(fn)[2]))
     return tuple((r[0][0], min(x[1] for x in r), max(x[2] for x in r)) for r in runs)
 
 
