@@ -29,6 +29,7 @@ with a random drafter (τ ≈ 1 on their random weights). Fitted drafters are ke
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -65,9 +66,13 @@ def side_by_side(a, b, repeat: int):
     runs: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
+            gc.collect()
             t = time.perf_counter()
-            out = fn()
-            runs[k].append((out, time.perf_counter() - t, peak_during(fn)[2]))
+            fn()
+            el = time.perf_counter() - t
+            gc.collect()  # each run's garbage freed before the next starts, so a peak is measured from a clean base
+            out, _, mb = peak_during(fn)
+            runs[k].append((out, el, mb))
     return tuple((r[0][0], min(x[1] for x in r), max(x[2] for x in r)) for r in runs)
 
 

@@ -14,10 +14,11 @@ step (a GPU still gets batched work):
     likewise with the tree's streak, and the fixed anchors are the stride blocks and the
     seeded sample that the all-anchor statistics come from; a block goes through the drafter
     layers once (a tree visit to a block the greedy cursor drafted reuses its kept slot hiddens);
-  - the LM head runs slot chunk by slot chunk (1, 2, 3, 4, 6, 8, 11, ... slots), only on the
-    rows whose block has matched so far, so it stops at the first miss; rows the tree visits
-    get top-k as deep as a tree of that budget can reach, rows of the sample all slots; each
-    round of chunks is one head call over every row of the step;
+  - the LM head runs slot chunk by slot chunk, only on the rows whose block has matched so far,
+    so it stops at the first miss: a block's first chunk as deep as this drafter's blocks needed
+    on average so far, each next one doubling (at high τ a block costs one or two head calls);
+    rows the tree visits get top-k as deep as their tree reads, rows of the sample all slots;
+    each round of chunks is one head call over every row of the step (at most `HEAD_CALL_ROWS`);
   - memory is sized from the all-anchor pass's at the same context length (`group_kv_budget`),
     so the walk's peak is no higher than that pass's.
 
