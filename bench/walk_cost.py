@@ -60,20 +60,22 @@ CASES = {  # target, drafter layers, fit steps
 
 def side_by_side(a, b, repeat: int):
     """(result, fastest seconds, highest peak MiB) of a and of b, run alternately `repeat` times each,
-    so a busy spell on the shared machine hits both alike. Times come from plain runs, peaks from
-    separate runs under the RSS sampler: its thread wakes every 0.5 ms and takes the GIL, which cost
-    each call ~0.3 s on the tau-8 cases (both paths alike, so it flattened the ratios)."""
-    runs: list[list] = [[], []]
+    so a busy spell on the shared machine hits both alike. Peaks (and results) come from runs under the
+    RSS sampler, times from the plain runs after them: the sampler's thread wakes every 0.5 ms and
+    takes the GIL, which cost each call ~0.3 s on the tau-8 cases (both paths alike: flatter ratios)."""
+    sampled: list[list] = [[], []]
+    for _ in range(repeat):
+        for k, fn in enumerate((a, b)):
+            gc.collect()
+            sampled[k].append(peak_during(fn))
+    plain: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
             gc.collect()
             t = time.perf_counter()
             fn()
-            el = time.perf_counter() - t
-            gc.collect()  # each run's garbage freed before the next starts, so a peak is measured from a clean base
-            out, _, mb = peak_during(fn)
-            runs[k].append((out, el, mb))
-    return tuple((r[0][0], min(x[1] for x in r), max(x[2] for x in r)) for r in runs)
+            plain[k].append(time.perf_counter() - t)
+    return tuple((s[0][0], min(p), max(x[2] for x in s)) for s, p in zip(sampled, plain, strict=True))
 
 
 def matmul_gflops(reps: int = 7) -> float:
