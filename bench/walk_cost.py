@@ -4,7 +4,8 @@
                               [--work DIR] [--threads 1] [--repeat 2] [--json OUT]
 
 Per case, one process, warm caches (references and features computed by a first evaluation,
-not timed), one thread, the two paths run alternately --repeat times each (fastest time, highest peak):
+not timed), one thread, the two paths run alternately --repeat times each (fastest time of plain runs,
+highest peak of runs under the RSS sampler):
   - today: `Evaluator.evaluate(..., drafting="all")`, a block at every anchor (whole call);
   - new: the same call with `drafting="walk"` (eval_worker/engine/walk.py); the two results
     are checked equal field for field (provenance aside) before anything is printed;
@@ -28,6 +29,7 @@ with a random drafter (τ ≈ 1 on their random weights). Fitted drafters are ke
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -58,12 +60,22 @@ CASES = {  # target, drafter layers, fit steps
 
 def side_by_side(a, b, repeat: int):
     """(result, fastest seconds, highest peak MiB) of a and of b, run alternately `repeat` times each,
-    so a busy spell on the shared machine hits both alike."""
-    runs: list[list] = [[], []]
+    so a busy spell on the shared machine hits both alike. Peaks (and results) come from runs under the
+    RSS sampler, times from the plain runs after them: the sampler's thread wakes every 0.5 ms and
+    takes the GIL, which cost each call ~0.3 s on the tau-8 cases (both paths alike: flatter ratios)."""
+    sampled: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
-            runs[k].append(peak_during(fn))
-    return tuple((r[0][0], min(x[1] for x in r), max(x[2] for x in r)) for r in runs)
+            gc.collect()
+            sampled[k].append(peak_during(fn))
+    plain: list[list] = [[], []]
+    for _ in range(repeat):
+        for k, fn in enumerate((a, b)):
+            gc.collect()
+            t = time.perf_counter()
+            fn()
+            plain[k].append(time.perf_counter() - t)
+    return tuple((s[0][0], min(p), max(x[2] for x in s)) for s, p in zip(sampled, plain, strict=True))
 
 
 def matmul_gflops(reps: int = 7) -> float:

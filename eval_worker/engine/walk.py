@@ -14,10 +14,11 @@ step (a GPU still gets batched work):
     likewise with the tree's streak, and the fixed anchors are the stride blocks and the
     seeded sample that the all-anchor statistics come from; a block goes through the drafter
     layers once (a tree visit to a block the greedy cursor drafted reuses its kept slot hiddens);
-  - the LM head runs slot chunk by slot chunk (1, 2, 3, 4, 6, 8, 11, ... slots), only on the
-    rows whose block has matched so far, so it stops at the first miss; rows the tree visits
-    get top-k as deep as a tree of that budget can reach, rows of the sample all slots; each
-    round of chunks is one head call over every row of the step;
+  - the LM head runs slot chunk by slot chunk, only on the rows whose block has matched so far,
+    so it stops at the first miss: a block's first chunk as deep as this drafter's blocks needed
+    on average so far, each next one doubling (at high τ a block costs one or two head calls);
+    rows the tree visits get top-k as deep as their tree reads, rows of the sample all slots;
+    each round of chunks is one head call over every row of the step (at most `HEAD_CALL_ROWS`);
   - memory is sized from the all-anchor pass's at the same context length (`group_kv_budget`),
     so the walk's peak is no higher than that pass's.
 
@@ -42,8 +43,11 @@ from eval_worker.engine.tree import DraftTree, build_tree, tree_streak
 
 # the context keys/values a group of prompts holds at once (the rest of the suite waits its turn), at most
 WALK_KV_BUDGET = 64 * 1024 * 1024
-SLOT_BOUNDS = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128)  # early-exit chunks grow ~1.4x
-TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with (doubling while its tree reads the last)
+# rows per head call at most: enough to spread the head's read, most of a small call's cost (at vocab 151,936
+# a 16-row product takes what a 4-row one does); larger calls, which a round's first chunks can fill, only
+# raise the peak (above the all-anchor pass's at 500-token contexts)
+HEAD_CALL_ROWS = 64
+TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with at least (doubling while its tree reads the last)
 
 
 @dataclass
@@ -114,6 +118,10 @@ class Walker:
         self.head_rows = head_rows or max(1, logits_rows(head.weight.shape[0]) // 2)
         self.dev = next(drafter.parameters()).device
         self.call_rows = self.head_rows
+        # what this drafter's blocks needed so far (sum, count): head slots up to the first miss, and
+        # the top-k depths its trees read. A block's first head round covers the mean, so at high τ
+        # a block costs one or two head calls instead of one per growing chunk
+        self.seen_need, self.seen_read = [0, 0], [0, 0]
 
     @torch.no_grad()
     def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
@@ -123,7 +131,7 @@ class Walker:
         # head rows per call: half the all-anchor pass's logits rows (a top-k row's log-softmax doubles its)
         S = max((s.prompt_len + s.num_tokens for s in seqs), default=1)
         cap = anchors_per_pass(self.B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
-        self.call_rows = max(1, min(self.head_rows, cap * (self.B - 1)) // 2)
+        self.call_rows = min(HEAD_CALL_ROWS, max(1, min(self.head_rows, cap * (self.B - 1)) // 2))
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
@@ -272,17 +280,20 @@ class Walker:
         """Fill `arg` (argmax per slot, -1: not computed; `done`: its computed prefix per row, both
         updated in place) as deep as each row's readers need, and for `tree` rows build the draft
         tree. Each round is one head call over every row that still needs slots: the argmax up to
-        the first miss in chunks of `SLOT_BOUNDS` (every slot for `full` rows), and the tree rows'
+        the first miss (every slot for `full` rows), a row's first chunk as deep as this drafter's
+        blocks needed on average so far, each next one doubling what it has; and the tree rows'
         top-k as deep as their tree reads: a best-first tree built on the first k depths is the tree
         of all D depths unless it popped a node at depth k (`DraftTree.read_depth == k`); those rows
-        get the next depths (k doubling). A spine tree (its chain is the whole argmax) is built last,
-        on all D depths. Returns ({row: DraftTree}, slots computed per row)."""
+        get the next depths (k doubling), the first k again the mean so far. A spine tree (its chain
+        is the whole argmax) is built last, on all D depths. Returns ({row: DraftTree}, slots
+        computed per row)."""
         R, W, _ = slots.shape
         ids = np.zeros((R, self.D, self.topk), dtype=np.int64)
         logp = np.zeros((R, self.D, self.topk), dtype=np.float32)
         tk_done = np.zeros(R, dtype=np.int64)
-        tk_want = np.where(tree, self.D if self.spine else min(TREE_FIRST_DEPTHS, self.D), 0)
-        bound = np.array([next((b for b in SLOT_BOUNDS if b > d), W) for d in range(W)] + [W])
+        first = -(-self.seen_need[0] // self.seen_need[1]) if self.seen_need[1] else 1
+        depths = -(-self.seen_read[0] // self.seen_read[1]) if self.seen_read[1] else TREE_FIRST_DEPTHS
+        tk_want = np.where(tree, self.D if self.spine else min(max(TREE_FIRST_DEPTHS, depths), self.D), 0)
         trees: dict[int, DraftTree] = {}
         while True:
             streak = _streaks(arg, labels)
@@ -291,20 +302,18 @@ class Walker:
             rows = np.flatnonzero(want_arg | want_tk)
             if not rows.size:
                 break
-            a_hi = np.where(want_arg, np.where(full, W, np.minimum(bound[done], W)), done)
+            a_hi = np.where(want_arg, np.where(full, W, np.minimum(np.maximum(first, 2 * done), W)), done)
             t_hi = np.where(want_tk, tk_want, tk_done)
             # (row, slot) pairs: the top-k ones first, then argmax only
-            tk_r = np.repeat(rows, (t_hi - tk_done)[rows])
-            tk_s = np.concatenate([np.arange(tk_done[r], t_hi[r]) for r in rows]).astype(np.int64)
             lo = np.maximum(done, t_hi)
-            ar_r = np.repeat(rows, np.maximum(a_hi - lo, 0)[rows])
-            ar_s = np.concatenate([np.arange(lo[r], max(a_hi[r], lo[r])) for r in rows]).astype(np.int64)
-            a, tids, tlogp = self._call(slots, np.concatenate([tk_r, ar_r]), np.concatenate([tk_s, ar_s]), len(tk_r))
-            k = len(tk_r)
-            if k:
+            tk_r, tk_s = _pairs(rows, tk_done[rows], t_hi[rows])
+            ar_r, ar_s = _pairs(rows, lo[rows], np.maximum(a_hi, lo)[rows])
+            pr, ps = np.concatenate([tk_r, ar_r]), np.concatenate([tk_s, ar_s])
+            a, tids, tlogp = self._call(slots, pr, ps, len(tk_r))
+            if len(tk_r):
                 K = tids.shape[1]
                 ids[tk_r, tk_s, :K], logp[tk_r, tk_s, :K] = tids, tlogp
-            arg[np.concatenate([tk_r, ar_r]), np.concatenate([tk_s, ar_s])] = a
+            arg[pr, ps] = a
             done[rows] = np.maximum(done, np.maximum(a_hi, t_hi))[rows]
             grown = np.flatnonzero(want_tk)
             tk_done[grown] = t_hi[grown]
@@ -317,6 +326,12 @@ class Walker:
         if self.spine:  # the top-1 chain is part of the tree: built once the whole argmax is known
             trees = {r: build_tree(logp[r], ids[r], self.budget, spine=True, spine_ids=arg[r])
                      for r in np.flatnonzero(tree).tolist()}
+        need = np.minimum(_streaks(arg, labels) + 1, W)[~full]
+        self.seen_need[0] += int(need.sum())
+        self.seen_need[1] += len(need)
+        for t in trees.values() if not self.spine else ():
+            self.seen_read[0] += t.read_depth
+            self.seen_read[1] += 1
         return trees, done
 
     def _call(self, slots: torch.Tensor, rows: np.ndarray, cols: np.ndarray, k: int):
@@ -340,6 +355,14 @@ class Walker:
                 arg[s + m:e] = logits[m:].argmax(-1).cpu()  # same op as the spec loop
             del logits
         return arg.numpy(), ids[:, :K].numpy(), logp[:, :K].numpy()
+
+
+def _pairs(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, slot) for slots lo..hi-1 of each row, flat."""
+    n = np.maximum(hi - lo, 0)
+    r = np.repeat(rows, n)
+    start = np.repeat(lo - np.cumsum(n) + n, n)  # each pair's slot: its index in the flat list, shifted
+    return r, (np.arange(int(n.sum())) + start).astype(np.int64)
 
 
 def _streaks(arg: np.ndarray, labels: np.ndarray) -> np.ndarray:

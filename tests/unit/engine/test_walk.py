@@ -283,3 +283,28 @@ def test_early_exit_tree_on_the_depths_it_read_is_the_whole_tree(seed, D, K, bud
     if part.read_depth < k or k == D:
         assert (part.tokens, part.parents, part.depths) == (whole.tokens, whole.parents, whole.depths)
     assert whole.read_depth <= D and part.read_depth <= k
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 40), vocab=st.sampled_from([2, 7, 4096, 151_936]),
+       scale=st.floats(0.01, 400.0), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       special=st.sampled_from([None, "inf", "-inf", "row_-inf"]))
+def test_logsumexp_with_clamped_underflow_is_torchs_bit_for_bit(seed, rows, vocab, scale, dtype, special):
+    """The top-k rule's log-sum-exp clamps exp's underflowing inputs (its slow path, where a peaked
+    drafter puts most of the vocabulary): the log-probs stay torch.logsumexp's, bit for bit."""
+    from eval_worker.engine.drafting import logits_topk
+
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * scale).to(dtype)
+    if special == "inf":
+        logits[0, 0] = float("inf")
+    elif special == "-inf":
+        logits[0, : vocab // 2] = -float("inf")
+    elif special == "row_-inf":
+        logits[0] = -float("inf")
+    k = min(8, vocab)
+    a, logp, ids = logits_topk(logits, k)
+    v, i = logits.topk(k, dim=-1)
+    want = v.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    torch.testing.assert_close(logp, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(ids, i) and torch.equal(a, logits.argmax(-1))
