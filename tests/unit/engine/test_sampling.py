@@ -47,9 +47,8 @@ def tiny_sampled(tmp_path_factory):
     """The bundled tiny target, 3 code prefixes, K = 2 samples at temperature 0.7, and a drafter
     fitted to those very samples (a greedy-fitted drafter is almost never accepted under sampling)."""
     from dflash_train.core.target import Target
-    from tests.unit.engine.test_tiny import CODE_PREFIXES, new_drafter
-
     from tests.conftest import TINY_TARGET
+    from tests.unit.engine.test_tiny import CODE_PREFIXES, new_drafter
 
     tiny = Target.load(TINY_TARGET)
     suite = Suite("code", "1", [Prompt(f"c{i}", prompt=t) for i, t in enumerate(CODE_PREFIXES[:3])],
