@@ -39,8 +39,9 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     checkpoint = _canonical(checkpoint)
     if manifest is None:
         _, manifest = check_location(checkpoint, roots, False, "checkpoint")
+    baseline = _canonical(baseline) if baseline else None  # once: a Hub ref is resolved by a Hub call
     if baseline:  # refused here, not an hour later on the worker
-        check_location(_canonical(baseline), roots, False, "baseline")
+        check_location(baseline, roots, False, "baseline")
     run_id, step, digest = manifest["run_id"], manifest["step"], manifest["digest"]
     metrics = manifest.get("train_metrics") or None
     if not isinstance(metrics, dict):
@@ -58,7 +59,7 @@ def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.Path
     payload = {
         "schema": SCHEMA, "run_id": run_id, "step": int(step), "checkpoint": checkpoint,
         "checkpoint_digest": digest, "target": canonical_target(target) if target else None,
-        "suite": suite, "baseline": _canonical(baseline) if baseline else None,
+        "suite": suite, "baseline": baseline,
         "wandb": wandb, "requested_by": requested_by,
         **({"sinks": list(sinks)} if sinks is not None else {}), **({"mlflow": mlflow} if mlflow else {}),
         "priority": priority, "attempt": 0,
