@@ -116,6 +116,8 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
                 continue
             if _on_this_machine(where):
                 real, manifest = check_location(where, roots, True, key)
+                if key == "checkpoint":
+                    _match_job(job, manifest)
             else:
                 url, raw, manifest = _check_remote(where, roots, key)
                 if key == "checkpoint":
@@ -125,8 +127,6 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
                 except CheckpointError as e:
                     raise JobError(f"{key}: {e}") from None
                 real = os.path.realpath(entry)
-            if key == "checkpoint" and _on_this_machine(where):
-                _match_job(job, manifest)
             local[key], verified[real] = real, manifest
         yield local["checkpoint"], local["baseline"], verified
 
