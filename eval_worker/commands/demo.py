@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,8 @@ def _threads() -> tuple[int, int]:
     return trainer, max(1, cores - trainer)
 
 
-def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float) -> dict[str, str]:
+def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float,
+                   check: Callable[[], None] = lambda: None) -> dict[str, str]:
     from eval_worker.service.queue import fetch_job
 
     deadline = time.monotonic() + timeout_s
@@ -59,6 +61,7 @@ def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float) -> dict[st
         if all(s in ("finished", "failed", "stopped", "canceled") for s in status.values()):
             return status
         stack.check_workers()
+        check()
         if time.monotonic() > deadline:
             waiting = [j for j, s in status.items() if s not in ("finished", "failed")]
             raise TimeoutError(f"{len(waiting)} evaluation(s) still not done after {timeout_s:.0f}s: {waiting}")
@@ -81,15 +84,40 @@ def _print_table(rows) -> None:
         print(f"  (tree τ: best-first tree of {budget} drafted nodes, so at most {budget + 1} tokens per step)")
 
 
-def main(args: argparse.Namespace) -> int:
-    interrupted = []
+class Interrupts:
+    """Ctrl-C and SIGTERM: unwind and clean up.
 
-    def _interrupt(signum, frame):  # Ctrl-C and SIGTERM: unwind and clean up
-        interrupted.append(signum)
+    The handler raises KeyboardInterrupt wherever the main thread is, which can be inside a
+    finalizer (`__del__` during garbage collection) where Python prints and swallows it. So the
+    signal is also recorded, and `check()` re-raises it at every step of training (as a trainer
+    callback) and of the wait for evaluations: a swallowed Ctrl-C still stops the demo.
+    """
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.signals)
+
+    def handle(self, signum, frame) -> None:
+        self.signals.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self.handle)
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def check(self) -> None:
+        if self.signals:
+            raise KeyboardInterrupt
+
+    def on_step_end(self, trainer, step: int, metrics: dict) -> None:  # a trainer callback (BaseException passes)
+        self.check()
+
+
+def main(args: argparse.Namespace) -> int:
+    interrupted = Interrupts()
+    interrupted.install()
     t0 = time.monotonic()
     import logging
 
@@ -111,7 +139,9 @@ def main(args: argparse.Namespace) -> int:
     mode = args.wandb_mode or args.settings.wandb_mode or "offline"  # passed to the trainer, the worker, the sink
     stack = DemoStack(work, redis_url=args.redis_url)
     try:
-        return _run(args, stack, paths, mode, t0)
+        code = _run(args, stack, paths, mode, t0, interrupted)
+        interrupted.check()  # a Ctrl-C swallowed after the last check still counts
+        return code
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the worker and Redis the demo started", file=sys.stderr)
         return 130
@@ -130,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
         stack.close()
 
 
-def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
+def _run(args, stack, paths: dict[str, Path], mode: str, t0: float, interrupted: Interrupts) -> int:
     from datetime import datetime
 
     from dflash_train.common.redaction import redact_url
@@ -189,7 +219,8 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
     print(f"[demo] training {run_id}: {config.max_steps} steps on {config.target}, eval every {every} steps "
           f"(trainer {trainer_threads} thread(s), worker {worker_threads})", flush=True)
     t_train = time.monotonic()
-    train(config, callbacks=[hook])
+    train(config, callbacks=[hook, interrupted])
+    interrupted.check()
     print(f"[demo] training done in {time.monotonic() - t_train:.0f}s; waiting for the evaluations", flush=True)
     stack.check_workers()
     job_ids = [o.job_id for o in hook.outcomes]
@@ -199,7 +230,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float) -> int:
         raise RuntimeError("no evaluation was enqueued: " + ("; ".join(hook.errors) or "no checkpoint published"))
     conn = connect(url)
     try:
-        status = _wait_for_jobs(conn, job_ids, stack, args.eval_timeout)
+        status = _wait_for_jobs(conn, job_ids, stack, args.eval_timeout, interrupted.check)
     finally:
         conn.close()
     stack.stop_workers()  # the worker's sink has published after each result; stop before the final pass

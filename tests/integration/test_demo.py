@@ -151,6 +151,37 @@ def test_demo_ctrl_c_stops_everything_it_started(tmp_path, tiny_target_path):
     assert _wait_gone(str(work)) == [], "processes left behind after Ctrl-C"
 
 
+def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_demo():
+    """CI once saw the handler's KeyboardInterrupt raised inside redis' ConnectionPool.__del__, where
+    Python prints and drops it: the demo trained on and exited 0. The signal is recorded, and the
+    next training step (a trainer callback) or wait-loop check raises it again."""
+    from eval_worker.commands.demo import Interrupts
+
+    class Finalized:
+        def __del__(self):  # what a finalizer does with an exception: print it, go on
+            try:
+                interrupts.handle(signal.SIGINT, None)
+            except BaseException:
+                pass
+
+    interrupts = Interrupts()
+    interrupts.check()  # nothing received yet: no-op
+    assert not interrupts
+    obj = Finalized()
+    del obj  # the signal arrives during garbage collection and is swallowed there
+    assert interrupts.signals == [signal.SIGINT]
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.on_step_end(None, 3, {})
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.check()
+
+    # and the trainer lets it through: its callbacks swallow Exceptions, never a KeyboardInterrupt
+    from dflash_train.training.callbacks import CallbackList
+
+    with pytest.raises(KeyboardInterrupt):
+        CallbackList([interrupts]).on_step_end(None, 3, {})
+
+
 def test_demo_fails_loudly_when_most_references_collapsed():
     from eval_worker.commands.demo import _collapsed
     from eval_worker.results.run_results import RunResult
