@@ -75,6 +75,7 @@ class Evaluators:
         self._checkpoint_cache = None
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._loads: dict[str, int] = {}
+        self._states: dict[str, Any] = {}  # target -> its files' stat identities when it was loaded
         self._lock = threading.Lock()
 
     @property
@@ -117,9 +118,16 @@ class Evaluators:
         key = os.path.realpath(target)
         with self._lock:
             ev = self._loaded.get(key)
-            if ev is not None:
+            if ev is not None and _files_state(key) == self._states.get(key):
                 self._loaded.move_to_end(key)
                 return ev
+            if ev is not None:  # replaced in place (a user updated the target): the loaded copy is stale
+                log.warning("target %s changed on disk since it was loaded (its files were replaced in place): "
+                            "loading it again, so this job measures the target the directory holds now", key)
+                del self._loaded[key]
+                ev = None
+                gc.collect()
+                _empty_device_cache()
             if not os.path.isdir(key):
                 raise JobError(f"target {target} is not a directory on this worker")
             while len(self._loaded) >= max(1, s.max_targets):
@@ -128,8 +136,10 @@ class Evaluators:
                 gc.collect()
                 _empty_device_cache()
             t0 = time.monotonic()
+            state = _files_state(key)  # before the load: a change during it shows at the next job
             ev = _new_evaluator(key, s)
             self._loaded[key] = ev
+            self._states[key] = state
             self._loads[key] = self._loads.get(key, 0) + 1
             log.info("loaded target %s in %.1fs (load #%d in pid %d)", key, time.monotonic() - t0, self._loads[key],
                      os.getpid())
@@ -168,6 +178,20 @@ def _new_evaluator(target: str, s: WorkerSettings):
     if s.device:
         kwargs["device"] = s.device
     return factory(target, **kwargs)
+
+
+def _files_state(target: str) -> Any:
+    """The stat identities (size, mtime, ctime, inode) of a model directory's identity files: a
+    cheap per-job check that the loaded target is still the one on disk. None for a directory
+    that is not a model directory (a test's stand-in engine) or cannot be read."""
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        return None
+    from dflash_train.core.fingerprint import directory_state  # imports torch, as loading a target does
+
+    try:
+        return directory_state(target)
+    except OSError:  # a file vanished mid-listing: equal to nothing, so the target is loaded again
+        return object()
 
 
 def _empty_device_cache() -> None:
