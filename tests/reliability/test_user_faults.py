@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from eval_worker.service.eval_job import run_eval_job
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.job_builder import make_job
@@ -68,3 +70,72 @@ def test_target_replaced_in_place_is_loaded_again(tmp_path, worker_evaluators, c
 
     third = run_eval_job({**job, "attempt": 2})  # unchanged since: the loaded copy is kept
     assert _record_target(third)["fingerprint"] == updated and evs.target_loads(str(target)) == 2
+
+
+# --------------------------------------------------------------------------- Redis loses its data
+
+@pytest.fixture
+def volatile_redis(tmp_path):
+    """A private redis-server without persistence (no AOF, no RDB): a restart loses every key, as on a
+    shared server configured as a cache."""
+    from eval_worker.service.redis_server import LocalRedis
+
+    server = LocalRedis(tmp_path / "volatile-redis", extra_config={"appendonly": "no", "save": ""})
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_redis_data_loss_the_hook_sends_lost_jobs_again_and_each_is_recorded_once(volatile_redis, tmp_path):
+    """The hook queued step 1 (running on a real worker) and step 2 (waiting); Redis restarts empty.
+    On main both were gone for good: no job, no failure, `status` silent, the pins kept for ever. Now
+    the hook sees its jobs missing, unrecorded and still pinned, says so and queues them again; the
+    running one is recorded once (its second delivery is not evaluated again)."""
+    from eval_worker.redis_client import connect
+    from eval_worker.results.ledger import Ledger
+    from eval_worker.service.queue import status
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+    from tests.support.sidecar_support import WorkerProcess, read_calls, wait_for
+
+    root = tmp_path / "ck"
+    ckpts = {s: publish_random(root, "run-lost", s, seed=s) for s in (1, 2)}
+    calls, gate = tmp_path / "calls.jsonl", tmp_path / "gate"
+    worker = WorkerProcess(tmp_path, volatile_redis.url, [root, tmp_path], name="w-volatile", target=tmp_path,
+                           args=["--evaluator-factory", "tests.support.sidecar_support:gated_fake_evaluator"],
+                           env={"SIDECAR_GATE": str(gate), "SIDECAR_CALLS": str(calls)})
+    conn = connect(volatile_redis.url)
+    hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path),
+                            redis_url=volatile_redis.url, min_backoff=0.05, max_backoff=0.2, reconcile_interval=0.2)
+    try:
+        worker.wait_registered(conn)
+        for s in (1, 2):
+            hook.on_checkpoint_published(None, s, ckpts[s], None)
+        wait_for(lambda: read_calls(calls), 60, "step 1 to start on the worker")
+        assert hook.flush(30) and [j["step"] for j in status(conn)["queued"]] == [2]
+
+        volatile_redis.stop()
+        volatile_redis.start()  # same port, no data
+        assert conn.dbsize() == 0 or not conn.exists(f"rq:job:{hook.outcomes[0].job_id}")
+        # the worker is still inside step 1 (gated): both show as queued again (main: nothing, for ever)
+        wait_for(lambda: sorted(j["step"] for j in status(conn)["queued"]) == [1, 2], 30,
+                 "the lost jobs to be queued again")
+        assert sorted(hook.resent) == sorted(o.job_id for o in hook.outcomes[:2])
+        assert any("Redis no longer has the eval job for step 1" in e for e in hook.errors), hook.errors
+
+        gate.touch()
+        ledger = Ledger(tmp_path / "results")
+        wait_for(lambda: len(ledger.entries("run-lost", all_attempts=True)) == 2
+                 and not status(conn)["queued"] and not status(conn)["running"], 60, "both jobs to be recorded")
+        executions = [c["checkpoint"] for c in read_calls(calls)]
+        assert sorted(executions) == sorted(str(ckpts[s]) for s in (1, 2)), executions  # one evaluation each
+        assert [e.step for e in ledger.entries("run-lost", all_attempts=True)] == [1, 2]  # one record each
+        assert status(conn)["failed"] == []
+        hook.release_pins()
+        pins = {s: sorted(p.name for p in (c / ".pins").glob("*")) for s, c in ckpts.items()}
+        assert pins == {1: [], 2: []}, (pins, hook._pins)
+    finally:
+        hook.close()
+        worker.stop()
+        conn.close()
