@@ -25,12 +25,14 @@ Any error in here is logged and swallowed: the hook never stops training.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
+import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -46,7 +48,7 @@ from eval_worker.service.job_builder import make_job
 from eval_worker.service.job_ids import job_fingerprint, job_id_for
 from eval_worker.service.job_schema import JobError, JobPayload, validate_job
 from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_key
-from eval_worker.service.queue import QueueConfig, enqueue, record_owed
+from eval_worker.service.queue import QueueConfig, enqueue, record_owed, server_risks
 from eval_worker.service.redis_server import resolve_redis_url
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,7 @@ class EvalOnCheckpoint:
         self._owed_runs: set[str] = set()      # runs whose owed jobs `status` was last told of
         self._conn = None
         self._conn_lock = threading.Lock()
+        self._risks_told = False               # the server's risky settings (server_risks) said once
 
     # ---- the trainer protocol ----------------------------------------------------------
     def on_checkpoint_published(self, trainer: Any, step: int, path: Path, manifest: dict) -> None:
@@ -320,6 +323,11 @@ class EvalOnCheckpoint:
                 url = resolve_redis_url(self.redis_url, self.settings)
                 self._conn = connect(url, socket_connect_timeout=self.connect_timeout,
                                      socket_timeout=max(self.connect_timeout, 5.0))
+                if not self._risks_told:
+                    with contextlib.suppress(redis.exceptions.RedisError):  # unreachable: told next time
+                        for risk in server_risks(self._conn):  # said once in the trainer's log
+                            self._note(f"Redis: {risk}")
+                        self._risks_told = True
             return self._conn
 
     def _send(self, job: dict[str, Any]):

@@ -369,12 +369,43 @@ def _queued_briefs(connection, q: Queue, run: str | None, limit: int | None) -> 
     return _queued_briefs_of(connection, mine), total
 
 
+def server_risks(connection) -> list[str]:
+    """What in the Redis server's own configuration can drop accepted jobs without a trace, one
+    sentence each (empty when nothing, or when the server does not say): an eviction policy other
+    than `noeviction` (a shared server under memory pressure deletes job hashes, queue lists and
+    the ledger index like any cache key; RQ and Celery require `noeviction`), and no persistence at
+    all (a restart empties every queue). Told by the worker, `status`, the commands and the hook.
+    Raises the connection's errors (an unreachable server)."""
+    import redis
+
+    out = []
+    try:
+        memory = connection.info("memory")
+        policy, limit = memory.get("maxmemory_policy"), int(memory.get("maxmemory") or 0)
+        if policy and policy != "noeviction":
+            out.append(f"this Redis evicts keys (maxmemory-policy {policy}, maxmemory "
+                       f"{f'{limit} bytes' if limit else 'unlimited for now'}): under memory pressure queued jobs, "
+                       "running jobs' keys and the results index vanish without a failure; set "
+                       "`maxmemory-policy noeviction` (or give the eval queue a Redis of its own)")
+        aof = int(connection.info("persistence").get("aof_enabled") or 0)
+        if not aof:
+            save = connection.config_get("save").get("save")
+            if save is not None and not str(save).strip():
+                out.append("this Redis keeps no data on disk (no AOF, no RDB snapshots): a restart empties every "
+                           "queue (a trainer's hook queues its lost jobs again; jobs queued by hand are gone); "
+                           "set `appendonly yes`")
+    except redis.exceptions.ResponseError:  # INFO or CONFIG refused (a managed server, an ACL): it does not say
+        pass
+    return out
+
+
 def status(connection, base: str = DEFAULT_BASE, run: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run.
 
     `limit`: list at most this many queued jobs per queue (`queued_total` counts them all)."""
     out: dict[str, Any] = {"queues": {}, "queued": [], "running": [], "scheduled": [], "failed": [], "workers": [],
-                           "runs": {}, "owed": owed_jobs(connection, run), "queued_total": 0}
+                           "runs": {}, "owed": owed_jobs(connection, run), "queued_total": 0,
+                           "server_warnings": server_risks(connection)}
     for name in all_queue_names(connection, base):
         q = get_queue(connection, name)
         out["queues"][name] = q.count

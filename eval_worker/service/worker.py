@@ -25,6 +25,7 @@ SIGTERM/SIGINT, the current job is put back at the front of its queue and the wo
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -47,7 +48,9 @@ from eval_worker.redis_client import server_unavailable
 from eval_worker.service import evaluators, routing
 from eval_worker.service.evaluators import Evaluators, WorkerSettings
 from eval_worker.service.job_guard import EvalJob
-from eval_worker.service.queue import TARGET_FIELD, get_queue
+from eval_worker.service.queue import TARGET_FIELD, get_queue, server_risks
+
+log = logging.getLogger(__name__)
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
 PROBE_PREFIX = "dflash:probe:"  # a write that tells whether Redis takes writes again (per worker, 60 s)
@@ -462,6 +465,11 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
     from rq.serializers import JSONSerializer
 
     install_log_redaction()  # the worker log: no secret of a URL a job names
+    try:
+        for risk in server_risks(connection):
+            log.warning("Redis: %s", risk)
+    except redis.exceptions.RedisError:  # unreachable now: the worker waits for it as always
+        pass
     loaded = Evaluators(settings_)
     evaluators.install(loaded)  # the job function, called by RQ by name, finds them there
     if preload and settings_.default_target:

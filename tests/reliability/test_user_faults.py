@@ -139,3 +139,87 @@ def test_redis_data_loss_the_hook_sends_lost_jobs_again_and_each_is_recorded_onc
         hook.close()
         worker.stop()
         conn.close()
+
+
+# --------------------------------------------------------------------------- a server that may drop jobs
+
+@pytest.fixture
+def evicting_redis(tmp_path):
+    """A private redis-server set up as a shared cache often is: 4 MB and `allkeys-lru`."""
+    from eval_worker.service.redis_server import LocalRedis
+
+    server = LocalRedis(tmp_path / "lru-redis", extra_config={"maxmemory": "4mb", "maxmemory-policy": "allkeys-lru"})
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_server_policy_an_evicting_redis_is_named_by_every_part(evicting_redis, tmp_path, capsys, caplog):
+    """Another tenant fills a shared `allkeys-lru` Redis: our queued jobs are evicted like cache keys,
+    without a failure anywhere (probed: 5 of 5 queued jobs gone, `status` empty, nothing recorded). On
+    main nothing said the server could do that; now the worker, `status` (text and JSON), `enqueue`
+    and the hook each name the policy and the fix, and the hook queues its evicted jobs again."""
+    import logging
+
+    from eval_worker.cli import main as cli
+    from eval_worker.redis_client import connect
+    from eval_worker.service.queue import status
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+    from tests.support.sidecar_support import wait_for
+
+    url = evicting_redis.url
+    conn = connect(url)
+    root = tmp_path / "ck"
+    ckpts = {s: publish_random(root, "run-lru", s, seed=s) for s in (1, 2, 3)}
+    said = "maxmemory-policy allkeys-lru"
+
+    assert cli(["enqueue", str(ckpts[3]), "--target", str(tmp_path), "--redis-url", url]) == 0
+    assert said in capsys.readouterr().err
+    assert cli(["status", "--redis-url", url]) == 0
+    assert said in capsys.readouterr().err
+    assert any(said in w and "noeviction" in w for w in status(conn)["server_warnings"])
+
+    caplog.set_level(logging.WARNING)
+    from eval_worker.service.worker import serve
+
+    serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path],
+                                               default_target=str(tmp_path),
+                                               evaluator_factory="tests.support.fake_evaluator:FakeEvaluator"),
+          burst=True, preload=False, with_scheduler=False, name="w-lru")
+    assert any(said in r.getMessage() for r in caplog.records if r.name == "eval_worker.service.worker")
+
+    # its periodic check at the default interval (30 s): the test runs it itself below
+    hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
+                            min_backoff=0.05, max_backoff=0.2)
+    try:
+        for s in (1, 2):
+            hook.on_checkpoint_published(None, s, ckpts[s], None)
+        assert hook.flush(30) and any(said in e for e in hook.errors), hook.errors
+        ids = [o.job_id for o in hook.outcomes]
+        for i in range(100_000):  # the other tenant
+            conn.set(f"other:{i}", "x" * 500)
+            if i % 500 == 0 and not any(conn.exists(f"rq:job:{j}") for j in ids):
+                break
+        assert not any(conn.exists(f"rq:job:{j}") for j in ids)  # evicted: gone without a failure
+        conn.delete(*conn.keys("other:*"))
+        hook.release_pins()  # the periodic check
+        assert len(hook.resent) == 2
+        wait_for(lambda: sorted(j["step"] for j in status(conn)["queued"]) == [1, 2], 30,
+                 "the evicted jobs to be queued again")
+    finally:
+        hook.close()
+        conn.close()
+
+
+def test_server_policy_a_redis_without_persistence_is_named(volatile_redis):
+    from eval_worker.redis_client import connect
+    from eval_worker.service.queue import server_risks
+
+    conn = connect(volatile_redis.url)
+    try:
+        [risk] = server_risks(conn)
+        assert "no AOF, no RDB" in risk and "appendonly yes" in risk
+    finally:
+        conn.close()
