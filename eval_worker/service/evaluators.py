@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -174,10 +175,29 @@ def _new_evaluator(target: str, s: WorkerSettings):
         factory = getattr(import_module(module), name)
     else:
         from eval_worker.engine.acceptance import Evaluator as factory
-    kwargs: dict[str, Any] = {"cache_dir": str(s.cache_dir) if s.cache_dir else None}
+    kwargs: dict[str, Any] = {"cache_dir": _writable_cache_dir(s.cache_dir)}
     if s.device:
         kwargs["device"] = s.device
     return factory(target, **kwargs)
+
+
+def _writable_cache_dir(cache_dir: Path | None) -> str | None:
+    """`cache_dir` when this worker can write there, else None (no disk cache) with a warning: the
+    references/features cache only saves time, and a worker whose DFLASH_HOME is a read-only mount
+    (a container) failed every job after evaluating it, at the cache write."""
+    if cache_dir is None:
+        return None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=cache_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        log.warning("the reference/feature cache %s cannot be written (%s): this worker evaluates without a disk "
+                    "cache (each job computes the target's references and features again); set DFLASH_CACHE_DIR "
+                    "to a writable directory", cache_dir, e.strerror or e)
+        return None
+    return str(cache_dir)
 
 
 def _files_state(target: str) -> Any:

@@ -223,3 +223,49 @@ def test_server_policy_a_redis_without_persistence_is_named(volatile_redis):
         assert "no AOF, no RDB" in risk and "appendonly yes" in risk
     finally:
         conn.close()
+
+
+# --------------------------------------------------------------------------- a read-only DFLASH_HOME
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty directory behind a real read-only bind mount (a container's read-only volume). Root only."""
+    import subprocess
+
+    from tests.support import soak
+
+    why = soak.can_mount()
+    if why:
+        pytest.skip(why)
+    d = tmp_path / "ro-home"
+    d.mkdir()
+    subprocess.run(["mount", "--bind", str(d), str(d)], check=True, timeout=30)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(d)], check=True, timeout=30)
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False, timeout=30)
+
+
+def test_read_only_home_the_worker_evaluates_without_its_disk_cache(read_only_dir, tmp_path, worker_evaluators,
+                                                                     caplog):
+    """DFLASH_HOME (hence the reference/feature cache) on a read-only mount, the ledger on a writable
+    volume. On main every job evaluated, then failed at the cache write ([Errno 30]), was retried and
+    evaluated again, and ended failed. Now the worker says once that it runs without a disk cache,
+    and records the job."""
+    import logging
+
+    with pytest.raises(OSError):
+        (read_only_dir / "probe").write_text("x")  # the mount really is read-only
+    cfg, mask = tiny_target_drafter_config(TINY_TARGET)
+    root = tmp_path / "ck"
+    ckpt = publish_random(root, "run-ro", 1, target_config=cfg, mask_token_id=mask, seed=1)
+    worker_evaluators(WorkerSettings(results_dir=tmp_path / "results", roots=[root],
+                                     cache_dir=read_only_dir / "cache", default_target=str(TINY_TARGET)))
+    caplog.set_level(logging.WARNING, logger="eval_worker.service.evaluators")
+    job = make_job(ckpt, suite="builtin:coding-v1", target=str(TINY_TARGET), options=OPTS).to_json()
+    out = run_eval_job(job)  # main: OSError [Errno 30] Read-only file system: '.../ro-home/cache'
+    assert out["recorded_now"] and Path(out["ledger_path"]).is_file()
+    warned = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(warned) == 1 and "DFLASH_CACHE_DIR" in warned[0] and "Read-only file system" in warned[0]
+    assert list(read_only_dir.iterdir()) == []
