@@ -269,3 +269,54 @@ def test_read_only_home_the_worker_evaluates_without_its_disk_cache(read_only_di
     warned = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
     assert len(warned) == 1 and "DFLASH_CACHE_DIR" in warned[0] and "Read-only file system" in warned[0]
     assert list(read_only_dir.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- drafters that cannot give a τ
+
+def test_unusable_drafters_fail_once_with_the_reason_through_the_worker(conn, tmp_path, monkeypatch):
+    """Holds what the probe found right (engine-level twins: tests/unit/engine/test_errors.py): a diverged
+    drafter (NaN/Inf weights, as the trainer publishes it), one built for another target, and one whose
+    layer ids the target lacks, each queued with 2 retries to a real RQ worker on the tiny target: each
+    fails once (no retry), the reason names the fault, nothing is recorded, and no plausible τ appears."""
+    import torch
+    from rq.job import JobStatus
+
+    from dflash_train.checkpoints.checkpoint import publish_checkpoint
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
+    from eval_worker.service.queue import QueueConfig, enqueue, failure_reason, fetch_job
+    from eval_worker.service.worker import serve
+
+    monkeypatch.setenv("DFLASH_SINKS", "none")
+    cfg, mask = tiny_target_drafter_config(TINY_TARGET)
+    root = tmp_path / "ck"
+
+    def drafter(**changes):
+        c = DrafterConfig.for_target(cfg, mask_token_id=mask, num_hidden_layers=1, num_features=2, block_size=8)
+        for k, v in changes.items():
+            setattr(c, k, v)
+        return DFlashDrafter(c).eval()
+
+    diverged = drafter()
+    with torch.no_grad():
+        diverged.fc.weight[0, 0] = float("nan")
+        diverged.layers[0].mlp.up_proj.weight[1, 1] = float("inf")
+    ckpts = {
+        "diverged": publish_checkpoint(diverged, root, "run-nan", 1, train_metrics={"loss": float("nan")}),
+        "other target": publish_random(root, "run-other", 1, seed=3),  # hidden 32, 6 layers, another vocab
+        "layer ids": publish_checkpoint(drafter(target_layer_ids=[0, 99]), root, "run-ids", 1,
+                                        train_metrics={"loss": 1.0}),
+    }
+    expected = {"diverged": "non-finite weights (NaN/Inf) in 2 tensor(s): fc.weight (1 of",
+                "other target": "drafter and target do not fit: drafter hidden_size 32 != target hidden size 256",
+                "layer ids": "target_layer_ids [99] outside the target's 8 layers"}
+    ids = {name: enqueue(conn, make_job(ck, suite="builtin:coding-v1", target=str(TINY_TARGET), options=OPTS),
+                         config=QueueConfig(retry_max=2, retry_intervals=[])).job_id for name, ck in ckpts.items()}
+    serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root],
+                                                cache_dir=tmp_path / "cache", default_target=str(TINY_TARGET)),
+          burst=True, preload=False, with_scheduler=False, name="w-unusable")
+    for name, job_id in ids.items():
+        job = fetch_job(conn, job_id)
+        assert job.get_status() == JobStatus.FAILED and job.retries_left == 0 and len(job.results()) == 1, name
+        assert expected[name] in failure_reason(job), (name, failure_reason(job))
+    assert list((tmp_path / "results").rglob("attempt-*.json")) == []
