@@ -45,6 +45,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from dflash_train.common.redaction import install_log_redaction, redact
 from eval_worker.redis_client import server_unavailable
+from eval_worker.results.ledger import RUNS_KEY, Ledger
 from eval_worker.service import evaluators, routing
 from eval_worker.service.evaluators import Evaluators, WorkerSettings
 from eval_worker.service.job_guard import EvalJob
@@ -53,6 +54,7 @@ from eval_worker.service.queue import TARGET_FIELD, get_queue, server_risks
 log = logging.getLogger(__name__)
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
+REINDEX_LOCK = "dflash:ledger-reindex"  # held by the one worker rebuilding the results index
 PROBE_PREFIX = "dflash:probe:"  # a write that tells whether Redis takes writes again (per worker, 60 s)
 
 
@@ -393,7 +395,26 @@ class EvalWorker(SimpleWorker):
                     queue.intermediate_queue.cleanup(self, queue)
                 finally:
                     queue.release_maintenance_lock()
+        self._restore_results_index()
         self.last_cleaned_at = now()
+
+    def _restore_results_index(self) -> None:
+        """Redis lost its data (a restart without persistence, a flush, eviction) while the ledger kept
+        the records: rebuild the index that `status` and enqueue's dedupe read (one worker at a time;
+        the index is a cache of the files). Without it `status` showed no results at all."""
+        conn = self.connection
+        if conn.exists(RUNS_KEY):
+            return
+        ledger = Ledger(evaluators.current().settings.results_dir, connection=conn)
+        if not ledger.runs() or not conn.set(REINDEX_LOCK, self.name, nx=True, ex=600):
+            return
+        try:
+            n = ledger.reindex()
+        finally:
+            conn.delete(REINDEX_LOCK)
+        log.warning("Redis had no results index while the ledger %s holds records: it lost its data (restarted "
+                    "without persistence, flushed, or evicting keys); index rebuilt from %d record(s)",
+                    ledger.root, n)
 
     # ---- stopping ----------------------------------------------------------------------
     def _interrupt_handler(self, signum, frame):

@@ -141,6 +141,41 @@ def test_redis_data_loss_the_hook_sends_lost_jobs_again_and_each_is_recorded_onc
         conn.close()
 
 
+def test_redis_data_loss_the_results_index_is_rebuilt_from_the_ledger(volatile_redis, tmp_path):
+    """A job recorded, then Redis restarts empty. On main `status` showed no results at all (its index
+    lives in Redis, nothing rebuilt it) and `enqueue` queued the recorded checkpoint again as new. Now a
+    running worker's maintenance sees the index gone, rebuilds it from the ledger files and says so."""
+    from eval_worker.redis_client import connect
+    from eval_worker.service.queue import enqueue, status
+    from tests.support.sidecar_support import WorkerProcess, wait_for
+
+    root = tmp_path / "ck"
+    ckpt = publish_random(root, "run-index", 4, seed=4)
+    worker = WorkerProcess(tmp_path, volatile_redis.url, [root, tmp_path], name="w-index", target=tmp_path,
+                           args=["--evaluator-factory", "tests.support.fake_evaluator:FakeEvaluator"])
+    conn = connect(volatile_redis.url)
+    try:
+        worker.wait_registered(conn)
+        enqueue(conn, make_job(ckpt, suite="builtin:coding-v1", target=str(tmp_path)))
+        wait_for(lambda: status(conn)["runs"].get("run-index"), 60, "the job to be recorded")
+        before = status(conn)["runs"]["run-index"]
+
+        volatile_redis.stop()
+        volatile_redis.start()  # same port, no data
+        assert status(conn)["runs"] == {}  # the gap, until a worker's maintenance pass
+        wait_for(lambda: status(conn)["runs"].get("run-index"), 60, "the results index to be rebuilt")
+        after = status(conn)["runs"]["run-index"]
+        shown = ("evaluated", "latest", "best")  # the eval-lag notes are routing's, not the ledger's
+        assert [after[k] for k in shown] == [before[k] for k in shown]
+        again = enqueue(conn, make_job(ckpt, suite="builtin:coding-v1", target=str(tmp_path)))
+        assert again.status == "evaluated", again.message  # main: "enqueued" as if never evaluated
+        assert "index rebuilt from 1 record(s)" in worker.log()
+        assert len(list((tmp_path / "results").rglob("attempt-*.json"))) == 1
+    finally:
+        worker.stop()
+        conn.close()
+
+
 # --------------------------------------------------------------------------- a server that may drop jobs
 
 @pytest.fixture
