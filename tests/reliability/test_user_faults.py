@@ -355,3 +355,31 @@ def test_unusable_drafters_fail_once_with_the_reason_through_the_worker(conn, tm
         assert job.get_status() == JobStatus.FAILED and job.retries_left == 0 and len(job.results()) == 1, name
         assert expected[name] in failure_reason(job), (name, failure_reason(job))
     assert list((tmp_path / "results").rglob("attempt-*.json")) == []
+
+
+def test_read_only_home_without_redis_url_says_what_to_set(read_only_dir, tmp_path, monkeypatch, capsys):
+    """No REDIS_URL and DFLASH_HOME read-only: the embedded server cannot start. On main every command
+    printed a bare `[Errno 30] Read-only file system: '.../redis'`; now one sentence names the two fixes.
+    The hook keeps its job in the outbox beside the checkpoints (nothing lost) and notes the same reason."""
+    from dflash_train.common.settings import Settings
+    from eval_worker.cli import main as cli
+    from hooks.eval_on_checkpoint import EvalOnCheckpoint
+
+    monkeypatch.setenv("DFLASH_HOME", str(read_only_dir))
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    assert cli(["status"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: the embedded redis-server cannot keep its data in {read_only_dir / 'redis'} "
+                   "(Read-only file system): set REDIS_URL to a Redis server, or DFLASH_HOME to a writable directory")
+
+    root = tmp_path / "ck"
+    ckpt = publish_random(root, "run-rohome", 1, seed=1)
+    hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path),
+                            settings=Settings.from_env(), min_backoff=0.05, max_backoff=0.2)
+    try:
+        hook.on_checkpoint_published(None, 1, ckpt, None)
+        assert not hook.flush(1)
+        assert any("set REDIS_URL to a Redis server" in e for e in hook.errors), hook.errors
+        assert len(list((root / "run-rohome" / ".eval-outbox").glob("*.json"))) == 1  # kept, not set aside
+    finally:
+        hook.close()
