@@ -146,7 +146,13 @@ def enqueue(connection, payload: JobPayload | dict[str, Any], *, force: bool = F
     suite_fp = suite_fp or job_fingerprint(job)
     base_id = base_job_id(job.run_id, job.step, job.checkpoint_digest, suite_fp)
     if force:
-        job = job.replace(attempt=int(connection.incr(ATTEMPT_PREFIX + base_id)))
+        attempt = int(connection.incr(ATTEMPT_PREFIX + base_id))
+        done = Ledger(connection=connection).lookup_job(base_id)
+        recorded = int(done.get("attempt") or 0) if done else -1
+        if attempt <= recorded:  # the counter was lost with Redis' data, the index was rebuilt from the ledger:
+            # an attempt number the ledger holds would hand back that record instead of evaluating anew
+            attempt = int(connection.incrby(ATTEMPT_PREFIX + base_id, recorded + 1 - attempt))
+        job = job.replace(attempt=attempt)
     job_id = job_id_for(job, suite_fp)
     family = routing.routed_base(config.base, job.target) if config.route_by_target else config.base
     qname = queue_name(family, job.priority)

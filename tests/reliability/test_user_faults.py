@@ -176,6 +176,46 @@ def test_redis_data_loss_the_results_index_is_rebuilt_from_the_ledger(volatile_r
         conn.close()
 
 
+def test_redis_data_loss_a_forced_evaluation_after_it_evaluates_anew(volatile_redis, tmp_path, monkeypatch):
+    """Attempts 0 and 1 recorded, Redis restarts empty, a worker rebuilds the results index, the user
+    forces one more evaluation. On main the attempt counter restarted at 1: the job got the id of the
+    recorded attempt 1 and the worker handed that record back without evaluating ("already recorded")."""
+    from eval_worker.redis_client import connect
+    from eval_worker.service.queue import enqueue
+    from eval_worker.service.worker import serve
+    from tests.support.sidecar_support import read_calls
+
+    monkeypatch.setenv("DFLASH_SINKS", "none")
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("SIDECAR_CALLS", str(calls))
+    root = tmp_path / "ck"
+    ckpt = publish_random(root, "run-force", 5, seed=5)
+    settings = WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path], default_target=str(tmp_path),
+                              evaluator_factory="tests.support.sidecar_support:gated_fake_evaluator")
+    conn = connect(volatile_redis.url)
+
+    def burst():
+        serve(conn, ["dflash-eval"], settings, burst=True, preload=False, with_scheduler=False, name="w-force")
+
+    try:
+        job = make_job(ckpt, suite="builtin:coding-v1", target=str(tmp_path))
+        assert enqueue(conn, job).job.attempt == 0
+        burst()
+        assert enqueue(conn, job, force=True).job.attempt == 1
+        burst()
+        volatile_redis.stop()
+        volatile_redis.start()  # same port, no data
+        burst()  # nothing queued; its maintenance rebuilds the results index from the ledger
+        forced = enqueue(conn, job, force=True)
+        assert forced.status == "enqueued" and forced.job.attempt == 2, forced.message  # main: attempt 1
+        burst()
+        assert len(read_calls(calls)) == 3  # main: 2 (the forced job was not evaluated)
+        attempts = sorted(p.name for p in (tmp_path / "results").rglob("attempt-*.json"))
+        assert attempts == ["attempt-0.json", "attempt-1.json", "attempt-2.json"]
+    finally:
+        conn.close()
+
+
 # --------------------------------------------------------------------------- a server that may drop jobs
 
 @pytest.fixture
