@@ -25,17 +25,19 @@ Any error in here is logged and swallowed: the hook never stops training.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
+import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from dflash_train.checkpoints import storage
-from dflash_train.checkpoints.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.checkpoints.publication import has_pin, pin_checkpoint, unpin_checkpoint
 from dflash_train.common.errors import retryable
 from dflash_train.common.redaction import redact
 from dflash_train.common.settings import Settings
@@ -46,7 +48,7 @@ from eval_worker.service.job_builder import make_job
 from eval_worker.service.job_ids import job_fingerprint, job_id_for
 from eval_worker.service.job_schema import JobError, JobPayload, validate_job
 from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, Outbox, job_key
-from eval_worker.service.queue import QueueConfig, enqueue, record_owed
+from eval_worker.service.queue import QueueConfig, enqueue, record_owed, server_risks
 from eval_worker.service.redis_server import resolve_redis_url
 
 log = logging.getLogger(__name__)
@@ -110,9 +112,12 @@ class EvalOnCheckpoint:
         self._enqueued_steps: set[int] = set()
         self._deliverers: dict[Path, Deliverer] = {}
         self._pins: dict[str, str] = {}        # job id -> checkpoint, pinned until the job is done
+        self._sent: dict[str, dict] = {}       # job id -> the job queued (sent again if Redis loses it)
+        self.resent: list[str] = []            # job ids sent again because Redis no longer had them
         self._owed_runs: set[str] = set()      # runs whose owed jobs `status` was last told of
         self._conn = None
         self._conn_lock = threading.Lock()
+        self._risks_told = False               # the server's risky settings (server_risks) said once
 
     # ---- the trainer protocol ----------------------------------------------------------
     def on_checkpoint_published(self, trainer: Any, step: int, path: Path, manifest: dict) -> None:
@@ -136,7 +141,10 @@ class EvalOnCheckpoint:
                 if step not in self._enqueued_steps:
                     self.submit(path, manifest)
             if self.flush(self.train_end_timeout):
+                resent = len(self.resent)
                 self.release_pins()
+                if len(self.resent) > resent:  # Redis lost some: deliver them again before the hook closes
+                    self.flush(self.train_end_timeout)
         except Exception as e:  # noqa: BLE001
             self._note(f"eval hook failed at train end: {type(e).__name__}: {e}")
         finally:
@@ -244,6 +252,11 @@ class EvalOnCheckpoint:
 
         The worker unpins after recording; this covers workers that see the checkpoints
         read-only. Failed jobs keep their pin (they can be re-queued). Returns how many were released.
+
+        A job Redis no longer has, not recorded, whose pin is still on its checkpoint (no worker
+        recorded it, nobody dismissed it) was lost by Redis itself: a restart without persistence,
+        a FLUSHALL, an eviction policy other than `noeviction`. It goes back into the outbox and is
+        queued again (a worker that did record it meanwhile does not evaluate it twice: the ledger).
         """
         if not self._pins:
             return 0
@@ -252,13 +265,35 @@ class EvalOnCheckpoint:
         done = {JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED}
         released = 0
         for job_id, job in zip(ids, Job.fetch_many(ids, connection=conn, serializer=JSONSerializer), strict=True):
-            gone = job is None and Ledger(connection=conn).lookup_job(strip_attempt(job_id)) is not None
-            if gone or (job is not None and job.get_status(refresh=False) in done):
+            recorded = job is None and Ledger(connection=conn).lookup_job(strip_attempt(job_id)) is not None
+            if job is None and not recorded and self._send_again(job_id):
+                continue
+            if recorded or (job is not None and job.get_status(refresh=False) in done):
                 checkpoint = self._pins.pop(job_id, None)
+                self._sent.pop(job_id, None)
                 if checkpoint is not None:
                     unpin_checkpoint(checkpoint, job_id)
                     released += 1
+            elif job is None:  # gone, its pin too (dismissed, cancelled): nothing left to release
+                self._pins.pop(job_id, None)
+                self._sent.pop(job_id, None)
         return released
+
+    def _send_again(self, job_id: str) -> bool:
+        """Put a job Redis lost back into its outbox (see `release_pins`); False when it was not lost."""
+        checkpoint, payload = self._pins.get(job_id), self._sent.get(job_id)
+        if checkpoint is None or payload is None or not has_pin(checkpoint, job_id):
+            return False  # recorded (the worker unpinned), dismissed or cancelled by a user
+        d = self._deliverer(self._outbox_dir(checkpoint))
+        d.outbox.put_or_owe(payload)
+        self._pins.pop(job_id, None)
+        self._sent.pop(job_id, None)  # the delivery registers it again
+        self.resent.append(job_id)
+        self._note(f"Redis no longer has the eval job for step {payload.get('step')} ({job_id}), and no result "
+                   "was recorded: the server lost it (restarted without persistence, flushed, or evicting keys: "
+                   "use `maxmemory-policy noeviction` and AOF); queued again")
+        d.kick()
+        return True
 
     def close(self) -> None:
         for d in self._deliverers.values():
@@ -288,6 +323,11 @@ class EvalOnCheckpoint:
                 url = resolve_redis_url(self.redis_url, self.settings)
                 self._conn = connect(url, socket_connect_timeout=self.connect_timeout,
                                      socket_timeout=max(self.connect_timeout, 5.0))
+                if not self._risks_told:
+                    with contextlib.suppress(redis.exceptions.RedisError):  # unreachable: told next time
+                        for risk in server_risks(self._conn):  # said once in the trainer's log
+                            self._note(f"Redis: {risk}")
+                        self._risks_told = True
             return self._conn
 
     def _send(self, job: dict[str, Any]):
@@ -304,6 +344,7 @@ class EvalOnCheckpoint:
         self.outcomes.append(outcome)
         if outcome.status in ("enqueued", "duplicate"):
             self._pins[outcome.job_id] = outcome.job.checkpoint
+            self._sent[outcome.job_id] = job
         log.info("eval job for step %s: %s", outcome.job.step, outcome.message)
         return outcome
 

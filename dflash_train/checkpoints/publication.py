@@ -470,6 +470,16 @@ def unpin_checkpoint(directory: str | Path, token: str) -> bool:
     return True
 
 
+def has_pin(directory: str | Path, token: str) -> bool:
+    """Whether pin `token` is on `directory` (False where pins cannot be kept: the Hub, a gone checkpoint)."""
+    _check_token(token)
+    try:
+        store, directory = _located(directory)
+        return not store.read_only and store.exists(store.join(directory, PINS_DIR, token))
+    except (StoreError, OSError):
+        return False
+
+
 def is_pinned(directory: str | Path) -> bool:
     store, directory = _located(directory)
     return not store.read_only and bool(store.list_names(store.join(directory, PINS_DIR)))

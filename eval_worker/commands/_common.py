@@ -28,7 +28,15 @@ def connect_from_args(args: argparse.Namespace):
 
     # the notice goes first, on stderr: stdout may be JSON that a script reads
     url = resolve_redis_url(args.redis_url, args.settings, notice=lambda text: print(f"note: {text}", file=sys.stderr))
-    return connect(url), redact_url(url)
+    conn = connect(url)
+    try:
+        from eval_worker.service.queue import server_risks
+
+        for risk in server_risks(conn):  # a server that can drop accepted jobs: said by every command
+            print(f"warning: {risk}", file=sys.stderr)
+    except Exception:  # noqa: BLE001 - unreachable now: the command itself says so
+        pass
+    return conn, redact_url(url)
 
 
 def fail(message: str, code: int = 2) -> int:

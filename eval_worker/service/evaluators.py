@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -75,6 +76,7 @@ class Evaluators:
         self._checkpoint_cache = None
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._loads: dict[str, int] = {}
+        self._states: dict[str, Any] = {}  # target -> its files' stat identities when it was loaded
         self._lock = threading.Lock()
 
     @property
@@ -117,9 +119,16 @@ class Evaluators:
         key = os.path.realpath(target)
         with self._lock:
             ev = self._loaded.get(key)
-            if ev is not None:
+            if ev is not None and _files_state(key) == self._states.get(key):
                 self._loaded.move_to_end(key)
                 return ev
+            if ev is not None:  # replaced in place (a user updated the target): the loaded copy is stale
+                log.warning("target %s changed on disk since it was loaded (its files were replaced in place): "
+                            "loading it again, so this job measures the target the directory holds now", key)
+                del self._loaded[key]
+                ev = None
+                gc.collect()
+                _empty_device_cache()
             if not os.path.isdir(key):
                 raise JobError(f"target {target} is not a directory on this worker")
             while len(self._loaded) >= max(1, s.max_targets):
@@ -128,8 +137,10 @@ class Evaluators:
                 gc.collect()
                 _empty_device_cache()
             t0 = time.monotonic()
+            state = _files_state(key)  # before the load: a change during it shows at the next job
             ev = _new_evaluator(key, s)
             self._loaded[key] = ev
+            self._states[key] = state
             self._loads[key] = self._loads.get(key, 0) + 1
             log.info("loaded target %s in %.1fs (load #%d in pid %d)", key, time.monotonic() - t0, self._loads[key],
                      os.getpid())
@@ -164,10 +175,43 @@ def _new_evaluator(target: str, s: WorkerSettings):
         factory = getattr(import_module(module), name)
     else:
         from eval_worker.engine.acceptance import Evaluator as factory
-    kwargs: dict[str, Any] = {"cache_dir": str(s.cache_dir) if s.cache_dir else None}
+    kwargs: dict[str, Any] = {"cache_dir": _writable_cache_dir(s.cache_dir)}
     if s.device:
         kwargs["device"] = s.device
     return factory(target, **kwargs)
+
+
+def _writable_cache_dir(cache_dir: Path | None) -> str | None:
+    """`cache_dir` when this worker can write there, else None (no disk cache) with a warning: the
+    references/features cache only saves time, and a worker whose DFLASH_HOME is a read-only mount
+    (a container) failed every job after evaluating it, at the cache write."""
+    if cache_dir is None:
+        return None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=cache_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        log.warning("the reference/feature cache %s cannot be written (%s): this worker evaluates without a disk "
+                    "cache (each job computes the target's references and features again); set DFLASH_CACHE_DIR "
+                    "to a writable directory", cache_dir, e.strerror or e)
+        return None
+    return str(cache_dir)
+
+
+def _files_state(target: str) -> Any:
+    """The stat identities (size, mtime, ctime, inode) of a model directory's identity files: a
+    cheap per-job check that the loaded target is still the one on disk. None for a directory
+    that is not a model directory (a test's stand-in engine) or cannot be read."""
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        return None
+    from dflash_train.core.fingerprint import directory_state  # imports torch, as loading a target does
+
+    try:
+        return directory_state(target)
+    except OSError:  # a file vanished mid-listing: equal to nothing, so the target is loaded again
+        return object()
 
 
 def _empty_device_cache() -> None:

@@ -146,7 +146,13 @@ def enqueue(connection, payload: JobPayload | dict[str, Any], *, force: bool = F
     suite_fp = suite_fp or job_fingerprint(job)
     base_id = base_job_id(job.run_id, job.step, job.checkpoint_digest, suite_fp)
     if force:
-        job = job.replace(attempt=int(connection.incr(ATTEMPT_PREFIX + base_id)))
+        attempt = int(connection.incr(ATTEMPT_PREFIX + base_id))
+        done = Ledger(connection=connection).lookup_job(base_id)
+        recorded = int(done.get("attempt") or 0) if done else -1
+        if attempt <= recorded:  # the counter was lost with Redis' data, the index was rebuilt from the ledger:
+            # an attempt number the ledger holds would hand back that record instead of evaluating anew
+            attempt = int(connection.incrby(ATTEMPT_PREFIX + base_id, recorded + 1 - attempt))
+        job = job.replace(attempt=attempt)
     job_id = job_id_for(job, suite_fp)
     family = routing.routed_base(config.base, job.target) if config.route_by_target else config.base
     qname = queue_name(family, job.priority)
@@ -369,12 +375,43 @@ def _queued_briefs(connection, q: Queue, run: str | None, limit: int | None) -> 
     return _queued_briefs_of(connection, mine), total
 
 
+def server_risks(connection) -> list[str]:
+    """What in the Redis server's own configuration can drop accepted jobs without a trace, one
+    sentence each (empty when nothing, or when the server does not say): an eviction policy other
+    than `noeviction` (a shared server under memory pressure deletes job hashes, queue lists and
+    the ledger index like any cache key; RQ and Celery require `noeviction`), and no persistence at
+    all (a restart empties every queue). Told by the worker, `status`, the commands and the hook.
+    Raises the connection's errors (an unreachable server)."""
+    import redis
+
+    out = []
+    try:
+        memory = connection.info("memory")
+        policy, limit = memory.get("maxmemory_policy"), int(memory.get("maxmemory") or 0)
+        if policy and policy != "noeviction":
+            out.append(f"this Redis evicts keys (maxmemory-policy {policy}, maxmemory "
+                       f"{f'{limit} bytes' if limit else 'unlimited for now'}): under memory pressure queued jobs, "
+                       "running jobs' keys and the results index vanish without a failure; set "
+                       "`maxmemory-policy noeviction` (or give the eval queue a Redis of its own)")
+        aof = int(connection.info("persistence").get("aof_enabled") or 0)
+        if not aof:
+            save = connection.config_get("save").get("save")
+            if save is not None and not str(save).strip():
+                out.append("this Redis keeps no data on disk (no AOF, no RDB snapshots): a restart empties every "
+                           "queue (a trainer's hook queues its lost jobs again; jobs queued by hand are gone); "
+                           "set `appendonly yes`")
+    except redis.exceptions.ResponseError:  # INFO or CONFIG refused (a managed server, an ACL): it does not say
+        pass
+    return out
+
+
 def status(connection, base: str = DEFAULT_BASE, run: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """Queue depths, running jobs and workers, failures with reasons, latest and best τ per run.
 
     `limit`: list at most this many queued jobs per queue (`queued_total` counts them all)."""
     out: dict[str, Any] = {"queues": {}, "queued": [], "running": [], "scheduled": [], "failed": [], "workers": [],
-                           "runs": {}, "owed": owed_jobs(connection, run), "queued_total": 0}
+                           "runs": {}, "owed": owed_jobs(connection, run), "queued_total": 0,
+                           "server_warnings": server_risks(connection)}
     for name in all_queue_names(connection, base):
         q = get_queue(connection, name)
         out["queues"][name] = q.count

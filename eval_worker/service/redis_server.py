@@ -383,9 +383,14 @@ class LocalRedis:
 
     # -- internals ---------------------------------------------------------
     def _make_data_dir(self) -> None:
-        if not self.data_dir.is_dir():
-            self.data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        os.chmod(self.data_dir, DIR_MODE)
+        try:
+            if not self.data_dir.is_dir():
+                self.data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            os.chmod(self.data_dir, DIR_MODE)
+        except OSError as e:  # DFLASH_HOME on a read-only mount (a container): say what to set
+            raise RedisStartError(f"the embedded redis-server cannot keep its data in {self.data_dir} "
+                                  f"({e.strerror or e}): set {ENV_URL} to a Redis server, or DFLASH_HOME to a "
+                                  "writable directory") from None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -25,6 +25,7 @@ SIGTERM/SIGINT, the current job is put back at the front of its queue and the wo
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -44,12 +45,16 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from dflash_train.common.redaction import install_log_redaction, redact
 from eval_worker.redis_client import server_unavailable
+from eval_worker.results.ledger import RUNS_KEY, Ledger
 from eval_worker.service import evaluators, routing
 from eval_worker.service.evaluators import Evaluators, WorkerSettings
 from eval_worker.service.job_guard import EvalJob
-from eval_worker.service.queue import TARGET_FIELD, get_queue
+from eval_worker.service.queue import TARGET_FIELD, get_queue, server_risks
+
+log = logging.getLogger(__name__)
 
 QUARANTINE_PREFIX = "dflash:quarantine:"  # job hashes a worker could not load, set aside
+REINDEX_LOCK = "dflash:ledger-reindex"  # held by the one worker rebuilding the results index
 PROBE_PREFIX = "dflash:probe:"  # a write that tells whether Redis takes writes again (per worker, 60 s)
 
 
@@ -390,7 +395,26 @@ class EvalWorker(SimpleWorker):
                     queue.intermediate_queue.cleanup(self, queue)
                 finally:
                     queue.release_maintenance_lock()
+        self._restore_results_index()
         self.last_cleaned_at = now()
+
+    def _restore_results_index(self) -> None:
+        """Redis lost its data (a restart without persistence, a flush, eviction) while the ledger kept
+        the records: rebuild the index that `status` and enqueue's dedupe read (one worker at a time;
+        the index is a cache of the files). Without it `status` showed no results at all."""
+        conn = self.connection
+        if conn.exists(RUNS_KEY):
+            return
+        ledger = Ledger(evaluators.current().settings.results_dir, connection=conn)
+        if not ledger.runs() or not conn.set(REINDEX_LOCK, self.name, nx=True, ex=600):
+            return
+        try:
+            n = ledger.reindex()
+        finally:
+            conn.delete(REINDEX_LOCK)
+        log.warning("Redis had no results index while the ledger %s holds records: it lost its data (restarted "
+                    "without persistence, flushed, or evicting keys); index rebuilt from %d record(s)",
+                    ledger.root, n)
 
     # ---- stopping ----------------------------------------------------------------------
     def _interrupt_handler(self, signum, frame):
@@ -462,6 +486,11 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
     from rq.serializers import JSONSerializer
 
     install_log_redaction()  # the worker log: no secret of a URL a job names
+    try:
+        for risk in server_risks(connection):
+            log.warning("Redis: %s", risk)
+    except redis.exceptions.RedisError:  # unreachable now: the worker waits for it as always
+        pass
     loaded = Evaluators(settings_)
     evaluators.install(loaded)  # the job function, called by RQ by name, finds them there
     if preload and settings_.default_target:
