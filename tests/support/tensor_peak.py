@@ -30,26 +30,40 @@ def allocation_events(prof) -> list[tuple[int, int, int]]:
     return sorted(out, key=lambda e: e[0])
 
 
-def peak_live_bytes(events: list[tuple[int, int, int]]) -> int:
-    """Highest sum of the sizes allocated by `events` and not yet freed by them (frees of unknown blocks ignored)."""
+def peak_live_bytes(events: list[tuple[int, int, int]], since: int | None = None, until: int | None = None) -> int:
+    """Highest sum of the sizes allocated by `events` and not yet freed by them (frees of unknown blocks
+    ignored). With `since` / `until` (ns, the events' clock: `time.time_ns()`): the highest such sum
+    reached inside that window, above the sum at its start (a phase of the call)."""
     live: dict[int, int] = {}
-    total = peak = 0
-    for _, ptr, size in events:
+    total = peak = base = 0
+    started = since is None
+    for t, ptr, size in events:
+        if until is not None and t > until:
+            break
+        if not started and t >= since:
+            started, base, peak = True, total, total
         if size > 0:
             live[ptr] = size
             total += size
-            peak = max(peak, total)
         elif ptr in live:
             total -= live.pop(ptr)
-    return peak
+        if started:
+            peak = max(peak, total)
+    return peak - base if started else 0
 
 
-def tensor_peak_during(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """(fn(), peak bytes of CPU tensors allocated during the call and live at once)."""
+def tensor_events_during(fn: Callable[[], Any]) -> tuple[Any, list[tuple[int, int, int]]]:
+    """(fn(), `allocation_events` of the call) under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the profiler's notes on empty traces
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn()
-    return out, peak_live_bytes(allocation_events(prof))
+    return out, allocation_events(prof)
+
+
+def tensor_peak_during(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn(), peak bytes of CPU tensors allocated during the call and live at once)."""
+    out, events = tensor_events_during(fn)
+    return out, peak_live_bytes(events)

@@ -1,9 +1,11 @@
 """tests/support/tensor_peak.py: the benches' deterministic peak of live tensor bytes."""
 from __future__ import annotations
 
+import time
+
 import torch
 
-from tests.support.tensor_peak import peak_live_bytes, tensor_peak_during
+from tests.support.tensor_peak import peak_live_bytes, tensor_events_during, tensor_peak_during
 
 MB = 1 << 20
 
@@ -52,3 +54,22 @@ def test_same_call_same_peak():
 def test_a_reused_address_is_a_new_block():
     events = [(0, 7, 100), (1, 7, -100), (2, 7, 50), (3, 7, -50), (4, 8, 90), (5, 9, -999), (6, 10, 20)]
     assert peak_live_bytes(events) == 110  # an unknown block's free (address 9) lowers nothing
+
+
+def test_a_window_reads_its_own_peak_above_its_start():
+    events = [(0, 1, 100), (10, 2, 50), (11, 2, -50), (20, 3, 30), (21, 4, 5), (22, 3, -30), (30, 5, 400)]
+    assert peak_live_bytes(events, since=15, until=25) == 35  # 100 live at 15 is the base; 400 is after
+    assert peak_live_bytes(events, since=5) == 400 + 5
+    marks = []
+
+    def phases():
+        keep = torch.empty(6 * MB, dtype=torch.uint8)  # before the phase: its base
+        marks.append(time.time_ns())
+        a = torch.empty(2 * MB, dtype=torch.uint8)
+        del a
+        marks.append(time.time_ns())
+        return keep.numel() + torch.empty(7 * MB, dtype=torch.uint8).numel()
+
+    _, events = tensor_events_during(phases)
+    assert peak_live_bytes(events, *marks) == 2 * MB  # on the profiler's clock, which is time.time_ns()'s
+    assert peak_live_bytes(events) == 13 * MB
