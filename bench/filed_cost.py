@@ -79,16 +79,7 @@ def child(args) -> None:
         return ev.evaluate(args.checkpoint, args.suite, options=opts)
 
     marks: list[int] = []
-    run = ev._run  # features (cached), drafting, leak probe, scoring: both versions have it
-
-    def marked_run(*a, **kw):
-        marks.append(time.time_ns())
-        try:
-            return run(*a, **kw)
-        finally:
-            marks.append(time.time_ns())
-
-    ev._run = marked_run
+    ev._run = tensor_peak.marked(ev._run, marks)  # features (cached), drafting, leak probe, scoring: both versions
     call(None if args.engine_kind == "filed" else "walk")  # warm: references, features, one-time setup
     for line in sys.stdin:
         req = json.loads(line)

@@ -16,7 +16,11 @@ highest peak of runs under the RSS sampler):
     tree goes; the anchor sample and the leak probe's blocks on every slot; each prompt's
     context projected once) divided by this machine's measured fp32 matmul rate;
   - peak RSS above the loaded target during each call (sampled every 0.5 ms; large blocks via
-    mmap so RSS tracks live memory).
+    mmap so RSS tracks live memory);
+  - peak live tensor bytes, deterministic (one run each under the torch profiler,
+    tests/support/tensor_peak.py): of the whole call (on the evaluate cases the drafter's load sets
+    it: its weights twice over) and of the drafting run (`Evaluator._run`: cached features, drafting,
+    leak probe, scoring), above that run's start; the forced cases' calls are the drafting phase.
 
 Cases: `demo` the bundled tiny target with a 2-layer B=16 drafter fitted briefly to the suite's
 references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer (τ ≈ 8);
@@ -49,6 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.eval_speed import TINY, peak_during  # noqa: E402
+from tests.support.tensor_peak import marked, peak_live_bytes, tensor_events_during  # noqa: E402
 
 CASES = {  # target, drafter layers, fit steps
     "demo": ("tiny", 2, 12),
@@ -58,11 +63,24 @@ CASES = {  # target, drafter layers, fit steps
 }
 
 
-def side_by_side(a, b, repeat: int):
-    """(result, fastest seconds, highest peak MiB) of a and of b, run alternately `repeat` times each,
-    so a busy spell on the shared machine hits both alike. Peaks (and results) come from runs under the
-    RSS sampler, times from the plain runs after them: the sampler's thread wakes every 0.5 ms and
-    takes the GIL, which cost each call ~0.3 s on the tau-8 cases (both paths alike: flatter ratios)."""
+def side_by_side(a, b, repeat: int, marks: list[int] | None = None):
+    """(result, fastest seconds, highest RSS peak MiB, tensor peaks MiB) of a and of b, run alternately `repeat`
+    times each, so a busy spell on the shared machine hits both alike. First one run each under the torch
+    profiler: the peak of live tensor bytes allocated during the call (deterministic; `tensor_peak.py`), and,
+    with `marks` (filled by a `tensor_peak.marked` phase, e.g. `Evaluator._run`), that phase's peak above its
+    start. Then RSS peaks (and results) from runs under the RSS sampler, times from the plain runs after them:
+    the sampler's thread wakes every 0.5 ms and takes the GIL, which cost each call ~0.3 s on the tau-8 cases
+    (both paths alike: flatter ratios)."""
+    tensor = []
+    for fn in (a, b):
+        gc.collect()
+        if marks is not None:
+            marks.clear()
+        _, events = tensor_events_during(fn)
+        peaks = {"call": peak_live_bytes(events) / 2**20}
+        if marks:
+            peaks["run"] = peak_live_bytes(events, marks[0], marks[-1]) / 2**20
+        tensor.append(peaks)
     sampled: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
@@ -75,7 +93,8 @@ def side_by_side(a, b, repeat: int):
             t = time.perf_counter()
             fn()
             plain[k].append(time.perf_counter() - t)
-    return tuple((s[0][0], min(p), max(x[2] for x in s)) for s, p in zip(sampled, plain, strict=True))
+    return tuple((s[0][0], min(p), max(x[2] for x in s), tp)
+                 for s, p, tp in zip(sampled, plain, tensor, strict=True))
 
 
 def matmul_gflops(reps: int = 7) -> float:
@@ -204,9 +223,11 @@ def run_case(name: str, args, work: Path) -> dict:
     base = {"measure_speed": False, "tree_budget": 8, "anchor_sample": max(8, round(512 * tokens / 34_500)),
             "leak_probe_anchors": max(8, round(256 * tokens / 34_500))}
     ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"})  # warm: references, features, one-time setup
-    (old, old_s, old_mb), (new, new_s, new_mb) = side_by_side(
+    marks: list[int] = []
+    ev._run = marked(ev._run, marks)  # the drafting run (features from cache, drafting, leak probe, scoring)
+    (old, old_s, old_mb, old_t), (new, new_s, new_mb, new_t) = side_by_side(
         lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}),
-        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}), args.repeat)
+        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}), args.repeat, marks)
     a, b = old.to_dict(), new.to_dict()
     for d in (a, b):
         d.pop("provenance"), d.pop("cache")
@@ -231,7 +252,8 @@ def run_case(name: str, args, work: Path) -> dict:
             "blocks_today": old.provenance["drafting"]["blocks"], "blocks_new": new.provenance["drafting"]["blocks"],
             "head_slots_today": old.provenance["drafting"]["head_slots"],
             "head_slots_new": new.provenance["drafting"]["head_slots"],
-            "peak_today_mb": old_mb, "peak_new_mb": new_mb,
+            "peak_today_mb": old_mb, "peak_new_mb": new_mb, "tensor_today_mb": old_t["call"],
+            "tensor_new_mb": new_t["call"], "run_tensor_today_mb": old_t["run"], "run_tensor_new_mb": new_t["run"],
             "speedup": old_s / new_s, "vs_loop": loop_s / new_s, "vs_bound": new_s / bound_s,
             "draft_vs_bound": tp(new)["draft"] / bound_s}
 
@@ -345,7 +367,7 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
         return out, got, ws
 
     today(), new()  # warm
-    (old, old_s, old_mb), ((fresh, got, ws), new_s, new_mb) = side_by_side(today, new, args.repeat)
+    (old, old_s, old_mb, old_t), ((fresh, got, ws), new_s, new_mb, new_t) = side_by_side(today, new, args.repeat)
     for a, b in zip(old, fresh, strict=True):
         assert a.online.accept_lengths == b.online.accept_lengths
         assert a.tree_online.accept_lengths == b.tree_online.accept_lengths
@@ -364,7 +386,9 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
             "new_draft_s": new_s, "loop_s": float("nan"), "loop_steps": 0, "flops": flops, "bound_s": bound_s,
             "blocks_today": tokens, "blocks_new": sum(g.blocks for g in got),
             "head_slots_today": tokens * (B - 1), "head_slots_new": sum(g.head_slots for g in got),
-            "peak_today_mb": old_mb, "peak_new_mb": new_mb, "speedup": old_s / new_s, "vs_loop": float("nan"),
+            "peak_today_mb": old_mb, "peak_new_mb": new_mb, "tensor_today_mb": old_t["call"],
+            "tensor_new_mb": new_t["call"], "run_tensor_today_mb": old_t["call"], "run_tensor_new_mb": new_t["call"],
+            "speedup": old_s / new_s, "vs_loop": float("nan"),
             "vs_bound": new_s / bound_s, "draft_vs_bound": new_s / bound_s}
 
 
@@ -386,7 +410,8 @@ def main() -> None:
     print(f"matmul rate: {args.gflops:.1f} GFLOP/s fp32, {args.threads} thread(s)")
     rows = []
     hdr = (f"{'case':>8} {'vocab':>7} {'tau':>5} {'today s':>8} {'new s':>7} {'x':>5} {'loop s':>7} {'vs loop':>7} "
-           f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'peak MB':>13}")
+           f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'RSS MB':>13} {'tensor MB':>13} "
+           f"{'run tensor MB':>13}")
     for name in args.cases.split(","):
         r = (forced_case(args, "spine" in name, "peaked" in name) if name.startswith("forced8")
              else run_case(name, args, work))
@@ -396,7 +421,9 @@ def main() -> None:
         print(f"{name:>8} {r['vocab']:>7} {r['tau']:>5.2f} {r['today_s']:>8.2f} {r['new_s']:>7.2f} "
               f"{r['speedup']:>4.1f}x {r['loop_s']:>7.2f} {r['vs_loop']:>6.1f}x {r['bound_s']:>8.3f} "
               f"{r['vs_bound']:>8.2f}x {r['draft_vs_bound']:>10.2f}x {r['blocks_today']:>5}/{r['blocks_new']:<5} "
-              f"{r['peak_today_mb']:>6.0f}/{r['peak_new_mb']:<6.0f}", flush=True)
+              f"{r['peak_today_mb']:>6.1f}/{r['peak_new_mb']:<6.1f} "
+              f"{r['tensor_today_mb']:>6.2f}/{r['tensor_new_mb']:<6.2f} "
+              f"{r['run_tensor_today_mb']:>6.2f}/{r['run_tensor_new_mb']:<6.2f}", flush=True)
     print("\nQwen3-8B estimate (arithmetic: each case's blocks and head slots per token at Qwen3-8B shapes):")
     for r in rows:
         e = r["qwen3_8b"] = qwen3_8b_estimate(r)

@@ -12,6 +12,8 @@ engine can load this file by path.
 """
 from __future__ import annotations
 
+import functools
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +52,20 @@ def peak_live_bytes(events: list[tuple[int, int, int]], since: int | None = None
         if started:
             peak = max(peak, total)
     return peak - base if started else 0
+
+
+def marked(fn: Callable[..., Any], marks: list[int]) -> Callable[..., Any]:
+    """`fn`, appending `time.time_ns()` to `marks` as each call starts and ends (a phase's window for
+    `peak_live_bytes`: wrap the method that is the phase)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        marks.append(time.time_ns())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            marks.append(time.time_ns())
+
+    return wrapper
 
 
 def tensor_events_during(fn: Callable[[], Any]) -> tuple[Any, list[tuple[int, int, int]]]:

@@ -1,11 +1,9 @@
 """tests/support/tensor_peak.py: the benches' deterministic peak of live tensor bytes."""
 from __future__ import annotations
 
-import time
-
 import torch
 
-from tests.support.tensor_peak import peak_live_bytes, tensor_events_during, tensor_peak_during
+from tests.support.tensor_peak import marked, peak_live_bytes, tensor_events_during, tensor_peak_during
 
 MB = 1 << 20
 
@@ -60,14 +58,14 @@ def test_a_window_reads_its_own_peak_above_its_start():
     events = [(0, 1, 100), (10, 2, 50), (11, 2, -50), (20, 3, 30), (21, 4, 5), (22, 3, -30), (30, 5, 400)]
     assert peak_live_bytes(events, since=15, until=25) == 35  # 100 live at 15 is the base; 400 is after
     assert peak_live_bytes(events, since=5) == 400 + 5
-    marks = []
+    marks: list[int] = []
+
+    def phase(size):
+        return torch.empty(size, dtype=torch.uint8).numel()
 
     def phases():
         keep = torch.empty(6 * MB, dtype=torch.uint8)  # before the phase: its base
-        marks.append(time.time_ns())
-        a = torch.empty(2 * MB, dtype=torch.uint8)
-        del a
-        marks.append(time.time_ns())
+        marked(phase, marks)(2 * MB)
         return keep.numel() + torch.empty(7 * MB, dtype=torch.uint8).numel()
 
     _, events = tensor_events_during(phases)
