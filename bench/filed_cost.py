@@ -1,8 +1,8 @@
 """Per-checkpoint cost of the engine as issue 26 found it vs today's, side by side (issue 26's "today's time").
 
-    python bench/filed_cost.py [--cases demo,tau8,qwen3] [--filed 83a01d9^] [--paths filed,all,walk]
-                               [--num-prompts 8] [--max-new-tokens 128] [--real-max-new-tokens 64]
-                               [--work DIR] [--repeat 2] [--json OUT]
+    python bench/filed_cost.py [--cases demo,tau8,forced8,forced8_peaked,forced8_spine,qwen3]
+                               [--filed 83a01d9^] [--paths filed,all,walk] [--num-prompts 8]
+                               [--max-new-tokens 128] [--real-max-new-tokens 64] [--work DIR] [--repeat 2] [--json OUT]
 
 `bench/walk_cost.py`'s "today" is the current code's `drafting="all"` path, which this issue's own
 work sped up as well (the top-k rule's log-sum-exp serves both paths). "Filed" here is the engine at
@@ -21,8 +21,12 @@ other result fields both versions have are compared too and the differing ones n
 takes its all-anchor statistics from a seeded anchor sample, so some differ by design).
 
 Cases: `demo` / `tau8` the tiny target with walk_cost.py's fitted 2-layer B=16 drafters (the same
-fits, kept in --work); `qwen3` the Qwen3 real-shape fixture at vocab 151,936 (random 1-layer drafter).
-The forced τ ≈ 9 cases of walk_cost.py call engine internals, not `evaluate`: see that script.
+fits, kept in --work); `qwen3` the Qwen3 real-shape fixture at vocab 151,936 (random 1-layer drafter);
+`forced8` / `forced8_peaked` / `forced8_spine` walk_cost.py's τ ≈ 9 constructions, drafting phase only
+(`walk_cost.forced_case`): the parent saves the drafter and the prompts, features and references; the
+filed engine drafts them with its own `draft_anchors` + `score_prompt` (the same API then, less the
+anchor sample), this one with `walk_cost.forced_all` / `forced_walk`; per-prompt accept lengths compared.
+Not run: `qwen3_5` (the filed engine's Target has no conditional-generation wrapper; see README).
 """
 from __future__ import annotations
 
@@ -73,13 +77,15 @@ def child(args) -> None:
     assert engine == Path(args.engine).resolve(), f"engine imported from {engine}, not {args.engine}"
     ev = Evaluator(args.target, args.cache, progress=False)
     base = json.loads(args.options)
-
-    def call(drafting):
-        opts = dict(base, **({"drafting": drafting} if drafting else {}))
-        return ev.evaluate(args.checkpoint, args.suite, options=opts)
-
     marks: list[int] = []
-    ev._run = tensor_peak.marked(ev._run, marks)  # features (cached), drafting, leak probe, scoring: both versions
+    if "forced" in base:
+        call = forced_call(args, ev, base["forced"], marks)
+    else:
+        def call(drafting):
+            opts = dict(base, **({"drafting": drafting} if drafting else {}))
+            return ev.evaluate(args.checkpoint, args.suite, options=opts)
+
+        ev._run = tensor_peak.marked(ev._run, marks)  # features (cached), drafting, leak probe, scoring: both versions
     call(None if args.engine_kind == "filed" else "walk")  # warm: references, features, one-time setup
     for line in sys.stdin:
         req = json.loads(line)
@@ -99,10 +105,63 @@ def child(args) -> None:
             res = fn()
             reply["s"] = time.perf_counter() - t
         if req.get("result"):
-            d = res.to_dict()
+            d = res if isinstance(res, dict) else res.to_dict()
             d.pop("provenance", None), d.pop("cache", None)
             Path(req["result"]).write_text(json.dumps(d))
         print(RESULT + json.dumps(reply), flush=True)
+
+
+def forced_call(args, ev, spec: dict, marks: list[int]):
+    """The forced τ ≈ 9 cases (walk_cost.py `forced_case`), drafting phase only, on inputs the parent saved:
+    the filed engine's `draft_anchors` + `score_prompt`; this one's `forced_all` / `forced_walk`."""
+    import torch
+
+    from eval_worker.engine.checkpoint_source import open_drafter
+
+    drafter = open_drafter(args.checkpoint, ev.target)[0]
+    data = torch.load(spec["inputs"], weights_only=True)
+    seqs, n, quota, spine = data["seqs"], data["n"], data["quota"], spec["spine"]
+    embed, head = ev.target.parts.embed_tokens, ev.target.parts.lm_head
+    B = drafter.config.block_size
+
+    def summary(scores):
+        walks = [[list(s.online.accept_lengths), list(s.tree_online.accept_lengths)] for s in scores]
+        return {"tau": {"macro": sum(s.online.tau for s in scores) / len(scores)},
+                "tree": {"tau": sum(s.tree_online.tau for s in scores) / len(scores)},
+                "prompts": [{"accept_lengths": g, "tree_accept_lengths": t} for g, t in walks]}
+
+    def filed(_):
+        import numpy as np
+
+        from eval_worker.engine.drafting import draft_anchors
+        from eval_worker.engine.scoring import score_prompt
+
+        out = []
+        for j, (prompt, feats, ext) in enumerate(seqs):
+            P = len(prompt)
+            d = draft_anchors(drafter, embed, head, torch.tensor(prompt + ext[:n]), feats, np.arange(P, P + n),
+                              topk=8, topk_slots=8)
+            out.append(score_prompt(f"p{j}", ext, n, d, B, tree_budget=8, tree_spine=spine, max_blocks=None,
+                                    counting="response", ends_with_stop=False))
+        return summary(out)
+
+    def current(drafting):
+        from bench.walk_cost import forced_all, forced_walk
+
+        if drafting == "all":
+            return summary(forced_all(drafter, embed, head, seqs, n, quota, spine))
+        return summary(forced_walk(drafter, embed, head, seqs, n, quota, spine)[0])
+
+    fn = filed if args.engine_kind == "filed" else current
+
+    def call(drafting):  # the whole call is the drafting phase
+        marks.append(time.time_ns())
+        try:
+            return fn(drafting)
+        finally:
+            marks.append(time.time_ns())
+
+    return call
 
 
 # --- parent ------------------------------------------------------------------------------------------------------
@@ -159,13 +218,16 @@ def compare(a: dict, b: dict) -> tuple[list[str], list[str], list[str]]:
 
 
 def prepare(name: str, args, work: Path):
-    """(target dir, checkpoint dir, suite file, options) of a case; the checkpoint is walk_cost.py's own fit."""
+    """(target dir, checkpoint dir, suite file, filed options, current options, vocab) of a case; the checkpoint
+    is walk_cost.py's own fit."""
     sys.path.insert(0, str(REPO))
     from bench.walk_cost import CASES, fitted_checkpoint
     from dflash_train.core.target import Target
     from eval_worker.engine.acceptance import Evaluator
     from eval_worker.engine.suite import load_suite
 
+    if name.startswith("forced8"):
+        return prepare_forced(name, args, work)
     kind, layers, steps = CASES[name]
     max_new = args.max_new_tokens if kind == "tiny" else args.real_max_new_tokens
     if kind == "tiny":
@@ -189,6 +251,25 @@ def prepare(name: str, args, work: Path):
                "leak_probe_anchors": max(8, round(256 * tokens / 34_500))}
     new_options = {**options, "anchor_sample": max(8, round(512 * tokens / 34_500))}
     return tdir, ckpt, suite_file, options, new_options, target.vocab_size
+
+
+def prepare_forced(name: str, args, work: Path):
+    """walk_cost.py's forced inputs (its drafter saved as a checkpoint, prompts, features and references to a
+    file) for both engines' children."""
+    import torch
+
+    from bench.walk_cost import forced_inputs
+    from dflash_train.checkpoints.checkpoint import save_drafter
+
+    peaked = "peaked" in name
+    target, drafter, seqs, quota = forced_inputs(args, peaked)
+    tag = f"forced{'-peaked' if peaked else ''}-p{args.num_prompts}-n{args.max_new_tokens}"
+    ckpt = work / tag
+    save_drafter(drafter, ckpt)
+    inputs = work / f"{tag}-inputs.pt"
+    torch.save({"seqs": seqs, "n": args.max_new_tokens, "quota": quota}, inputs)
+    options = {"forced": {"inputs": str(inputs), "spine": "spine" in name}}
+    return REPO / "dflash_train" / "assets" / "tiny_target", ckpt, Path("-"), options, options, target.vocab_size
 
 
 def run_case(name: str, args, work: Path, filed_root: Path) -> dict:
@@ -230,7 +311,7 @@ def run_case(name: str, args, work: Path, filed_root: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="demo,tau8,qwen3")
+    p.add_argument("--cases", default="demo,tau8,forced8,forced8_peaked,forced8_spine,qwen3")
     p.add_argument("--filed", default=FILED, help="the commit whose engine is 'today as filed'")
     p.add_argument("--paths", default="filed,all,walk", help="filed: that commit's engine; all / walk: this one's")
     p.add_argument("--num-prompts", type=int, default=8)

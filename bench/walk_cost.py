@@ -287,6 +287,87 @@ def qwen3_8b_estimate(row: dict) -> dict:
 PEAK = 32.0  # forced8_peaked: logits x 32 (a random drafter's are flat: top-1 vs top-2 a few 0.01 apart)
 
 
+def forced_inputs(args, peaked: bool = False):
+    """The forced cases' inputs: (tiny target, random 2-layer B=16 drafter, [(prompt, features, reference)],
+    anchor-sample quota per prompt); see `forced_case`."""
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
+    from tests.unit.engine.test_walk import forced_reference
+
+    target = load_case_target("tiny")
+    torch.manual_seed(1)
+    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
+                                   num_features=3, block_size=16)
+    drafter = DFlashDrafter(cfg).eval()
+    if peaked:
+        with torch.no_grad():
+            drafter.norm.weight.mul_(PEAK)
+    B, n, V = 16, args.max_new_tokens, target.vocab_size
+    rng = np.random.default_rng(0)
+    import tests.unit.engine.test_walk as tw
+
+    tw.EMBED, tw.HEAD, tw.VOCAB = target.parts.embed_tokens, target.parts.lm_head, V  # drafts with this target
+
+    seqs = []
+    for i in range(args.num_prompts):
+        prompt = rng.integers(4, V - 1, 24).tolist()
+        feats = torch.randn(len(prompt) + n + B, cfg.num_features * target.hidden_size,
+                            generator=torch.Generator().manual_seed(i))
+        ext = forced_reference(drafter, feats, prompt, n, "random", rng)  # accepts uniform in 0..B-1: τ ≈ 8.5
+        seqs.append((prompt, feats, ext))
+    quota = max(1, -(-max(8, round(512 * n * len(seqs) / 34_500)) // len(seqs)))
+    return target, drafter, seqs, quota
+
+
+FORCED_OPTS = dict(tree_budget=8, max_blocks=None, counting="response", ends_with_stop=False)
+
+
+def forced_all(drafter, embed, head, seqs, n: int, quota: int, spine: bool) -> list:
+    """Today's path on the forced inputs: `draft_anchors` at every anchor, then `score_prompt`."""
+    from eval_worker.engine.drafting import draft_anchors
+    from eval_worker.engine.scoring import sample_offsets, score_prompt
+
+    out = []
+    for j, (prompt, feats, ext) in enumerate(seqs):
+        P = len(prompt)
+        ids = torch.tensor(prompt + ext[:n])
+        d = draft_anchors(drafter, embed, head, ids, feats, np.arange(P, P + n), topk=8, topk_slots=8)
+        out.append(score_prompt(f"p{j}", ext, n, d, drafter.config.block_size,
+                                sample=sample_offsets(n, quota, 0, f"p{j}"), tree_spine=spine, **FORCED_OPTS))
+    return out
+
+
+def forced_walk(drafter, embed, head, seqs, n: int, quota: int, spine: bool):
+    """The walk on the forced inputs, prompts in groups whose context keys fit the budget, as the engine
+    walks them: (scores, `Walker` results, `WalkSeq`s)."""
+    from eval_worker.engine.scoring import sample_offsets, score_blocks
+    from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
+
+    B, V = drafter.config.block_size, head.weight.shape[0]
+    walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
+    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
+    ws, got, group, kvs, size = [], [], [], [], 0
+    for j, (prompt, feats, ext) in enumerate(seqs):
+        P = len(prompt)
+        ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
+                          full=sample_offsets(n, quota, 0, f"p{j}")))
+        if group and size + kv_bytes(drafter, P + n) > budget:
+            got += walker.run(group, kvs)
+            group, kvs, size = [], [], 0
+        group.append(ws[-1])
+        kvs.append(context_kv(drafter, feats[:P + n - 1]))
+        size += kv_bytes(drafter, P + n)
+    got += walker.run(group, kvs)
+    out = []
+    for j, (w, g) in enumerate(zip(ws, got, strict=True)):
+        st = np.full(n, -1)
+        st[list(g.streak)] = list(g.streak.values())
+        out.append(score_blocks(f"p{j}", seqs[j][2], n, B, st, g.tree_streaks.__getitem__, w.full,
+                                np.stack([g.argmax[o] for o in w.full.tolist()]), max_blocks=None,
+                                counting="response", ends_with_stop=False))
+    return out, got, ws
+
+
 def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
     drafter, random features, and references that follow the drafter's own blocks for a random
@@ -297,74 +378,17 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     untimed first (one-time costs: code paths paged in, allocator pools).
     `peaked`: the drafter's final norm scaled by `PEAK`, so its logits are too (same argmax, the
     same references): distributions as peaked as a trained drafter's, whose plain tree holds the chain."""
-    from eval_worker.engine.drafting import draft_anchors
-    from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt
-    from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
-    from tests.unit.engine.test_walk import forced_reference
-
-    target = load_case_target("tiny")
-    torch.manual_seed(1)
-    from dflash_train.core.config import DrafterConfig
-    from dflash_train.core.model import DFlashDrafter
-
-    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
-                                   num_features=3, block_size=16)
-    drafter = DFlashDrafter(cfg).eval()
-    if peaked:
-        with torch.no_grad():
-            drafter.norm.weight.mul_(PEAK)
+    target, drafter, seqs, quota = forced_inputs(args, peaked)
+    cfg = drafter.config
     embed, head = target.parts.embed_tokens, target.parts.lm_head
-    B, n, V = 16, args.max_new_tokens, target.vocab_size
-    rng = np.random.default_rng(0)
-    import tests.unit.engine.test_walk as tw
-
-    tw.EMBED, tw.HEAD, tw.VOCAB = embed, head, V  # the construction drafts with this target's parts
-
-    seqs = []
-    for i in range(args.num_prompts):
-        prompt = rng.integers(4, V - 1, 24).tolist()
-        feats = torch.randn(len(prompt) + n + B, cfg.num_features * target.hidden_size,
-                            generator=torch.Generator().manual_seed(i))
-        ext = forced_reference(drafter, feats, prompt, n, "random", rng)  # accepts uniform in 0..B-1: τ ≈ 8.5
-        seqs.append((prompt, feats, ext))
+    B, n, V = cfg.block_size, args.max_new_tokens, target.vocab_size
     tokens = n * len(seqs)
-    quota = max(1, -(-max(8, round(512 * tokens / 34_500)) // len(seqs)))
-    opts = dict(tree_budget=8, tree_spine=spine, max_blocks=None, counting="response", ends_with_stop=False)
 
     def today():
-        out = []
-        for j, (prompt, feats, ext) in enumerate(seqs):
-            P = len(prompt)
-            ids = torch.tensor(prompt + ext[:n])
-            d = draft_anchors(drafter, embed, head, ids, feats, np.arange(P, P + n), topk=8, topk_slots=8)
-            out.append(score_prompt(f"p{j}", ext, n, d, B, sample=sample_offsets(n, quota, 0, f"p{j}"), **opts))
-        return out
+        return forced_all(drafter, embed, head, seqs, n, quota, spine)
 
-    walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
-
-    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
-
-    def new():  # prompts in groups whose context keys fit the budget, as the engine walks them
-        ws, got, group, kvs, size = [], [], [], [], 0
-        for j, (prompt, feats, ext) in enumerate(seqs):
-            P = len(prompt)
-            ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
-                              full=sample_offsets(n, quota, 0, f"p{j}")))
-            if group and size + kv_bytes(drafter, P + n) > budget:
-                got += walker.run(group, kvs)
-                group, kvs, size = [], [], 0
-            group.append(ws[-1])
-            kvs.append(context_kv(drafter, feats[:P + n - 1]))
-            size += kv_bytes(drafter, P + n)
-        got += walker.run(group, kvs)
-        out = []
-        for j, (w, g) in enumerate(zip(ws, got, strict=True)):
-            st = np.full(n, -1)
-            st[list(g.streak)] = list(g.streak.values())
-            out.append(score_blocks(f"p{j}", seqs[j][2], n, B, st, g.tree_streaks.__getitem__, w.full,
-                                    np.stack([g.argmax[o] for o in w.full.tolist()]), max_blocks=None,
-                                    counting="response", ends_with_stop=False))
-        return out, got, ws
+    def new():
+        return forced_walk(drafter, embed, head, seqs, n, quota, spine)
 
     today(), new()  # warm
     (old, old_s, old_mb, old_t), ((fresh, got, ws), new_s, new_mb, new_t) = side_by_side(today, new, args.repeat)
