@@ -21,12 +21,12 @@ other result fields both versions have are compared too and the differing ones n
 takes its all-anchor statistics from a seeded anchor sample, so some differ by design).
 
 Cases: `demo` / `tau8` the tiny target with walk_cost.py's fitted 2-layer B=16 drafters (the same
-fits, kept in --work); `qwen3` the Qwen3 real-shape fixture at vocab 151,936 (random 1-layer drafter);
+fits, kept in --work); `qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (random
+1-layer drafter);
 `forced8` / `forced8_peaked` / `forced8_spine` walk_cost.py's τ ≈ 9 constructions, drafting phase only
 (`walk_cost.forced_case`): the parent saves the drafter and the prompts, features and references; the
 filed engine drafts them with its own `draft_anchors` + `score_prompt` (the same API then, less the
 anchor sample), this one with `walk_cost.forced_all` / `forced_walk`; per-prompt accept lengths compared.
-Not run: `qwen3_5` (the filed engine's Target has no conditional-generation wrapper; see README).
 """
 from __future__ import annotations
 
@@ -232,14 +232,12 @@ def prepare(name: str, args, work: Path):
     max_new = args.max_new_tokens if kind == "tiny" else args.real_max_new_tokens
     if kind == "tiny":
         tdir = REPO / "dflash_train" / "assets" / "tiny_target"
-    elif kind == "qwen3":
-        tdir = work / "qwen3-real-shape"
+    else:  # the real-shape fixture, saved once as a model directory both engines load
+        tdir = work / f"{kind}-real-shape"
         if not (tdir / "config.json").is_file():
-            from tests.support.factories import qwen3_real_shape, save_target
+            from tests.support import factories
 
-            save_target(qwen3_real_shape(), tdir)
-    else:
-        raise SystemExit(f"case {name}: the engine at {args.filed} cannot load it (see the module docstring)")
+            factories.save_target(getattr(factories, f"{kind}_real_shape")(), tdir)
     target = Target.load(tdir)
     suite_file = REPO / "eval_worker" / "engine" / "suites" / "coding.jsonl"
     suite = load_suite(str(suite_file)).head(args.num_prompts)
