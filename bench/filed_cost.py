@@ -12,9 +12,9 @@ current engine runs in a second process (`drafting="all"` and `"walk"`). Both ev
 checkpoint directory, target directory (the tiny target's files from this checkout; the Qwen3
 real-shape fixture saved once into --work) and suite file, one thread each, each with its own cache
 (warm: one untimed evaluation first). The processes take turns, one call at a time:
-  - per path one call under the torch profiler: peak live tensor bytes (tests/support/tensor_peak.py,
-    deterministic);
   - --repeat calls each under the RSS sampler (bench/eval_speed.py `peak_during`): highest peak;
+  - per path one call under the torch profiler: peak live tensor bytes (tests/support/tensor_peak.py,
+    deterministic), of the whole call and of the drafting run (`Evaluator._run`) above its start;
   - --repeat plain calls each: fastest time.
 Greedy macro τ and tree τ must be equal across the paths (checked before a row is printed); the
 other result fields both versions have are compared too and the differing ones named (the walk
@@ -282,17 +282,19 @@ def run_case(name: str, args, work: Path, filed_root: Path) -> dict:
     out: dict = {p: {"s": [], "rss_mb": [], "tensor": None} for p in paths}
     results = {}
     try:
-        for p in paths:  # one call each under the profiler (deterministic), keeping its result
+        for _ in range(args.repeat):
+            for p in paths:
+                e, drafting = which[p]
+                out[p]["rss_mb"].append(engines[e].ask(drafting, "rss")["rss_mb"])
+        for p in paths:  # after the RSS runs: the profiler's buffers leave the heap larger (RSS then reads ~0)
             e, drafting = which[p]
             file = work / f"result-{name}-{p}.json"
             out[p]["tensor"] = engines[e].ask(drafting, "tensor", file)
             results[p] = json.loads(file.read_text())
-        for how in ("rss", "plain"):
-            for _ in range(args.repeat):
-                for p in paths:
-                    e, drafting = which[p]
-                    r = engines[e].ask(drafting, how)
-                    out[p]["s" if how == "plain" else "rss_mb"].append(r["s" if how == "plain" else "rss_mb"])
+        for _ in range(args.repeat):
+            for p in paths:
+                e, drafting = which[p]
+                out[p]["s"].append(engines[e].ask(drafting, "plain")["s"])
     finally:
         for e in engines.values():
             e.close()

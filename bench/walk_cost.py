@@ -65,12 +65,18 @@ CASES = {  # target, drafter layers, fit steps
 
 def side_by_side(a, b, repeat: int, marks: list[int] | None = None):
     """(result, fastest seconds, highest RSS peak MiB, tensor peaks MiB) of a and of b, run alternately `repeat`
-    times each, so a busy spell on the shared machine hits both alike. First one run each under the torch
-    profiler: the peak of live tensor bytes allocated during the call (deterministic; `tensor_peak.py`), and,
-    with `marks` (filled by a `tensor_peak.marked` phase, e.g. `Evaluator._run`), that phase's peak above its
-    start. Then RSS peaks (and results) from runs under the RSS sampler, times from the plain runs after them:
-    the sampler's thread wakes every 0.5 ms and takes the GIL, which cost each call ~0.3 s on the tau-8 cases
-    (both paths alike: flatter ratios)."""
+    times each, so a busy spell on the shared machine hits both alike. RSS peaks (and results) from runs under the
+    RSS sampler; then one run each under the torch profiler: the peak of live tensor bytes allocated during the
+    call (deterministic; `tensor_peak.py`), and, with `marks` (filled by a `tensor_peak.marked` phase, e.g.
+    `Evaluator._run`), that phase's peak above its start (after the RSS runs: the profiler's own buffers leave
+    the heap larger, and a later call's RSS started above its working set: 0.0 MB on the forced rows); times
+    from the plain runs after them: the sampler's thread wakes every 0.5 ms and takes the GIL, which cost each
+    call ~0.3 s on the tau-8 cases (both paths alike: flatter ratios)."""
+    sampled: list[list] = [[], []]
+    for _ in range(repeat):
+        for k, fn in enumerate((a, b)):
+            gc.collect()
+            sampled[k].append(peak_during(fn))
     tensor = []
     for fn in (a, b):
         gc.collect()
@@ -81,11 +87,6 @@ def side_by_side(a, b, repeat: int, marks: list[int] | None = None):
         if marks:
             peaks["run"] = peak_live_bytes(events, marks[0], marks[-1]) / 2**20
         tensor.append(peaks)
-    sampled: list[list] = [[], []]
-    for _ in range(repeat):
-        for k, fn in enumerate((a, b)):
-            gc.collect()
-            sampled[k].append(peak_during(fn))
     plain: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
