@@ -57,6 +57,7 @@ def _load_file(name: str, path: Path):
     imports the engine from another checkout)."""
     saved = list(sys.path)
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.path[:] = saved
@@ -73,7 +74,7 @@ def child(args) -> None:
     torch.set_num_threads(1)
     from eval_worker.engine.acceptance import Evaluator
 
-    engine = Path(sys.modules["eval_worker"].__file__).resolve().parents[1]
+    engine = Path(str(sys.modules["eval_worker"].__file__)).resolve().parents[1]
     assert engine == Path(args.engine).resolve(), f"engine imported from {engine}, not {args.engine}"
     ev = Evaluator(args.target, args.cache, progress=False)
     base = json.loads(args.options)
@@ -85,7 +86,8 @@ def child(args) -> None:
             opts = dict(base, **({"drafting": drafting} if drafting else {}))
             return ev.evaluate(args.checkpoint, args.suite, options=opts)
 
-        ev._run = tensor_peak.marked(ev._run, marks)  # features (cached), drafting, leak probe, scoring: both versions
+        # the drafting run (features from cache, drafting, leak probe, scoring): both versions have `_run`
+        ev._run = tensor_peak.marked(ev._run, marks)  # type: ignore[method-assign]
     call(None if args.engine_kind == "filed" else "walk")  # warm: references, features, one-time setup
     for line in sys.stdin:
         req = json.loads(line)
@@ -177,19 +179,21 @@ class Engine:
              "--target", str(target), "--checkpoint", str(ckpt), "--suite", str(suite), "--cache", str(cache),
              "--options", json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(work))
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
 
     def ask(self, drafting: str | None, how: str, result: Path | None = None) -> dict:
         req = {"drafting": drafting, "how": how, "result": str(result) if result else None}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
+        self.stdin.write(json.dumps(req) + "\n")
+        self.stdin.flush()
+        for line in self.stdout:
             if line.startswith(RESULT):
                 return json.loads(line[len(RESULT):])
             sys.stdout.write(line)
         raise RuntimeError(f"engine child exited with {self.proc.wait()}")
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.stdin.close()
         self.proc.wait(timeout=60)
 
 
@@ -296,8 +300,8 @@ def run_case(name: str, args, work: Path, filed_root: Path) -> dict:
                 e, drafting = which[p]
                 out[p]["s"].append(engines[e].ask(drafting, "plain")["s"])
     finally:
-        for e in engines.values():
-            e.close()
+        for engine in engines.values():
+            engine.close()
     taus = {p: (r["tau"]["macro"], r["tree"]["tau"]) for p, r in results.items()}
     assert len(set(taus.values())) == 1, f"greedy / tree τ differ between paths: {taus}"
     row = {"case": name, "vocab": vocab, "tau": taus[paths[0]][0], "tree_tau": taus[paths[0]][1]}

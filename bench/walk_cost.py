@@ -197,7 +197,7 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
     return total
 
 
-_SUITE = {}
+_SUITE: dict = {}
 
 
 def result_suite(result):
@@ -225,7 +225,8 @@ def run_case(name: str, args, work: Path) -> dict:
             "leak_probe_anchors": max(8, round(256 * tokens / 34_500))}
     ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"})  # warm: references, features, one-time setup
     marks: list[int] = []
-    ev._run = marked(ev._run, marks)  # the drafting run (features from cache, drafting, leak probe, scoring)
+    # the drafting run (features from cache, drafting, leak probe, scoring)
+    ev._run = marked(ev._run, marks)  # type: ignore[method-assign]
     (old, old_s, old_mb, old_t), (new, new_s, new_mb, new_t) = side_by_side(
         lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}),
         lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}), args.repeat, marks)
@@ -320,9 +321,6 @@ def forced_inputs(args, peaked: bool = False):
     return target, drafter, seqs, quota
 
 
-FORCED_OPTS = dict(tree_budget=8, max_blocks=None, counting="response", ends_with_stop=False)
-
-
 def forced_all(drafter, embed, head, seqs, n: int, quota: int, spine: bool) -> list:
     """Today's path on the forced inputs: `draft_anchors` at every anchor, then `score_prompt`."""
     from eval_worker.engine.drafting import draft_anchors
@@ -334,7 +332,8 @@ def forced_all(drafter, embed, head, seqs, n: int, quota: int, spine: bool) -> l
         ids = torch.tensor(prompt + ext[:n])
         d = draft_anchors(drafter, embed, head, ids, feats, np.arange(P, P + n), topk=8, topk_slots=8)
         out.append(score_prompt(f"p{j}", ext, n, d, drafter.config.block_size,
-                                sample=sample_offsets(n, quota, 0, f"p{j}"), tree_spine=spine, **FORCED_OPTS))
+                                sample=sample_offsets(n, quota, 0, f"p{j}"), tree_budget=8, tree_spine=spine,
+                                max_blocks=None, counting="response", ends_with_stop=False))
     return out
 
 
@@ -347,7 +346,11 @@ def forced_walk(drafter, embed, head, seqs, n: int, quota: int, spine: bool):
     B, V = drafter.config.block_size, head.weight.shape[0]
     walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
     budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
-    ws, got, group, kvs, size = [], [], [], [], 0
+    ws: list = []
+    got: list = []
+    group: list = []
+    kvs: list = []
+    size = 0
     for j, (prompt, feats, ext) in enumerate(seqs):
         P = len(prompt)
         ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),

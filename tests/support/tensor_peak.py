@@ -42,7 +42,7 @@ def peak_live_bytes(events: list[tuple[int, int, int]], since: int | None = None
     for t, ptr, size in events:
         if until is not None and t > until:
             break
-        if not started and t >= since:
+        if since is not None and not started and t >= since:
             started, base, peak = True, total, total
         if size > 0:
             live[ptr] = size
