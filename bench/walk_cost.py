@@ -16,7 +16,11 @@ highest peak of runs under the RSS sampler):
     tree goes; the anchor sample and the leak probe's blocks on every slot; each prompt's
     context projected once) divided by this machine's measured fp32 matmul rate;
   - peak RSS above the loaded target during each call (sampled every 0.5 ms; large blocks via
-    mmap so RSS tracks live memory).
+    mmap so RSS tracks live memory);
+  - peak live tensor bytes, deterministic (one run each under the torch profiler,
+    tests/support/tensor_peak.py): of the whole call (on the evaluate cases the drafter's load sets
+    it: its weights twice over) and of the drafting run (`Evaluator._run`: cached features, drafting,
+    leak probe, scoring), above that run's start; the forced cases' calls are the drafting phase.
 
 Cases: `demo` the bundled tiny target with a 2-layer B=16 drafter fitted briefly to the suite's
 references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer (τ ≈ 8);
@@ -49,6 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.eval_speed import TINY, peak_during  # noqa: E402
+from tests.support.tensor_peak import marked, peak_live_bytes, tensor_events_during  # noqa: E402
 
 CASES = {  # target, drafter layers, fit steps
     "demo": ("tiny", 2, 12),
@@ -58,16 +63,30 @@ CASES = {  # target, drafter layers, fit steps
 }
 
 
-def side_by_side(a, b, repeat: int):
-    """(result, fastest seconds, highest peak MiB) of a and of b, run alternately `repeat` times each,
-    so a busy spell on the shared machine hits both alike. Peaks (and results) come from runs under the
-    RSS sampler, times from the plain runs after them: the sampler's thread wakes every 0.5 ms and
-    takes the GIL, which cost each call ~0.3 s on the tau-8 cases (both paths alike: flatter ratios)."""
+def side_by_side(a, b, repeat: int, marks: list[int] | None = None):
+    """(result, fastest seconds, highest RSS peak MiB, tensor peaks MiB) of a and of b, run alternately `repeat`
+    times each, so a busy spell on the shared machine hits both alike. RSS peaks (and results) from runs under the
+    RSS sampler; then one run each under the torch profiler: the peak of live tensor bytes allocated during the
+    call (deterministic; `tensor_peak.py`), and, with `marks` (filled by a `tensor_peak.marked` phase, e.g.
+    `Evaluator._run`), that phase's peak above its start (after the RSS runs: the profiler's own buffers leave
+    the heap larger, and a later call's RSS started above its working set: 0.0 MB on the forced rows); times
+    from the plain runs after them: the sampler's thread wakes every 0.5 ms and takes the GIL, which cost each
+    call ~0.3 s on the tau-8 cases (both paths alike: flatter ratios)."""
     sampled: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
             gc.collect()
             sampled[k].append(peak_during(fn))
+    tensor = []
+    for fn in (a, b):
+        gc.collect()
+        if marks is not None:
+            marks.clear()
+        _, events = tensor_events_during(fn)
+        peaks = {"call": peak_live_bytes(events) / 2**20}
+        if marks:
+            peaks["run"] = peak_live_bytes(events, marks[0], marks[-1]) / 2**20
+        tensor.append(peaks)
     plain: list[list] = [[], []]
     for _ in range(repeat):
         for k, fn in enumerate((a, b)):
@@ -75,7 +94,8 @@ def side_by_side(a, b, repeat: int):
             t = time.perf_counter()
             fn()
             plain[k].append(time.perf_counter() - t)
-    return tuple((s[0][0], min(p), max(x[2] for x in s)) for s, p in zip(sampled, plain, strict=True))
+    return tuple((s[0][0], min(p), max(x[2] for x in s), tp)
+                 for s, p, tp in zip(sampled, plain, tensor, strict=True))
 
 
 def matmul_gflops(reps: int = 7) -> float:
@@ -177,7 +197,7 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
     return total
 
 
-_SUITE = {}
+_SUITE: dict = {}
 
 
 def result_suite(result):
@@ -204,9 +224,12 @@ def run_case(name: str, args, work: Path) -> dict:
     base = {"measure_speed": False, "tree_budget": 8, "anchor_sample": max(8, round(512 * tokens / 34_500)),
             "leak_probe_anchors": max(8, round(256 * tokens / 34_500))}
     ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"})  # warm: references, features, one-time setup
-    (old, old_s, old_mb), (new, new_s, new_mb) = side_by_side(
+    marks: list[int] = []
+    # the drafting run (features from cache, drafting, leak probe, scoring)
+    ev._run = marked(ev._run, marks)  # type: ignore[method-assign]
+    (old, old_s, old_mb, old_t), (new, new_s, new_mb, new_t) = side_by_side(
         lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "all"}),
-        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}), args.repeat)
+        lambda: ev.evaluate(ckpt, suite, options={**base, "drafting": "walk"}), args.repeat, marks)
     a, b = old.to_dict(), new.to_dict()
     for d in (a, b):
         d.pop("provenance"), d.pop("cache")
@@ -231,7 +254,8 @@ def run_case(name: str, args, work: Path) -> dict:
             "blocks_today": old.provenance["drafting"]["blocks"], "blocks_new": new.provenance["drafting"]["blocks"],
             "head_slots_today": old.provenance["drafting"]["head_slots"],
             "head_slots_new": new.provenance["drafting"]["head_slots"],
-            "peak_today_mb": old_mb, "peak_new_mb": new_mb,
+            "peak_today_mb": old_mb, "peak_new_mb": new_mb, "tensor_today_mb": old_t["call"],
+            "tensor_new_mb": new_t["call"], "run_tensor_today_mb": old_t["run"], "run_tensor_new_mb": new_t["run"],
             "speedup": old_s / new_s, "vs_loop": loop_s / new_s, "vs_bound": new_s / bound_s,
             "draft_vs_bound": tp(new)["draft"] / bound_s}
 
@@ -265,6 +289,89 @@ def qwen3_8b_estimate(row: dict) -> dict:
 PEAK = 32.0  # forced8_peaked: logits x 32 (a random drafter's are flat: top-1 vs top-2 a few 0.01 apart)
 
 
+def forced_inputs(args, peaked: bool = False):
+    """The forced cases' inputs: (tiny target, random 2-layer B=16 drafter, [(prompt, features, reference)],
+    anchor-sample quota per prompt); see `forced_case`."""
+    from dflash_train.core.config import DrafterConfig
+    from dflash_train.core.model import DFlashDrafter
+    from tests.unit.engine.test_walk import forced_reference
+
+    target = load_case_target("tiny")
+    torch.manual_seed(1)
+    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
+                                   num_features=3, block_size=16)
+    drafter = DFlashDrafter(cfg).eval()
+    if peaked:
+        with torch.no_grad():
+            drafter.norm.weight.mul_(PEAK)
+    B, n, V = 16, args.max_new_tokens, target.vocab_size
+    rng = np.random.default_rng(0)
+    import tests.unit.engine.test_walk as tw
+
+    tw.EMBED, tw.HEAD, tw.VOCAB = target.parts.embed_tokens, target.parts.lm_head, V  # drafts with this target
+
+    seqs = []
+    for i in range(args.num_prompts):
+        prompt = rng.integers(4, V - 1, 24).tolist()
+        feats = torch.randn(len(prompt) + n + B, cfg.num_features * target.hidden_size,
+                            generator=torch.Generator().manual_seed(i))
+        ext = forced_reference(drafter, feats, prompt, n, "random", rng)  # accepts uniform in 0..B-1: τ ≈ 8.5
+        seqs.append((prompt, feats, ext))
+    quota = max(1, -(-max(8, round(512 * n * len(seqs) / 34_500)) // len(seqs)))
+    return target, drafter, seqs, quota
+
+
+def forced_all(drafter, embed, head, seqs, n: int, quota: int, spine: bool) -> list:
+    """Today's path on the forced inputs: `draft_anchors` at every anchor, then `score_prompt`."""
+    from eval_worker.engine.drafting import draft_anchors
+    from eval_worker.engine.scoring import sample_offsets, score_prompt
+
+    out = []
+    for j, (prompt, feats, ext) in enumerate(seqs):
+        P = len(prompt)
+        ids = torch.tensor(prompt + ext[:n])
+        d = draft_anchors(drafter, embed, head, ids, feats, np.arange(P, P + n), topk=8, topk_slots=8)
+        out.append(score_prompt(f"p{j}", ext, n, d, drafter.config.block_size,
+                                sample=sample_offsets(n, quota, 0, f"p{j}"), tree_budget=8, tree_spine=spine,
+                                max_blocks=None, counting="response", ends_with_stop=False))
+    return out
+
+
+def forced_walk(drafter, embed, head, seqs, n: int, quota: int, spine: bool):
+    """The walk on the forced inputs, prompts in groups whose context keys fit the budget, as the engine
+    walks them: (scores, `Walker` results, `WalkSeq`s)."""
+    from eval_worker.engine.scoring import sample_offsets, score_blocks
+    from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
+
+    B, V = drafter.config.block_size, head.weight.shape[0]
+    walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
+    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
+    ws: list = []
+    got: list = []
+    group: list = []
+    kvs: list = []
+    size = 0
+    for j, (prompt, feats, ext) in enumerate(seqs):
+        P = len(prompt)
+        ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
+                          full=sample_offsets(n, quota, 0, f"p{j}")))
+        if group and size + kv_bytes(drafter, P + n) > budget:
+            got += walker.run(group, kvs)
+            group, kvs, size = [], [], 0
+        group.append(ws[-1])
+        kvs.append(context_kv(drafter, feats[:P + n - 1]))
+        size += kv_bytes(drafter, P + n)
+    got += walker.run(group, kvs)
+    out = []
+    for j, (w, g) in enumerate(zip(ws, got, strict=True)):
+        st = np.full(n, -1)
+        st[list(g.streak)] = list(g.streak.values())
+        out.append(score_blocks(f"p{j}", seqs[j][2], n, B, st, g.tree_streaks.__getitem__, w.full,
+                                np.stack([g.argmax[o] for o in w.full.tolist()]), max_blocks=None,
+                                counting="response", ends_with_stop=False))
+    return out, got, ws
+
+
 def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
     drafter, random features, and references that follow the drafter's own blocks for a random
@@ -275,77 +382,20 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     untimed first (one-time costs: code paths paged in, allocator pools).
     `peaked`: the drafter's final norm scaled by `PEAK`, so its logits are too (same argmax, the
     same references): distributions as peaked as a trained drafter's, whose plain tree holds the chain."""
-    from eval_worker.engine.drafting import draft_anchors
-    from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt
-    from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
-    from tests.unit.engine.test_walk import forced_reference
-
-    target = load_case_target("tiny")
-    torch.manual_seed(1)
-    from dflash_train.core.config import DrafterConfig
-    from dflash_train.core.model import DFlashDrafter
-
-    cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
-                                   num_features=3, block_size=16)
-    drafter = DFlashDrafter(cfg).eval()
-    if peaked:
-        with torch.no_grad():
-            drafter.norm.weight.mul_(PEAK)
+    target, drafter, seqs, quota = forced_inputs(args, peaked)
+    cfg = drafter.config
     embed, head = target.parts.embed_tokens, target.parts.lm_head
-    B, n, V = 16, args.max_new_tokens, target.vocab_size
-    rng = np.random.default_rng(0)
-    import tests.unit.engine.test_walk as tw
-
-    tw.EMBED, tw.HEAD, tw.VOCAB = embed, head, V  # the construction drafts with this target's parts
-
-    seqs = []
-    for i in range(args.num_prompts):
-        prompt = rng.integers(4, V - 1, 24).tolist()
-        feats = torch.randn(len(prompt) + n + B, cfg.num_features * target.hidden_size,
-                            generator=torch.Generator().manual_seed(i))
-        ext = forced_reference(drafter, feats, prompt, n, "random", rng)  # accepts uniform in 0..B-1: τ ≈ 8.5
-        seqs.append((prompt, feats, ext))
+    B, n, V = cfg.block_size, args.max_new_tokens, target.vocab_size
     tokens = n * len(seqs)
-    quota = max(1, -(-max(8, round(512 * tokens / 34_500)) // len(seqs)))
-    opts = dict(tree_budget=8, tree_spine=spine, max_blocks=None, counting="response", ends_with_stop=False)
 
     def today():
-        out = []
-        for j, (prompt, feats, ext) in enumerate(seqs):
-            P = len(prompt)
-            ids = torch.tensor(prompt + ext[:n])
-            d = draft_anchors(drafter, embed, head, ids, feats, np.arange(P, P + n), topk=8, topk_slots=8)
-            out.append(score_prompt(f"p{j}", ext, n, d, B, sample=sample_offsets(n, quota, 0, f"p{j}"), **opts))
-        return out
+        return forced_all(drafter, embed, head, seqs, n, quota, spine)
 
-    walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
-
-    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
-
-    def new():  # prompts in groups whose context keys fit the budget, as the engine walks them
-        ws, got, group, kvs, size = [], [], [], [], 0
-        for j, (prompt, feats, ext) in enumerate(seqs):
-            P = len(prompt)
-            ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
-                              full=sample_offsets(n, quota, 0, f"p{j}")))
-            if group and size + kv_bytes(drafter, P + n) > budget:
-                got += walker.run(group, kvs)
-                group, kvs, size = [], [], 0
-            group.append(ws[-1])
-            kvs.append(context_kv(drafter, feats[:P + n - 1]))
-            size += kv_bytes(drafter, P + n)
-        got += walker.run(group, kvs)
-        out = []
-        for j, (w, g) in enumerate(zip(ws, got, strict=True)):
-            st = np.full(n, -1)
-            st[list(g.streak)] = list(g.streak.values())
-            out.append(score_blocks(f"p{j}", seqs[j][2], n, B, st, g.tree_streaks.__getitem__, w.full,
-                                    np.stack([g.argmax[o] for o in w.full.tolist()]), max_blocks=None,
-                                    counting="response", ends_with_stop=False))
-        return out, got, ws
+    def new():
+        return forced_walk(drafter, embed, head, seqs, n, quota, spine)
 
     today(), new()  # warm
-    (old, old_s, old_mb), ((fresh, got, ws), new_s, new_mb) = side_by_side(today, new, args.repeat)
+    (old, old_s, old_mb, old_t), ((fresh, got, ws), new_s, new_mb, new_t) = side_by_side(today, new, args.repeat)
     for a, b in zip(old, fresh, strict=True):
         assert a.online.accept_lengths == b.online.accept_lengths
         assert a.tree_online.accept_lengths == b.tree_online.accept_lengths
@@ -364,7 +414,9 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
             "new_draft_s": new_s, "loop_s": float("nan"), "loop_steps": 0, "flops": flops, "bound_s": bound_s,
             "blocks_today": tokens, "blocks_new": sum(g.blocks for g in got),
             "head_slots_today": tokens * (B - 1), "head_slots_new": sum(g.head_slots for g in got),
-            "peak_today_mb": old_mb, "peak_new_mb": new_mb, "speedup": old_s / new_s, "vs_loop": float("nan"),
+            "peak_today_mb": old_mb, "peak_new_mb": new_mb, "tensor_today_mb": old_t["call"],
+            "tensor_new_mb": new_t["call"], "run_tensor_today_mb": old_t["call"], "run_tensor_new_mb": new_t["call"],
+            "speedup": old_s / new_s, "vs_loop": float("nan"),
             "vs_bound": new_s / bound_s, "draft_vs_bound": new_s / bound_s}
 
 
@@ -386,7 +438,8 @@ def main() -> None:
     print(f"matmul rate: {args.gflops:.1f} GFLOP/s fp32, {args.threads} thread(s)")
     rows = []
     hdr = (f"{'case':>8} {'vocab':>7} {'tau':>5} {'today s':>8} {'new s':>7} {'x':>5} {'loop s':>7} {'vs loop':>7} "
-           f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'peak MB':>13}")
+           f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'RSS MB':>13} {'tensor MB':>13} "
+           f"{'run tensor MB':>13}")
     for name in args.cases.split(","):
         r = (forced_case(args, "spine" in name, "peaked" in name) if name.startswith("forced8")
              else run_case(name, args, work))
@@ -396,7 +449,9 @@ def main() -> None:
         print(f"{name:>8} {r['vocab']:>7} {r['tau']:>5.2f} {r['today_s']:>8.2f} {r['new_s']:>7.2f} "
               f"{r['speedup']:>4.1f}x {r['loop_s']:>7.2f} {r['vs_loop']:>6.1f}x {r['bound_s']:>8.3f} "
               f"{r['vs_bound']:>8.2f}x {r['draft_vs_bound']:>10.2f}x {r['blocks_today']:>5}/{r['blocks_new']:<5} "
-              f"{r['peak_today_mb']:>6.0f}/{r['peak_new_mb']:<6.0f}", flush=True)
+              f"{r['peak_today_mb']:>6.1f}/{r['peak_new_mb']:<6.1f} "
+              f"{r['tensor_today_mb']:>6.2f}/{r['tensor_new_mb']:<6.2f} "
+              f"{r['run_tensor_today_mb']:>6.2f}/{r['run_tensor_new_mb']:<6.2f}", flush=True)
     print("\nQwen3-8B estimate (arithmetic: each case's blocks and head slots per token at Qwen3-8B shapes):")
     for r in rows:
         e = r["qwen3_8b"] = qwen3_8b_estimate(r)
