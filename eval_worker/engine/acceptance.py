@@ -524,8 +524,9 @@ class Evaluator:
         scores, bar = [], iter(self._bar(refs, f"{suite.name}: features + walk-driven drafting (B={B})"))
         for group in groups:
             seqs, extra = [], []
-            kvs = GroupKV(drafter, [max(len(r.prompt_ids) + len(r.tokens) - 1, 1) for r in group])
-            for ref in group:
+            lens = [max(len(r.prompt_ids) + len(r.tokens) - 1, 1) for r in group]
+            kvs = GroupKV(drafter, lens) if leak is None else None
+            for j, ref in enumerate(group):  # with a leak probe (an all-anchor pass), before any keys are held
                 next(bar, None)
                 feats = self._features_for(ref, suite, cfg, report, timings, check, written, sampling_id)
                 P, n = len(ref.prompt_ids), len(ref.tokens)
@@ -533,13 +534,22 @@ class Evaluator:
                 sample = sample_offsets(n, quota, opts.seed, _label(ref))
                 probed = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings) if leak else None
                 full = np.union1d(sample, probed[0]) if probed else sample
-                with _timer(timings, "draft"):
-                    kvs.add(len(seqs), context_kv(drafter, feats["features"][:max(P + n - 1, 1)]))
                 seqs.append(WalkSeq(ids, P, n, np.asarray(ref.ext, dtype=np.int64), full=full,
                                     max_blocks=opts.max_blocks,
                                     greedy_steps=None if opts.validate else opts.max_blocks))
                 extra.append((sample, probed, feats["greedy"].numpy()))
+                if kvs is not None:
+                    with _timer(timings, "draft"):
+                        kvs.add(j, context_kv(drafter, feats["features"][:lens[j]]))
                 del feats
+            if kvs is None:
+                kvs = GroupKV(drafter, lens)
+                for j, ref in enumerate(group):
+                    # the features again (host RAM cache, else disk), counted once: read above
+                    feats = self._features_for(ref, suite, cfg, CacheReport(), timings, False, None, sampling_id)
+                    with _timer(timings, "draft"):
+                        kvs.add(j, context_kv(drafter, feats["features"][:lens[j]]))
+                    del feats
             with _timer(timings, "draft"):
                 walked = walker.run(seqs, kvs)
             del kvs

@@ -88,14 +88,20 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
 
 
 def all_anchor_peak(drafter: DFlashDrafter, context_len: int, vocab: int, tree_depths: int = 0) -> int:
-    """A floor under the all-anchor pass's peak at this context length (`drafting.draft_anchors`): its
-    largest LM-head chunk's logits, twice for a chunk of the `tree_depths` top-k slots (the top-k rule's
-    log-sum-exp temporary). Its dense attention scores are not counted: the CPU kernel does not hold them."""
+    """A floor under the all-anchor pass's peak at this context length (`drafting.draft_anchors`), the
+    larger of what it surely holds at once in its LM head and in a drafter layer's attention:
+    its largest head chunk's logits, twice for a chunk of the `tree_depths` top-k slots (the top-k
+    rule's log-sum-exp temporary); or its last full pass's projected context, that layer's context
+    keys/values and their concatenation with one block's (its dense attention scores are not
+    counted: the CPU kernel does not hold them)."""
     cfg = drafter.config
-    B, rows = cfg.block_size, logits_rows(vocab)
+    B, rows, e = cfg.block_size, logits_rows(vocab), drafter.fc.weight.element_size()
     cap = anchors_per_pass(B, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
     D = min(tree_depths, B - 1)
-    return max(2 * min(cap * D, rows), min(cap * (B - 1 - D), rows)) * vocab * 4
+    head = max(2 * min(cap * D, rows), min(cap * (B - 1 - D), rows)) * vocab * 4
+    S = max(context_len - cap, 1)
+    layer = e * (S * cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim * (2 * S + B))
+    return max(head, layer)
 
 
 def group_kv_budget(drafter: DFlashDrafter, context_len: int, vocab: int, tree_depths: int = 0) -> int:
@@ -231,8 +237,12 @@ class Walker:
         S = max((s.prompt_len + s.num_tokens for s in seqs), default=1)
         cap = anchors_per_pass(self.B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
         self.call_rows = min(HEAD_CALL_ROWS, max(1, min(self.head_rows, cap * (self.B - 1)) // 2))
-        # what a pass may hold besides the group's keys: the other half of the all-anchor pass's peak
-        self.pass_budget = all_anchor_peak(self.drafter, S, self.head.weight.shape[0], self.D) // 2
+        # what a pass or a head call may hold besides the group's keys: the rest of the all-anchor pass's peak
+        V = self.head.weight.shape[0]
+        self.pass_budget = all_anchor_peak(self.drafter, S, V, self.D) - kvs.nbytes()
+        per_row = V * 4 * (2 if tree_on else 1)  # a top-k row's log-softmax takes a second temporary
+        slots = cap * (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
+        self.call_rows = max(1, min(self.call_rows, (self.pass_budget - slots) // per_row))  # a pass's slots held
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []

@@ -1,0 +1,48 @@
+"""The walk's peak memory is no higher than the all-anchor pass's (issue 26), by the deterministic
+peak of live tensor bytes (tests/support/tensor_peak.py) of the drafting run (`Evaluator._run`:
+cached features, drafting, leak probe, scoring), on the same checkpoint, suite and options.
+
+The walk holds a group of prompts' context keys/values at once; the all-anchor pass one prompt's
+context, one layer at a time, and its LM head's logits. At a small vocabulary the drafter's layers
+set both peaks, so any copy of the group's keys in a walk pass (stacked per pass, concatenated with
+the blocks' in a layer's attention) or a group larger than the all-anchor pass's layer shows here.
+"""
+import pytest
+
+from dflash_train.checkpoints.checkpoint import save_drafter
+from eval_worker.engine.acceptance import Evaluator
+from tests.support.factories import drafter_for, qwen3_target
+from tests.support.tensor_peak import marked, peak_live_bytes, tensor_events_during
+
+TARGET = qwen3_target(seed=5)
+PROMPTS = [[5, 17, 33, 2, 61, 8], [40, 41, 9, 9, 12, 70], [3, 3, 71, 22, 8], [60, 1, 2, 3, 4, 5, 6], [11, 12],
+           [7, 8, 9], [20, 30, 40, 50], [90, 1, 90, 2]]
+
+
+def run_peak(ev, ckpt, suite, options) -> int:
+    """Peak live tensor bytes of the drafting run (`Evaluator._run`) above its start."""
+    marks: list[int] = []
+    ev._run = marked(Evaluator._run.__get__(ev), marks)
+    try:
+        _, events = tensor_events_during(lambda: ev.evaluate(ckpt, suite, options=options))
+    finally:
+        del ev._run
+    return peak_live_bytes(events, marks[0], marks[-1])
+
+
+@pytest.mark.parametrize("block_size,max_new,options", [
+    (8, 64, {"tree_budget": 8}),  # a flat (random) drafter, plain tree: the forced flat row's setting
+    (6, 40, {"tree_budget": 4, "tree_spine": True, "anchor_sample": 40, "leak_probe_anchors": 10}),
+    (16, 96, {"tree_budget": 0}),
+])
+def test_walk_peak_is_no_higher_than_the_all_anchor_pass(tmp_path, block_size, max_new, options):
+    from eval_worker.engine.suite import Prompt, Suite
+
+    suite = Suite("m", "1", [Prompt(f"p{i}", ids=tuple(p)) for i, p in enumerate(PROMPTS)], chat_template=False,
+                  max_new_tokens=max_new)
+    save_drafter(drafter_for(TARGET, block_size=block_size, seed=3), tmp_path / "d")
+    ev = Evaluator(TARGET, tmp_path / "cache", progress=False)
+    opts = {**options, "measure_speed": False}
+    ev.evaluate(tmp_path / "d", suite, options={**opts, "drafting": "walk"})  # references and features cached
+    peaks = {path: run_peak(ev, tmp_path / "d", suite, {**opts, "drafting": path}) for path in ("all", "walk")}
+    assert peaks["walk"] <= peaks["all"], peaks
