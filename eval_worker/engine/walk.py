@@ -367,6 +367,7 @@ class Walker:
         join = 2 * e * T * kv if L + n * B <= size else 2 * e * span * kv * (L + n * B)
         return act + masks + join
 
+    @torch.no_grad()  # block keys are written into the group's buffers
     def _blocks(self, seqs, kvs: GroupKV, rows: list[tuple[int, int]]) -> torch.Tensor:
         """Final hiddens of slots 1..B-1 `[rows, B-1, H]`, one block per (prompt, offset): one
         batch row per prompt of the run from the first prompt to the last (a prompt in between

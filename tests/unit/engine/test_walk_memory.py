@@ -46,3 +46,35 @@ def test_walk_peak_is_no_higher_than_the_all_anchor_pass(tmp_path, block_size, m
     ev.evaluate(tmp_path / "d", suite, options={**opts, "drafting": "walk"})  # references and features cached
     peaks = {path: run_peak(ev, tmp_path / "d", suite, {**opts, "drafting": path}) for path in ("all", "walk")}
     assert peaks["walk"] <= peaks["all"], peaks
+
+
+def test_block_keys_joined_in_place_give_the_concatenations_hidden_states_bit_for_bit():
+    """`GroupKV` writes a layer's block keys/values right after the pass's context (`model.join_kv`)
+    instead of `torch.cat`: the drafter's outputs are identical, and the group's buffers hold their
+    context again afterwards (for every pass shape: rows with no block in between, several blocks per
+    prompt, and a pass too long for the room after the context, which concatenates)."""
+    import numpy as np
+    import torch
+
+    from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, context_kv
+    from tests.support.factories import VOCAB
+
+    drafter = drafter_for(TARGET, block_size=6, seed=2)
+    rng = np.random.default_rng(0)
+    seqs, kvs = [], []
+    for j, (P, n) in enumerate([(5, 30), (12, 20), (3, 41)]):
+        ids = torch.tensor(rng.integers(0, VOCAB - 1, P + n))
+        feats = torch.randn(P + n, drafter.config.num_features * TARGET.hidden_size,
+                            generator=torch.Generator().manual_seed(j))
+        seqs.append(WalkSeq(ids, P, n, np.zeros(n + 5, dtype=np.int64)))
+        kvs.append(context_kv(drafter, feats[:P + n - 1]))
+    walker = Walker(drafter, TARGET.parts.embed_tokens, TARGET.parts.lm_head)
+    for rows in ([(0, 3), (2, 17)], [(1, 0), (1, 6), (1, 19)], [(0, 29), (1, 19), (2, 40)],
+                 [(2, o) for o in range(0, 40, 4)]):
+        group = GroupKV.of(drafter, kvs)
+        before = [t.clone() for t in group.keys + group.values]
+        got = walker._blocks(seqs, group, rows)
+        assert all(torch.equal(a, b) for a, b in zip(before, group.keys + group.values, strict=True))
+        copied = GroupKV.of(drafter, kvs)
+        copied.size = 0  # no room after any context: every layer concatenates
+        assert torch.equal(got, walker._blocks(seqs, copied, rows)), rows
