@@ -19,8 +19,12 @@ step (a GPU still gets batched work):
     on average so far, each next one doubling (at high τ a block costs one or two head calls);
     rows the tree visits get top-k as deep as their tree reads, rows of the sample all slots;
     each round of chunks is one head call over every row of the step (at most `HEAD_CALL_ROWS`);
-  - memory is sized from the all-anchor pass's at the same context length (`group_kv_budget`),
-    so the walk's peak is no higher than that pass's.
+  - memory is sized from the all-anchor pass's at the same context length (`all_anchor_peak`, a
+    floor under it): a group's context keys take at most half (`group_kv_budget`), stacked once per
+    layer as the group forms (`GroupKV`); a pass attends to views of them, each layer's block keys
+    written right after the context (`model.join_kv`), so the context is never copied; passes and
+    head calls are sized to what the keys leave (`Walker._pass_bytes`). So the walk's peak is no
+    higher than that pass's (tests/unit/engine/test_walk_memory.py).
 
 The walks themselves are then replayed by the same code as on the all-anchor drafts
 (`scoring.score_blocks`), so every number is made by one piece of code either way.
@@ -295,9 +299,10 @@ class Walker:
 
     def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list) -> None:
         """Draft (prompt, offset, with tree top-k, every slot) rows: the ones whose slot hiddens are kept
-        run the head only; the others go through the drafter in passes whose dense scores (prompts x
-        blocks per prompt, padding included, over the longest context) take at most half the all-anchor
-        pass's (`anchors_per_pass`), so the group's context keys fit in the rest (`group_kv_budget`)."""
+        run the head only; the others go through the drafter in passes of at most the all-anchor pass's
+        blocks and half its dense scores (prompts x blocks per prompt, padding included, over the longest
+        context; `anchors_per_pass`), each holding (`_pass_bytes`) no more than the group's keys and the
+        kept slot hiddens leave of the all-anchor pass's peak (`all_anchor_peak`)."""
         heads_only = [row for row in rows if (row[0], row[1]) in kept]
         drafted = [row for row in rows if (row[0], row[1]) not in kept]
         B, passes = self.B, [[]]
