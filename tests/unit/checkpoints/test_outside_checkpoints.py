@@ -1,0 +1,76 @@
+"""Checkpoints as outside users have them (sharded safetensors, half precision, wrapper prefixes,
+`pytorch_model.bin`, Hugging Face cache symlinks): each is read to the same drafter as the plain
+z-lab directory of the same weights, or refused with one sentence naming what is wrong."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.checkpoints.checkpoint import load_drafter, save_drafter
+from dflash_train.checkpoints.publication import CheckpointError
+from tests.support.factories import drafter_for, qwen3_target
+
+_TARGET = qwen3_target(layers=6, hidden=32)
+_DRAFTER = drafter_for(_TARGET, layers=2, features=2)
+_S1, _S2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+
+def _release(tmp_path: Path, name: str = "release") -> Path:
+    save_drafter(_DRAFTER, tmp_path / name)
+    return tmp_path / name
+
+
+def _shard(directory: Path, shards: dict[str, dict[str, torch.Tensor]], weight_map: dict[str, str]) -> None:
+    """`save_pretrained(max_shard_size=...)`'s layout: shards and the index naming each tensor's shard."""
+    for shard, tensors in shards.items():
+        save_file(tensors, str(directory / shard), metadata={"format": "pt"})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "model.safetensors").unlink()
+
+
+def _halves(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict, dict[str, str]]:
+    names = sorted(tensors)
+    a, b = {k: tensors[k] for k in names[::2]}, {k: tensors[k] for k in names[1::2]}
+    return a, b, {**{k: _S1 for k in a}, **{k: _S2 for k in b}}
+
+
+def test_sharded_tensor_saved_in_two_shards_is_refused_not_taken_from_the_last_read(tmp_path):
+    """A tensor present in two shards (the index placing it in the first) loaded the second's copy
+    silently: a plausible wrong τ (1.15 instead of 3.27 in the probe). Now refused, naming it."""
+    d = _release(tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    a, b, wm = _halves(tensors)
+    dup = sorted(a)[0]
+    _shard(d, {_S1: a, _S2: {**b, dup: torch.zeros_like(a[dup])}}, wm)
+    with pytest.raises(CheckpointError, match=rf"{_S2} holds 1 tensor\(s\) that .* does not place in it: \['{dup}'\]"):
+        load_drafter(d)
+
+
+def test_sharded_index_names_a_tensor_its_shard_lacks(tmp_path):
+    d = _release(tmp_path)
+    a, b, wm = _halves(load_file(str(d / "model.safetensors")))
+    gone = sorted(b)[0]
+    _shard(d, {_S1: a, _S2: {k: v for k, v in b.items() if k != gone}}, wm)
+    with pytest.raises(CheckpointError, match=rf"places 1 tensor\(s\) in {_S2} that it does not hold: \['{gone}'\]"):
+        load_drafter(d)
+
+
+def test_sharded_index_naming_a_missing_shard(tmp_path):
+    """The queue's check (`identify`) and the loader each name the shard the index lists and the directory lacks."""
+    from eval_worker.engine.checkpoint_source import identify
+
+    d = _release(tmp_path)
+    a, b, wm = _halves(load_file(str(d / "model.safetensors")))
+    _shard(d, {_S1: a, _S2: b}, wm)
+    loaded = load_drafter(d)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+    os.unlink(d / _S2)
+    with pytest.raises(CheckpointError, match=rf"shards \[.{_S2}.\] listed in model.safetensors.index.json"):
+        identify(d)
+    with pytest.raises(CheckpointError, match=f"cannot read weights .*{_S2}"):
+        load_drafter(d)
