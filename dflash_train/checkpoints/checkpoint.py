@@ -230,8 +230,10 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, w
     tensors, own_vocab = checked_tensors(tensors, cfg, where)
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
+    stored = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     target_dtype = dtype or next(iter(tensors.values())).dtype
     drafter = drafter.to(device=device, dtype=target_dtype)
+    drafter.stored_dtype = "+".join(stored)  # what the file holds, whatever it is computed in
     drafter.own_vocab = own_vocab  # checked against the target's by `check_own_vocab`, then dropped
     return drafter
 

@@ -74,3 +74,34 @@ def test_sharded_index_naming_a_missing_shard(tmp_path):
         identify(d)
     with pytest.raises(CheckpointError, match=f"cannot read weights .*{_S2}"):
         load_drafter(d)
+
+
+def _with_weights(tmp_path: Path, name: str, tensors: dict[str, torch.Tensor]) -> Path:
+    d = _release(tmp_path, name)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_precision_drafter_computes_in_the_targets_dtype_like_its_fp32_copy(tmp_path, half):
+    """Every real drafter ships bf16. It computed in its file's dtype, its fp32 copy (the same rounded
+    weights) in fp32: two τ for one drafter. Both now compute in the target's dtype, as serving engines
+    run a drafter, and the result names the stored and the computing dtype."""
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.checkpoint_source import open_drafter
+    from eval_worker.engine.suite import Prompt, Suite
+
+    sd = load_file(str(_release(tmp_path) / "model.safetensors"))
+    stored = _with_weights(tmp_path, "half", {k: v.to(half) for k, v in sd.items()})
+    copy = _with_weights(tmp_path, "copy", {k: v.to(half).float() for k, v in sd.items()})
+    (a, _), (b, _) = open_drafter(stored, _TARGET), open_drafter(copy, _TARGET)
+    assert a.fc.weight.dtype == b.fc.weight.dtype == _TARGET.dtype == torch.float32
+    assert all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+    name = str(half).removeprefix("torch.")
+    assert (a.stored_dtype, b.stored_dtype) == (name, "float32")
+    suite = Suite("s", "1", [Prompt("p", ids=(5, 17, 33, 2))], chat_template=False, max_new_tokens=8)
+    res = Evaluator(_TARGET, tmp_path / "cache").evaluate(
+        stored, suite, options={"measure_speed": False, "tree_budget": 0, "leak_probe_anchors": 0, "bootstrap": 10})
+    assert res.settings["drafter_dtype"] == {"computed": "float32", "stored": name}
+    said = [d for d in res.diagnostics if d.code == "DTYPE_MISMATCH"]
+    assert said and f"stored as {name}" in said[0].message and "computed in float32" in said[0].message
