@@ -3,6 +3,7 @@
 z-lab directory of the same weights, or refused with one sentence naming what is wrong."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -105,3 +106,73 @@ def test_half_precision_drafter_computes_in_the_targets_dtype_like_its_fp32_copy
     assert res.settings["drafter_dtype"] == {"computed": "float32", "stored": name}
     said = [d for d in res.diagnostics if d.code == "DTYPE_MISMATCH"]
     assert said and f"stored as {name}" in said[0].message and "computed in float32" in said[0].message
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_pytorch_model_bin_directory_is_converted_read_without_code(tmp_path, monkeypatch):
+    """Older save_pretrained (and HF Trainer with save_safetensors=False) write `pytorch_model.bin`.
+    It was refused as 'no drafter weights found (model.safetensors, training_state.pt, or a *.pt
+    file)' though it holds one; now `import` converts it (torch.load weights_only=True), the queue's
+    check names it and the command, and a pickle with code in it is refused with nothing run."""
+    from dflash_train.checkpoints.publication import verify_checkpoint
+    from dflash_train.checkpoints.training_state import import_checkpoint
+    from eval_worker.engine.checkpoint_source import identify
+
+    d = _release(tmp_path, "old-release")
+    sd = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    torch.save({f"model.{k}": v for k, v in sd.items()}, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"holds pytorch_model.bin weights, not model.safetensors: .*dflash-eval "
+                                              r"import"):
+        identify(d)
+    record, created, facts = import_checkpoint(tmp_path / "root", "old", None, d)
+    assert created and facts["kind"] == "pytorch_model_bin" and facts["step"] == 0
+    m = verify_checkpoint(record, [tmp_path / "root"])
+    assert m["imported_from"]["path"] == str(d) and m["imported_from"]["kind"] == "pytorch_model_bin"
+    loaded = load_drafter(record)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+    monkeypatch.chdir(tmp_path)
+    torch.save({**sd, "config": _Payload()}, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="refused: reading it would run code"):
+        import_checkpoint(tmp_path / "root", "evil", None, d)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_safetensors_and_pytorch_model_bin_both_present_safetensors_wins(tmp_path):
+    """As transformers' from_pretrained: model.safetensors is read (and digested); a different
+    pytorch_model.bin beside it is never read, by the loader, the queue's check or import."""
+    from dflash_train.checkpoints.publication import sha256_file
+    from dflash_train.checkpoints.training_state import import_checkpoint
+    from eval_worker.engine.checkpoint_source import identify
+
+    d = _release(tmp_path)
+    torch.save({k: torch.zeros_like(v) for k, v in _DRAFTER.state_dict().items()}, d / "pytorch_model.bin")
+    loaded = load_drafter(d)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+    assert identify(d).digest == sha256_file(d / "model.safetensors")
+    record, _, facts = import_checkpoint(tmp_path / "root", "both", None, d)
+    assert facts["kind"] == "drafter_dir" and identify(record).digest == sha256_file(d / "model.safetensors")
+
+
+def test_hub_cache_snapshot_of_symlinks_loads_and_digests_the_blob_bytes(tmp_path):
+    """A Hugging Face cache snapshot: config.json and the weights are relative symlinks into
+    ../../blobs. It loads, and its digest is the sha256 of the blob's bytes (not of the link)."""
+    from eval_worker.engine.checkpoint_source import identify
+
+    repo = tmp_path / "hub" / "models--org--drafter"
+    src = _release(tmp_path, "src")
+    snap, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        blob = blobs / f"{name}-blob"
+        os.rename(src / name, blob)
+        (snap / name).symlink_to(os.path.relpath(blob, snap))
+    loaded = load_drafter(snap)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+    blob_bytes = (blobs / "model.safetensors-blob").read_bytes()
+    assert identify(snap).digest == hashlib.sha256(blob_bytes).hexdigest()
