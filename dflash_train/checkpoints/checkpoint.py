@@ -267,7 +267,8 @@ def checked_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, where:
     not_float = [k for k, t in tensors.items() if not t.is_floating_point()]
     problems = []
     if missing:
-        problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        problems.append(f"{len(missing)} missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                        "(never initialised at random)")
     if unexpected:  # named in full: the user has to map each of them (or learn the format is another)
         shown = unexpected[:40]
         problems.append(f"{len(unexpected)} unknown tensor(s) (not this drafter's layout once the prefixes "

@@ -176,3 +176,23 @@ def test_hub_cache_snapshot_of_symlinks_loads_and_digests_the_blob_bytes(tmp_pat
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
     blob_bytes = (blobs / "model.safetensors-blob").read_bytes()
     assert identify(snap).digest == hashlib.sha256(blob_bytes).hexdigest()
+
+
+def test_hand_written_loop_prefixes_load_and_missing_or_extra_tensors_are_named(tmp_path):
+    """What hand-written loops save: DDP's `module.` around torch.compile's `_orig_mod.` around a
+    `model.` wrapper loads as the plain drafter; a missing tensor is refused by name and count (never
+    initialised at random), optimizer moments saved beside the weights are named as unknown."""
+    d = _release(tmp_path)
+    sd = load_file(str(d / "model.safetensors"))
+    save_file({f"module._orig_mod.model.{k}": v for k, v in sd.items()}, str(d / "model.safetensors"))
+    loaded = load_drafter(d)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+    gone = sorted(k for k in sd if k.startswith("layers."))[:2]
+    save_file({f"module.{k}": v for k, v in sd.items() if k not in gone}, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"2 missing tensor\(s\) \['{gone[0]}', '{gone[1]}'\] \(never init"):
+        load_drafter(d)
+    moments = {f"optimizer.state.{k}.exp_avg": torch.zeros_like(v) for k, v in list(sd.items())[:2]}
+    save_file({**sd, **moments}, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="2 unknown tensor") as e:
+        load_drafter(d)
+    assert all(repr(k) in str(e.value) for k in moments)
