@@ -196,3 +196,78 @@ def test_hand_written_loop_prefixes_load_and_missing_or_extra_tensors_are_named(
     with pytest.raises(CheckpointError, match="2 unknown tensor") as e:
         load_drafter(d)
     assert all(repr(k) in str(e.value) for k in moments)
+
+
+@pytest.mark.slow  # ~15-30 s: a real redis-server and `dflash-eval worker` on the bundled tiny target
+def test_sharded_bf16_hub_snapshot_and_its_fp32_copy_same_tau_through_a_real_worker(tmp_path, redis_url, capsys):
+    """What a drafter on the Hub is: bf16, sharded by save_pretrained(max_shard_size=...), read from
+    the cache as symlinks into blobs/. Queued with `enqueue --external` beside the fp32 single-file
+    copy of the same rounded weights, a real worker gives both the same τ, prompt by prompt; the
+    record's digest is of the shards' bytes."""
+    from dflash_train.checkpoints.publication import read_manifest, weights_digest
+    from eval_worker.cli import main as cli
+    from eval_worker.redis_client import connect
+    from eval_worker.results.ledger import Ledger
+    from eval_worker.service.queue import fetch_job
+    from tests.integration.test_sidecar_worker import _target
+    from tests.support.sidecar_support import (
+        WorkerProcess,
+        publish_random,
+        tiny_target_drafter_config,
+        wait_for,
+        write_suite,
+    )
+
+    target = _target()
+    cfg, mask = tiny_target_drafter_config(target)
+    root, hub = tmp_path / "ckpts", tmp_path / "hub"
+    mine = publish_random(root, "mine", 1, target_config=cfg, mask_token_id=mask, seed=3)
+    half = {k: v.bfloat16() for k, v in load_file(str(mine / "model.safetensors")).items()}
+    repo = hub / "models--org--tiny-dflash"
+    snap, blobs = repo / "snapshots" / "feedbeef00", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    a, b, wm = _halves(half)
+    files = {_S1: a, _S2: b}
+    for name in (_S1, _S2, "config.json", "model.safetensors.index.json"):
+        blob = blobs / f"blob-{name}"
+        if name in files:
+            save_file(files[name], str(blob), metadata={"format": "pt"})
+        elif name == "config.json":
+            blob.write_bytes((mine / "config.json").read_bytes())
+        else:
+            blob.write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+        (snap / name).symlink_to(os.path.relpath(blob, snap))
+    full = hub / "fp32-copy"
+    full.mkdir()
+    save_file({k: v.float() for k, v in half.items()}, str(full / "model.safetensors"), metadata={"format": "pt"})
+    (full / "config.json").write_bytes((mine / "config.json").read_bytes())
+    suite = write_suite(root / "suite.jsonl", n_prompts=2, max_new_tokens=12)
+    conn = connect(redis_url)
+    worker = WorkerProcess(tmp_path, redis_url, [root, hub], name="w-outside", target=target)
+    try:
+        common = ["--suite", str(suite), "--target", str(target), "--redis-url", redis_url,
+                  "--checkpoint-root", str(root), "--checkpoint-root", str(hub), "--json"]
+        outcomes = {}
+        for src in (snap, full):
+            assert cli(["enqueue", "--external", str(src), *common]) == 0
+            out = json.loads(capsys.readouterr().out)
+            outcomes[src] = (out["imports"][0]["record"], out["outcomes"][0]["job_id"])
+        for _record, job_id in outcomes.values():
+            j = fetch_job(conn, job_id)
+            wait_for(lambda j=j: j.get_status(refresh=True).value in ("finished", "failed"), 240, job_id)
+            assert j.get_status().value == "finished", j.latest_result().exc_string
+        record = outcomes[snap][0]
+        assert read_manifest(record)["digest"] == weights_digest(
+            {n: hashlib.sha256((blobs / f"blob-{n}").read_bytes()).hexdigest() for n in (_S1, _S2)})
+        ledger = Ledger(tmp_path / "results")
+        got = {e["result"]["checkpoint"]["source"]: e["result"] for run in ("org--tiny-dflash-feedbeef", "fp32-copy")
+               for e in (x.read() for x in ledger.entries(run))}
+        sharded, copy = got[str(snap)], got[str(full)]
+        assert sharded["settings"]["drafter_dtype"] == {"computed": "float32", "stored": "bfloat16"}
+        assert copy["settings"]["drafter_dtype"] == {"computed": "float32", "stored": "float32"}
+        assert sharded["tau"] == copy["tau"]
+        assert [p["accept_lengths"] for p in sharded["prompts"]] == [p["accept_lengths"] for p in copy["prompts"]]
+    finally:
+        worker.stop()
+        conn.close()
