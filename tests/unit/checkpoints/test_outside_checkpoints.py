@@ -135,6 +135,16 @@ def test_pytorch_model_bin_directory_is_converted_read_without_code(tmp_path, mo
     assert m["imported_from"]["path"] == str(d) and m["imported_from"]["kind"] == "pytorch_model_bin"
     loaded = load_drafter(record)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
+    # HF Trainer with save_safetensors=False: checkpoint-N/ holds the wrapper's pytorch_model.bin, no config.json
+    ck = tmp_path / "hf-out" / "checkpoint-30"
+    ck.mkdir(parents=True)
+    torch.save({f"drafter.{k}": v for k, v in sd.items()}, ck / "pytorch_model.bin")
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 30}))
+    with pytest.raises(CheckpointError, match="give it with --config"):
+        import_checkpoint(tmp_path / "root", "hf", None, ck)
+    record, _, facts = import_checkpoint(tmp_path / "root", "hf", None, ck, config=d / "config.json")
+    assert facts["kind"] == "pytorch_model_bin" and facts["step"] == 30
+    assert all(torch.equal(load_drafter(record).state_dict()[k], v) for k, v in _DRAFTER.state_dict().items())
     monkeypatch.chdir(tmp_path)
     torch.save({**sd, "config": _Payload()}, d / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="refused: reading it would run code"):
