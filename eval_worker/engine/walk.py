@@ -28,6 +28,7 @@ The walks themselves are then replayed by the same code as on the all-anchor dra
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,10 @@ WALK_KV_BUDGET = 64 * 1024 * 1024
 # raise the peak (above the all-anchor pass's at 500-token contexts)
 HEAD_CALL_ROWS = 64
 TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with at least (doubling while its tree reads the last)
+# lookahead: a cursor that needs a block also drafts the next offsets, up to this many blocks in all ...
+LOOKAHEAD = 16
+# ... as many as keep the blocks drafted per block its walk visits within 1 + LOOKAHEAD_EXTRA (`lookahead`)
+LOOKAHEAD_EXTRA = 0.5
 
 
 @dataclass
@@ -70,9 +75,10 @@ class WalkBlocks:
     streak: dict[int, int] = field(default_factory=dict)  # top-1 streak
     argmax: dict[int, np.ndarray] = field(default_factory=dict)  # [B-1] for the `full` offsets
     tree_streaks: dict[int, int] = field(default_factory=dict)  # the tree walk's streak, where it drafted top-k
-    blocks: int = 0  # blocks drafted (a block drafted twice counts twice)
+    blocks: int = 0  # blocks drafted (a block drafted twice counts twice), lookahead ones included
     head_slots: int = 0  # slot rows the LM head ran on
     need: dict[int, int] = field(default_factory=dict)  # per visited offset, the fewest head slots its readers need
+    lookahead: int = 0  # blocks drafted ahead of a cursor that no walk visited (work the answer did not need)
 
 
 @torch.no_grad()  # with autograd on, each prompt's keys would keep the graph's activations alive while it waits
@@ -122,6 +128,7 @@ class Walker:
         # the top-k depths its trees read. A block's first head round covers the mean, so at high τ
         # a block costs one or two head calls instead of one per growing chunk
         self.seen_need, self.seen_read = [0, 0], [0, 0]
+        self.seen_tree = [0, 0]  # and the tree walk's steps (its streak + 1): its lookahead
 
     @torch.no_grad()
     def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
@@ -142,48 +149,61 @@ class Walker:
             for off in sorted(set(stride) | full):
                 fixed.append((i, off, tree_on, off in full))
         kept: dict[tuple[int, int], tuple] = {}
-        self._draft(seqs, kvs, out, fixed, kept, [None] * len(seqs))
-        # then the walks, every prompt one step per pass. The greedy cursor is usually the faster one:
-        # the slot hiddens of its blocks ahead of the tree cursor are kept (`kept`), so a tree visit
-        # there runs the head's top-k only; it waits while a block ahead of the tree cursor, which
-        # bounds what is kept to about one block's span per prompt
+        reads: dict[tuple[int, int], list[int]] = {}  # per drafted block: head slots a greedy, a tree visit needs
+        self._draft(seqs, kvs, out, fixed, kept, [None] * len(seqs), reads)
+        for i, off, t, f in fixed:  # every fixed block is read
+            out[i].need[off] = self.B - 1 if f else reads[(i, off)][1 if t else 0]
+        # then the walks, all prompts together: every cursor walks as far as its blocks are drafted, then
+        # one round drafts the block each waiting cursor needs (one pass where they fit), and the next
+        # ones when this drafter's steps are short (`lookahead`: at τ ≈ 1 one pass serves many steps).
+        # The greedy cursor is usually the faster one: the slot hiddens of its blocks ahead of the tree
+        # cursor are kept (`kept`), so a tree visit there runs the head's top-k only; it waits while a
+        # block ahead of the tree cursor, which bounds what is kept to about one block's span (and its
+        # lookahead) per prompt
         greedy = [0 if s.num_tokens > 0 else None for s in seqs]
         tree = [0 if tree_on and s.num_tokens > 0 else None for s in seqs]
         g_steps, t_steps = [0] * len(seqs), [0] * len(seqs)
         while True:
-            need: dict[tuple[int, int], list[bool]] = {}
-            for i in range(len(seqs)):
-                g, t = greedy[i], tree[i]
-                if t is not None and t not in out[i].tree_streaks:
-                    need[(i, t)] = [True]
-                if g is not None and g not in out[i].streak and (t is None or g <= t + self.B):
-                    need.setdefault((i, g), [False])
-            if need:
-                self._draft(seqs, kvs, out, [(i, off, want[0], False) for (i, off), want in need.items()], kept,
-                            tree)
-                continue
-            moved = False  # every cursor not waiting has its block: advance them; stop when none moves
             for i, s in enumerate(seqs):
-                g = greedy[i]
-                if g is not None and g in out[i].streak:
-                    greedy[i], g_steps[i] = g + out[i].streak[g] + 1, g_steps[i] + 1
+                o = out[i]
+                while greedy[i] is not None and greedy[i] in o.streak:
+                    g = greedy[i]
+                    o.need[g] = max(o.need.get(g, 0), reads[(i, g)][0])
+                    greedy[i], g_steps[i] = g + o.streak[g] + 1, g_steps[i] + 1
                     if greedy[i] >= s.num_tokens or (s.greedy_steps is not None and g_steps[i] >= s.greedy_steps):
                         greedy[i] = None
-                    moved = True
-                if tree[i] is not None:
-                    t = out[i].tree_streaks[tree[i]]
-                    tree[i], t_steps[i] = tree[i] + t + 1, t_steps[i] + 1
+                while tree[i] is not None and tree[i] in o.tree_streaks:
+                    t = tree[i]
+                    o.need[t] = max(o.need.get(t, 0), reads[(i, t)][1])
+                    tree[i], t_steps[i] = t + o.tree_streaks[t] + 1, t_steps[i] + 1
                     if tree[i] >= s.num_tokens or (s.max_blocks is not None and t_steps[i] >= s.max_blocks):
                         tree[i] = None
-                    moved = True
             for key in [k for k in kept if tree[k[0]] is None or k[1] < tree[k[0]]]:  # behind the tree cursor
                 del kept[key]
-            if not moved:
+            k_greedy, k_tree = lookahead(_mean(self.seen_need)), lookahead(_mean(self.seen_tree))
+            need: dict[tuple[int, int], bool] = {}  # (prompt, offset) -> with the tree's top-k
+            for i, s in enumerate(seqs):
+                g, t = greedy[i], tree[i]
+                if t is not None:
+                    for off in range(t, min(t + k_tree, s.num_tokens)):
+                        if off not in out[i].tree_streaks:
+                            need[(i, off)] = True
+                if g is not None and (t is None or g <= t + self.B):
+                    for off in range(g, min(g + k_greedy, s.num_tokens)):
+                        if off not in out[i].streak:
+                            need.setdefault((i, off), False)
+            if not need:  # every cursor is done
                 break
+            self._draft(seqs, kvs, out, [(i, off, t, False) for (i, off), t in need.items()], kept, tree, reads)
+        drafted = Counter(i for i, _ in reads)
+        for i, o in enumerate(out):
+            o.lookahead = drafted[i] - len(o.need)
         return out
 
-    def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list) -> None:
-        """Draft (prompt, offset, with tree top-k, every slot) rows: the ones whose slot hiddens are kept
+    def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list,
+               reads: dict) -> None:
+        """Draft (prompt, offset, with tree top-k, every slot) rows, and note in `reads[(prompt, offset)]`
+        the head slots a greedy and a tree visit to each would need: the ones whose slot hiddens are kept
         run the head only; the others go through the drafter in passes whose dense scores (prompts x
         blocks per prompt, padding included, over the longest context) take at most half the all-anchor
         pass's (`anchors_per_pass`), so the group's context keys fit in the rest (`group_kv_budget`)."""
@@ -228,13 +248,16 @@ class Walker:
                 o.blocks += r < len(chunk)
                 o.head_slots += int(computed[r] - before[r])
                 o.streak.setdefault(off, int(streak[r]))
-                least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0,
-                                                       min(int(streak[r]) + 1, self.B - 1))
-                o.need[off] = max(o.need.get(off, 0), least)
+                seen = reads.setdefault((i, off), [0, 0])
+                seen[0] = max(seen[0], min(int(streak[r]) + 1, self.B - 1))
                 if f:
                     o.argmax.setdefault(off, arg[r].copy())
                 if t:
-                    o.tree_streaks.setdefault(off, tree_streak(trees[r], labels[r]))
+                    seen[1] = max(seen[1], self.B - 1 if full[r] else max(trees[r].read_depth, seen[0]))
+                    if off not in o.tree_streaks:
+                        o.tree_streaks[off] = tree_streak(trees[r], labels[r])
+                        self.seen_tree[0] += o.tree_streaks[off] + 1
+                        self.seen_tree[1] += 1
                 elif tree_at[i] is not None and off > tree_at[i] and r < len(chunk):
                     kept[(i, off)] = (slots[r].clone(), arg[r].copy(), int(computed[r]))  # the tree may come here
 
@@ -355,6 +378,24 @@ class Walker:
                 arg[s + m:e] = logits[m:].argmax(-1).cpu()  # same op as the spec loop
             del logits
         return arg.numpy(), ids[:, :K].numpy(), logp[:, :K].numpy()
+
+
+def lookahead(tau: float | None, limit: int = LOOKAHEAD, extra: float = LOOKAHEAD_EXTRA) -> int:
+    """Blocks a waiting cursor drafts (its own and the next offsets') when its walk's steps have
+    averaged `tau` offsets (None: nothing measured yet, one). A walk visits about one offset in τ,
+    so K blocks from a visited one hold about 1 + (K-1)/τ visited ones: K is the largest (at most
+    `limit`) whose blocks per visited block, K / (1 + (K-1)/τ), stay within 1 + `extra`: `limit`
+    while τ <= 1 + extra, then 9 at τ 1.6, 3 at τ 2, 2 at τ 3, 1 from τ 3.5 (one block per step).
+    The blocks no walk visits cost their drafting only: the walks' answers never read them."""
+    if tau is None:
+        return 1
+    if tau <= 1 + extra:
+        return limit
+    return max(1, min(limit, int((1 + extra) * (tau - 1) / (tau - 1 - extra))))
+
+
+def _mean(seen: list[int]) -> float | None:
+    return seen[0] / seen[1] if seen[1] else None
 
 
 def _pairs(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

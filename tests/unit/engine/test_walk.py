@@ -191,7 +191,8 @@ def test_walk_drafts_each_block_through_the_layers_once_with_a_plain_tree(policy
     counter.drafted.clear(), counter.calls.clear()
     got = Walker(drafter, EMBED, HEAD, topk=8, tree_budget=8).run(seqs, kvs)
     assert len(counter.drafted) == len(set(counter.drafted)), "a block went through the layers twice"
-    assert sum(g.blocks for g in got) == len(counter.drafted) == sum(len(g.need) for g in got)
+    # each block through the layers is one the walks read (`need`) or one drafted ahead that they did not
+    assert sum(g.blocks for g in got) == len(counter.drafted) == sum(len(g.need) + g.lookahead for g in got)
     revisits = 0
     for (old, sample), seq, g in zip(olds, seqs, got, strict=True):
         assert_same(old, score_walked(seq, g, sample, B, n), True)
