@@ -150,6 +150,66 @@ def test_walk_driven_blocks_are_the_visited_ones_at_tau_block_size():
     assert got.blocks == len(set(range(0, n, B)) | set(range(0, n - 1, B)))  # walk anchors 0, B, 2B ... = stride
 
 
+def lookahead_case(policy, B, n, seed):
+    """One prompt, no tree, no sample: the all-anchor result, and a fresh walk's result with its drafter
+    passes (blocks per pass) and head calls counted."""
+    rng = np.random.default_rng(seed)
+    drafter = drafter_for(TARGET, block_size=B, seed=seed)
+    prompt = rng.integers(0, VOCAB - 1, 5).tolist()
+    feats = torch.randn(len(prompt) + n + B, drafter.config.num_features * TARGET.hidden_size,
+                        generator=torch.Generator().manual_seed(seed))
+    ext = forced_reference(drafter, feats, prompt, n, policy, rng)
+    none = np.zeros(0, dtype=np.int64)
+    old, new, _ = both_paths(drafter, feats, prompt, ext, n, tree_budget=0, spine=False, max_blocks=None,
+                             counting="response", stop=False, sample=none, full_walk=True)
+    assert_same(old, new, True)
+    counter, head_calls = CountingDrafter(drafter), []
+    hook = HEAD.register_forward_hook(lambda *_: head_calls.append(1))
+    try:
+        seq = WalkSeq(torch.tensor(prompt + ext[:n]), len(prompt), n, np.asarray(ext), full=none)
+        got = Walker(drafter, EMBED, HEAD).run([seq], [context_kv(drafter, feats[:len(prompt) + n - 1])])[0]
+    finally:
+        hook.remove()
+    walk, s = [], 0  # the walker's greedy walk, to the end of the reference, on the all-anchor streaks
+    while s < n:
+        walk.append(s)
+        s += int(old.streaks[s]) + 1
+    assert set(old.full_walk().anchors) <= set(walk)
+    visited = set(walk) | set(range(0, n - 1, B))
+    return old, got, counter.calls[1:], len(head_calls), visited  # calls[0]: the stride blocks' pass
+
+
+def test_lookahead_at_tau_1_serves_many_steps_per_pass():
+    """τ = 1 (a fresh drafter): a waiting cursor drafts the next offsets too, each one a block the walk
+    then visits, so the walk's n steps take a few drafter passes and head calls, not n of each."""
+    B, n = 8, 96
+    old, got, passes, head_calls, visited = lookahead_case("accept_none", B, n, seed=4)
+    steps = len(old.full_walk().accept_lengths)
+    assert steps >= n - 1  # one token per step
+    assert len(passes) <= steps // 8 and head_calls <= steps // 4, (len(passes), head_calls)
+    assert got.lookahead == 0 and set(got.need) == visited and got.blocks == n  # nothing drafted in vain
+
+
+def test_no_lookahead_at_high_tau():
+    """τ near B: one block per waiting cursor per pass, as without lookahead (its blocks would be wasted)."""
+    B, n = 8, 96
+    old, got, passes, _, visited = lookahead_case("mostly", B, n, seed=6)
+    assert old.online.tau > 5
+    assert passes and all(p == (1, 1) for p in passes)
+    assert got.lookahead == 0 and set(got.need) == visited and got.blocks == len(visited)
+
+
+def test_need_counts_only_the_visited_blocks_not_the_lookahead():
+    """τ ≈ 2.5: lookahead drafts blocks the walk skips; the FLOP bound's `need` holds only the visited
+    ones, `lookahead` counts the others."""
+    B, n = 4, 120
+    old, got, passes, _, visited = lookahead_case("random", B, n, seed=7)
+    assert 1.5 < old.online.tau < 3.5
+    assert got.lookahead > 0 and set(got.need) == visited
+    assert got.blocks == len(visited) + got.lookahead
+    assert any(p[1] > 1 for p in passes)  # some pass drafted ahead
+
+
 class CountingDrafter:
     """Counts the blocks each drafter call runs through the layers, per (batch row's prompt, anchor)."""
 
