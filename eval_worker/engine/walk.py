@@ -14,6 +14,13 @@ step (a GPU still gets batched work):
     likewise with the tree's streak, and the fixed anchors are the stride blocks and the
     seeded sample that the all-anchor statistics come from; a block goes through the drafter
     layers once (a tree visit to a block the greedy cursor drafted reuses its kept slot hiddens);
+  - every cursor walks as far as its blocks are drafted, then one round drafts what the waiting
+    cursors need: when this drafter's steps are short, a cursor's next offsets too (`lookahead`:
+    at τ ≈ 1, 16 blocks per cursor, all of them visited, so one pass and a few head calls serve
+    many steps instead of each step reading every layer and the whole LM head for a few rows; at
+    τ 2 three, from τ 3.5 none: the blocks no walk visits stay within half the visited ones).
+    Only the visited blocks count as what the answer needs (`WalkBlocks.need`; the others:
+    `WalkBlocks.lookahead`), and they change no number: a walk reads only the blocks it visits;
   - the LM head runs slot chunk by slot chunk, only on the rows whose block has matched so far,
     so it stops at the first miss: a block's first chunk as deep as this drafter's blocks needed
     on average so far, each next one doubling (at high τ a block costs one or two head calls);
@@ -225,13 +232,25 @@ class Walker:
             else:
                 counts, limit = trial, both
             passes[-1].append(row)
-        for n, chunk in enumerate(passes):
+        # the head runs on several passes' rows at once (a head call reads the whole head, most of its
+        # cost at a large vocabulary and a few rows: lookahead makes many small passes): as many as one
+        # head call takes, their slot hiddens at most one call's logits
+        slot_bytes = (B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
+        merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
+        groups: list[list] = [[]]
+        for chunk in passes:
+            if groups[-1] and sum(map(len, groups[-1])) + len(chunk) > merge:
+                groups.append([])
+            groups[-1].append(chunk)
+        for n, group in enumerate(groups):
             extra = heads_only if n == 0 else []
+            chunk = [row for c in group for row in c]
             if not chunk and not extra:
                 continue
-            parts = [self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in chunk])] if chunk else []
+            parts = [self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in c]) for c in group if c]
             parts += [kept[(i, off)][0][None] for i, off, _, _ in extra]
             slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+            del parts
             rows_n = chunk + extra
             labels = np.stack([walk_labels(seqs[i].ext, off, self.B) for i, off, _, _ in rows_n])
             tree = np.array([t for _, _, t, _ in rows_n], dtype=bool)
@@ -366,9 +385,17 @@ class Walker:
         ids = torch.empty(k, self.topk, dtype=torch.long)
         logp = torch.empty(k, self.topk, dtype=torch.float32)
         K = self.topk
+        # one logits buffer for the calls of this round: a fresh [rows, vocab] result each call costs
+        # its page faults again, as much as the product itself at vocab 151,936 and 64 rows
+        plain = type(self.head) is torch.nn.Linear and self.head.bias is None
+        W = self.head.weight
+        buf = torch.empty(min(M, self.call_rows), W.shape[0], dtype=wdtype, device=W.device) if plain else None
         for s in range(0, M, self.call_rows):
             e = min(s + self.call_rows, M)
-            logits = self.head(hidden[s:e].to(wdtype))
+            if buf is not None:  # the product `self.head` computes (F.linear without bias: x @ W.T)
+                logits = torch.matmul(hidden[s:e].to(wdtype), W.t(), out=buf[: e - s])
+            else:
+                logits = self.head(hidden[s:e].to(wdtype))
             m = max(0, min(e, k) - s)  # this chunk's top-k rows
             if m:
                 a, v, i = logits_topk(logits[:m], self.topk)
