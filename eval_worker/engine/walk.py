@@ -18,7 +18,7 @@ step (a GPU still gets batched work):
     cursors need: when this drafter's steps are short, a cursor's next offsets too (`lookahead`:
     at τ ≈ 1, 16 blocks per cursor, all of them visited, so one pass and a few head calls serve
     many steps instead of each step reading every layer and the whole LM head for a few rows; at
-    τ 2 three, from τ 3.5 none: the blocks no walk visits stay within half the visited ones).
+    τ 1.5 two, from τ 1.7 none: the blocks no walk visits stay within a quarter of the visited ones).
     Only the visited blocks count as what the answer needs (`WalkBlocks.need`; the others:
     `WalkBlocks.lookahead`), and they change no number: a walk reads only the blocks it visits;
   - the LM head runs slot chunk by slot chunk, only on the rows whose block has matched so far,
@@ -59,7 +59,7 @@ TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with at least (doubling 
 # lookahead: a cursor that needs a block also drafts the next offsets, up to this many blocks in all ...
 LOOKAHEAD = 16
 # ... as many as keep the blocks drafted per block its walk visits within 1 + LOOKAHEAD_EXTRA (`lookahead`)
-LOOKAHEAD_EXTRA = 0.5
+LOOKAHEAD_EXTRA = 0.25
 
 
 @dataclass
@@ -135,7 +135,8 @@ class Walker:
         # the top-k depths its trees read. A block's first head round covers the mean, so at high τ
         # a block costs one or two head calls instead of one per growing chunk
         self.seen_need, self.seen_read = [0, 0], [0, 0]
-        self.seen_tree = [0, 0]  # and the tree walk's steps (its streak + 1): its lookahead
+        # and the walks' steps (streak + 1, the greedy one's and the tree's): their lookahead
+        self.seen_step, self.seen_tree = [0, 0], [0, 0]
 
     @torch.no_grad()
     def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
@@ -187,7 +188,7 @@ class Walker:
                         tree[i] = None
             for key in [k for k in kept if tree[k[0]] is None or k[1] < tree[k[0]]]:  # behind the tree cursor
                 del kept[key]
-            k_greedy, k_tree = lookahead(_mean(self.seen_need)), lookahead(_mean(self.seen_tree))
+            k_greedy, k_tree = lookahead(_mean(self.seen_step)), lookahead(_mean(self.seen_tree))
             need: dict[tuple[int, int], bool] = {}  # (prompt, offset) -> with the tree's top-k
             for i, s in enumerate(seqs):
                 g, t = greedy[i], tree[i]
@@ -266,7 +267,10 @@ class Walker:
                 o = out[i]
                 o.blocks += r < len(chunk)
                 o.head_slots += int(computed[r] - before[r])
-                o.streak.setdefault(off, int(streak[r]))
+                if off not in o.streak:
+                    o.streak[off] = int(streak[r])
+                    self.seen_step[0] += o.streak[off] + 1
+                    self.seen_step[1] += 1
                 seen = reads.setdefault((i, off), [0, 0])
                 seen[0] = max(seen[0], min(int(streak[r]) + 1, self.B - 1))
                 if f:
@@ -412,8 +416,10 @@ def lookahead(tau: float | None, limit: int = LOOKAHEAD, extra: float = LOOKAHEA
     averaged `tau` offsets (None: nothing measured yet, one). A walk visits about one offset in τ,
     so K blocks from a visited one hold about 1 + (K-1)/τ visited ones: K is the largest (at most
     `limit`) whose blocks per visited block, K / (1 + (K-1)/τ), stay within 1 + `extra`: `limit`
-    while τ <= 1 + extra, then 9 at τ 1.6, 3 at τ 2, 2 at τ 3, 1 from τ 3.5 (one block per step).
-    The blocks no walk visits cost their drafting only: the walks' answers never read them."""
+    while τ <= 1 + extra, then 7 at τ 1.3, 3 at τ 1.4, 2 at τ 1.5, 1 from τ 1.7 (one block per step).
+    The blocks no walk visits cost their drafting only: the walks' answers never read them. `extra`
+    is small because a wasted block costs its FLOPs in full where the drafter is large (Qwen3-8B's
+    on a CPU), while the passes it saves are worth most at τ ≈ 1 (one pass per token otherwise)."""
     if tau is None:
         return 1
     if tau <= 1 + extra:
