@@ -86,6 +86,7 @@ class WalkBlocks:
     head_slots: int = 0  # slot rows the LM head ran on
     need: dict[int, int] = field(default_factory=dict)  # per visited offset, the fewest head slots its readers need
     lookahead: int = 0  # blocks drafted ahead of a cursor that no walk visited (work the answer did not need)
+    steps: list[int] = field(default_factory=lambda: [0, 0])  # steps of the greedy and the tree walk
 
 
 @torch.no_grad()  # with autograd on, each prompt's keys would keep the graph's activations alive while it waits
@@ -168,25 +169,13 @@ class Walker:
         # cursor are kept (`kept`), so a tree visit there runs the head's top-k only; it waits while a
         # block ahead of the tree cursor, which bounds what is kept to about one block's span (and its
         # lookahead) per prompt
-        greedy = [0 if s.num_tokens > 0 else None for s in seqs]
-        tree = [0 if tree_on and s.num_tokens > 0 else None for s in seqs]
-        g_steps, t_steps = [0] * len(seqs), [0] * len(seqs)
+        greedy: list[int | None] = [0 if s.num_tokens > 0 else None for s in seqs]
+        tree: list[int | None] = [0 if tree_on and s.num_tokens > 0 else None for s in seqs]
         while True:
             for i, s in enumerate(seqs):
-                o = out[i]
-                while greedy[i] is not None and greedy[i] in o.streak:
-                    g = greedy[i]
-                    o.need[g] = max(o.need.get(g, 0), reads[(i, g)][0])
-                    greedy[i], g_steps[i] = g + o.streak[g] + 1, g_steps[i] + 1
-                    if greedy[i] >= s.num_tokens or (s.greedy_steps is not None and g_steps[i] >= s.greedy_steps):
-                        greedy[i] = None
-                while tree[i] is not None and tree[i] in o.tree_streaks:
-                    t = tree[i]
-                    o.need[t] = max(o.need.get(t, 0), reads[(i, t)][1])
-                    tree[i], t_steps[i] = t + o.tree_streaks[t] + 1, t_steps[i] + 1
-                    if tree[i] >= s.num_tokens or (s.max_blocks is not None and t_steps[i] >= s.max_blocks):
-                        tree[i] = None
-            for key in [k for k in kept if tree[k[0]] is None or k[1] < tree[k[0]]]:  # behind the tree cursor
+                greedy[i] = self._walk(out[i], greedy[i], out[i].streak, reads, i, 0, s.num_tokens, s.greedy_steps)
+                tree[i] = self._walk(out[i], tree[i], out[i].tree_streaks, reads, i, 1, s.num_tokens, s.max_blocks)
+            for key in [k for k in kept if (at := tree[k[0]]) is None or k[1] < at]:  # behind the tree cursor
                 del kept[key]
             k_greedy, k_tree = lookahead(_mean(self.seen_step)), lookahead(_mean(self.seen_tree))
             need: dict[tuple[int, int], bool] = {}  # (prompt, offset) -> with the tree's top-k
@@ -202,11 +191,24 @@ class Walker:
                             need.setdefault((i, off), False)
             if not need:  # every cursor is done
                 break
-            self._draft(seqs, kvs, out, [(i, off, t, False) for (i, off), t in need.items()], kept, tree, reads)
+            self._draft(seqs, kvs, out, [(i, off, top, False) for (i, off), top in need.items()], kept, tree, reads)
         drafted = Counter(i for i, _ in reads)
         for i, o in enumerate(out):
             o.lookahead = drafted[i] - len(o.need)
         return out
+
+    def _walk(self, o: WalkBlocks, at: int | None, streaks: dict[int, int], reads: dict, i: int, which: int,
+              n: int, steps: int | None) -> int | None:
+        """Move a cursor (greedy: which 0, tree: 1) as far as its blocks are drafted, noting what each
+        visit reads in `o.need`. Returns where it waits (None: done, at the end or after `steps` steps,
+        counted in `o.steps`)."""
+        while at is not None and at in streaks:
+            o.need[at] = max(o.need.get(at, 0), reads[(i, at)][which])
+            o.steps[which] += 1
+            at += streaks[at] + 1
+            if at >= n or (steps is not None and o.steps[which] >= steps):
+                return None
+        return at
 
     def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list,
                reads: dict) -> None:
