@@ -180,13 +180,16 @@ class Walker:
             k_greedy, k_tree = lookahead(_mean(self.seen_step)), lookahead(_mean(self.seen_tree))
             need: dict[tuple[int, int], bool] = {}  # (prompt, offset) -> with the tree's top-k
             for i, s in enumerate(seqs):
-                g, t = greedy[i], tree[i]
+                g, t, o = greedy[i], tree[i], out[i]
+                # a walk with r steps left visits at most r more blocks, and at τ ≈ 1 exactly the next r
+                k_g = k_greedy if s.greedy_steps is None else min(k_greedy, s.greedy_steps - o.steps[0])
+                k_t = k_tree if s.max_blocks is None else min(k_tree, s.max_blocks - o.steps[1])
                 if t is not None:
-                    for off in range(t, min(t + k_tree, s.num_tokens)):
-                        if off not in out[i].tree_streaks:
+                    for off in range(t, min(t + max(k_t, 1), s.num_tokens)):
+                        if off not in o.tree_streaks:
                             need[(i, off)] = True
                 if g is not None and (t is None or g <= t + self.B):
-                    for off in range(g, min(g + k_greedy, s.num_tokens)):
+                    for off in range(g, min(g + max(k_g, 1), s.num_tokens)):
                         if off not in out[i].streak:
                             need.setdefault((i, off), False)
             if not need:  # every cursor is done

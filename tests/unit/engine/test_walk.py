@@ -194,6 +194,22 @@ def test_lookahead_at_tau_1_serves_many_steps_per_pass():
     assert got.lookahead == 0 and set(got.need) == visited and got.blocks == n  # nothing drafted in vain
 
 
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_lookahead_stops_at_the_walks_step_limit(tree_budget):
+    """τ = 1 with `max_blocks` 3: the walks take 3 steps each, so nothing is drafted beyond them."""
+    B, n, rng = 8, 60, np.random.default_rng(2)
+    drafter = drafter_for(TARGET, block_size=B, seed=3)
+    prompt = [9, 10, 11]
+    feats = torch.randn(len(prompt) + n + B, drafter.config.num_features * TARGET.hidden_size,
+                        generator=torch.Generator().manual_seed(3))
+    ext = forced_reference(drafter, feats, prompt, n, "accept_none", rng)
+    old, new, got = both_paths(drafter, feats, prompt, ext, n, tree_budget=tree_budget, spine=False, max_blocks=3,
+                               counting="response", stop=False, sample=np.zeros(0, dtype=np.int64), full_walk=False)
+    assert_same(old, new, False)
+    stride = list(range(0, n - 1, B))  # the tree's stride streaks are all counted, the greedy's first 3
+    assert got.lookahead == 0 and set(got.need) == {0, 1, 2} | set(stride if tree_budget else stride[:3])
+
+
 def test_no_lookahead_at_high_tau():
     """τ near B: one block per waiting cursor per pass, as without lookahead (its blocks would be wasted)."""
     B, n = 8, 96
