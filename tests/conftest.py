@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -93,6 +94,23 @@ def _isolated_dflash_home(tmp_path_factory: pytest.TempPathFactory):
         from eval_worker.service.redis_server import LocalRedis
 
         LocalRedis(home / "redis").stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_repeat_limiter_left(request: pytest.FixtureRequest):
+    """A command run in-process (`cli(["worker", ...])`) installs the RepeatLimiter on every root handler,
+    pytest's log-capture handlers included, which pytest keeps for the whole session: a later test's
+    warning would then be held back as a repeat of an earlier test's. Each test starts without it."""
+    yield
+    from dflash_train.common.progress import RepeatLimiter
+
+    plugin = request.config.pluginmanager.get_plugin("logging-plugin")
+    handlers = [*logging.getLogger().handlers, getattr(plugin, "caplog_handler", None),
+                getattr(plugin, "report_handler", None)]
+    for handler in handlers:
+        for f in list(getattr(handler, "filters", ())):
+            if isinstance(f, RepeatLimiter):
+                handler.removeFilter(f)
 
 
 @pytest.fixture(scope="session")

@@ -154,18 +154,37 @@ def read_drafter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
         if single.is_file():
             return load_file(str(single))
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            tensors: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                if os.sep in shard or shard.startswith(".."):
-                    raise CheckpointError(f"{index}: shard name {shard!r} escapes the directory")
-                tensors.update(load_file(str(directory / shard)))
-            return tensors
+            return _read_shards(directory, index)
     except SafetensorError as e:
         raise CheckpointError(f"{directory}: weights file is corrupt or truncated ({e})") from None
-    except (OSError, KeyError, json.JSONDecodeError) as e:
+    except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{directory}: cannot read weights ({e})") from None
     raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} (or {INDEX_NAME}) found")
+
+
+def _read_shards(directory: Path, index: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a sharded drafter, each from the shard its index names. A shard that lacks a
+    tensor the index places in it, or holds one the index places elsewhere (or not at all), is
+    refused: a tensor in two shards would otherwise be taken from whichever was read last."""
+    weight_map = json.loads(index.read_text())["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map is not a mapping of tensor names to shard files")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if os.sep in shard or shard.startswith(".."):
+            raise CheckpointError(f"{index}: shard name {shard!r} escapes the directory")
+        held = load_file(str(directory / shard))
+        named = {k for k, s in weight_map.items() if s == shard}
+        absent, stray = sorted(named - set(held)), sorted(set(held) - named)
+        if absent:
+            raise CheckpointError(f"{directory}: {INDEX_NAME} places {len(absent)} tensor(s) in {shard} that it "
+                                  f"does not hold: {absent[:5]}{' ...' if len(absent) > 5 else ''}")
+        if stray:
+            raise CheckpointError(f"{directory}: {shard} holds {len(stray)} tensor(s) that {INDEX_NAME} does not "
+                                  f"place in it: {stray[:5]}{' ...' if len(stray) > 5 else ''} (a tensor saved in two "
+                                  "shards, or an index from another save); refusing to guess which copy is meant")
+        tensors.update(held)
+    return tensors
 
 
 def load_drafter(directory: str | Path, *, device: str | torch.device = "cpu",
@@ -211,8 +230,10 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, w
     tensors, own_vocab = checked_tensors(tensors, cfg, where)
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(tensors, strict=True)  # copies: the source's tensors stay its own
+    stored = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     target_dtype = dtype or next(iter(tensors.values())).dtype
     drafter = drafter.to(device=device, dtype=target_dtype)
+    drafter.stored_dtype = "+".join(stored)  # what the file holds, whatever it is computed in
     drafter.own_vocab = own_vocab  # checked against the target's by `check_own_vocab`, then dropped
     return drafter
 
@@ -246,7 +267,8 @@ def checked_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, where:
     not_float = [k for k, t in tensors.items() if not t.is_floating_point()]
     problems = []
     if missing:
-        problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        problems.append(f"{len(missing)} missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                        "(never initialised at random)")
     if unexpected:  # named in full: the user has to map each of them (or learn the format is another)
         shown = unexpected[:40]
         problems.append(f"{len(unexpected)} unknown tensor(s) (not this drafter's layout once the prefixes "

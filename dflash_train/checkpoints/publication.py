@@ -58,6 +58,7 @@ from . import storage
 FILE_MODE, DIR_MODE = 0o644, 0o755
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+BIN_NAME = "pytorch_model.bin"  # older transformers' save_pretrained: converted by import, never evaluated as is
 CONFIG_NAME = "config.json"
 MARKER_NAME = "COMPLETE.json"
 MANIFEST_FORMAT = "dflash-checkpoint/1"
@@ -139,6 +140,10 @@ def drafter_files(directory: str | Path) -> list[str]:
         return [CONFIG_NAME, WEIGHTS_NAME]
     index = directory / INDEX_NAME
     if not index.is_file():
+        if (directory / BIN_NAME).is_file() or (directory / f"{BIN_NAME}.index.json").is_file():
+            raise CheckpointError(f"{directory} holds {BIN_NAME} weights, not {WEIGHTS_NAME}: drafters are evaluated "
+                                  f"from safetensors; `dflash-eval import {directory}` converts a single {BIN_NAME} "
+                                  "(read with torch.load(weights_only=True), no code run)")
         raise CheckpointError(f"{directory} is not a drafter directory: missing {WEIGHTS_NAME} (or {INDEX_NAME})")
     try:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -25,6 +25,7 @@ import torch
 from dflash_train.core.config import ConfigError, DrafterConfig
 
 from .publication import (
+    BIN_NAME,
     CONFIG_NAME,
     INDEX_NAME,
     MARKER_NAME,
@@ -102,7 +103,8 @@ def describe(source: str | Path) -> dict:
 
     kind: "pt" (a training-state file), "hf_trainer" (checkpoint-N/), "training_state" (a
     directory holding SpecForge's training_state.pt), "drafter_dir" (config.json + weights:
-    z-lab, DeepSpec step_N/, SpecForge export)."""
+    z-lab, DeepSpec step_N/, SpecForge export), "pytorch_model_bin" (a directory holding only
+    `pytorch_model.bin`: older save_pretrained, HF Trainer with save_safetensors=False)."""
     p = Path(source)
     if p.is_file():
         if p.suffix not in _PT:
@@ -124,7 +126,13 @@ def describe(source: str | Path) -> dict:
         if (p / name).is_file():
             return {"kind": "training_state", "weights": p / name, "step": step, "config": config}
     if config is not None and ((p / WEIGHTS_NAME).is_file() or (p / INDEX_NAME).is_file()):
+        # safetensors first, as transformers' from_pretrained: a pytorch_model.bin beside it is never read
         return {"kind": "drafter_dir", "weights": p, "step": step, "config": config}
+    if (p / BIN_NAME).is_file():  # older save_pretrained / HF Trainer with save_safetensors=False
+        return {"kind": "pytorch_model_bin", "weights": p / BIN_NAME, "step": step, "config": config}
+    if (p / f"{BIN_NAME}.index.json").is_file():
+        raise CheckpointError(f"{p}: sharded {BIN_NAME} weights ({BIN_NAME}.index.json) are not read; re-save them "
+                              "with save_pretrained(safe_serialization=True), or import each shard's state by hand")
     raise CheckpointError(f"{p}: no drafter weights found (model.safetensors, training_state.pt, or a *.pt file)")
 
 
@@ -190,7 +198,7 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
         raise CheckpointError(f"{final} already holds {old['path'] if old else 'a published checkpoint'}; "
                               "import this one under another run or step")
     cfg = read_config(cfg_path)
-    if facts["kind"] in ("pt", "training_state"):
+    if facts["kind"] in ("pt", "training_state", "pytorch_model_bin"):
         tensors, _, _ = model_tensors(load_pt(facts["weights"]), facts["weights"])
     else:
         tensors = read_drafter_tensors(facts["weights"])

@@ -147,6 +147,8 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """The drafter network (no embedding, no LM head: both are the target's)."""
 
+    stored_dtype: str = ""  # a loaded drafter's file dtype(s), named in results (it computes in the target's)
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg

@@ -48,6 +48,15 @@ from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suit
 from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, context_kv, group_kv_budget, walk_groups
 
 log = logging.getLogger(__name__)
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _stored(drafter: DFlashDrafter) -> str:
+    """The dtype(s) the drafter's file holds (`open_drafter` computes it in the target's)."""
+    return drafter.stored_dtype or _dt(drafter.fc.weight.dtype)
 # what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
 SAMPLED_STATS = ("mean_streak_all_anchors", "per_position.top1_accuracy", "prompts[].mean_streak")
 
@@ -106,7 +115,8 @@ class ResultBuilder:
                       "chat_template": self.suite.chat_template if opts.chat_template is None else opts.chat_template,
                       "eos_token_id": self.eos, "lookahead": self.lookahead, "layer_ids": main.layer_ids,
                       "reference_source": self.reference_source,
-                      "anchor_sample": main.drafting["anchor_sample"]},
+                      "anchor_sample": main.drafting["anchor_sample"],
+                      "drafter_dtype": {"computed": _dt(drafter.fc.weight.dtype), "stored": _stored(drafter)}},
             tau=s.tau, acceptance_histogram=s.histogram, per_position=s.per_position,
             mean_streak_all_anchors=s.mean_streak_all_anchors, tree=s.tree, speedup=self.speed,
             baseline=baseline, prompts=prompts, diagnostics=diagnose(facts), cache=self.report.to_dict(),
@@ -152,7 +162,7 @@ class ResultBuilder:
         main, s, drafter, target, base_run = self.main, self.main.summary, self.drafter, self.target, self.base_run
         return Facts(tau=s.tau["macro"], block_size=main.block_size, eval_top1=s.per_position["top1_accuracy"],
                      train_metrics=self.train_metrics, cache_notes=self.report.notes,
-                     drafter_dtype=str(drafter.fc.weight.dtype).removeprefix("torch."),
+                     drafter_dtype=_stored(drafter),
                      target_dtype=str(target.dtype).removeprefix("torch."), layer_ids=main.layer_ids,
                      target_layers=target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
                      tokenizer_mask_id=target.mask_token_id(), greedy_divergence=divergence,

@@ -78,11 +78,14 @@ def identify(path: str | Path, verified: dict | None = None) -> CheckpointInfo:
 
 def open_drafter(path: str | Path, target: Target, dtype: torch.dtype | None = None,
                  verified: dict | None = None, sliding_rule: str = "serving") -> tuple[DFlashDrafter, CheckpointInfo]:
-    """Identify, load (names/shapes checked) and fit-check a drafter against the target.
+    """Identify, load (names/shapes checked) and fit-check a drafter against the target; it computes
+    in `dtype`, by default the target's (`drafter.stored_dtype` names what the file holds).
     `sliding_rule` drafts sliding layers whose causality the config leaves implicit
     (`config.SLIDING_RULES`); a warning names it."""
     info = identify(path, verified)
-    drafter = load_drafter(info.files_dir, device=target.device, dtype=dtype).eval()
+    # computed in the target's dtype unless told otherwise, as serving engines run a drafter: the same
+    # weights stored as bf16 or as their fp32 copy then draft identically (the stored dtype is named)
+    drafter = load_drafter(info.files_dir, device=target.device, dtype=dtype or target.dtype).eval()
     drafter.config.bind_target(target.num_layers)  # a published config may leave depth and layer ids to the target
     try:
         drafter.config.resolve_mask_token(target.tokenizer)

@@ -141,8 +141,8 @@ def diagnose(f: Facts) -> list[Diagnostic]:
         out.append(Diagnostic("CACHE_REBUILT", "warning", note))
     if f.drafter_dtype and f.target_dtype and f.drafter_dtype != f.target_dtype:
         out.append(Diagnostic("DTYPE_MISMATCH", "info",
-                              f"drafter weights are {f.drafter_dtype}, target runs in {f.target_dtype}: drafts are "
-                              f"computed in {f.drafter_dtype}; serving numerics may differ slightly"))
+                              f"drafter weights are stored as {f.drafter_dtype}, target runs in {f.target_dtype}: "
+                              f"drafts are computed in {f.target_dtype}, as serving engines run a drafter"))
     if f.target_layers and f.layer_ids and max(f.layer_ids) == f.target_layers - 1:
         out.append(Diagnostic("LAST_LAYER_AS_FEATURE", "warning",
                               f"target_layer_ids {f.layer_ids} include the last layer ({f.target_layers - 1}), whose "

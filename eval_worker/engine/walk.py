@@ -14,6 +14,13 @@ step (a GPU still gets batched work):
     likewise with the tree's streak, and the fixed anchors are the stride blocks and the
     seeded sample that the all-anchor statistics come from; a block goes through the drafter
     layers once (a tree visit to a block the greedy cursor drafted reuses its kept slot hiddens);
+  - every cursor walks as far as its blocks are drafted, then one round drafts what the waiting
+    cursors need: when this drafter's steps are short, a cursor's next offsets too (`lookahead`:
+    at τ ≈ 1, 16 blocks per cursor, all of them visited, so one pass and a few head calls serve
+    many steps instead of each step reading every layer and the whole LM head for a few rows; at
+    τ 1.5 two, from τ 1.7 none: the blocks no walk visits stay within a quarter of the visited ones).
+    Only the visited blocks count as what the answer needs (`WalkBlocks.need`; the others:
+    `WalkBlocks.lookahead`), and they change no number: a walk reads only the blocks it visits;
   - the LM head runs slot chunk by slot chunk, only on the rows whose block has matched so far,
     so it stops at the first miss: a block's first chunk as deep as this drafter's blocks needed
     on average so far, each next one doubling (at high τ a block costs one or two head calls);
@@ -32,6 +39,7 @@ The walks themselves are then replayed by the same code as on the all-anchor dra
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +63,10 @@ HEAD_CALL_ROWS = 64
 # (the greedy and the tree cursor's) join their context in place; a pass with more copies the context
 ROOM_BLOCKS = 2
 TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with at least (doubling while its tree reads the last)
+# lookahead: a cursor that needs a block also drafts the next offsets, up to this many blocks in all ...
+LOOKAHEAD = 16
+# ... as many as keep the blocks drafted per block its walk visits within 1 + LOOKAHEAD_EXTRA (`lookahead`)
+LOOKAHEAD_EXTRA = 0.25
 
 
 @dataclass
@@ -77,9 +89,11 @@ class WalkBlocks:
     streak: dict[int, int] = field(default_factory=dict)  # top-1 streak
     argmax: dict[int, np.ndarray] = field(default_factory=dict)  # [B-1] for the `full` offsets
     tree_streaks: dict[int, int] = field(default_factory=dict)  # the tree walk's streak, where it drafted top-k
-    blocks: int = 0  # blocks drafted (a block drafted twice counts twice)
+    blocks: int = 0  # blocks drafted (a block drafted twice counts twice), lookahead ones included
     head_slots: int = 0  # slot rows the LM head ran on
     need: dict[int, int] = field(default_factory=dict)  # per visited offset, the fewest head slots its readers need
+    lookahead: int = 0  # blocks drafted ahead of a cursor that no walk visited (work the answer did not need)
+    steps: list[int] = field(default_factory=lambda: [0, 0])  # steps of the greedy and the tree walk
 
 
 @torch.no_grad()  # with autograd on, each prompt's keys would keep the graph's activations alive while it waits
@@ -229,6 +243,8 @@ class Walker:
         # the top-k depths its trees read. A block's first head round covers the mean, so at high τ
         # a block costs one or two head calls instead of one per growing chunk
         self.seen_need, self.seen_read = [0, 0], [0, 0]
+        # and the walks' steps (streak + 1, the greedy one's and the tree's): their lookahead
+        self.seen_step, self.seen_tree = [0, 0], [0, 0]
 
     @torch.no_grad()
     def run(self, seqs: list[WalkSeq], kvs: list | GroupKV) -> list[WalkBlocks]:
@@ -244,9 +260,11 @@ class Walker:
         # what a pass or a head call may hold besides the group's keys: the rest of the all-anchor pass's peak
         V = self.head.weight.shape[0]
         self.pass_budget = all_anchor_peak(self.drafter, S, V, self.D) - kvs.nbytes()
-        per_row = V * 4 * (2 if tree_on else 1)  # a top-k row's log-softmax takes a second temporary
-        slots = cap * (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
-        self.call_rows = max(1, min(self.call_rows, (self.pass_budget - slots) // per_row))  # a pass's slots held
+        # per call row: its logits (a top-k row's log-softmax takes a second temporary) and, in a head
+        # round over several passes (`_draft`), one more block's slot hiddens; besides a pass's own slots
+        slot_bytes = (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
+        per_row = V * 4 * (2 if tree_on else 1) + slot_bytes
+        self.call_rows = max(1, min(self.call_rows, (self.pass_budget - cap * slot_bytes) // per_row))
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
@@ -257,58 +275,82 @@ class Walker:
             for off in sorted(set(stride) | full):
                 fixed.append((i, off, tree_on, off in full))
         kept: dict[tuple[int, int], tuple] = {}
-        self._draft(seqs, kvs, out, fixed, kept, [None] * len(seqs))
-        # then the walks, every prompt one step per pass. The greedy cursor is usually the faster one:
-        # the slot hiddens of its blocks ahead of the tree cursor are kept (`kept`), so a tree visit
-        # there runs the head's top-k only; it waits while a block ahead of the tree cursor, which
-        # bounds what is kept to about one block's span per prompt
-        greedy = [0 if s.num_tokens > 0 else None for s in seqs]
-        tree = [0 if tree_on and s.num_tokens > 0 else None for s in seqs]
-        g_steps, t_steps = [0] * len(seqs), [0] * len(seqs)
+        reads: dict[tuple[int, int], list[int]] = {}  # per drafted block: head slots a greedy, a tree visit needs
+        self._draft(seqs, kvs, out, fixed, kept, [None] * len(seqs), reads)
+        for i, off, t, f in fixed:  # every fixed block is read
+            out[i].need[off] = self.B - 1 if f else reads[(i, off)][1 if t else 0]
+        # then the walks, all prompts together: every cursor walks as far as its blocks are drafted, then
+        # one round drafts the block each waiting cursor needs (one pass where they fit), and the next
+        # ones when this drafter's steps are short (`lookahead`: at τ ≈ 1 one pass serves many steps).
+        # The greedy cursor is usually the faster one: the slot hiddens of its blocks ahead of the tree
+        # cursor are kept (`kept`), so a tree visit there runs the head's top-k only; it waits while a
+        # block ahead of the tree cursor, which bounds what is kept to about one block's span (and its
+        # lookahead) per prompt
+        greedy: list[int | None] = [0 if s.num_tokens > 0 else None for s in seqs]
+        tree: list[int | None] = [0 if tree_on and s.num_tokens > 0 else None for s in seqs]
         while True:
-            need: dict[tuple[int, int], list[bool]] = {}
-            for i in range(len(seqs)):
-                g, t = greedy[i], tree[i]
-                if t is not None and t not in out[i].tree_streaks:
-                    need[(i, t)] = [True]
-                if g is not None and g not in out[i].streak and (t is None or g <= t + self.B):
-                    need.setdefault((i, g), [False])
-            if need:
-                self._draft(seqs, kvs, out, [(i, off, want[0], False) for (i, off), want in need.items()], kept,
-                            tree)
-                continue
-            moved = False  # every cursor not waiting has its block: advance them; stop when none moves
             for i, s in enumerate(seqs):
-                g = greedy[i]
-                if g is not None and g in out[i].streak:
-                    greedy[i], g_steps[i] = g + out[i].streak[g] + 1, g_steps[i] + 1
-                    if greedy[i] >= s.num_tokens or (s.greedy_steps is not None and g_steps[i] >= s.greedy_steps):
-                        greedy[i] = None
-                    moved = True
-                if tree[i] is not None:
-                    t = out[i].tree_streaks[tree[i]]
-                    tree[i], t_steps[i] = tree[i] + t + 1, t_steps[i] + 1
-                    if tree[i] >= s.num_tokens or (s.max_blocks is not None and t_steps[i] >= s.max_blocks):
-                        tree[i] = None
-                    moved = True
-            for key in [k for k in kept if tree[k[0]] is None or k[1] < tree[k[0]]]:  # behind the tree cursor
+                greedy[i] = self._walk(out[i], greedy[i], out[i].streak, reads, i, 0, s.num_tokens, s.greedy_steps)
+                tree[i] = self._walk(out[i], tree[i], out[i].tree_streaks, reads, i, 1, s.num_tokens, s.max_blocks)
+            for key in [k for k in kept if (at := tree[k[0]]) is None or k[1] < at]:  # behind the tree cursor
                 del kept[key]
-            if not moved:
+            k_greedy, k_tree = lookahead(_mean(self.seen_step)), lookahead(_mean(self.seen_tree))
+            need: dict[tuple[int, int], bool] = {}  # (prompt, offset) -> with the tree's top-k
+            for i, s in enumerate(seqs):
+                g, t, o = greedy[i], tree[i], out[i]
+                # a walk with r steps left visits at most r more blocks, and at τ ≈ 1 exactly the next r
+                k_g = k_greedy if s.greedy_steps is None else min(k_greedy, s.greedy_steps - o.steps[0])
+                k_t = k_tree if s.max_blocks is None else min(k_tree, s.max_blocks - o.steps[1])
+                if t is not None:
+                    for off in range(t, min(t + max(k_t, 1), s.num_tokens)):
+                        if off not in o.tree_streaks:
+                            need[(i, off)] = True
+                if g is not None and (t is None or g <= t + self.B):
+                    for off in range(g, min(g + max(k_g, 1), s.num_tokens)):
+                        if off not in out[i].streak:
+                            need.setdefault((i, off), False)
+            if not need:  # every cursor is done
                 break
+            self._draft(seqs, kvs, out, [(i, off, top, False) for (i, off), top in need.items()], kept, tree, reads)
+        drafted = Counter(i for i, _ in reads)
+        for i, o in enumerate(out):
+            o.lookahead = drafted[i] - len(o.need)
         return out
 
-    def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list) -> None:
-        """Draft (prompt, offset, with tree top-k, every slot) rows: the ones whose slot hiddens are kept
+    def _walk(self, o: WalkBlocks, at: int | None, streaks: dict[int, int], reads: dict, i: int, which: int,
+              n: int, steps: int | None) -> int | None:
+        """Move a cursor (greedy: which 0, tree: 1) as far as its blocks are drafted, noting what each
+        visit reads in `o.need`. Returns where it waits (None: done, at the end or after `steps` steps,
+        counted in `o.steps`)."""
+        while at is not None and at in streaks:
+            o.need[at] = max(o.need.get(at, 0), reads[(i, at)][which])
+            o.steps[which] += 1
+            at += streaks[at] + 1
+            if at >= n or (steps is not None and o.steps[which] >= steps):
+                return None
+        return at
+
+    def _draft(self, seqs, kvs, out, rows: list[tuple[int, int, bool, bool]], kept: dict, tree_at: list,
+               reads: dict) -> None:
+        """Draft (prompt, offset, with tree top-k, every slot) rows, and note in `reads[(prompt, offset)]`
+        the head slots a greedy and a tree visit to each would need: the ones whose slot hiddens are kept
         run the head only; the others go through the drafter in passes of at most the all-anchor pass's
         blocks and half its dense scores (prompts x blocks per prompt, padding included, over the longest
-        context; `anchors_per_pass`), each holding (`_pass_bytes`) no more than the group's keys and the
-        kept slot hiddens leave of the all-anchor pass's peak (`all_anchor_peak`)."""
+        context; `anchors_per_pass`), each holding (`_pass_bytes`) no more than the group's keys, the
+        kept slot hiddens and one head round's slot hiddens leave of the all-anchor pass's peak
+        (`all_anchor_peak`)."""
         heads_only = [row for row in rows if (row[0], row[1]) in kept]
         drafted = [row for row in rows if (row[0], row[1]) not in kept]
         B, passes = self.B, [[]]
         counts: dict[int, int] = {}  # blocks per prompt in the pass being filled
         limit = (0, 0, 0)  # its (blocks, score elements, longest context): the all-anchor pass's, half its scores
-        room = self.pass_budget - sum(t.numel() * t.element_size() for t, _, _ in kept.values())
+        # the head runs on several passes' rows at once (a head call reads the whole head, most of its
+        # cost at a large vocabulary and a few rows: lookahead makes many small passes): as many as one
+        # head call takes, their slot hiddens at most one call's logits (and held while the next passes run)
+        slot_bytes = (B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
+        merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
+        room = (self.pass_budget - sum(t.numel() * t.element_size() for t, _, _ in kept.values())
+                - merge * slot_bytes)
         top = 0  # the last anchor of the pass being filled
         for row in sorted(drafted, key=lambda r: r[:2]):
             S = seqs[row[0]].prompt_len + seqs[row[0]].num_tokens
@@ -326,13 +368,20 @@ class Walker:
             else:
                 counts, limit, top = trial, both, L
             passes[-1].append(row)
-        for n, chunk in enumerate(passes):
+        groups: list[list] = [[]]
+        for chunk in passes:
+            if groups[-1] and sum(map(len, groups[-1])) + len(chunk) > merge:
+                groups.append([])
+            groups[-1].append(chunk)
+        for n, group in enumerate(groups):
             extra = heads_only if n == 0 else []
+            chunk = [row for c in group for row in c]
             if not chunk and not extra:
                 continue
-            parts = [self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in chunk])] if chunk else []
+            parts = [self._blocks(seqs, kvs, [(i, off) for i, off, _, _ in c]) for c in group if c]
             parts += [kept[(i, off)][0][None] for i, off, _, _ in extra]
             slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+            del parts
             rows_n = chunk + extra
             labels = np.stack([walk_labels(seqs[i].ext, off, self.B) for i, off, _, _ in rows_n])
             tree = np.array([t for _, _, t, _ in rows_n], dtype=bool)
@@ -348,14 +397,20 @@ class Walker:
                 o = out[i]
                 o.blocks += r < len(chunk)
                 o.head_slots += int(computed[r] - before[r])
-                o.streak.setdefault(off, int(streak[r]))
-                least = self.B - 1 if full[r] else max(trees[r].read_depth if t else 0,
-                                                       min(int(streak[r]) + 1, self.B - 1))
-                o.need[off] = max(o.need.get(off, 0), least)
+                if off not in o.streak:
+                    o.streak[off] = int(streak[r])
+                    self.seen_step[0] += o.streak[off] + 1
+                    self.seen_step[1] += 1
+                seen = reads.setdefault((i, off), [0, 0])
+                seen[0] = max(seen[0], min(int(streak[r]) + 1, self.B - 1))
                 if f:
                     o.argmax.setdefault(off, arg[r].copy())
                 if t:
-                    o.tree_streaks.setdefault(off, tree_streak(trees[r], labels[r]))
+                    seen[1] = max(seen[1], self.B - 1 if full[r] else max(trees[r].read_depth, seen[0]))
+                    if off not in o.tree_streaks:
+                        o.tree_streaks[off] = tree_streak(trees[r], labels[r])
+                        self.seen_tree[0] += o.tree_streaks[off] + 1
+                        self.seen_tree[1] += 1
                 elif tree_at[i] is not None and off > tree_at[i] and r < len(chunk):
                     kept[(i, off)] = (slots[r].clone(), arg[r].copy(), int(computed[r]))  # the tree may come here
 
@@ -483,9 +538,17 @@ class Walker:
         ids = torch.empty(k, self.topk, dtype=torch.long)
         logp = torch.empty(k, self.topk, dtype=torch.float32)
         K = self.topk
+        # one logits buffer for the calls of this round: a fresh [rows, vocab] result each call costs
+        # its page faults again, as much as the product itself at vocab 151,936 and 64 rows
+        plain = type(self.head) is torch.nn.Linear and self.head.bias is None
+        W = self.head.weight
+        buf = torch.empty(min(M, self.call_rows), W.shape[0], dtype=wdtype, device=W.device) if plain else None
         for s in range(0, M, self.call_rows):
             e = min(s + self.call_rows, M)
-            logits = self.head(hidden[s:e].to(wdtype))
+            if buf is not None:  # the product `self.head` computes (F.linear without bias: x @ W.T)
+                logits = torch.matmul(hidden[s:e].to(wdtype), W.t(), out=buf[: e - s])
+            else:
+                logits = self.head(hidden[s:e].to(wdtype))
             m = max(0, min(e, k) - s)  # this chunk's top-k rows
             if m:
                 a, v, i = logits_topk(logits[:m], self.topk)
@@ -495,6 +558,26 @@ class Walker:
                 arg[s + m:e] = logits[m:].argmax(-1).cpu()  # same op as the spec loop
             del logits
         return arg.numpy(), ids[:, :K].numpy(), logp[:, :K].numpy()
+
+
+def lookahead(tau: float | None, limit: int = LOOKAHEAD, extra: float = LOOKAHEAD_EXTRA) -> int:
+    """Blocks a waiting cursor drafts (its own and the next offsets') when its walk's steps have
+    averaged `tau` offsets (None: nothing measured yet, one). A walk visits about one offset in τ,
+    so K blocks from a visited one hold about 1 + (K-1)/τ visited ones: K is the largest (at most
+    `limit`) whose blocks per visited block, K / (1 + (K-1)/τ), stay within 1 + `extra`: `limit`
+    while τ <= 1 + extra, then 7 at τ 1.3, 3 at τ 1.4, 2 at τ 1.5, 1 from τ 1.7 (one block per step).
+    The blocks no walk visits cost their drafting only: the walks' answers never read them. `extra`
+    is small because a wasted block costs its FLOPs in full where the drafter is large (Qwen3-8B's
+    on a CPU), while the passes it saves are worth most at τ ≈ 1 (one pass per token otherwise)."""
+    if tau is None:
+        return 1
+    if tau <= 1 + extra:
+        return limit
+    return max(1, min(limit, int((1 + extra) * (tau - 1) / (tau - 1 - extra))))
+
+
+def _mean(seen: list[int]) -> float | None:
+    return seen[0] / seen[1] if seen[1] else None
 
 
 def _pairs(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

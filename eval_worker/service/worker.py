@@ -488,7 +488,7 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
     install_log_redaction()  # the worker log: no secret of a URL a job names
     try:
         for risk in server_risks(connection):
-            log.warning("Redis: %s", risk)
+            log.warning("Redis: " + risk.replace("%", "%%"))  # its own template: the RepeatLimiter keys on it
     except redis.exceptions.RedisError:  # unreachable now: the worker waits for it as always
         pass
     loaded = Evaluators(settings_)

@@ -11,7 +11,8 @@ The references are built against the drafter so that every acceptance length can
 at each step of the walk the block is drafted (the spec loop's own one-block path) and the
 reference continues with the first `a` drafts, then a token the drafter did not propose. `a`
 always B-1 gives τ = B (an accept-everything pair), always 0 gives τ = 1, random gives the rest
-("mostly": a in B/2..B-1, a greedy walk well ahead of a flat drafter's plain tree).
+("mostly": a in B/2..B-1, a greedy walk well ahead of a flat drafter's plain tree; "low": a 1 in
+about a third of the steps, τ ≈ 1.35, where the walk drafts a few blocks ahead and skips some).
 """
 import json
 
@@ -31,7 +32,7 @@ from tests.support.factories import VOCAB, drafter_for, qwen3_target
 
 TARGET = qwen3_target(seed=5)
 EMBED, HEAD = TARGET.parts.embed_tokens, TARGET.parts.lm_head
-POLICIES = ("accept_all", "accept_none", "random")
+POLICIES = ("accept_all", "accept_none", "random", "low")
 
 
 def forced_reference(drafter, feats, prompt, n, policy, rng):
@@ -43,7 +44,10 @@ def forced_reference(drafter, feats, prompt, n, policy, rng):
         ids = torch.tensor(prompt + ext)
         drafts = draft_one_block(drafter, EMBED, HEAD, ids, feats, len(prompt) + s)[0].tolist()
         least = B // 2 if policy == "mostly" else 0
-        a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(least, B)))
+        if policy == "low":  # τ ≈ 1.35
+            a = int(rng.random() < 0.35)
+        else:
+            a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(least, B)))
         ext += drafts[:a]
         if a < B - 1:  # the first rejected slot gets a token the drafter did not propose
             ext.append(int((drafts[a] + 1 + rng.integers(0, VOCAB - 3)) % (VOCAB - 1)))
@@ -150,6 +154,82 @@ def test_walk_driven_blocks_are_the_visited_ones_at_tau_block_size():
     assert got.blocks == len(set(range(0, n, B)) | set(range(0, n - 1, B)))  # walk anchors 0, B, 2B ... = stride
 
 
+def lookahead_case(policy, B, n, seed):
+    """One prompt, no tree, no sample: the all-anchor result, and a fresh walk's result with its drafter
+    passes (blocks per pass) and head calls counted."""
+    rng = np.random.default_rng(seed)
+    drafter = drafter_for(TARGET, block_size=B, seed=seed)
+    prompt = rng.integers(0, VOCAB - 1, 5).tolist()
+    feats = torch.randn(len(prompt) + n + B, drafter.config.num_features * TARGET.hidden_size,
+                        generator=torch.Generator().manual_seed(seed))
+    ext = forced_reference(drafter, feats, prompt, n, policy, rng)
+    none = np.zeros(0, dtype=np.int64)
+    old, new, _ = both_paths(drafter, feats, prompt, ext, n, tree_budget=0, spine=False, max_blocks=None,
+                             counting="response", stop=False, sample=none, full_walk=True)
+    assert_same(old, new, True)
+    counter, head_calls = CountingDrafter(drafter), []
+    hook = HEAD.register_forward_hook(lambda *_: head_calls.append(1))
+    try:
+        seq = WalkSeq(torch.tensor(prompt + ext[:n]), len(prompt), n, np.asarray(ext), full=none)
+        got = Walker(drafter, EMBED, HEAD).run([seq], [context_kv(drafter, feats[:len(prompt) + n - 1])])[0]
+    finally:
+        hook.remove()
+    walk, s = [], 0  # the walker's greedy walk, to the end of the reference, on the all-anchor streaks
+    while s < n:
+        walk.append(s)
+        s += int(old.streaks[s]) + 1
+    assert set(old.full_walk().anchors) <= set(walk)
+    visited = set(walk) | set(range(0, n - 1, B))
+    return old, got, counter.calls[1:], len(head_calls), visited  # calls[0]: the stride blocks' pass
+
+
+def test_lookahead_at_tau_1_serves_many_steps_per_pass():
+    """τ = 1 (a fresh drafter): a waiting cursor drafts the next offsets too, each one a block the walk
+    then visits, so the walk's n steps take a few drafter passes and head calls, not n of each."""
+    B, n = 8, 96
+    old, got, passes, head_calls, visited = lookahead_case("accept_none", B, n, seed=4)
+    steps = len(old.full_walk().accept_lengths)
+    assert steps >= n - 1  # one token per step
+    assert len(passes) <= steps // 8 and head_calls <= steps // 4, (len(passes), head_calls)
+    assert got.lookahead == 0 and set(got.need) == visited and got.blocks == n  # nothing drafted in vain
+
+
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_lookahead_stops_at_the_walks_step_limit(tree_budget):
+    """τ = 1 with `max_blocks` 3: the walks take 3 steps each, so nothing is drafted beyond them."""
+    B, n, rng = 8, 60, np.random.default_rng(2)
+    drafter = drafter_for(TARGET, block_size=B, seed=3)
+    prompt = [9, 10, 11]
+    feats = torch.randn(len(prompt) + n + B, drafter.config.num_features * TARGET.hidden_size,
+                        generator=torch.Generator().manual_seed(3))
+    ext = forced_reference(drafter, feats, prompt, n, "accept_none", rng)
+    old, new, got = both_paths(drafter, feats, prompt, ext, n, tree_budget=tree_budget, spine=False, max_blocks=3,
+                               counting="response", stop=False, sample=np.zeros(0, dtype=np.int64), full_walk=False)
+    assert_same(old, new, False)
+    stride = list(range(0, n - 1, B))  # the tree's stride streaks are all counted, the greedy's first 3
+    assert got.lookahead == 0 and set(got.need) == {0, 1, 2} | set(stride if tree_budget else stride[:3])
+
+
+def test_no_lookahead_at_high_tau():
+    """τ near B: one block per waiting cursor per pass, as without lookahead (its blocks would be wasted)."""
+    B, n = 8, 96
+    old, got, passes, _, visited = lookahead_case("mostly", B, n, seed=6)
+    assert old.online.tau > 5
+    assert passes and all(p == (1, 1) for p in passes)
+    assert got.lookahead == 0 and set(got.need) == visited and got.blocks == len(visited)
+
+
+def test_need_counts_only_the_visited_blocks_not_the_lookahead():
+    """τ ≈ 1.35: lookahead drafts blocks the walk skips; the FLOP bound's `need` holds only the visited
+    ones, `lookahead` counts the others."""
+    B, n = 8, 120
+    old, got, passes, _, visited = lookahead_case("low", B, n, seed=7)
+    assert 1.2 < old.online.tau < 1.5
+    assert got.lookahead > 0 and set(got.need) == visited
+    assert got.blocks == len(visited) + got.lookahead
+    assert any(p[1] > 1 for p in passes)  # some pass drafted ahead
+
+
 class CountingDrafter:
     """Counts the blocks each drafter call runs through the layers, per (batch row's prompt, anchor)."""
 
@@ -191,7 +271,8 @@ def test_walk_drafts_each_block_through_the_layers_once_with_a_plain_tree(policy
     counter.drafted.clear(), counter.calls.clear()
     got = Walker(drafter, EMBED, HEAD, topk=8, tree_budget=8).run(seqs, kvs)
     assert len(counter.drafted) == len(set(counter.drafted)), "a block went through the layers twice"
-    assert sum(g.blocks for g in got) == len(counter.drafted) == sum(len(g.need) for g in got)
+    # each block through the layers is one the walks read (`need`) or one drafted ahead that they did not
+    assert sum(g.blocks for g in got) == len(counter.drafted) == sum(len(g.need) + g.lookahead for g in got)
     revisits = 0
     for (old, sample), seq, g in zip(olds, seqs, got, strict=True):
         assert_same(old, score_walked(seq, g, sample, B, n), True)
