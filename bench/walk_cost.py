@@ -346,7 +346,7 @@ def forced_walk(drafter, embed, head, seqs, n: int, quota: int, spine: bool):
     B, V = drafter.config.block_size, head.weight.shape[0]
     walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
     lengths = [len(p) + n - 1 for p, _, _ in seqs]
-    budget = group_kv_budget(drafter, max(lengths) + 1, V, tree_depths=8)
+    budget = group_kv_budget(drafter, [(len(p), n) for p, _, _ in seqs], V, tree_depths=8)
     ws = [WalkSeq(torch.tensor(prompt + ext[:n]), len(prompt), n, np.asarray(ext),
                   full=sample_offsets(n, quota, 0, f"p{j}")) for j, (prompt, _, ext) in enumerate(seqs)]
     got: list = []

@@ -529,7 +529,8 @@ class Evaluator:
         walker = Walker(drafter, embed, head, topk=topk, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
                         head_rows=opts.head_rows or DEFAULT_HEAD_ROWS)
         lengths = [max(len(r.prompt_ids) + len(r.tokens) - 1, 1) for r in refs]  # each context_kv's
-        budget = group_kv_budget(drafter, max(lengths, default=0) + 1, head.weight.shape[0], walker.D)
+        budget = group_kv_budget(drafter, [(len(r.prompt_ids), len(r.tokens)) for r in refs], head.weight.shape[0],
+                                 walker.D)
         groups = [[refs[j] for j in g] for g in walk_groups(drafter, lengths, budget)]  # keys within the budget
         scores, bar = [], iter(self._bar(refs, f"{suite.name}: features + walk-driven drafting (B={B})"))
         for group in groups:

@@ -105,28 +105,34 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
     return [tuple(t[0] for t in layer.self_attn.key_value(ctx, cos, sin)) for layer in drafter.layers]
 
 
-def all_anchor_peak(drafter: DFlashDrafter, context_len: int, vocab: int, tree_depths: int = 0) -> int:
-    """A floor under the all-anchor pass's peak at this context length (`drafting.draft_anchors`), the
-    larger of what it surely holds at once in its LM head and in a drafter layer's attention:
-    its largest head chunk's logits, twice for a chunk of the `tree_depths` top-k slots (the top-k
-    rule's log-sum-exp temporary); or its last full pass's projected context, that layer's context
-    keys/values and their concatenation with one block's (its dense attention scores are not
-    counted: the CPU kernel does not hold them)."""
+def all_anchor_peak(drafter: DFlashDrafter, prompt_len: int, num_tokens: int, vocab: int,
+                    tree_depths: int = 0) -> int:
+    """A floor under the all-anchor pass's peak on one reference (`drafting.draft_anchors` at its
+    `num_tokens` anchors, in chunks of `anchors_per_pass`), the larger of what it surely holds at once
+    in its LM head and in a drafter layer's attention: its largest head chunk's logits, twice for a
+    chunk of the `tree_depths` top-k slots (the top-k rule's log-sum-exp temporary); or, in its last
+    full chunk, the projected context, that layer's context keys/values and their concatenation with
+    the blocks', the blocks' residual stream, layer input, queries, keys and values, and one mask
+    (its dense attention scores are not counted: the CPU kernel does not hold them)."""
     cfg = drafter.config
     B, rows, e = cfg.block_size, logits_rows(vocab), drafter.fc.weight.element_size()
-    cap = anchors_per_pass(B, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
+    n = max(num_tokens, 1)
+    chunk = min(n, anchors_per_pass(B, context_len=prompt_len + n, heads=cfg.num_attention_heads, dense=True))
     D = min(tree_depths, B - 1)
-    head = max(2 * min(cap * D, rows), min(cap * (B - 1 - D), rows)) * vocab * 4
-    S = max(context_len - cap, 1)
-    layer = e * (S * cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim * (2 * S + B))
+    head = max(2 * min(chunk * D, rows), min(chunk * (B - 1 - D), rows)) * vocab * 4
+    S, T = prompt_len + n // chunk * chunk, chunk * B
+    H, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layer = e * (S * H + 2 * kv * (2 * S + T) + T * (2 * H + q + 2 * kv)) + T * (S + T)
     return max(head, layer)
 
 
-def group_kv_budget(drafter: DFlashDrafter, context_len: int, vocab: int, tree_depths: int = 0) -> int:
+def group_kv_budget(drafter: DFlashDrafter, refs: list[tuple[int, int]], vocab: int, tree_depths: int = 0) -> int:
     """Bytes of context keys/values a group of prompts may hold while it walks (`group_bytes`): half of
-    `all_anchor_peak`; a walk pass and a head call are sized to the other half (`Walker._draft`,
-    `Walker.run`), so the walk's peak stays within the all-anchor pass's."""
-    return min(WALK_KV_BUDGET, all_anchor_peak(drafter, context_len, vocab, tree_depths) // 2)
+    the largest `all_anchor_peak` over the references `(prompt_len, num_tokens)`; a walk pass and a head
+    call take what the group's keys leave (`Walker._draft`, `Walker.run`), so the walk's peak stays
+    within the all-anchor pass's."""
+    peak = max((all_anchor_peak(drafter, P, n, vocab, tree_depths) for P, n in refs), default=0)
+    return min(WALK_KV_BUDGET, peak // 2)
 
 
 def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
@@ -259,7 +265,8 @@ class Walker:
         self.call_rows = min(HEAD_CALL_ROWS, max(1, min(self.head_rows, cap * (self.B - 1)) // 2))
         # what a pass or a head call may hold besides the group's keys: the rest of the all-anchor pass's peak
         V = self.head.weight.shape[0]
-        self.pass_budget = all_anchor_peak(self.drafter, S, V, self.D) - kvs.nbytes()
+        peak = max((all_anchor_peak(self.drafter, s.prompt_len, s.num_tokens, V, self.D) for s in seqs), default=0)
+        self.pass_budget = peak - kvs.nbytes()
         # per call row: its logits (a top-k row's log-softmax takes a second temporary) and, in a head
         # round over several passes (`_draft`), one more block's slot hiddens; besides a pass's own slots
         slot_bytes = (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
