@@ -268,10 +268,11 @@ class Walker:
         peak = max((all_anchor_peak(self.drafter, s.prompt_len, s.num_tokens, V, self.D) for s in seqs), default=0)
         self.pass_budget = peak - kvs.nbytes()
         # per call row: its logits (a top-k row's log-softmax takes a second temporary) and, in a head
-        # round over several passes (`_draft`), one more block's slot hiddens; besides a pass's own slots
+        # round over several passes (`_draft`), one more block's slot hiddens, and their kept copies
+        # (held into the next round); besides one pass's own slots. Set per round: `_draft`
         slot_bytes = (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
-        per_row = V * 4 * (2 if tree_on else 1) + slot_bytes
-        self.call_rows = max(1, min(self.call_rows, (self.pass_budget - cap * slot_bytes) // per_row))
+        self.row_bytes, self.pass_slots = V * 4 * (2 if tree_on else 1) + 2 * slot_bytes, cap * slot_bytes
+        self.most_call_rows = self.call_rows
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
@@ -355,9 +356,10 @@ class Walker:
         # cost at a large vocabulary and a few rows: lookahead makes many small passes): as many as one
         # head call takes, their slot hiddens at most one call's logits (and held while the next passes run)
         slot_bytes = (B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
+        free = self.pass_budget - sum(t.numel() * t.element_size() for t, _, _ in kept.values())
+        self.call_rows = max(1, min(self.most_call_rows, (free - self.pass_slots) // self.row_bytes))
         merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
-        room = (self.pass_budget - sum(t.numel() * t.element_size() for t, _, _ in kept.values())
-                - merge * slot_bytes)
+        room = free - merge * slot_bytes
         top = 0  # the last anchor of the pass being filled
         for row in sorted(drafted, key=lambda r: r[:2]):
             S = seqs[row[0]].prompt_len + seqs[row[0]].num_tokens
@@ -420,6 +422,7 @@ class Walker:
                         self.seen_tree[1] += 1
                 elif tree_at[i] is not None and off > tree_at[i] and r < len(chunk):
                     kept[(i, off)] = (slots[r].clone(), arg[r].copy(), int(computed[r]))  # the tree may come here
+            del slots  # before the next round's passes, which hold their own (`room`)
 
     def _pass_bytes(self, span: int, n: int, L: int, size: int) -> int:
         """What a drafter pass of `span` batch rows x `n` blocks at context `L` holds besides the group's
