@@ -78,3 +78,27 @@ def test_block_keys_joined_in_place_give_the_concatenations_hidden_states_bit_fo
         copied = GroupKV.of(drafter, kvs)
         copied.size = 0  # no room after any context: every layer concatenates
         assert torch.equal(got, walker._blocks(seqs, copied, rows)), rows
+
+
+def test_walk_peak_is_no_higher_than_the_all_anchor_pass_at_a_4096_vocabulary(tmp_path):
+    """The bundled tiny target (vocab 4,096, where the all-anchor pass peaks at its LM head's logits):
+    a random drafter (τ ≈ 1: the walk drafts ahead of its cursors, several head rounds per step) with
+    a plain tree, the anchor sample and the leak probe, as `bench/walk_cost.py`'s demo row."""
+    import numpy as np
+
+    from dflash_train.core.target import Target
+    from eval_worker.engine.suite import Prompt, Suite
+    from tests.conftest import TINY_TARGET
+
+    if not (TINY_TARGET / "config.json").is_file():
+        pytest.skip(f"bundled tiny target missing: {TINY_TARGET}")
+    target = Target.load(TINY_TARGET)
+    rng = np.random.default_rng(0)
+    prompts = [Prompt(f"p{i}", ids=tuple(int(x) for x in rng.integers(10, 4000, 24))) for i in range(6)]
+    suite = Suite("t", "1", prompts, chat_template=False, max_new_tokens=96)
+    save_drafter(drafter_for(target, block_size=16, seed=1), tmp_path / "d")
+    ev = Evaluator(target, tmp_path / "cache", progress=False)
+    opts = {"tree_budget": 8, "anchor_sample": 12, "leak_probe_anchors": 8, "measure_speed": False}
+    ev.evaluate(tmp_path / "d", suite, options={**opts, "drafting": "walk"})
+    peaks = {path: run_peak(ev, tmp_path / "d", suite, {**opts, "drafting": path}) for path in ("all", "walk")}
+    assert peaks["walk"] <= peaks["all"], peaks
