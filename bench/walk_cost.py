@@ -341,27 +341,20 @@ def forced_walk(drafter, embed, head, seqs, n: int, quota: int, spine: bool):
     """The walk on the forced inputs, prompts in groups whose context keys fit the budget, as the engine
     walks them: (scores, `Walker` results, `WalkSeq`s)."""
     from eval_worker.engine.scoring import sample_offsets, score_blocks
-    from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
+    from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, context_kv, group_kv_budget, walk_groups
 
     B, V = drafter.config.block_size, head.weight.shape[0]
     walker = Walker(drafter, embed, head, topk=8, tree_budget=8, tree_spine=spine)
-    budget = group_kv_budget(drafter, max(len(p) + n for p, _, _ in seqs), V)
-    ws: list = []
+    lengths = [len(p) + n - 1 for p, _, _ in seqs]
+    budget = group_kv_budget(drafter, [(len(p), n) for p, _, _ in seqs], V, tree_depths=8)
+    ws = [WalkSeq(torch.tensor(prompt + ext[:n]), len(prompt), n, np.asarray(ext),
+                  full=sample_offsets(n, quota, 0, f"p{j}")) for j, (prompt, _, ext) in enumerate(seqs)]
     got: list = []
-    group: list = []
-    kvs: list = []
-    size = 0
-    for j, (prompt, feats, ext) in enumerate(seqs):
-        P = len(prompt)
-        ws.append(WalkSeq(torch.tensor(prompt + ext[:n]), P, n, np.asarray(ext),
-                          full=sample_offsets(n, quota, 0, f"p{j}")))
-        if group and size + kv_bytes(drafter, P + n) > budget:
-            got += walker.run(group, kvs)
-            group, kvs, size = [], [], 0
-        group.append(ws[-1])
-        kvs.append(context_kv(drafter, feats[:P + n - 1]))
-        size += kv_bytes(drafter, P + n)
-    got += walker.run(group, kvs)
+    for group in walk_groups(drafter, lengths, budget):  # as the engine groups and stores them
+        kv = GroupKV(drafter, [lengths[j] for j in group])
+        for row, j in enumerate(group):
+            kv.add(row, context_kv(drafter, seqs[j][1][:lengths[j]]))
+        got += walker.run([ws[j] for j in group], kv)
     out = []
     for j, (w, g) in enumerate(zip(ws, got, strict=True)):
         st = np.full(n, -1)

@@ -51,6 +51,20 @@ class DraftCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def context(self, layer: int):
+        """The layer's cached context keys and values, what its blocks attend to before their own."""
+        return self.keys[layer], self.values[layer]
+
+
+def join_kv(ctx_kv, k_blk: torch.Tensor, v_blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[context ; block]` keys and values along the sequence. A context that has a `join` method (the
+    eval walk's group buffers, `walk.GroupKV`) writes the block's right after its own and returns views:
+    the same values, without a copy of the context's."""
+    join = getattr(ctx_kv, "join", None)
+    if join is not None:
+        return join(k_blk, v_blk)
+    return torch.cat([ctx_kv[0], k_blk], dim=2), torch.cat([ctx_kv[1], v_blk], dim=2)
+
 
 def _attend(q, k, v, mask) -> torch.Tensor:
     """Attention over [context ; block] keys with one of three mask kinds."""
@@ -106,8 +120,7 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self._heads(self.q_proj(h), self.num_heads)).transpose(1, 2)
         q = _rope(q, cos, sin)
         k_blk, v_blk = self.key_value(h, cos, sin)
-        k = torch.cat([ctx_kv[0], k_blk], dim=2)
-        v = torch.cat([ctx_kv[1], v_blk], dim=2)
+        k, v = join_kv(ctx_kv, k_blk, v_blk)
         out = _attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
 
@@ -177,7 +190,7 @@ class DFlashDrafter(nn.Module):
                 shape = (h.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim)
                 kv = (h.new_zeros(shape), h.new_zeros(shape))
             if cache is not None:
-                kv = cache.extend(i, *kv) if ctx is not None else (cache.keys[i], cache.values[i])
+                kv = cache.extend(i, *kv) if ctx is not None else cache.context(i)
                 if kv[0] is None:
                     raise ValueError("drafting with an empty cache and no context")
             if mask is None:  # the cache holds context positions 0..len-1

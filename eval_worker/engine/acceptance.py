@@ -45,7 +45,7 @@ from eval_worker.engine.result import EvalResult, PromptResult
 from eval_worker.engine.scoring import PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.speed import measure_step_costs
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
-from eval_worker.engine.walk import Walker, WalkSeq, context_kv, group_kv_budget, kv_bytes
+from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, context_kv, group_kv_budget, walk_groups
 
 log = logging.getLogger(__name__)
 
@@ -528,20 +528,16 @@ class Evaluator:
         topk = min(opts.tree_budget, cfg.vocab_size) if opts.tree_budget > 0 else 0
         walker = Walker(drafter, embed, head, topk=topk, tree_budget=opts.tree_budget, tree_spine=opts.tree_spine,
                         head_rows=opts.head_rows or DEFAULT_HEAD_ROWS)
-        groups, size = [[]], 0
-        budget = group_kv_budget(drafter, max((len(r.prompt_ids) + len(r.tokens) for r in refs), default=1),
-                                 head.weight.shape[0])
-        for ref in refs:  # context keys/values of a group stay within the budget
-            need = kv_bytes(drafter, len(ref.prompt_ids) + len(ref.tokens))
-            if groups[-1] and size + need > budget:
-                groups.append([])
-                size = 0
-            groups[-1].append(ref)
-            size += need
+        lengths = [max(len(r.prompt_ids) + len(r.tokens) - 1, 1) for r in refs]  # each context_kv's
+        budget = group_kv_budget(drafter, [(len(r.prompt_ids), len(r.tokens)) for r in refs], head.weight.shape[0],
+                                 walker.D)
+        groups = [[refs[j] for j in g] for g in walk_groups(drafter, lengths, budget)]  # keys within the budget
         scores, bar = [], iter(self._bar(refs, f"{suite.name}: features + walk-driven drafting (B={B})"))
         for group in groups:
-            seqs, kvs, extra = [], [], []
-            for ref in group:
+            seqs, extra = [], []
+            lens = [max(len(r.prompt_ids) + len(r.tokens) - 1, 1) for r in group]
+            kvs = GroupKV(drafter, lens) if leak is None else None
+            for j, ref in enumerate(group):  # with a leak probe (an all-anchor pass), before any keys are held
                 next(bar, None)
                 feats = self._features_for(ref, suite, cfg, report, timings, check, written, sampling_id)
                 P, n = len(ref.prompt_ids), len(ref.tokens)
@@ -549,13 +545,22 @@ class Evaluator:
                 sample = sample_offsets(n, quota, opts.seed, _label(ref))
                 probed = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings) if leak else None
                 full = np.union1d(sample, probed[0]) if probed else sample
-                with _timer(timings, "draft"):
-                    kvs.append(context_kv(drafter, feats["features"][:max(P + n - 1, 1)]))
                 seqs.append(WalkSeq(ids, P, n, np.asarray(ref.ext, dtype=np.int64), full=full,
                                     max_blocks=opts.max_blocks,
                                     greedy_steps=None if opts.validate else opts.max_blocks))
                 extra.append((sample, probed, feats["greedy"].numpy()))
+                if kvs is not None:
+                    with _timer(timings, "draft"):
+                        kvs.add(j, context_kv(drafter, feats["features"][:lens[j]]))
                 del feats
+            if kvs is None:
+                kvs = GroupKV(drafter, lens)
+                for j, ref in enumerate(group):
+                    # the features again (host RAM cache, else disk), counted once: read above
+                    feats = self._features_for(ref, suite, cfg, CacheReport(), timings, False, None, sampling_id)
+                    with _timer(timings, "draft"):
+                        kvs.add(j, context_kv(drafter, feats["features"][:lens[j]]))
+                    del feats
             with _timer(timings, "draft"):
                 walked = walker.run(seqs, kvs)
             del kvs

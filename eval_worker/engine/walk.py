@@ -26,8 +26,12 @@ step (a GPU still gets batched work):
     on average so far, each next one doubling (at high τ a block costs one or two head calls);
     rows the tree visits get top-k as deep as their tree reads, rows of the sample all slots;
     each round of chunks is one head call over every row of the step (at most `HEAD_CALL_ROWS`);
-  - memory is sized from the all-anchor pass's at the same context length (`group_kv_budget`),
-    so the walk's peak is no higher than that pass's.
+  - memory is sized from the all-anchor pass's at the same context length (`all_anchor_peak`, a
+    floor under it): a group's context keys take at most half (`group_kv_budget`), stacked once per
+    layer as the group forms (`GroupKV`); a pass attends to views of them, each layer's block keys
+    written right after the context (`model.join_kv`), so the context is never copied; passes and
+    head calls are sized to what the keys leave (`Walker._pass_bytes`). So the walk's peak is no
+    higher than that pass's (tests/unit/engine/test_walk_memory.py).
 
 The walks themselves are then replayed by the same code as on the all-anchor drafts
 (`scoring.score_blocks`), so every number is made by one piece of code either way.
@@ -55,6 +59,9 @@ WALK_KV_BUDGET = 64 * 1024 * 1024
 # a 16-row product takes what a 4-row one does); larger calls, which a round's first chunks can fill, only
 # raise the peak (above the all-anchor pass's at 500-token contexts)
 HEAD_CALL_ROWS = 64
+# blocks per prompt a group's buffers have room for after the longest context (`GroupKV`): a walk step's
+# (the greedy and the tree cursor's) join their context in place; a pass with more copies the context
+ROOM_BLOCKS = 2
 TREE_FIRST_DEPTHS = 2  # top-k depths a tree row starts with at least (doubling while its tree reads the last)
 # lookahead: a cursor that needs a block also drafts the next offsets, up to this many blocks in all ...
 LOOKAHEAD = 16
@@ -98,23 +105,129 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
     return [tuple(t[0] for t in layer.self_attn.key_value(ctx, cos, sin)) for layer in drafter.layers]
 
 
-def group_kv_budget(drafter: DFlashDrafter, context_len: int, vocab: int) -> int:
-    """Bytes of context keys/values a group of prompts may hold while it walks: half of what one
-    all-anchor pass holds at this context length (its dense attention scores or its LM-head logits,
-    the larger), so the keys and a walk pass (at most the other half: `Walker._draft`, `Walker.run`)
-    stay within the all-anchor pass's peak."""
+def all_anchor_peak(drafter: DFlashDrafter, prompt_len: int, num_tokens: int, vocab: int,
+                    tree_depths: int = 0) -> int:
+    """A floor under the all-anchor pass's peak on one reference (`drafting.draft_anchors` at its
+    `num_tokens` anchors, in chunks of `anchors_per_pass`), the larger of what it surely holds at once
+    in its LM head and in a drafter layer's attention: its largest head chunk's logits, twice for a
+    chunk of the `tree_depths` top-k slots (the top-k rule's log-sum-exp temporary); or, in its last
+    full chunk, the projected context, that layer's context keys/values and their concatenation with
+    the blocks', the blocks' residual stream, layer input, queries, keys and values, and one mask
+    (its dense attention scores are not counted: the CPU kernel does not hold them)."""
     cfg = drafter.config
-    B = cfg.block_size
-    cap = anchors_per_pass(B, context_len=context_len, heads=cfg.num_attention_heads, dense=True)
-    scores = cfg.num_attention_heads * cap * B * (context_len + cap * B) * 4
-    logits = min(cap * (B - 1), logits_rows(vocab)) * vocab * 4
-    return min(WALK_KV_BUDGET, max(scores, logits) // 2)
+    B, rows, e = cfg.block_size, logits_rows(vocab), drafter.fc.weight.element_size()
+    n = max(num_tokens, 1)
+    chunk = min(n, anchors_per_pass(B, context_len=prompt_len + n, heads=cfg.num_attention_heads, dense=True))
+    D = min(tree_depths, B - 1)
+    head = max(2 * min(chunk * D, rows), min(chunk * (B - 1 - D), rows)) * vocab * 4
+    S, T = prompt_len + n // chunk * chunk, chunk * B
+    H, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layer = e * (S * H + 2 * kv * (2 * S + T) + T * (2 * H + q + 2 * kv)) + T * (S + T)
+    return max(head, layer)
+
+
+def group_kv_budget(drafter: DFlashDrafter, refs: list[tuple[int, int]], vocab: int, tree_depths: int = 0) -> int:
+    """Bytes of context keys/values a group of prompts may hold while it walks (`group_bytes`): half of
+    the largest `all_anchor_peak` over the references `(prompt_len, num_tokens)`; a walk pass and a head
+    call take what the group's keys leave (`Walker._draft`, `Walker.run`), so the walk's peak stays
+    within the all-anchor pass's."""
+    peak = max((all_anchor_peak(drafter, P, n, vocab, tree_depths) for P, n in refs), default=0)
+    return min(WALK_KV_BUDGET, peak // 2)
 
 
 def kv_bytes(drafter: DFlashDrafter, length: int) -> int:
+    """Bytes of one prompt's row in a group's buffers (`GroupKV`) when the group's longest context is `length`."""
     cfg = drafter.config
-    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * length
+    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (length + ROOM_BLOCKS * cfg.block_size)
             * drafter.fc.weight.element_size())
+
+
+def group_bytes(drafter: DFlashDrafter, lengths: list[int]) -> int:
+    """Bytes of a group's `GroupKV`: one row per prompt, each as long as the longest context."""
+    return len(lengths) * kv_bytes(drafter, max(lengths, default=1))
+
+
+def walk_groups(drafter: DFlashDrafter, lengths: list[int], budget: int) -> list[list[int]]:
+    """Prompt indices in order, cut into groups whose `group_bytes` fit `budget` (a prompt alone always fits)."""
+    groups: list[list[int]] = [[]]
+    for j, n in enumerate(lengths):
+        if groups[-1] and group_bytes(drafter, [lengths[i] for i in groups[-1]] + [n]) > budget:
+            groups.append([])
+        groups[-1].append(j)
+    return groups if groups[0] else []
+
+
+class GroupKV:
+    """A group's context keys and values, stacked once per layer as its prompts arrive: `keys[l]`, `values[l]`
+    `[prompts, kv_heads, longest + ROOM_BLOCKS * B, head_dim]` (a row is zero past its own context: never
+    attended). A pass over a run of rows attends to views of them, and each layer's block keys/values go
+    right after the pass's context (`join`: the positions they cover are saved and put back), so the
+    context is never copied: not stacked per pass, not concatenated with the blocks."""
+
+    def __init__(self, drafter: DFlashDrafter, lengths: list[int]):
+        cfg, w = drafter.config, drafter.fc.weight
+        self.size = max(lengths, default=1) + ROOM_BLOCKS * cfg.block_size
+        shape = (len(lengths), cfg.num_key_value_heads, self.size, cfg.head_dim)
+        self.keys = [w.new_zeros(shape) for _ in drafter.layers]
+        self.values = [w.new_zeros(shape) for _ in drafter.layers]
+
+    @classmethod
+    def of(cls, drafter: DFlashDrafter, kvs: list) -> GroupKV:
+        """From per-prompt `context_kv` results."""
+        group = cls(drafter, [kv[0][0].shape[1] for kv in kvs])
+        for j, kv in enumerate(kvs):
+            group.add(j, kv)
+        return group
+
+    def add(self, row: int, kv: list) -> None:
+        """Store one prompt's `context_kv` in its row."""
+        for layer, (k, v) in enumerate(kv):
+            n = min(k.shape[1], self.size)
+            self.keys[layer][row, :, :n] = k[:, :n]
+            self.values[layer][row, :, :n] = v[:, :n]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class _GroupCache(DraftCache):
+    """A pass's view of a `GroupKV`: rows `first .. first + span - 1`, context positions `..length`."""
+
+    def __init__(self, group: GroupKV, first: int, span: int, length: int):
+        super().__init__(len(group.keys))
+        self.group, self.rows, self.length_ = group, slice(first, first + span), length
+        self.saved: list = []  # (keys view, values view, saved keys, saved values) to put back
+
+    def context(self, layer: int):
+        self.restore()  # the previous layer's attention is done with its block keys
+        kv = _LayerKV((self.group.keys[layer][self.rows, :, :self.length_],
+                       self.group.values[layer][self.rows, :, :self.length_]))
+        kv.cache, kv.layer = self, layer
+        return kv
+
+    def restore(self) -> None:
+        for k, v, sk, sv in self.saved:
+            k.copy_(sk)
+            v.copy_(sv)
+        self.saved.clear()
+
+
+class _LayerKV(tuple):
+    """One layer's context (keys, values) views with `join` (`model.join_kv`)."""
+
+    cache: _GroupCache
+    layer: int
+
+    def join(self, k_blk: torch.Tensor, v_blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, L, Q = self.cache, self.cache.length_, k_blk.shape[2]
+        if L + Q > c.group.size:  # no room after this context: copy it, as `torch.cat` would
+            return torch.cat([self[0], k_blk], dim=2), torch.cat([self[1], v_blk], dim=2)
+        k = c.group.keys[self.layer][c.rows, :, :L + Q]
+        v = c.group.values[self.layer][c.rows, :, :L + Q]
+        c.saved.append((k[:, :, L:], v[:, :, L:], k[:, :, L:].clone(), v[:, :, L:].clone()))
+        k[:, :, L:] = k_blk
+        v[:, :, L:] = v_blk
+        return k, v
 
 
 class Walker:
@@ -140,14 +253,26 @@ class Walker:
         self.seen_step, self.seen_tree = [0, 0], [0, 0]
 
     @torch.no_grad()
-    def run(self, seqs: list[WalkSeq], kvs: list) -> list[WalkBlocks]:
-        """`kvs[i]`: `context_kv` of seqs[i]'s features (computed as each prompt's features arrive)."""
+    def run(self, seqs: list[WalkSeq], kvs: list | GroupKV) -> list[WalkBlocks]:
+        """`kvs`: the group's `GroupKV` (row i: seqs[i]'s context, stored as each prompt's features arrive),
+        or `context_kv` of each seq's features."""
+        kvs = kvs if isinstance(kvs, GroupKV) else GroupKV.of(self.drafter, kvs)
         out = [WalkBlocks() for _ in seqs]
         tree_on = self.topk > 0 and self.D > 0
         # head rows per call: half the all-anchor pass's logits rows (a top-k row's log-softmax doubles its)
         S = max((s.prompt_len + s.num_tokens for s in seqs), default=1)
         cap = anchors_per_pass(self.B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
         self.call_rows = min(HEAD_CALL_ROWS, max(1, min(self.head_rows, cap * (self.B - 1)) // 2))
+        # what a pass or a head call may hold besides the group's keys: the rest of the all-anchor pass's peak
+        V = self.head.weight.shape[0]
+        peak = max((all_anchor_peak(self.drafter, s.prompt_len, s.num_tokens, V, self.D) for s in seqs), default=0)
+        self.pass_budget = peak - kvs.nbytes()
+        # per call row: its logits (a top-k row's log-softmax takes a second temporary) and, in a head
+        # round over several passes (`_draft`), one more block's slot hiddens, and their kept copies
+        # (held into the next round); besides one pass's own slots. Set per round: `_draft`
+        slot_bytes = (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
+        self.row_bytes, self.pass_slots = V * 4 * (2 if tree_on else 1) + 2 * slot_bytes, cap * slot_bytes
+        self.most_call_rows = self.call_rows
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
         fixed = []
@@ -217,32 +342,41 @@ class Walker:
                reads: dict) -> None:
         """Draft (prompt, offset, with tree top-k, every slot) rows, and note in `reads[(prompt, offset)]`
         the head slots a greedy and a tree visit to each would need: the ones whose slot hiddens are kept
-        run the head only; the others go through the drafter in passes whose dense scores (prompts x
-        blocks per prompt, padding included, over the longest context) take at most half the all-anchor
-        pass's (`anchors_per_pass`), so the group's context keys fit in the rest (`group_kv_budget`)."""
+        run the head only; the others go through the drafter in passes of at most the all-anchor pass's
+        blocks and half its dense scores (prompts x blocks per prompt, padding included, over the longest
+        context; `anchors_per_pass`), each holding (`_pass_bytes`) no more than the group's keys, the
+        kept slot hiddens and one head round's slot hiddens leave of the all-anchor pass's peak
+        (`all_anchor_peak`)."""
         heads_only = [row for row in rows if (row[0], row[1]) in kept]
         drafted = [row for row in rows if (row[0], row[1]) not in kept]
         B, passes = self.B, [[]]
         counts: dict[int, int] = {}  # blocks per prompt in the pass being filled
         limit = (0, 0, 0)  # its (blocks, score elements, longest context): the all-anchor pass's, half its scores
+        # the head runs on several passes' rows at once (a head call reads the whole head, most of its
+        # cost at a large vocabulary and a few rows: lookahead makes many small passes): as many as one
+        # head call takes, their slot hiddens at most one call's logits (and held while the next passes run)
+        slot_bytes = (B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
+        free = self.pass_budget - sum(t.numel() * t.element_size() for t, _, _ in kept.values())
+        self.call_rows = max(1, min(self.most_call_rows, (free - self.pass_slots) // self.row_bytes))
+        merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
+        room = free - merge * slot_bytes
+        top = 0  # the last anchor of the pass being filled
         for row in sorted(drafted, key=lambda r: r[:2]):
             S = seqs[row[0]].prompt_len + seqs[row[0]].num_tokens
             c = anchors_per_pass(B, context_len=S, heads=self.drafter.config.num_attention_heads, dense=True)
             mine = (c, c * B * (S + c * B) // 2, S)
             trial = {**counts, row[0]: counts.get(row[0], 0) + 1}
             both = (min(limit[0], c), min(limit[1], mine[1]), max(limit[2], S)) if passes[-1] else mine
-            p, n = len(trial), max(trial.values())
-            if passes[-1] and (p * n > both[0] or p * n * B * (both[2] + n * B) > both[1]):
+            # a pass's batch rows are the run of the group's rows from its first prompt to its last
+            p, n = max(trial) - min(trial) + 1, max(trial.values())
+            L = max(top, seqs[row[0]].prompt_len + row[1])  # the pass's context: its last anchor
+            if passes[-1] and (p * n > both[0] or p * n * B * (both[2] + n * B) > both[1]
+                               or self._pass_bytes(p, n, L, kvs.size) > room):
                 passes.append([])
-                counts, limit = {row[0]: 1}, mine
+                counts, limit, top = {row[0]: 1}, mine, seqs[row[0]].prompt_len + row[1]
             else:
-                counts, limit = trial, both
+                counts, limit, top = trial, both, L
             passes[-1].append(row)
-        # the head runs on several passes' rows at once (a head call reads the whole head, most of its
-        # cost at a large vocabulary and a few rows: lookahead makes many small passes): as many as one
-        # head call takes, their slot hiddens at most one call's logits
-        slot_bytes = (B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
-        merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
         groups: list[list] = [[]]
         for chunk in passes:
             if groups[-1] and sum(map(len, groups[-1])) + len(chunk) > merge:
@@ -288,13 +422,31 @@ class Walker:
                         self.seen_tree[1] += 1
                 elif tree_at[i] is not None and off > tree_at[i] and r < len(chunk):
                     kept[(i, off)] = (slots[r].clone(), arg[r].copy(), int(computed[r]))  # the tree may come here
+            del slots  # before the next round's passes, which hold their own (`room`)
 
-    def _blocks(self, seqs, kvs, rows: list[tuple[int, int]]) -> torch.Tensor:
+    def _pass_bytes(self, span: int, n: int, L: int, size: int) -> int:
+        """What a drafter pass of `span` batch rows x `n` blocks at context `L` holds besides the group's
+        keys, at most: its activations (at a layer's attention or its MLP, whichever holds more per
+        block token), its masks (and `_attend`'s widened copy), and the join's (`GroupKV`) saved block
+        positions, or the context copied where the buffers have no room after it."""
+        cfg, e, B = self.drafter.config, self.drafter.fc.weight.element_size(), self.B
+        T, H, q, kv = span * n * B, cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
+            cfg.num_key_value_heads * cfg.head_dim
+        act = e * T * max(8 * H + 3 * q + 4 * kv, 4 * H + 3 * cfg.intermediate_size)
+        masks = (len(set(cfg.attention())) + 1) * T * (L + n * B)
+        join = 2 * e * T * kv if L + n * B <= size else 2 * e * span * kv * (L + n * B)
+        return act + masks + join
+
+    @torch.no_grad()  # block keys are written into the group's buffers
+    def _blocks(self, seqs, kvs: GroupKV, rows: list[tuple[int, int]]) -> torch.Tensor:
         """Final hiddens of slots 1..B-1 `[rows, B-1, H]`, one block per (prompt, offset): one
-        batch row per prompt, its blocks in the multi-block layout (`masks.BlockLayout`) over
-        its cached context keys, so a prompt's context is held once however many blocks it drafts."""
+        batch row per prompt of the run from the first prompt to the last (a prompt in between
+        with no block is a row of padding blocks), its blocks in the multi-block layout
+        (`masks.BlockLayout`) over views of the group's context keys (`GroupKV`), so a prompt's
+        context is held once however many blocks it drafts."""
         B, dev, drafter = self.B, self.dev, self.drafter
-        prompts = list(dict.fromkeys(i for i, _ in rows))
+        lo = min(i for i, _ in rows)
+        prompts = list(range(lo, max(i for i, _ in rows) + 1))
         batch_row = {i: b for b, i in enumerate(prompts)}
         count = [0] * len(prompts)
         where = []  # per row: (batch row, block)
@@ -311,8 +463,7 @@ class Walker:
             anchors[where[r]], valid[where[r]], first[where[r]] = a, True, seqs[i].ids[a]
         anchors, valid = anchors.to(dev), valid.to(dev)
         L = max(seqs[i].prompt_len + off for i, off in rows)  # context keys beyond the last anchor are never visible
-        cache = DraftCache(len(drafter.layers))  # each layer's stack built when that layer reads it
-        cache.keys, cache.values = _Stacked(kvs, prompts, 0, L), _Stacked(kvs, prompts, 1, L)  # type: ignore
+        cache = _GroupCache(kvs, lo, len(prompts), L)
         block = mask_blocks(first.to(dev), B, drafter.config.mask_token_id).reshape(len(prompts), N * B)
         layout = BlockLayout(anchors=anchors, valid=valid, context_len=L, block_size=B)
         built = {}
@@ -320,7 +471,10 @@ class Walker:
             if spec not in built:
                 built[spec] = dense_mask(dataclasses.replace(layout, window=spec[0], causal=spec[1]))
         masks = [built[spec] for spec in drafter.config.attention()]
-        hidden = drafter(self.emb(block), layout.block_positions(), None, None, mask=masks, cache=cache)
+        try:
+            hidden = drafter(self.emb(block), layout.block_positions(), None, None, mask=masks, cache=cache)
+        finally:
+            cache.restore()  # the last layer's block positions: the context's again
         hidden = hidden.view(len(prompts), N, B, -1)[:, :, 1:]
         b_idx = torch.tensor([b for b, _ in where], device=dev)
         j_idx = torch.tensor([j for _, j in where], device=dev)
@@ -447,22 +601,3 @@ def _pairs(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
 def _streaks(arg: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Leading slots whose draft equals the label (as `metrics.matches`: -1 labels never match)."""
     return metrics.leading_true((arg == labels) & (labels >= 0))
-
-
-class _Stacked:
-    """`[layer]`: the prompts' context keys (which=0) or values (1) of that layer, `[prompts, kv_heads,
-    L, head_dim]`, stacked when the layer asks, so one layer's copy is alive at a time (none for one prompt)."""
-
-    def __init__(self, kvs: list, prompts: list[int], which: int, length: int):
-        self.kvs, self.prompts, self.which, self.length = kvs, prompts, which, length
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        parts = [_fit(self.kvs[i][layer][self.which], self.length) for i in self.prompts]
-        return parts[0][None] if len(parts) == 1 else torch.stack(parts)
-
-
-def _fit(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`[kv_heads, length, head_dim]`: x's first `length` positions, zero-padded (never attended)."""
-    if x.shape[1] >= length:
-        return x[:, :length]
-    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], x.shape[2]))], dim=1)
