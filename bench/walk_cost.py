@@ -294,7 +294,7 @@ def forced_inputs(args, peaked: bool = False):
     anchor-sample quota per prompt); see `forced_case`."""
     from dflash_train.core.config import DrafterConfig
     from dflash_train.core.model import DFlashDrafter
-    from tests.unit.engine.test_walk import forced_reference
+    from tests.support.engine_helpers import forced_reference
 
     target = load_case_target("tiny")
     torch.manual_seed(1)
@@ -306,16 +306,15 @@ def forced_inputs(args, peaked: bool = False):
             drafter.norm.weight.mul_(PEAK)
     B, n, V = 16, args.max_new_tokens, target.vocab_size
     rng = np.random.default_rng(0)
-    import tests.unit.engine.test_walk as tw
-
-    tw.EMBED, tw.HEAD, tw.VOCAB = target.parts.embed_tokens, target.parts.lm_head, V  # drafts with this target
+    embed, head = target.parts.embed_tokens, target.parts.lm_head  # the construction drafts with this target
 
     seqs = []
     for i in range(args.num_prompts):
         prompt = rng.integers(4, V - 1, 24).tolist()
         feats = torch.randn(len(prompt) + n + B, cfg.num_features * target.hidden_size,
                             generator=torch.Generator().manual_seed(i))
-        ext = forced_reference(drafter, feats, prompt, n, "random", rng)  # accepts uniform in 0..B-1: τ ≈ 8.5
+        # accepts uniform in 0..B-1: τ ≈ 8.5
+        ext = forced_reference(drafter, embed, head, V, feats, prompt, n, "random", rng)
         seqs.append((prompt, feats, ext))
     quota = max(1, -(-max(8, round(512 * n * len(seqs) / 34_500)) // len(seqs)))
     return target, drafter, seqs, quota
@@ -369,7 +368,7 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
     drafter, random features, and references that follow the drafter's own blocks for a random
     `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
-    construction of tests/unit/engine/test_walk.py). `draft_anchors` + `score_prompt` (today) vs
+    construction of tests/support/engine_helpers.forced_reference). `draft_anchors` + `score_prompt` (today) vs
     `Walker` + `score_blocks` (new, prompts grouped as the engine groups them) on the same inputs,
     results checked equal; each run once
     untimed first (one-time costs: code paths paged in, allocator pools).

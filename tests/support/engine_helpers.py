@@ -119,3 +119,35 @@ class CannedServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def forced_reference(drafter: DFlashDrafter, embed, head, vocab: int, feats: torch.Tensor, prompt: list[int], n: int,
+                     policy: str, rng) -> list[int]:
+    """A response of n tokens (+ B-1 lookahead) whose online walk accepts what `policy` says, drafted with
+    the target parts `embed`/`head` (vocabulary `vocab`).
+
+    At each step the block is drafted (the spec loop's one-block path) and the reference continues with
+    the first `a` drafts, then a token the drafter did not propose: `accept_all` a = B-1 (τ = B),
+    `accept_none` 0 (τ = 1), `random` uniform in 0..B-1, `mostly` in B/2..B-1, `low` 1 in about a
+    third of the steps (τ ≈ 1.35). Used by the walk tests and `bench/walk_cost.py`'s forced cases."""
+    from eval_worker.engine.drafting import draft_one_block
+
+    B = drafter.config.block_size
+    ext = [int(rng.integers(0, vocab - 1))]
+    s = 0
+    while len(ext) < n + B - 1:
+        ids = torch.tensor(prompt + ext)
+        drafts = draft_one_block(drafter, embed, head, ids, feats, len(prompt) + s)[0].tolist()
+        least = B // 2 if policy == "mostly" else 0
+        if policy == "low":
+            a = int(rng.random() < 0.35)
+        else:
+            a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(least, B)))
+        ext += drafts[:a]
+        if a < B - 1:  # the first rejected slot gets a token the drafter did not propose
+            ext.append(int((drafts[a] + 1 + rng.integers(0, vocab - 3)) % (vocab - 1)))
+        s = len(ext) - 1
+        if a == B - 1:  # a full block: the bonus token, then the next block drafts from it
+            ext.append(int(rng.integers(0, vocab - 1)))
+            s = len(ext) - 1
+    return ext[: n + B - 1]

@@ -24,9 +24,10 @@ from hypothesis import strategies as st
 
 from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.engine.acceptance import Evaluator
-from eval_worker.engine.drafting import anchors_per_pass, draft_anchors, draft_one_block
+from eval_worker.engine.drafting import anchors_per_pass, draft_anchors
 from eval_worker.engine.scoring import sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.walk import Walker, WalkSeq, context_kv
+from tests.support import engine_helpers
 from tests.support.engine_helpers import fit_drafter, references
 from tests.support.factories import VOCAB, drafter_for, qwen3_target
 
@@ -37,25 +38,7 @@ POLICIES = ("accept_all", "accept_none", "random", "low")
 
 def forced_reference(drafter, feats, prompt, n, policy, rng):
     """A response of n tokens (+ B-1 lookahead) whose online walk accepts what `policy` says."""
-    B = drafter.config.block_size
-    ext = [int(rng.integers(0, VOCAB - 1))]
-    s = 0
-    while len(ext) < n + B - 1:
-        ids = torch.tensor(prompt + ext)
-        drafts = draft_one_block(drafter, EMBED, HEAD, ids, feats, len(prompt) + s)[0].tolist()
-        least = B // 2 if policy == "mostly" else 0
-        if policy == "low":  # τ ≈ 1.35
-            a = int(rng.random() < 0.35)
-        else:
-            a = {"accept_all": B - 1, "accept_none": 0}.get(policy, int(rng.integers(least, B)))
-        ext += drafts[:a]
-        if a < B - 1:  # the first rejected slot gets a token the drafter did not propose
-            ext.append(int((drafts[a] + 1 + rng.integers(0, VOCAB - 3)) % (VOCAB - 1)))
-        s = len(ext) - 1
-        if a == B - 1:  # a full block: the bonus token, then the next block drafts from it
-            ext.append(int(rng.integers(0, VOCAB - 1)))
-            s = len(ext) - 1
-    return ext[: n + B - 1]
+    return engine_helpers.forced_reference(drafter, EMBED, HEAD, VOCAB, feats, prompt, n, policy, rng)
 
 
 def both_paths(drafter, feats, prompt, ext, n, *, tree_budget, spine, max_blocks, counting, stop, sample, full_walk):
