@@ -531,11 +531,10 @@ class Evaluator:
         lengths = [max(len(r.prompt_ids) + len(r.tokens) - 1, 1) for r in refs]  # each context_kv's
         budget = group_kv_budget(drafter, [(len(r.prompt_ids), len(r.tokens)) for r in refs], head.weight.shape[0],
                                  walker.D)
-        groups = [[refs[j] for j in g] for g in walk_groups(drafter, lengths, budget)]  # keys within the budget
         scores, bar = [], iter(self._bar(refs, f"{suite.name}: features + walk-driven drafting (B={B})"))
-        for group in groups:
+        for members in walk_groups(drafter, lengths, budget):  # keys within the budget
+            group, lens = [refs[j] for j in members], [lengths[j] for j in members]
             seqs, extra = [], []
-            lens = [max(len(r.prompt_ids) + len(r.tokens) - 1, 1) for r in group]
             kvs = GroupKV(drafter, lens) if leak is None else None
             for j, ref in enumerate(group):  # with a leak probe (an all-anchor pass), before any keys are held
                 next(bar, None)
