@@ -78,9 +78,14 @@ def test_target_replaced_in_place_is_loaded_again(tmp_path, worker_evaluators, c
 def volatile_redis(tmp_path):
     """A private redis-server without persistence (no AOF, no RDB): a restart loses every key, as on a
     shared server configured as a cache."""
+    yield from _private_redis(tmp_path / "volatile-redis", {"appendonly": "no", "save": ""})
+
+
+def _private_redis(directory, config: dict):
+    """A private redis-server with `config` on top of the embedded server's, stopped after the test."""
     from eval_worker.service.redis_server import LocalRedis
 
-    server = LocalRedis(tmp_path / "volatile-redis", extra_config={"appendonly": "no", "save": ""})
+    server = LocalRedis(directory, extra_config=config)
     server.start()
     try:
         yield server
@@ -221,14 +226,7 @@ def test_redis_data_loss_a_forced_evaluation_after_it_evaluates_anew(volatile_re
 @pytest.fixture
 def evicting_redis(tmp_path):
     """A private redis-server set up as a shared cache often is: 4 MB and `allkeys-lru`."""
-    from eval_worker.service.redis_server import LocalRedis
-
-    server = LocalRedis(tmp_path / "lru-redis", extra_config={"maxmemory": "4mb", "maxmemory-policy": "allkeys-lru"})
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _private_redis(tmp_path / "lru-redis", {"maxmemory": "4mb", "maxmemory-policy": "allkeys-lru"})
 
 
 def test_server_policy_an_evicting_redis_is_named_by_every_part(evicting_redis, tmp_path, capsys, caplog):
