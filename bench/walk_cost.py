@@ -289,14 +289,20 @@ def qwen3_8b_estimate(row: dict) -> dict:
 PEAK = 32.0  # forced8_peaked: logits x 32 (a random drafter's are flat: top-1 vs top-2 a few 0.01 apart)
 
 
-def forced_inputs(args, peaked: bool = False):
-    """The forced cases' inputs: (tiny target, random 2-layer B=16 drafter, [(prompt, features, reference)],
-    anchor-sample quota per prompt); see `forced_case`."""
+WIDE_HIDDEN = 1024  # forced8_wide: a hidden size at which the drafter's and the head's GEMMs are compute-bound
+
+
+def forced_inputs(args, peaked: bool = False, wide: bool = False):
+    """The forced cases' inputs: (target, random 2-layer B=16 drafter, [(prompt, features, reference)],
+    anchor-sample quota per prompt); see `forced_case`. The target is the tiny one, or with `wide` the
+    Qwen3 real-shape fixture at hidden `WIDE_HIDDEN` (vocab 151,936; only its embedding and head
+    are used), `args.real_max_new_tokens` tokens per prompt."""
     from dflash_train.core.config import DrafterConfig
     from dflash_train.core.model import DFlashDrafter
     from tests.support.engine_helpers import forced_reference
+    from tests.support.factories import qwen3_real_shape
 
-    target = load_case_target("tiny")
+    target = qwen3_real_shape(hidden=WIDE_HIDDEN) if wide else load_case_target("tiny")
     torch.manual_seed(1)
     cfg = DrafterConfig.for_target(target.model.config, mask_token_id=target.mask_token_id(), num_hidden_layers=2,
                                    num_features=3, block_size=16)
@@ -304,7 +310,7 @@ def forced_inputs(args, peaked: bool = False):
     if peaked:
         with torch.no_grad():
             drafter.norm.weight.mul_(PEAK)
-    B, n, V = 16, args.max_new_tokens, target.vocab_size
+    B, n, V = 16, (args.real_max_new_tokens if wide else args.max_new_tokens), target.vocab_size
     rng = np.random.default_rng(0)
     embed, head = target.parts.embed_tokens, target.parts.lm_head  # the construction drafts with this target
 
@@ -364,7 +370,7 @@ def forced_walk(drafter, embed, head, seqs, n: int, quota: int, spine: bool):
     return out, got, ws
 
 
-def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
+def forced_case(args, spine: bool = False, peaked: bool = False, wide: bool = False) -> dict:
     """τ ≈ 8 by construction, drafting phase only: the tiny target's shapes, a random 2-layer B=16
     drafter, random features, and references that follow the drafter's own blocks for a random
     `a` (uniform in 0..B-1) accepted slots per step, then a token it did not propose (the
@@ -374,10 +380,10 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
     untimed first (one-time costs: code paths paged in, allocator pools).
     `peaked`: the drafter's final norm scaled by `PEAK`, so its logits are too (same argmax, the
     same references): distributions as peaked as a trained drafter's, whose plain tree holds the chain."""
-    target, drafter, seqs, quota = forced_inputs(args, peaked)
+    target, drafter, seqs, quota = forced_inputs(args, peaked, wide)
     cfg = drafter.config
     embed, head = target.parts.embed_tokens, target.parts.lm_head
-    B, n, V = cfg.block_size, args.max_new_tokens, target.vocab_size
+    B, n, V = cfg.block_size, (args.real_max_new_tokens if wide else args.max_new_tokens), target.vocab_size
     tokens = n * len(seqs)
 
     def today():
@@ -400,7 +406,8 @@ def forced_case(args, spine: bool = False, peaked: bool = False) -> dict:
             flops += f["block"] + (w.prompt_len + off + B) * f["block_per_key"] + need * f["slot"]
     tau_ = float(np.mean([a.online.tau for a in old]))
     bound_s = flops / (args.gflops * 1e9)
-    return {"case": "forced8" + ("_spine" if spine else "") + ("_peaked" if peaked else ""), "vocab": V, "tau": tau_,
+    return {"case": "forced8" + ("_wide" if wide else "") + ("_spine" if spine else "") + ("_peaked" if peaked else ""),
+            "vocab": V, "tau": tau_,
             "tree_tau": float(np.mean([a.tree_online.tau for a in old])),
             "prompts": len(seqs), "tokens": tokens, "today_s": old_s, "new_s": new_s, "today_draft_s": old_s,
             "new_draft_s": new_s, "loop_s": float("nan"), "loop_steps": 0, "flops": flops, "bound_s": bound_s,
@@ -433,7 +440,7 @@ def main() -> None:
            f"{'bound s':>8} {'new/bound':>9} {'draft/bound':>11} {'blocks':>11} {'RSS MB':>13} {'tensor MB':>13} "
            f"{'run tensor MB':>13}")
     for name in args.cases.split(","):
-        r = (forced_case(args, "spine" in name, "peaked" in name) if name.startswith("forced8")
+        r = (forced_case(args, "spine" in name, "peaked" in name, "wide" in name) if name.startswith("forced8")
              else run_case(name, args, work))
         rows.append(r)
         if len(rows) == 1:

@@ -22,6 +22,11 @@ from dflash_train.core.target import logits_rows
 
 DEFAULT_QUERY_BUDGET = 2048  # block slots per drafter pass
 DEFAULT_HEAD_ROWS = None  # rows per LM-head chunk; None: `target.logits_rows` (a fixed logits budget)
+# LM-head columns per product: a chunk's logits are one tile at a time, never `[rows, vocab]`, so the rows a
+# chunk takes (and that share one read of the head's weight, a call's whole cost at a large vocabulary and a few
+# rows: 622 MB at vocab 151,936 x hidden 1024 in fp32) are set by the tile, not the vocabulary; and the argmax,
+# top-k and log-sum-exp read each tile while it is still in cache. A vocabulary up to this is one tile
+VOCAB_TILE = 16384
 # SDPA with a dense mask materialises [heads, queries, keys] scores: cap them (flex does not)
 DENSE_SCORE_BUDGET = 32 * 1024 * 1024
 
@@ -53,52 +58,109 @@ class _CastEmbedding(nn.Module):
 
 
 @torch.no_grad()
-def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chunk: int | None = DEFAULT_HEAD_ROWS):
-    """argmax (and top-k log-probs) of `head(hidden)` for `[rows, H]`, a chunk of rows at a time."""
+def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chunk: int | None = DEFAULT_HEAD_ROWS,
+              *, topk_rows: int | None = None):
+    """argmax of `head(hidden)` for `[rows, H]`, and with `topk` the top-k log-probs of its first `topk_rows`
+    rows (None: all), a chunk of rows at a time, each chunk over vocabulary tiles of `VOCAB_TILE` columns
+    (`TiledHead`). Returns (argmax [rows], ids [topk_rows, K], log-probs [topk_rows, K]; None without topk)."""
     rows = hidden.shape[0]
-    # with top-k, logsumexp needs a second [rows, vocab] temporary: half the rows, same budget
-    rows_per_chunk = rows_per_chunk or max(1, logits_rows(head.weight.shape[0]) // (2 if topk else 1))
+    k_rows = (rows if topk_rows is None else min(topk_rows, rows)) if topk else 0
+    tiled = TiledHead(head)
+    # with top-k, the log-sum-exp takes a second [rows, tile] temporary: half the rows, same budget
+    rows_per_chunk = rows_per_chunk or max(1, logits_rows(tiled.tile) // (2 if k_rows else 1))
     arg = torch.empty(rows, dtype=torch.long)
-    ids = torch.empty(rows, topk, dtype=torch.long) if topk else None
-    logp = torch.empty(rows, topk, dtype=torch.float32) if topk else None
-    wdtype = head.weight.dtype
+    ids = torch.empty(k_rows, topk, dtype=torch.long) if topk else None
+    logp = torch.empty(k_rows, topk, dtype=torch.float32) if topk else None
+    K = topk
     for s in range(0, rows, rows_per_chunk):
-        logits = head(hidden[s:s + rows_per_chunk].to(wdtype))
-        if not topk:
-            arg[s:s + rows_per_chunk] = logits.argmax(-1).cpu()  # same op as the spec loop
+        e = min(s + rows_per_chunk, rows)
+        m = max(0, min(e, k_rows) - s)
+        a, v, i = tiled(hidden[s:e], topk, m)
+        arg[s:e] = a.cpu()
+        if m:
+            K = v.shape[1]
+            logp[s:s + m, :K], ids[s:s + m, :K] = v.cpu(), i.cpu()
+    return arg, (ids[:, :K] if topk else None), (logp[:, :K] if topk else None)
+
+
+class TiledHead:
+    """The LM head over vocabulary tiles (`tile_topk`): a tile's product is the full product's columns bit for
+    bit (a GEMM's columns do not depend on its width), each written into one buffer per call (a fresh result per
+    tile would pay its page faults each time)."""
+
+    def __init__(self, head: nn.Module):
+        self.head, self.W = head, head.weight
+        self.vocab = self.W.shape[0]
+        self.tile = min(self.vocab, VOCAB_TILE)
+        self.plain = type(head) is nn.Linear and head.bias is None  # the product is x @ W.T (F.linear, no bias)
+
+    def __call__(self, x: torch.Tensor, topk: int, m: int):
+        """`tile_topk` of `head(x)` for `x [R, H]`, top-k for its first `m` rows."""
+        R, T, W = x.shape[0], self.tile, self.W
+        x = x.to(W.dtype)
+        if not self.plain:
+            return logits_topk(self.head(x), topk, m)
+        buf = torch.empty(R * T, dtype=W.dtype, device=W.device)
+
+        def tiles():
+            for c in range(0, self.vocab, T):
+                d = min(self.vocab, c + T)
+                yield c, torch.matmul(x, W[c:d].t(), out=buf[: R * (d - c)].view(R, d - c))
+
+        return tile_topk(tiles(), topk, m)
+
+
+def logits_topk(logits: torch.Tensor, topk: int, m: int | None = None):
+    """`tile_topk` of `[rows, vocab]` logits (top-k for the first `m` rows; None: all)."""
+    V = logits.shape[-1]
+    return tile_topk(((c, logits[:, c:c + VOCAB_TILE]) for c in range(0, V, VOCAB_TILE)), topk,
+                     logits.shape[0] if m is None else m)
+
+
+def tile_topk(tiles, topk: int, m: int):
+    """The one LM-head rule of the engine (the all-anchor pass and the walk alike), over a row's vocabulary
+    tiles `(first column, logits [R, t])` in order: (argmax [R], top-k log-probs [m, K], their ids [m, K];
+    None, None without top-k). The argmax keeps the first index of the largest logit (as `argmax` over the
+    whole row, also on an exact tie); the top-k merges tile by tile; the log-sum-exp is `logsumexp`'s steps
+    per tile, combined from each tile's (max, sum of exp) in tile order. With one tile (vocabulary <=
+    `VOCAB_TILE`) the log-probs are `torch.logsumexp`'s bit for bit (a property test holds it)."""
+    best_v = best_i = top_v = top_i = None
+    stats = []  # per tile, of the top-k rows: (max, max with inf as 0, sum of exp below it)
+    for c, logits in tiles:
+        v, i = logits.max(-1)  # the first index of the largest, as `argmax`
+        if best_v is None:
+            best_v, best_i = v, i
+        else:
+            better = v > best_v  # an equal value in a later tile keeps the earlier index
+            best_v, best_i = torch.where(better, v, best_v), torch.where(better, i + c, best_i)
+        if not (topk and m):
             continue
-        a, v, i = logits_topk(logits, topk)
-        arg[s:s + rows_per_chunk] = a.cpu()
-        logp[s:s + rows_per_chunk, : v.shape[1]] = v.cpu()
-        ids[s:s + rows_per_chunk, : v.shape[1]] = i.cpu()
-        del logits
-    return arg, ids, logp
+        tv, ti = logits[:m].topk(min(topk, logits.shape[-1]), dim=-1)
+        if top_v is None:
+            top_v, top_i = tv, ti + c
+        else:
+            cv, ci = torch.cat([top_v, tv], 1), torch.cat([top_i, ti + c], 1)
+            top_v, j = cv.topk(min(topk, cv.shape[1]), dim=-1)
+            top_i = ci.gather(1, j)
+        mx = v[:m, None].float()
+        mm = mx.masked_fill(mx.abs() == float("inf"), 0)
+        stats.append((mx, mm, (logits[:m].float() - mm).clamp_(min=UNDERFLOW).exp_().sum(-1, keepdim=True)))
+    if not stats:
+        return best_i, None, None
+    if len(stats) == 1:
+        mx, mm, total = stats[0]
+    else:
+        mx = torch.cat([t[0] for t in stats], 1).amax(1, keepdim=True)
+        mm = mx.masked_fill(mx.abs() == float("inf"), 0)
+        total = sum(s_ * (tm - mm).exp() for _, tm, s_ in stats)  # a tile whose max is -inf adds 0
+    lse = total.log_().add_(mm).masked_fill_(mx == -float("inf"), -float("inf"))  # a row of -inf only
+    return best_i, top_v.float() - lse, top_i
 
 
-def logits_topk(logits: torch.Tensor, topk: int):
-    """(argmax, top-k log-probs, their ids) of `[rows, vocab]` logits: the one top-k rule (argmax
-    as `logits.argmax` picks it, also on an exact tie at the top)."""
-    v, i = logits.topk(min(topk, logits.shape[-1]), dim=-1)
-    a = i[:, 0].clone()
-    if v.shape[1] > 1:  # an exact tie at the top: topk's pick may differ from argmax's first index
-        tied = v[:, 0] == v[:, 1]
-        if tied.any():
-            a[tied] = logits[tied].argmax(-1)
-    return a, v.float() - logsumexp(logits.float(), v[:, :1].float()), i  # log-probs of the top k only
-
-
-UNDERFLOW = -87.0  # exp below this is no longer a normal float32 (and its vectorised path slows ~20x)
-
-
-def logsumexp(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """`torch.logsumexp(x, -1, keepdim=True)` by its own steps (max, exp of the differences, sum, log,
-    + max; `top`: the rows' max, known from top-k), with differences below `UNDERFLOW` clamped there:
-    a peaked drafter's logits put most of the vocabulary there, where exp takes a slow path. Each
-    clamped term is below 1.7e-38, under float32's resolution of a sum that is at least 1 (the max's
-    own term); a property test holds the result bit-equal to torch's."""
-    m = top.masked_fill(top.abs() == float("inf"), 0)
-    out = (x - m).clamp_(min=UNDERFLOW).exp_().sum(-1, keepdim=True).log_().add_(m)
-    return out.masked_fill_(top == -float("inf"), -float("inf"))  # a row of -inf only: exp's terms all 0
+# the log-sum-exp's differences below this are clamped there: exp's vectorised path slows ~20x on inputs that
+# underflow, where a peaked drafter puts most of the vocabulary; each clamped term is below 1.7e-38, under
+# float32's resolution of a sum that is at least 1 (the max's own term), so the result stays torch's
+UNDERFLOW = -87.0
 
 
 def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET, *, context_len: int = 0,
@@ -158,10 +220,11 @@ def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, inp
                                         see_anchor_state=see_anchor_state)
         H = hidden.shape[-1]
         slots = hidden.view(-1, B, H)[:n, 1:]
-        if topk and D:
-            arg_a, tids, tlogp = head_topk(head, slots[:, :D].reshape(-1, H), topk, head_rows)
-            arg_b, _, _ = head_topk(head, slots[:, D:].reshape(-1, H), 0, head_rows)
-            arg = torch.cat([arg_a.view(n, D), arg_b.view(n, B - 1 - D)], dim=1)
+        if topk and D:  # one head call: the top-k slots' rows first
+            arg_ab, tids, tlogp = head_topk(head, torch.cat([slots[:, :D].reshape(-1, H),
+                                                             slots[:, D:].reshape(-1, H)]), topk, head_rows,
+                                            topk_rows=n * D)
+            arg = torch.cat([arg_ab[:n * D].view(n, D), arg_ab[n * D:].view(n, B - 1 - D)], dim=1)
             out_ids.append(tids.view(n, D, -1))
             out_logp.append(tlogp.view(n, D, -1))
         else:

@@ -49,16 +49,16 @@ from dflash_train.core.masks import BlockLayout, dense_mask
 from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.core.target import logits_rows
 from eval_worker.engine import metrics
-from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, _CastEmbedding, anchors_per_pass, logits_topk
+from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, VOCAB_TILE, _CastEmbedding, anchors_per_pass, head_topk
 from eval_worker.engine.scoring import walk_labels
 from eval_worker.engine.tree import DraftTree, build_tree, tree_streak
 
 # the context keys/values a group of prompts holds at once (the rest of the suite waits its turn), at most
 WALK_KV_BUDGET = 64 * 1024 * 1024
 # rows per head call at most: enough to spread the head's read, most of a small call's cost (at vocab 151,936
-# a 16-row product takes what a 4-row one does); larger calls, which a round's first chunks can fill, only
-# raise the peak (above the all-anchor pass's at 500-token contexts)
-HEAD_CALL_ROWS = 64
+# a 16-row product takes what a 4-row one does; at hidden 1024 up to ~60 rows); a call's logits are one
+# vocabulary tile at a time, so more rows cost a tile's row each (and what `Walker._draft` leaves them)
+HEAD_CALL_ROWS = 256
 # blocks per prompt a group's buffers have room for after the longest context (`GroupKV`): a walk step's
 # (the greedy and the tree cursor's) join their context in place; a pass with more copies the context
 ROOM_BLOCKS = 2
@@ -109,17 +109,18 @@ def all_anchor_peak(drafter: DFlashDrafter, prompt_len: int, num_tokens: int, vo
                     tree_depths: int = 0) -> int:
     """A floor under the all-anchor pass's peak on one reference (`drafting.draft_anchors` at its
     `num_tokens` anchors, in chunks of `anchors_per_pass`), the larger of what it surely holds at once
-    in its LM head and in a drafter layer's attention: its largest head chunk's logits, twice for a
-    chunk of the `tree_depths` top-k slots (the top-k rule's log-sum-exp temporary); or, in its last
+    in its LM head and in a drafter layer's attention: a head call's tile of logits (`drafting.TiledHead`)
+    and the log-sum-exp temporary of its rows of the `tree_depths` top-k slots; or, in its last
     full chunk, the projected context, that layer's context keys/values and their concatenation with
     the blocks', the blocks' residual stream, layer input, queries, keys and values, and one mask
     (its dense attention scores are not counted: the CPU kernel does not hold them)."""
     cfg = drafter.config
-    B, rows, e = cfg.block_size, logits_rows(vocab), drafter.fc.weight.element_size()
+    B, tile, e = cfg.block_size, min(vocab, VOCAB_TILE), drafter.fc.weight.element_size()
     n = max(num_tokens, 1)
     chunk = min(n, anchors_per_pass(B, context_len=prompt_len + n, heads=cfg.num_attention_heads, dense=True))
     D = min(tree_depths, B - 1)
-    head = max(2 * min(chunk * D, rows), min(chunk * (B - 1 - D), rows)) * vocab * 4
+    R = min(chunk * (B - 1), max(1, logits_rows(tile) // (2 if D else 1)))  # a head call's rows (`head_topk`)
+    head = (R + min(chunk * D, R)) * tile * 4
     S, T = prompt_len + n // chunk * chunk, chunk * B
     H, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = e * (S * H + 2 * kv * (2 * S + T) + T * (2 * H + q + 2 * kv)) + T * (S + T)
@@ -242,7 +243,7 @@ class Walker:
         self.budget, self.spine = tree_budget, tree_spine
         # rows per head call, top-k rows and argmax rows alike: half the logits budget (a top-k row's
         # log-softmax takes a second temporary), so a call's peak is the all-anchor pass's top-k chunk's
-        self.head_rows = head_rows or max(1, logits_rows(head.weight.shape[0]) // 2)
+        self.head_rows = head_rows or max(1, logits_rows(min(head.weight.shape[0], VOCAB_TILE)) // 2)
         self.dev = next(drafter.parameters()).device
         self.call_rows = self.head_rows
         # what this drafter's blocks needed so far (sum, count): head slots up to the first miss, and
@@ -271,7 +272,8 @@ class Walker:
         # round over several passes (`_draft`), one more block's slot hiddens, and their kept copies
         # (held into the next round); besides one pass's own slots. Set per round: `_draft`
         slot_bytes = (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
-        self.row_bytes, self.pass_slots = V * 4 * (2 if tree_on else 1) + 2 * slot_bytes, cap * slot_bytes
+        T = min(V, VOCAB_TILE)  # a head call's logits are one vocabulary tile at a time (`drafting.TiledHead`)
+        self.row_bytes, self.pass_slots = T * 4 * (2 if tree_on else 1) + 2 * slot_bytes, cap * slot_bytes
         self.most_call_rows = self.call_rows
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
@@ -359,7 +361,7 @@ class Walker:
         free = self.pass_budget - sum(t.numel() * t.element_size() for t, _, _ in kept.values())
         self.call_rows = max(1, min(self.most_call_rows, (free - self.pass_slots) // self.row_bytes))
         merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
-        room = free - merge * slot_bytes
+        room = free - min(merge, len(drafted)) * slot_bytes  # a head round holds at most the round's rows
         top = 0  # the last anchor of the pass being filled
         for row in sorted(drafted, key=lambda r: r[:2]):
             S = seqs[row[0]].prompt_len + seqs[row[0]].num_tokens
@@ -541,33 +543,13 @@ class Walker:
 
     def _call(self, slots: torch.Tensor, rows: np.ndarray, cols: np.ndarray, k: int):
         """One head call on the (row, slot) pairs, `call_rows` at a time: argmax of each, and the
-        top-k log-probs of the first k. Returns (argmax [M], top-k ids [k, K], log-probs [k, K])."""
+        top-k log-probs of the first k (`drafting.head_topk`, the all-anchor pass's rule). Returns
+        (argmax [M], top-k ids [k, K], log-probs [k, K])."""
         hidden = slots[torch.as_tensor(rows), torch.as_tensor(cols)]
-        M, wdtype = hidden.shape[0], self.head.weight.dtype
-        arg = torch.empty(M, dtype=torch.long)
-        ids = torch.empty(k, self.topk, dtype=torch.long)
-        logp = torch.empty(k, self.topk, dtype=torch.float32)
-        K = self.topk
-        # one logits buffer for the calls of this round: a fresh [rows, vocab] result each call costs
-        # its page faults again, as much as the product itself at vocab 151,936 and 64 rows
-        plain = type(self.head) is torch.nn.Linear and self.head.bias is None
-        W = self.head.weight
-        buf = torch.empty(min(M, self.call_rows), W.shape[0], dtype=wdtype, device=W.device) if plain else None
-        for s in range(0, M, self.call_rows):
-            e = min(s + self.call_rows, M)
-            if buf is not None:  # the product `self.head` computes (F.linear without bias: x @ W.T)
-                logits = torch.matmul(hidden[s:e].to(wdtype), W.t(), out=buf[: e - s])
-            else:
-                logits = self.head(hidden[s:e].to(wdtype))
-            m = max(0, min(e, k) - s)  # this chunk's top-k rows
-            if m:
-                a, v, i = logits_topk(logits[:m], self.topk)
-                K = v.shape[1]
-                arg[s:s + m], logp[s:s + m, :K], ids[s:s + m, :K] = a.cpu(), v.cpu(), i.cpu()
-            if m < e - s:
-                arg[s + m:e] = logits[m:].argmax(-1).cpu()  # same op as the spec loop
-            del logits
-        return arg.numpy(), ids[:, :K].numpy(), logp[:, :K].numpy()
+        arg, ids, logp = head_topk(self.head, hidden, self.topk, self.call_rows, topk_rows=k)
+        if ids is None:
+            return arg.numpy(), np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.float32)
+        return arg.numpy(), ids.numpy(), logp.numpy()
 
 
 def lookahead(tau: float | None, limit: int = LOOKAHEAD, extra: float = LOOKAHEAD_EXTRA) -> int:
