@@ -94,6 +94,7 @@ class TiledHead:
         self.tile = min(self.vocab, VOCAB_TILE)
         self.plain = type(head) is nn.Linear and head.bias is None  # the product is x @ W.T (F.linear, no bias)
 
+    @torch.no_grad()
     def __call__(self, x: torch.Tensor, topk: int, m: int):
         """`tile_topk` of `head(x)` for `x [R, H]`, top-k for its first `m` rows."""
         R, T, W = x.shape[0], self.tile, self.W
@@ -220,11 +221,10 @@ def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, inp
                                         see_anchor_state=see_anchor_state)
         H = hidden.shape[-1]
         slots = hidden.view(-1, B, H)[:n, 1:]
-        if topk and D:  # one head call: the top-k slots' rows first
-            arg_ab, tids, tlogp = head_topk(head, torch.cat([slots[:, :D].reshape(-1, H),
-                                                             slots[:, D:].reshape(-1, H)]), topk, head_rows,
-                                            topk_rows=n * D)
-            arg = torch.cat([arg_ab[:n * D].view(n, D), arg_ab[n * D:].view(n, B - 1 - D)], dim=1)
+        if topk and D:
+            arg_a, tids, tlogp = head_topk(head, slots[:, :D].reshape(-1, H), topk, head_rows)
+            arg_b, _, _ = head_topk(head, slots[:, D:].reshape(-1, H), 0, head_rows)
+            arg = torch.cat([arg_a.view(n, D), arg_b.view(n, B - 1 - D)], dim=1)
             out_ids.append(tids.view(n, D, -1))
             out_logp.append(tlogp.view(n, D, -1))
         else:

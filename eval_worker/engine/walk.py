@@ -25,7 +25,10 @@ step (a GPU still gets batched work):
     so it stops at the first miss: a block's first chunk as deep as this drafter's blocks needed
     on average so far, each next one doubling (at high τ a block costs one or two head calls);
     rows the tree visits get top-k as deep as their tree reads, rows of the sample all slots;
-    each round of chunks is one head call over every row of the step (at most `HEAD_CALL_ROWS`);
+    each round of chunks is one head call over every row of the step (at most `HEAD_CALL_ROWS`),
+    by the all-anchor pass's rule over vocabulary tiles (`drafting.head_topk`), so its rows are
+    set by a tile's logits, not the vocabulary's; a head too large for any cache (read from memory
+    by every call, `HEAD_STREAM_BYTES`) gets deeper slots per call rather than another call later;
   - memory is sized from the all-anchor pass's at the same context length (`all_anchor_peak`, a
     floor under it): a group's context keys take at most half (`group_kv_budget`), stacked once per
     layer as the group forms (`GroupKV`); a pass attends to views of them, each layer's block keys
@@ -59,6 +62,12 @@ WALK_KV_BUDGET = 64 * 1024 * 1024
 # a 16-row product takes what a 4-row one does; at hidden 1024 up to ~60 rows); a call's logits are one
 # vocabulary tile at a time, so more rows cost a tile's row each (and what `Walker._draft` leaves them)
 HEAD_CALL_ROWS = 256
+# an LM head whose weight is larger than this is read from memory by every call (no cache holds it), which costs
+# as much as the product of tens of rows (here at hidden 1024: 16 rows 125 ms, 32 rows 152 ms, 64 rows 206 ms; on
+# a GPU's HBM at Qwen3-8B's head, ~100 rows): its rounds fill a call with deeper slots rather than make another
+# call later (`Walker._fill`) ...
+HEAD_STREAM_BYTES = 32 << 20
+HEAD_FILL_ROWS = 48  # ... up to this many (row, slot) pairs (measured here: 32-75 alike, 16 slower)
 # blocks per prompt a group's buffers have room for after the longest context (`GroupKV`): a walk step's
 # (the greedy and the tree cursor's) join their context in place; a pass with more copies the context
 ROOM_BLOCKS = 2
@@ -109,8 +118,8 @@ def all_anchor_peak(drafter: DFlashDrafter, prompt_len: int, num_tokens: int, vo
                     tree_depths: int = 0) -> int:
     """A floor under the all-anchor pass's peak on one reference (`drafting.draft_anchors` at its
     `num_tokens` anchors, in chunks of `anchors_per_pass`), the larger of what it surely holds at once
-    in its LM head and in a drafter layer's attention: a head call's tile of logits (`drafting.TiledHead`)
-    and the log-sum-exp temporary of its rows of the `tree_depths` top-k slots; or, in its last
+    in its LM head and in a drafter layer's attention: a head call's tile of logits (`drafting.TiledHead`),
+    twice for the call on the `tree_depths` top-k slots (the log-sum-exp's temporary); or, in its last
     full chunk, the projected context, that layer's context keys/values and their concatenation with
     the blocks', the blocks' residual stream, layer input, queries, keys and values, and one mask
     (its dense attention scores are not counted: the CPU kernel does not hold them)."""
@@ -119,8 +128,8 @@ def all_anchor_peak(drafter: DFlashDrafter, prompt_len: int, num_tokens: int, vo
     n = max(num_tokens, 1)
     chunk = min(n, anchors_per_pass(B, context_len=prompt_len + n, heads=cfg.num_attention_heads, dense=True))
     D = min(tree_depths, B - 1)
-    R = min(chunk * (B - 1), max(1, logits_rows(tile) // (2 if D else 1)))  # a head call's rows (`head_topk`)
-    head = (R + min(chunk * D, R)) * tile * 4
+    rows = logits_rows(tile)  # a head call's rows at most (`head_topk`), half of them with top-k
+    head = max(2 * min(chunk * D, rows // 2), min(chunk * (B - 1 - D), rows)) * tile * 4
     S, T = prompt_len + n // chunk * chunk, chunk * B
     H, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = e * (S * H + 2 * kv * (2 * S + T) + T * (2 * H + q + 2 * kv)) + T * (S + T)
@@ -246,6 +255,7 @@ class Walker:
         self.head_rows = head_rows or max(1, logits_rows(min(head.weight.shape[0], VOCAB_TILE)) // 2)
         self.dev = next(drafter.parameters()).device
         self.call_rows = self.head_rows
+        self.streamed = head.weight.numel() * head.weight.element_size() >= HEAD_STREAM_BYTES
         # what this drafter's blocks needed so far (sum, count): head slots up to the first miss, and
         # the top-k depths its trees read. A block's first head round covers the mean, so at high τ
         # a block costs one or two head calls instead of one per growing chunk
@@ -511,6 +521,8 @@ class Walker:
                 break
             a_hi = np.where(want_arg, np.where(full, W, np.minimum(np.maximum(first, 2 * done), W)), done)
             t_hi = np.where(want_tk, tk_want, tk_done)
+            if self.streamed:
+                a_hi, t_hi = self._fill(rows, want_arg, want_tk, done, tk_done, a_hi, t_hi, W)
             # (row, slot) pairs: the top-k ones first, then argmax only
             lo = np.maximum(done, t_hi)
             tk_r, tk_s = _pairs(rows, tk_done[rows], t_hi[rows])
@@ -540,6 +552,24 @@ class Walker:
             self.seen_read[0] += t.read_depth
             self.seen_read[1] += 1
         return trees, done
+
+    def _fill(self, rows, want_arg, want_tk, done, tk_done, a_hi, t_hi, W: int):
+        """A streamed head's round (`HEAD_STREAM_BYTES`): a call costs the read of the head's weight up to
+        about one call's rows, so the round's rows get deeper slots (argmax and top-k alike, the same depth
+        for every row that still wants them) as far as one call's rows hold, instead of a later call each."""
+        def pairs(a, t):
+            lo = np.maximum(done, t)
+            return int((t - tk_done)[rows].sum() + (np.maximum(a, lo) - lo)[rows].sum())
+
+        fill = min(self.call_rows, HEAD_FILL_ROWS)
+        if pairs(a_hi, t_hi) >= fill:
+            return a_hi, t_hi
+        for d in range(W, 0, -1):
+            a2 = np.where(want_arg, np.maximum(a_hi, d), a_hi)
+            t2 = np.where(want_tk, np.maximum(t_hi, min(d, self.D)), t_hi)
+            if pairs(a2, t2) <= fill:
+                return a2, t2
+        return a_hi, t_hi
 
     def _call(self, slots: torch.Tensor, rows: np.ndarray, cols: np.ndarray, k: int):
         """One head call on the (row, slot) pairs, `call_rows` at a time: argmax of each, and the

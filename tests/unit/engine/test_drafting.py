@@ -63,6 +63,34 @@ def test_chunked_head_equals_unchunked(rows_per_chunk, k, seed):
     torch.testing.assert_close(logp, v, atol=1e-6, rtol=0)  # a 1-row GEMM may round differently
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 8), st.integers(0, 1000), st.sampled_from([1, 3, 64, 1000]),
+       st.integers(0, 61), st.booleans())
+def test_head_over_vocabulary_tiles_is_the_whole_products_rule(rows_per_chunk, k, seed, tile, topk_rows, plain):
+    """Whatever the tile width: the argmax is the whole product's (first index of the largest), the top-k
+    values are its top-k values, the log-probs its log-softmax's within float32 rounding; top-k only for the
+    first `topk_rows` rows. A head that is not a bias-free Linear gets the same rule on its own output."""
+    from unittest import mock
+
+    from eval_worker.engine import drafting
+    head = HEAD if plain else torch.nn.Linear(HEAD.in_features, HEAD.out_features, bias=True)
+    if not plain:
+        with torch.no_grad():
+            head.weight.copy_(HEAD.weight)
+            head.bias.normal_(generator=torch.Generator().manual_seed(seed))
+    hidden = torch.randn(61, TARGET.hidden_size, generator=torch.Generator().manual_seed(seed))
+    with mock.patch.object(drafting, "VOCAB_TILE", tile):
+        arg, ids, logp = head_topk(head, hidden, k, rows_per_chunk, topk_rows=topk_rows)
+    with torch.no_grad():
+        logits = head(hidden)
+    assert torch.equal(arg, logits.argmax(-1))
+    assert ids.shape == (topk_rows, k) and logp.shape == (topk_rows, k)
+    v, _ = logits[:topk_rows].topk(k, -1)
+    assert torch.equal(logits[:topk_rows].gather(1, ids), v)
+    torch.testing.assert_close(logp, torch.log_softmax(logits[:topk_rows].float(), -1).gather(1, ids),
+                               atol=1e-5, rtol=0)
+
+
 def test_bf16_drafter_on_fp32_target():
     """A bf16 checkpoint drafts in bf16 (embeddings cast), like the spec loop does."""
     bf = drafter_for(TARGET, block_size=6, seed=4).to(torch.bfloat16)

@@ -85,6 +85,28 @@ def assert_same(old, new, full_walk):
        stop=st.booleans(), quota=st.sampled_from([None, 0, 1, 5]), full_walk=st.booleans())
 def test_walk_driven_early_exit_equals_all_anchor_path(seed, B, layers, n, policy, tree_budget, spine, max_blocks,
                                                        counting, stop, quota, full_walk):
+    check_paths_equal(seed, B, layers, n, policy, tree_budget, spine, max_blocks, counting, stop, quota, full_walk)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), B=st.integers(2, 9), n=st.integers(1, 70), policy=st.sampled_from(POLICIES),
+       tree_budget=st.sampled_from([0, 3, 8]), spine=st.booleans(), quota=st.sampled_from([None, 1]),
+       tile=st.sampled_from([None, 1, 7, 100]), streamed=st.booleans())
+def test_paths_equal_over_vocabulary_tiles_and_with_a_streamed_head(seed, B, n, policy, tree_budget, spine, quota,
+                                                                   tile, streamed):
+    """The same property with the LM head over several vocabulary tiles (down to one column each: the argmax,
+    top-k and log-sum-exp combined across tiles, the same rule on both paths) and with the walk's calls filled
+    as for a head read from memory on every call (`Walker._fill`: deeper slots per call, never other numbers)."""
+    from unittest import mock
+
+    from eval_worker.engine import drafting, walk
+    with mock.patch.object(drafting, "VOCAB_TILE", tile or drafting.VOCAB_TILE), \
+            mock.patch.object(walk, "VOCAB_TILE", tile or walk.VOCAB_TILE), \
+            mock.patch.object(walk, "HEAD_STREAM_BYTES", 0 if streamed else walk.HEAD_STREAM_BYTES):
+        check_paths_equal(seed, B, 1, n, policy, tree_budget, spine, None, "response", False, quota, True)
+
+
+def check_paths_equal(seed, B, layers, n, policy, tree_budget, spine, max_blocks, counting, stop, quota, full_walk):
     rng = np.random.default_rng(seed)
     drafter = drafter_for(TARGET, block_size=B, layers=layers, seed=seed)
     prompt = rng.integers(0, VOCAB - 1, int(rng.integers(1, 8))).tolist()
@@ -120,6 +142,41 @@ def test_early_exit_head_runs_only_to_the_first_miss():
     assert_same(old, new, True)
     assert got.head_slots == (got.blocks - 1) * 1 + (B - 1)
     assert got.blocks == len(set(range(n)) | set(range(0, n - 1, B)))  # τ = 1 visits every anchor once
+
+
+def test_a_streamed_head_fills_its_calls_and_makes_fewer():
+    """A head read from memory by every call (`HEAD_STREAM_BYTES`) gets deeper slots per call at high τ:
+    fewer head calls for the same blocks and the same numbers, each call within `HEAD_FILL_ROWS` pairs
+    where it was filled."""
+    from unittest import mock
+
+    from eval_worker.engine import walk
+    B, n = 16, 120
+    rng = np.random.default_rng(3)
+    drafter = drafter_for(TARGET, block_size=B, seed=4)
+    prompt = [3, 4, 5, 6]
+    feats = torch.randn(len(prompt) + n + B, drafter.config.num_features * TARGET.hidden_size,
+                        generator=torch.Generator().manual_seed(2))
+    ext = forced_reference(drafter, feats, prompt, n, "mostly", rng)
+    runs = {}
+    for streamed in (False, True):
+        calls = []
+        real = walk.Walker._call
+
+        def counted(self, slots, rows, cols, k, real=real, calls=calls):
+            calls.append(len(rows))
+            return real(self, slots, rows, cols, k)
+
+        with mock.patch.object(walk.Walker, "_call", counted), \
+                mock.patch.object(walk, "HEAD_STREAM_BYTES", 0 if streamed else walk.HEAD_STREAM_BYTES):
+            old, new, got = both_paths(drafter, feats, prompt, ext, n, tree_budget=8, spine=False, max_blocks=None,
+                                       counting="response", stop=False, sample=np.array([5]), full_walk=True)
+        assert_same(old, new, True)
+        runs[streamed] = (calls, got)
+    (plain, g0), (filled, g1) = runs[False], runs[True]
+    assert g0.blocks == g1.blocks and g0.streak == g1.streak and g0.tree_streaks == g1.tree_streaks
+    assert len(filled) < len(plain), (plain, filled)
+    assert g1.head_slots >= g0.head_slots  # the price: slots past a block's first miss
 
 
 def test_walk_driven_blocks_are_the_visited_ones_at_tau_block_size():
@@ -350,7 +407,8 @@ def test_early_exit_tree_on_the_depths_it_read_is_the_whole_tree(seed, D, K, bud
 
 
 @settings(max_examples=300, deadline=None)
-@given(seed=st.integers(0, 2**31), rows=st.integers(1, 40), vocab=st.sampled_from([2, 7, 4096, 16_384, 40_000, 151_936]),
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 40),
+       vocab=st.sampled_from([2, 7, 4096, 16_384, 40_000, 151_936]),
        scale=st.floats(0.01, 400.0), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        special=st.sampled_from([None, "inf", "-inf", "row_-inf", "tile_-inf"]))
 def test_logsumexp_with_clamped_underflow_is_torchs_bit_for_bit(seed, rows, vocab, scale, dtype, special):
