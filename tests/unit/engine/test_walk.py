@@ -411,7 +411,7 @@ def test_early_exit_tree_on_the_depths_it_read_is_the_whole_tree(seed, D, K, bud
        vocab=st.sampled_from([2, 7, 4096, 16_384, 40_000, 151_936]),
        scale=st.floats(0.01, 400.0), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        special=st.sampled_from([None, "inf", "-inf", "row_-inf", "tile_-inf"]))
-def test_logsumexp_with_clamped_underflow_is_torchs_bit_for_bit(seed, rows, vocab, scale, dtype, special):
+def test_logsumexp_is_torchs_bit_for_bit_on_one_tile_within_ulps_over_several(seed, rows, vocab, scale, dtype, special):
     """The top-k rule's log-sum-exp clamps exp's underflowing inputs (its slow path, where a peaked
     drafter puts most of the vocabulary): with one vocabulary tile the log-probs stay torch.logsumexp's,
     bit for bit; over several tiles (each tile's max and sum of exp, combined) within float32 rounding of
