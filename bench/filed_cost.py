@@ -23,7 +23,8 @@ takes its all-anchor statistics from a seeded anchor sample, so some differ by d
 Cases: `demo` / `tau8` the tiny target with walk_cost.py's fitted 2-layer B=16 drafters (the same
 fits, kept in --work); `qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (random
 1-layer drafter);
-`forced8` / `forced8_peaked` / `forced8_spine` walk_cost.py's τ ≈ 9 constructions, drafting phase only
+`forced8` / `forced8_peaked` / `forced8_spine` / `forced8_wide_peaked` walk_cost.py's τ ≈ 9 constructions
+(the last at vocab 151,936 and hidden 1024, its target saved once into --work), drafting phase only
 (`walk_cost.forced_case`): the parent saves the drafter and the prompts, features and references; the
 filed engine drafts them with its own `draft_anchors` + `score_prompt` (the same API then, less the
 anchor sample), this one with `walk_cost.forced_all` / `forced_walk`; per-prompt accept lengths compared.
@@ -263,15 +264,23 @@ def prepare_forced(name: str, args, work: Path):
     from bench.walk_cost import forced_inputs
     from dflash_train.checkpoints.checkpoint import save_drafter
 
-    peaked = "peaked" in name
-    target, drafter, seqs, quota = forced_inputs(args, peaked)
-    tag = f"forced{'-peaked' if peaked else ''}-p{args.num_prompts}-n{args.max_new_tokens}"
+    peaked, wide = "peaked" in name, "wide" in name
+    target, drafter, seqs, quota = forced_inputs(args, peaked, wide)
+    n = args.real_max_new_tokens if wide else args.max_new_tokens
+    tag = f"forced{'-wide' if wide else ''}{'-peaked' if peaked else ''}-p{args.num_prompts}-n{n}"
     ckpt = work / tag
     save_drafter(drafter, ckpt)
     inputs = work / f"{tag}-inputs.pt"
-    torch.save({"seqs": seqs, "n": args.max_new_tokens, "quota": quota}, inputs)
+    torch.save({"seqs": seqs, "n": n, "quota": quota}, inputs)
     options = {"forced": {"inputs": str(inputs), "spine": "spine" in name}}
-    return REPO / "dflash_train" / "assets" / "tiny_target", ckpt, Path("-"), options, options, target.vocab_size
+    tdir = REPO / "dflash_train" / "assets" / "tiny_target"
+    if wide:  # walk_cost.py's wide target (its random weights, seed 0), saved once for both engines to load
+        tdir = work / "qwen3-wide-target"
+        if not (tdir / "config.json").is_file():
+            from tests.support import factories
+
+            factories.save_target(target, tdir)
+    return tdir, ckpt, Path("-"), options, options, target.vocab_size
 
 
 def run_case(name: str, args, work: Path, filed_root: Path) -> dict:

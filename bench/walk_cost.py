@@ -26,7 +26,10 @@ Cases: `demo` the bundled tiny target with a 2-layer B=16 drafter fitted briefly
 references (τ ≈ 1.8, the demo's range); `tau8` the same drafter fitted longer (τ ≈ 8);
 `forced8` / `forced8_spine` / `forced8_peaked` τ ≈ 9 by construction, drafting phase only (`forced_case`; a
 random drafter's flat distributions keep a plain tree near τ 1.9 there, a spine tree holds the chain, and so
-does a plain tree when the drafter's logits are scaled up);
+does a plain tree when the drafter's logits are scaled up); `forced8_wide_peaked` the same construction at
+vocab 151,936 and hidden 1024 (`WIDE_HIDDEN`, --real-max-new-tokens per prompt), where the drafter's and the
+head's products are large enough to run near this machine's GEMM rate and the head's 622 MB weight is read
+from memory by every head call;
 `qwen3` / `qwen3_5` the real-shape fixtures at vocab 151,936 / 248,320 (tests/support/factories.py)
 with a random drafter (τ ≈ 1 on their random weights). Fitted drafters are kept in --work, so a rerun skips fitting.
 """
