@@ -284,6 +284,9 @@ class Walker:
         slot_bytes = (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
         T = min(V, VOCAB_TILE)  # a head call's logits are one vocabulary tile at a time (`drafting.TiledHead`)
         self.row_bytes, self.pass_slots = T * 4 * (2 if tree_on else 1) + 2 * slot_bytes, cap * slot_bytes
+        # what one (row, slot) pair of a head call holds: its tile of logits (and the top-k temporary) and its
+        # gathered slot hidden (`_call`); the blocks' slot hiddens are counted per block (`_draft`)
+        self.pair_bytes = T * 4 * (2 if tree_on else 1) + slot_bytes // (self.B - 1)
         self.most_call_rows = self.call_rows
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
@@ -372,6 +375,10 @@ class Walker:
         self.call_rows = max(1, min(self.most_call_rows, (free - self.pass_slots) // self.row_bytes))
         merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
         room = free - min(merge, len(drafted)) * slot_bytes  # a head round holds at most the round's rows
+        # a head call's pairs: what the round's slot hiddens (and their concatenation) leave, no fewer than the
+        # call rows above (which reserved a block's slots per pair)
+        self.call_rows = max(self.call_rows, min(self.most_call_rows, (
+            free - self.pass_slots - 2 * min(merge, len(drafted)) * slot_bytes) // self.pair_bytes))
         top = 0  # the last anchor of the pass being filled
         for row in sorted(drafted, key=lambda r: r[:2]):
             S = seqs[row[0]].prompt_len + seqs[row[0]].num_tokens
