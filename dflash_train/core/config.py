@@ -526,6 +526,8 @@ def _one(d: dict, dcfg: dict, name: str, default: Any = None) -> Any:
 
 def _parse_fields(d: dict, dcfg: dict) -> dict[str, Any]:
     heads = int(d["num_attention_heads"])
+    if heads < 1:  # before head_dim's default divides by it
+        raise ConfigError(f"config.json: num_attention_heads must be at least 1 (got {heads})")
     layers = int(d["num_hidden_layers"])
     ntl = _one(d, dcfg, "num_target_layers")
     ids = dcfg.get("target_layer_ids", d.get("target_layer_ids"))

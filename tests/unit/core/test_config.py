@@ -113,6 +113,13 @@ def test_block_size_inside_dflash_config_and_target_depth_from_the_target():
         DrafterConfig.from_dict({**d, "block_size": 16})
 
 
+def test_zero_attention_heads_is_a_config_error_not_a_crash():
+    """Found by the checkpoint-config fuzzer: with no head_dim, its default divided by zero heads."""
+    d = {k: v for k, v in ZLAB_QWEN3_8B.items() if k != "head_dim"}
+    with pytest.raises(ConfigError, match="num_attention_heads must be at least 1"):
+        DrafterConfig.from_dict({**d, "num_attention_heads": 0})
+
+
 def test_unsupported_fields_are_all_named_not_ignored():
     d = {**ZLAB_QWEN3_8B, "attention_bias": True, "quantization_config": {"quant_algo": "FP8"},
          "hidden_act": "gelu", "dflash_config": {**ZLAB_QWEN3_8B["dflash_config"], "projector_type": "domino",
