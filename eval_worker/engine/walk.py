@@ -250,9 +250,10 @@ class Walker:
         self.B = drafter.config.block_size
         self.topk, self.D = topk, (min(tree_budget, self.B - 1) if topk else 0)  # top-k depths at most
         self.budget, self.spine = tree_budget, tree_spine
+        self.tile = min(head.weight.shape[0], VOCAB_TILE)  # a head call's logits: one tile at a time (`TiledHead`)
         # rows per head call, top-k rows and argmax rows alike: half the logits budget (a top-k row's
         # log-softmax takes a second temporary), so a call's peak is the all-anchor pass's top-k chunk's
-        self.head_rows = head_rows or max(1, logits_rows(min(head.weight.shape[0], VOCAB_TILE)) // 2)
+        self.head_rows = head_rows or max(1, logits_rows(self.tile) // 2)
         self.dev = next(drafter.parameters()).device
         self.call_rows = self.head_rows
         self.streamed = head.weight.numel() * head.weight.element_size() >= HEAD_STREAM_BYTES
@@ -282,11 +283,11 @@ class Walker:
         # round over several passes (`_draft`), one more block's slot hiddens, and their kept copies
         # (held into the next round); besides one pass's own slots. Set per round: `_draft`
         slot_bytes = (self.B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
-        T = min(V, VOCAB_TILE)  # a head call's logits are one vocabulary tile at a time (`drafting.TiledHead`)
-        self.row_bytes, self.pass_slots = T * 4 * (2 if tree_on else 1) + 2 * slot_bytes, cap * slot_bytes
-        # what one (row, slot) pair of a head call holds: its tile of logits (and the top-k temporary) and its
-        # gathered slot hidden (`_call`); the blocks' slot hiddens are counted per block (`_draft`)
-        self.pair_bytes = T * 4 * (2 if tree_on else 1) + slot_bytes // (self.B - 1)
+        logits = self.tile * 4 * (2 if tree_on else 1)  # a call row's tile of logits, and the top-k temporary
+        self.row_bytes, self.pass_slots = logits + 2 * slot_bytes, cap * slot_bytes
+        # what one (row, slot) pair of a head call holds: its logits and its gathered slot hidden (`_call`);
+        # the blocks' slot hiddens are counted per block (`_draft`)
+        self.pair_bytes = logits + slot_bytes // (self.B - 1)
         self.most_call_rows = self.call_rows
         # fixed anchors first: the stride blocks (streak, tree) and the sample (every slot); with a tree
         # all of them get its top-k too, so a tree visit to one of them drafts nothing
@@ -373,7 +374,7 @@ class Walker:
         slot_bytes = (B - 1) * self.drafter.config.hidden_size * self.drafter.fc.weight.element_size()
         free = self.pass_budget - sum(t.numel() * t.element_size() for t, _, _ in kept.values())
         self.call_rows = max(1, min(self.most_call_rows, (free - self.pass_slots) // self.row_bytes))
-        merge = max(1, min(self.call_rows, self.call_rows * self.head.weight.shape[0] * 4 // slot_bytes))
+        merge = max(1, min(self.call_rows, self.call_rows * self.tile * 4 // slot_bytes))  # logits: a tile per row
         room = free - min(merge, len(drafted)) * slot_bytes  # a head round holds at most the round's rows
         # a head call's pairs: what the round's slot hiddens (and their concatenation) leave, no fewer than the
         # call rows above (which reserved a block's slots per pair)
