@@ -48,17 +48,18 @@ from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suit
 from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, context_kv, group_kv_budget, walk_groups
 
 log = logging.getLogger(__name__)
+# what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
+SAMPLED_STATS = ("mean_streak_all_anchors", "per_position.top1_accuracy", "prompts[].mean_streak")
 
 
 def _dt(dtype: torch.dtype) -> str:
+    """A dtype as results name it (`bfloat16`, not `torch.bfloat16`)."""
     return str(dtype).removeprefix("torch.")
 
 
 def _stored(drafter: DFlashDrafter) -> str:
     """The dtype(s) the drafter's file holds (`open_drafter` computes it in the target's)."""
     return drafter.stored_dtype or _dt(drafter.fc.weight.dtype)
-# what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
-SAMPLED_STATS = ("mean_streak_all_anchors", "per_position.top1_accuracy", "prompts[].mean_streak")
 
 @dataclass
 class DrafterRun:
@@ -106,7 +107,7 @@ class ResultBuilder:
         return EvalResult(
             checkpoint=self.info.to_dict(),
             target={"path": target.source, "fingerprint": target.fingerprint(),
-                    "num_layers": target.num_layers, "dtype": str(target.dtype).removeprefix("torch.")},
+                    "num_layers": target.num_layers, "dtype": _dt(target.dtype)},
             suite=self.suite.to_dict(),
             settings={"block_size": main.block_size, "max_new_tokens": self.max_new, "mode": opts.mode,
                       "counting": opts.counting, "layer_ids_origin": drafter.config.layer_ids_origin,
@@ -163,7 +164,7 @@ class ResultBuilder:
         return Facts(tau=s.tau["macro"], block_size=main.block_size, eval_top1=s.per_position["top1_accuracy"],
                      train_metrics=self.train_metrics, cache_notes=self.report.notes,
                      drafter_dtype=_stored(drafter),
-                     target_dtype=str(target.dtype).removeprefix("torch."), layer_ids=main.layer_ids,
+                     target_dtype=_dt(target.dtype), layer_ids=main.layer_ids,
                      target_layers=target.num_layers, drafter_mask_id=drafter.config.mask_token_id,
                      tokenizer_mask_id=target.mask_token_id(), greedy_divergence=divergence,
                      empty_prompts=empty, degenerate=degenerate, num_prompts=len(self.refs),
@@ -398,7 +399,7 @@ class Evaluator:
         slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids,
                        **variant})
         key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
-               "num_tokens": len(ids), "dtype": str(self.target.dtype).removeprefix("torch.")}
+               "num_tokens": len(ids), "dtype": _dt(self.target.dtype)}
         mkey = digest({"slot": slot, "key": key})
         cached = self.memory.get(mkey)  # host RAM: device memory is the drafter's
         if cached is not None:

@@ -27,6 +27,10 @@ DEFAULT_HEAD_ROWS = None  # rows per LM-head chunk; None: `target.logits_rows` (
 # rows: 622 MB at vocab 151,936 x hidden 1024 in fp32) are set by the tile, not the vocabulary; and the argmax,
 # top-k and log-sum-exp read each tile while it is still in cache. A vocabulary up to this is one tile
 VOCAB_TILE = 16384
+# the log-sum-exp's differences below this are clamped there: exp's vectorised path slows ~20x on inputs that
+# underflow, where a peaked drafter puts most of the vocabulary; each clamped term is below 1.7e-38, under
+# float32's resolution of a sum that is at least 1 (the max's own term), so the result stays torch's
+UNDERFLOW = -87.0
 # SDPA with a dense mask materialises [heads, queries, keys] scores: cap them (flex does not)
 DENSE_SCORE_BUDGET = 32 * 1024 * 1024
 
@@ -156,12 +160,6 @@ def tile_topk(tiles, topk: int, m: int):
         total = sum(s_ * (tm - mm).exp() for _, tm, s_ in stats)  # a tile whose max is -inf adds 0
     lse = total.log_().add_(mm).masked_fill_(mx == -float("inf"), -float("inf"))  # a row of -inf only
     return best_i, top_v.float() - lse, top_i
-
-
-# the log-sum-exp's differences below this are clamped there: exp's vectorised path slows ~20x on inputs that
-# underflow, where a peaked drafter puts most of the vocabulary; each clamped term is below 1.7e-38, under
-# float32's resolution of a sum that is at least 1 (the max's own term), so the result stays torch's
-UNDERFLOW = -87.0
 
 
 def anchors_per_pass(block_size: int, query_budget: int = DEFAULT_QUERY_BUDGET, *, context_len: int = 0,
