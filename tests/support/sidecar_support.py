@@ -54,6 +54,13 @@ def write_suite(path: Path, n_prompts: int = 2, max_new_tokens: int = 12) -> Pat
     return path
 
 
+def enqueue_args(suite: Path, target: Path, redis_url: str, roots: list[Path]) -> list[str]:
+    """`dflash-eval enqueue`'s arguments besides the checkpoint: this suite and target, this Redis, these
+    checkpoint roots (the worker's), JSON out."""
+    return ["--suite", str(suite), "--target", str(target), "--redis-url", redis_url,
+            *[a for r in roots for a in ("--checkpoint-root", str(r))], "--json"]
+
+
 def worker_env(tmp: Path, roots: list[Path], extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update({

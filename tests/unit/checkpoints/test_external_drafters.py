@@ -33,6 +33,7 @@ from tests.integration.test_sidecar_worker import _target
 from tests.support.factories import drafter_for, qwen3_target
 from tests.support.sidecar_support import (
     WorkerProcess,
+    enqueue_args,
     publish_random,
     tiny_target_drafter_config,
     wait_for,
@@ -183,8 +184,7 @@ def test_external_drafter_queued_evaluated_and_used_as_baseline(tmp_path, redis_
     conn = connect(redis_url)
     worker = WorkerProcess(tmp_path, redis_url, [root, hub], name="w-ext", target=target)
     try:
-        common = ["--suite", str(suite), "--target", str(target), "--redis-url", redis_url,
-                  "--checkpoint-root", str(root), "--checkpoint-root", str(hub), "--json"]
+        common = enqueue_args(suite, target, redis_url, [root, hub])
         assert cli(["enqueue", "--external", str(src), *common]) == 0
         alone = json.loads(capsys.readouterr().out)
         assert cli(["enqueue", "--external", str(mine), "--baseline", str(src), *common]) == 0

@@ -222,6 +222,7 @@ def test_sharded_bf16_hub_snapshot_and_its_fp32_copy_same_tau_through_a_real_wor
     from tests.integration.test_sidecar_worker import _target
     from tests.support.sidecar_support import (
         WorkerProcess,
+        enqueue_args,
         publish_random,
         tiny_target_drafter_config,
         wait_for,
@@ -256,8 +257,7 @@ def test_sharded_bf16_hub_snapshot_and_its_fp32_copy_same_tau_through_a_real_wor
     conn = connect(redis_url)
     worker = WorkerProcess(tmp_path, redis_url, [root, hub], name="w-outside", target=target)
     try:
-        common = ["--suite", str(suite), "--target", str(target), "--redis-url", redis_url,
-                  "--checkpoint-root", str(root), "--checkpoint-root", str(hub), "--json"]
+        common = enqueue_args(suite, target, redis_url, [root, hub])
         outcomes = {}
         for src in (snap, full):
             assert cli(["enqueue", "--external", str(src), *common]) == 0
