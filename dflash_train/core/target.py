@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from dflash_train.common.errors import DFlashError
 
+from . import cache_compat
 from .config import DrafterConfig
 from .fingerprint import FileDigests, FingerprintError, directory_state, tensor_digest
 
@@ -285,30 +285,23 @@ class VerifyCache:
 
         self.target = target
         self.kv = DynamicCache(config=target.model.config)
-        self.recurrent = [layer for layer in self.kv.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        self.attention = [layer for layer in self.kv.layers if isinstance(layer, DynamicLayer)]
-        self._saved: list | None = None
-        # a sliding-window layer has already dropped old positions: cropping it would lose context
-        self.rewindable = not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.kv.layers)
+        self.recurrent = cache_compat.recurrent_layers(self.kv)
+        self.attention = cache_compat.attention_layers(self.kv)
+        self._saved: cache_compat.Snapshot = []
+        self.rewindable = cache_compat.rewindable(self.kv)
 
     @property
     def length(self) -> int:
-        return self.kv.get_seq_length()
+        return cache_compat.seq_length(self.kv)
 
     def save(self) -> None:
         """Remember the recurrent states (before a verify pass)."""
-        self._saved = [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
-                        {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None})
-                       for layer in self.recurrent]
+        self._saved = cache_compat.snapshot(self.recurrent)
 
     def restore(self, length: int) -> None:
         """Back to the state of `save()`, taken when the cache held `length` positions."""
         self._crop_attention(length)
-        for layer, conv, rec in self._saved or []:
-            for i, t in conv.items():
-                layer.conv_states[i].copy_(t)
-            for i, t in rec.items():
-                layer.recurrent_states[i].copy_(t)
+        cache_compat.restore(self._saved)
 
     def rewind(self, start: int, committed: torch.Tensor, layer_ids: list[int]) -> None:
         """After a verify pass over a block at positions start.., keep its first
@@ -322,7 +315,5 @@ class VerifyCache:
 
     def _crop_attention(self, keep: int) -> None:
         for layer in self.attention:
-            extra = DynamicLayer.get_seq_length(layer) - keep
-            if extra > 0:
-                DynamicLayer.crop(layer, -extra)  # only the attention part of a combined layer
+            cache_compat.crop_attention(layer, keep)
 
