@@ -163,9 +163,13 @@ def test_dockerfile_basics(name):
     user = [a for k, a in instr if k == "USER"]
     assert user and user[-1].split(":")[0] not in ("root", "0"), "runs as non-root"
     copies = " ".join(a for k, a in instr if k == "COPY")
-    assert "constraints.txt" in copies
-    runs = " ".join(a for k, a in instr if k == "RUN")
-    assert "-c constraints.txt" in runs, "installs go through the torch pin"
+    assert "constraints.txt" in copies and "requirements.lock" in copies
+    installs = [a for k, a in instr if k == "RUN" and "pip install" in a]
+    for run in installs:
+        for step in run.split("&&"):
+            if "pip install" in step and "--upgrade pip" not in step:
+                # every install goes through the torch pin and the lock: no package floats in an image
+                assert "-c constraints.txt" in step and "-c requirements.lock" in step, step
 
 
 def test_worker_dockerfile_variants():
