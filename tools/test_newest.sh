@@ -24,7 +24,7 @@ PYEOF
 )
 start=$(date +%s)
 "$PY" -m pip install -q -c constraints.txt --upgrade --upgrade-strategy eager $names
-"$PY" -m pip install -q --no-deps -e .
+"$PY" -m pip install -q --no-deps -e . 2>/dev/null
 echo "test-newest: installed the newest releases in $(( $(date +%s) - start )) s"
 "$PY" - <<'PYEOF'
 import importlib.metadata as md, re
