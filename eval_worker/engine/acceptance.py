@@ -491,8 +491,9 @@ class Evaluator:
         ids = ref.prompt_ids + ref.tokens
         # a sampled reference has its own slot (its key, the tokens' digest, tells the samples apart)
         variant = {} if sampling_id is None else {"sampling": sampling_id}
+        # the length in the slot: references of other lengths (another max_new_tokens) keep their own features
         slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids,
-                       **variant})
+                       "num_tokens": len(ids), **variant})
         key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
                "num_tokens": len(ids), "dtype": _dt(self.target.dtype)}
         mkey = digest({"slot": slot, "key": key})

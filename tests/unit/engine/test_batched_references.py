@@ -65,7 +65,7 @@ def test_batched_references_equal_one_at_a_time(which):
         want = req.served(list(full[i]))
         assert want is not None and got[i].ext == want.ext and got[i].tokens == want.tokens, i
         assert got[i].finish == want.finish
-    assert got[1].finish == "eos" and len(got[1].tokens) == 5
+    assert got[1].finish == "eos" and len(got[1].tokens) == full[1].index(eos) + 1 <= 5
     assert row_batchable(target) == (which != "qwen3_5")
     steps = max(len(r.ext) for r in got.values()) - 1
     # batched: one target step per token of the longest row; one at a time: one per token of every row
