@@ -37,11 +37,11 @@ from dflash_train.core.tau import tau
 from eval_worker.engine import metrics
 from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
+from eval_worker.engine.decoding import DecodeStats
 from eval_worker.engine.diagnostics import Facts, diagnose, reference_collapse
 from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, draft_anchors
 from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
 from eval_worker.engine.options import EvalOptions, temperature_key
-from eval_worker.engine.decoding import DecodeStats
 from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError, Request
 from eval_worker.engine.result import EvalResult, PromptResult
 from eval_worker.engine.scoring import PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize

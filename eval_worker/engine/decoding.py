@@ -21,6 +21,7 @@ slots, holes included, and drops old ones, so it cannot be rewound) decodes plai
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ def rewindable(target: Target) -> bool:
 
 @dataclass
 class Row:
-    """One prompt's decoding: `context` (the prompt, and any continuation already known) and what was decoded after it."""
+    """One prompt's decoding: `context` (the prompt, and any continuation known) and what was decoded after it."""
 
     index: int
     context: list[int]
@@ -106,15 +107,17 @@ class DecodeStats:
     target_steps: int = 0  # target forwards after the prefills (a hybrid row's re-run over accepted tokens included)
     rows: int = 0
     tokens: int = 0
+    speculative: bool | None = None  # the last batch's choice: speculative steps (True) or plain (False)
 
 
 @torch.no_grad()
 def decode(target: Target, rows: list[Row], proposer: DrafterProposer | None = None, max_rows: int = DEFAULT_ROWS,
-           stats: DecodeStats | None = None) -> Iterator[list[Row]]:
+           stats: DecodeStats | None = None, adaptive: bool = True) -> Iterator[list[Row]]:
     """Decode every row until it is `finished()`; yields each batch's rows when they are done.
 
     Rows are batched by context length (little padding). `proposer`: speculative decoding with
-    its blocks (None: plain). Targets that cannot share a cache across rows take one row at a time."""
+    its blocks (None: plain); `adaptive`: speculative steps only where they commit tokens cheaper than plain ones
+    (timed on the first steps of each batch). Targets that cannot share a cache across rows take one row at a time."""
     stats = stats if stats is not None else DecodeStats()
     if proposer is not None and not rewindable(target):
         proposer = None  # a sliding-window cache cannot take a rejected draft back: plain decoding
@@ -125,7 +128,7 @@ def decode(target: Target, rows: list[Row], proposer: DrafterProposer | None = N
         if per == 1:
             _decode_one(target, batch[0], proposer, stats)
         else:
-            _decode_batch(target, batch, proposer, stats)
+            _decode_batch(target, batch, proposer, stats, adaptive)
         stats.rows += len(batch)
         stats.tokens += sum(len(r.out) for r in batch)
         yield batch
@@ -170,7 +173,8 @@ def _decode_one(target: Target, row: Row, proposer: DrafterProposer | None, stat
             stats.target_steps += int(bool(cache.recurrent) and start + n + 1 < before)
 
 
-def _decode_batch(target: Target, rows: list[Row], proposer: DrafterProposer | None, stats: DecodeStats) -> None:
+def _decode_batch(target: Target, rows: list[Row], proposer: DrafterProposer | None, stats: DecodeStats,
+                  adaptive: bool = True) -> None:
     """Rows in one cache: left padding and rejected drafts masked out, positions explicit."""
     from transformers import DynamicCache
 
@@ -193,26 +197,61 @@ def _decode_batch(target: Target, rows: list[Row], proposer: DrafterProposer | N
     live = [r for r in rows if not r.finished()]
     if len(live) < len(rows):
         mask = _select(kv, mask, [rows.index(r) for r in live])
+    choice = _Choice(proposer is not None, adaptive)
     while live:
-        drafts = [proposer.propose(r) for r in live] if proposer else [[] for _ in live]
-        k = 1 + (len(drafts[0]) if drafts else 0)
+        use = proposer if choice.speculative() else None
+        t0 = time.perf_counter()
+        drafts = [use.propose(r) for r in live] if use else [[] for _ in live]
+        k = 1 + len(drafts[0])
         block = torch.tensor([[r.out[-1], *d] for r, d in zip(live, drafts, strict=True)], device=dev)
         starts = torch.tensor([len(r.context) + len(r.out) - 1 for r in live], device=dev)
         positions = starts[:, None] + torch.arange(k, device=dev)[None]
         mask = torch.cat([mask, torch.ones(len(live), k, dtype=torch.bool, device=dev)], dim=1)
-        vout = target.forward(block, layer_ids, attention_mask=mask.long(), position_ids=positions,
-                              past_key_values=kv, use_cache=True)
+        vout = target.forward(block, layer_ids if choice.drafting() else [], attention_mask=mask.long(),
+                              position_ids=positions, past_key_values=kv, use_cache=True)
         stats.target_steps += 1
         posterior = _choose(target, vout.last_hidden).tolist()
+        committed = 0
         for j, (r, d) in enumerate(zip(live, drafts, strict=True)):
             n = _accept(r, d, posterior[j])
+            committed += n + 1
             mask[j, mask.shape[1] - k + n + 1:] = False  # the rejected drafts' slots
-            r.feats = vout.features[j:j + 1, : n + 1]
+            if choice.drafting():  # the drafter's next context: what it has not seen yet
+                new = vout.features[j:j + 1, : n + 1]
+                r.feats = new if use else torch.cat([r.feats, new], dim=1)
+        choice.record(use is not None, time.perf_counter() - t0, committed / len(live))
         keep = [j for j, r in enumerate(live) if not r.finished()]
         held = int(mask.sum(1).max()) if keep else 0
         if len(keep) < len(live) or mask.shape[1] - held > COMPACT_RATIO * held + 64:
             mask = _select(kv, mask, keep)
         live = [live[j] for j in keep]
+    stats.speculative = choice.chosen
+
+
+class _Choice:
+    """Speculative or plain steps, whichever commits tokens cheaper on this device at this drafter's τ: a few
+    steps of each are timed first (at τ near 1 on a CPU a verify of B tokens costs several plain steps and
+    commits one token: plain wins; at high τ or on a GPU, where a verify costs about a plain step, speculative)."""
+
+    PROBE = 3
+
+    def __init__(self, speculative: bool, adaptive: bool = True):
+        self.seen: dict[bool, list[float]] = {True: [], False: []}  # seconds per committed token, per way
+        self.chosen: bool | None = None if speculative and adaptive else speculative
+
+    def speculative(self) -> bool:
+        if self.chosen is not None:
+            return self.chosen
+        return len(self.seen[True]) < self.PROBE  # probe speculative steps, then plain ones
+
+    def drafting(self) -> bool:
+        """The drafter may still draft: its context (target features) is kept."""
+        return self.chosen is not False
+
+    def record(self, speculative: bool, seconds: float, per_row: float) -> None:
+        self.seen[speculative].append(seconds / max(per_row, 1e-9))
+        if self.chosen is None and len(self.seen[False]) >= self.PROBE - 1:
+            self.chosen = min(self.seen[True]) < min(self.seen[False])
 
 
 def _select(kv, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from dflash_train.common.errors import DFlashError
-from dflash_train.core.sampling import Sampler
 from dflash_train.core.model import DFlashDrafter
+from dflash_train.core.sampling import Sampler
 from dflash_train.core.target import Target
 from eval_worker.engine.decoding import DEFAULT_ROWS, DecodeStats, DrafterProposer, Row, decode
 
