@@ -91,3 +91,16 @@ def restore(saved: Snapshot) -> None:
         for name in COUNTERS:
             if name in held:
                 getattr(layer, name).copy_(held[name])
+
+
+def select_slots(cache: Any, rows: torch.Tensor, index: torch.Tensor) -> None:
+    """Keep batch rows `rows` of an attention-only cache and, per kept row, the slots `index[row]` names (`[n, T']`),
+    in that order: the batched references' decoder packs a row's live slots and drops finished rows this way."""
+    if recurrent_layers(cache):
+        raise ValueError("a recurrent layer's state cannot be re-sliced by slot")
+    for layer in attention_layers(cache):
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        keys, values = layer.keys[rows], layer.values[rows]
+        gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        layer.keys, layer.values = keys.gather(2, gather), values.gather(2, gather)

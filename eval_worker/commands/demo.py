@@ -209,7 +209,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float, interrupted:
                   "DFLASH_SINKS": ",".join(sinks) or "none", "DFLASH_TENSORBOARD_DIR": str(paths["tensorboard"]),
                   "DFLASH_MLFLOW_TRACKING_URI": mlflow_uri}
     stack.start_worker("demo-worker", target=target_dir, checkpoint_root=paths["runs"], results=paths["results"],
-                       cache=paths["cache"] / "eval", env=worker_env)
+                       cache=worker_cache_dir(args.settings), env=worker_env)
     settings = args.settings
     wandb_cfg = {"project": args.wandb_project or settings.wandb_project or "dflash-eval", "group": run_id,
                  "entity": settings.wandb_entity, "mode": mode}
@@ -299,3 +299,9 @@ def _collapsed(rows) -> str | None:
                     f"a line or a few tokens: {', '.join(bad[:5])}); τ measures repetition, not drafting. "
                     "Check the target and the prompt format (see DEGENERATE_REFERENCE in the report)")
     return None
+
+
+def worker_cache_dir(settings) -> Path:
+    """The demo worker's reference/feature cache: the one of this DFLASH_HOME (`settings.cache_dir`), which
+    `run` and every worker read by default, so references the demo computed serve them, and theirs the demo."""
+    return Path(settings.cache_dir)

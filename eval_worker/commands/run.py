@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=8, help="DDTree node budget (0: off)")
     p.add_argument("--tree-spine", action="store_true", help="always keep the top-1 chain in the tree")
     p.add_argument("--validate", action="store_true", help="also run the real draft-verify loop and compare")
+    p.add_argument("--drafting", choices=["auto", "walk", "all"], default=None,
+                   help="how blocks are drafted: walk (only the blocks the walks visit), all (a block at every "
+                        "anchor) or auto (the cheaper, by measured cost; default); the same numbers either way")
+    p.add_argument("--reference-drafter", choices=["checkpoint", "baseline", "none"], default=None,
+                   help="missing greedy references decoded by speculative decoding with this drafter "
+                        "(default: the checkpoint) or plainly (none); the same references either way")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as plain text")
     p.add_argument("--train-accuracy", type=float, help="training accuracy, for the leak diagnostic")
     p.add_argument("--cost-ratio", type=float, help="draft/verify cost ratio of the serving hardware")
@@ -89,7 +95,9 @@ def main(args: argparse.Namespace) -> int:
                "counting": args.counting,
                **({"sliding_rule": args.sliding_rule} if args.sliding_rule else {}),
                "validate": args.validate, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
-               "max_blocks": args.max_blocks, "draft_verify_cost_ratio": args.cost_ratio}
+               "max_blocks": args.max_blocks, "draft_verify_cost_ratio": args.cost_ratio,
+               **({"drafting": args.drafting} if args.drafting else {}),
+               **({"reference_drafter": args.reference_drafter} if args.reference_drafter else {})}
     from ._common import sampling_options
 
     options.update(sampling_options(args))

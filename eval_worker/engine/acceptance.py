@@ -15,6 +15,7 @@ target per prompt (`dflash_train.core.sampling`): τ under sampling, exact per s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_train.common.progress import DEFAULT_EVERY_S, track
+from dflash_train.common.progress import DEFAULT_EVERY_S, Progress, track
 from dflash_train.core.model import DFlashDrafter
 from dflash_train.core.sampling import Sampler, SamplingParams
 from dflash_train.core.speculative import speculative_generate
@@ -36,11 +37,12 @@ from dflash_train.core.tau import tau
 from eval_worker.engine import metrics
 from eval_worker.engine.cache import CacheReport, DiskCache, Lookup, MemoryLRU, digest
 from eval_worker.engine.checkpoint_source import CheckpointInfo, open_drafter
+from eval_worker.engine.decoding import DecodeStats
 from eval_worker.engine.diagnostics import Facts, diagnose, reference_collapse
 from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, draft_anchors
 from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
 from eval_worker.engine.options import EvalOptions, temperature_key
-from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError
+from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError, Request
 from eval_worker.engine.result import EvalResult, PromptResult
 from eval_worker.engine.scoring import PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.speed import measure_step_costs
@@ -97,6 +99,7 @@ class ResultBuilder:
     validation: dict | None = None
     sampled: dict | None = None
     speed: dict | None = None
+    reference_notes: dict = field(default_factory=dict)  # how missing references were decoded (provenance)
 
     def build(self) -> EvalResult:
         assert self.main is not None and self.speed is not None, "the drafter's run and the speed come first"
@@ -125,6 +128,7 @@ class ResultBuilder:
                         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
                         "timings_s": {k: round(v, 4) for k, v in self.timings.items()},
                         "drafting": {k: v for k, v in main.drafting.items() if k != "anchor_sample"},
+                        "references": self.reference_notes or None,
                         "torch": torch.__version__, "device": str(target.device), "host": platform.node()},
             stride=s.stride, validation=self.validation, leak_probe=main.leak_probe, sampling=self.sampled)
 
@@ -251,7 +255,10 @@ class Evaluator:
                               lookahead=lookahead, report=report, timings=timings, base=base,
                               train_metrics=train_metrics if train_metrics is not None else info.train_metrics)
         with _timer(timings, "references"):
-            refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report)
+            refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report,
+                                             drafter=self._reference_drafter(opts, drafter, base),
+                                             layer_ids=list(drafter.config.target_layer_ids),
+                                             notes=parts.reference_notes)
         parts.refs = refs
         # a server's reference must be the target's own greedy output (checked on the features
         # pass, which computes that argmax anyway); a local one is by construction, up to numerics
@@ -305,6 +312,16 @@ class Evaluator:
                 "reference_differs_from_loop": token_mismatch, "ok": not mismatched}
 
     # --- steps --------------------------------------------------------------------------
+    def _reference_drafter(self, opts: EvalOptions, drafter: DFlashDrafter,
+                           base: tuple[DFlashDrafter, CheckpointInfo] | None) -> DFlashDrafter | None:
+        """The drafter that decodes missing greedy references speculatively (`opts.reference_drafter`): the
+        evaluated checkpoint or the baseline; None (plain decoding) for "none" or a reference server."""
+        if not isinstance(self.reference_source, LocalReferences) or opts.reference_drafter == "none":
+            return None
+        if opts.reference_drafter == "baseline" and base is not None:
+            return base[0]
+        return drafter
+
     def _encode(self, suite: Suite, opts: EvalOptions, drafters: list[DFlashDrafter]) -> list[EncodedPrompt]:
         prompts = suite.encode(self.target.tokenizer, opts.chat_template)
         vocab = min([self.target.vocab_size] + [d.config.vocab_size for d in drafters])
@@ -330,62 +347,140 @@ class Evaluator:
 
     def _references(self, suite: Suite, prompts: list[EncodedPrompt], max_new: int, eos: int | None,
                     lookahead: int, report: CacheReport,
-                    sampling: tuple[SamplingParams, int, int] | None = None) -> tuple[list[Reference], list[tuple]]:
-        """References (cached or fetched) and the cache writes of the fetched ones, which the
-        caller makes once they are known to be the target's greedy output.
+                    sampling: tuple[SamplingParams, int, int] | None = None,
+                    drafter: DFlashDrafter | None = None, layer_ids: list[int] | None = None,
+                    notes: dict | None = None) -> tuple[list[Reference], list[tuple]]:
+        """References (cached or made) and the cache writes of the made ones, which the caller makes once
+        they are known to be the target's greedy output.
+
+        The cache holds a continuation per (target, suite prompt, source): any entry serves a request
+        for fewer tokens or a shorter lookahead, and a shorter one is extended, not decoded again (the
+        drafter's block size matters only through the lookahead; docs/design.md, "Reference cache").
+        Missing greedy references are decoded in batches across prompts; with `drafter` (local source),
+        speculatively, each then checked against the target's argmax on the features pass (`layer_ids`:
+        the evaluated drafter's, cached for its run) and decoded plainly where it differs (`notes`).
 
         `sampling` (params, seed, K): K keyed samples per prompt instead (prompt-major); a prompt's
         missing samples are generated together (`generate_samples`: one batched decode locally)."""
         src = self.reference_source
         K = 1 if sampling is None else sampling[2]
         what = "references" if sampling is None else f"sampled references (t={sampling[0].temperature:g}, K={K})"
-        refs, pending = [], []
-        for p in self._bar(prompts, f"{suite.name}: {what}"):
-            lookups = []  # (label, slot, key, lookup, reference or None, sampler) per sample
+        notes = notes if notes is not None else {}
+        refs: list[Reference | None] = []
+        todo = []  # (position in refs, label, slot, key, lookup, known continuation, sampler, prompt)
+        for p in prompts:
             for k in [None] if sampling is None else range(K):
                 sampler = None if k is None else Sampler.for_prompt(sampling[0], sampling[1], p.ids, k)
                 variant = {} if sampler is None else {"sampling": sampler.params.to_dict(), "seed": sampler.seed,
-                                                      "sample": k}  # greedy slots and keys stay as they were
+                                                      "sample": k}
                 slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name,
-                               "source": src.identity(), **variant})
+                               "source": src.identity(), **variant})  # greedy slots and keys as before
                 key = {"target_fingerprint": self.target.fingerprint(), "prompt_ids": digest(p.ids),
-                       "max_new_tokens": max_new, "eos_token_id": eos, "source": src.identity(), **variant}
-                look = self.disk.get_json("references", slot, key)
-                lookups.append((p.name if k is None else f"{p.name}#{k}", slot, key, look,
-                                self._cached_reference(look, lookahead), sampler))
-            missing = [x for x in lookups if x[4] is None]
-            if sampling is None and missing:
-                made = [src.generate(p.name, p.ids, max_new, eos, lookahead)]
-            elif missing and hasattr(src, "generate_samples"):
-                made = src.generate_samples(p.name, p.ids, max_new, eos, lookahead, [x[5] for x in missing])
-            else:
-                made = [src.generate(p.name, p.ids, max_new, eos, lookahead, sampler=x[5]) for x in missing]
-            fresh = dict(zip([x[0] for x in missing], made, strict=False))
-            for label, slot, key, look, ref, _ in lookups:
-                if ref is None:
-                    ref = fresh[label]
-                    if not ref.tokens:
-                        raise ReferenceSourceError(f"reference for {label!r} is empty")
-                    pending.append((slot, key, ref))
-                report.record("references", look, label)
+                       "source": src.identity(), **variant}
+                # what a continuation does not depend on; entries written before they left the key still serve
+                look = self.disk.get_json("references", slot, key, ignore=("max_new_tokens", "eos_token_id"))
+                label = p.name if k is None else f"{p.name}#{k}"
+                known, asked = self._cached_ext(look)
+                req = Request(p.name, list(p.ids), max_new, eos, lookahead, known)
+                ref = req.served(known, getattr(src, "name", "local"), asked=asked)
+                if ref is not None:
+                    ref.sample = k
+                    report.record("references", look, label)
+                else:
+                    todo.append((len(refs), label, slot, key, look, req, sampler, p))
                 refs.append(ref)
-        return refs, pending
+        pending = []
+        for at, ref in self._make_references(todo, sampling, drafter, what, suite, notes):
+            _, label, slot, key, look, req, sampler, p = todo[at]
+            if not ref.tokens:
+                raise ReferenceSourceError(f"reference for {label!r} is empty")
+            ref.sample = None if sampler is None else sampler.sample
+            if req.known and look.status == "hit":
+                look.status = "extended"
+                log.info("references of %r: the cached %d tokens extended to %d (max_new_tokens %d, lookahead %d)",
+                         label, len(req.known), len(ref.ext), max_new, lookahead)
+            elif look.status in ("mismatch", "corrupt"):
+                log.warning("references of %r rebuilt: %s", label,
+                            "key changed: " + look.note if look.status == "mismatch" else look.note)
+            report.record("references", look, label)
+            pending.append((slot, key, ref))
+            refs[todo[at][0]] = ref
+        if drafter is not None and layer_ids is not None and todo and sampling is None:
+            self._check_speculative(refs, pending, {x[0]: x[5] for x in todo}, suite, layer_ids, report, notes)
+        assert all(r is not None for r in refs)
+        return refs, pending  # type: ignore[return-value]
+
+    def _make_references(self, todo: list, sampling, drafter, what: str, suite: Suite, notes: dict):
+        """(index into `todo`, reference) for every missing reference: greedy ones batched across prompts
+        (speculative with `drafter` where the source is local), sampled ones per prompt."""
+        src = self.reference_source
+        if not todo:
+            return
+        if sampling is None and hasattr(src, "generate_many"):
+            stats = DecodeStats()
+            t0 = time.perf_counter()
+            decoding = "speculative" if drafter is not None else "plain"
+            with Progress(f"{suite.name}: {what} ({decoding}, batched)", len(todo), unit="prompts",
+                          enabled=self.progress, every_s=self.progress_every_s, logger=log) as bar:
+                for batch in src.generate_many([x[5] for x in todo], drafter=drafter, stats=stats):
+                    yield from batch
+                    bar.update(len(batch))
+            notes.update(decoding=decoding, prompts=len(todo), target_steps=stats.target_steps,
+                         tokens=stats.tokens, seconds=round(time.perf_counter() - t0, 4))
+            log.info("%s: %d references decoded (%s): %d tokens in %d target steps", suite.name, len(todo),
+                     decoding, stats.tokens, stats.target_steps)
+            return
+        by_prompt: dict[str, list[int]] = {}
+        for i, x in enumerate(todo):
+            by_prompt.setdefault(x[7].name, []).append(i)
+        for idx in self._bar(list(by_prompt.values()), f"{suite.name}: {what}"):
+            first = todo[idx[0]]
+            p, req = first[7], first[5]
+            if sampling is None:
+                yield idx[0], src.generate(p.name, p.ids, req.max_new_tokens, req.eos_token_id, req.lookahead)
+            elif hasattr(src, "generate_samples"):
+                made = src.generate_samples(p.name, p.ids, req.max_new_tokens, req.eos_token_id, req.lookahead,
+                                            [todo[i][6] for i in idx])
+                yield from zip(idx, made, strict=True)
+            else:
+                for i in idx:
+                    yield i, src.generate(p.name, p.ids, req.max_new_tokens, req.eos_token_id, req.lookahead,
+                                          sampler=todo[i][6])
+
+    def _check_speculative(self, refs: list, pending: list, requests: dict[int, Request], suite: Suite,
+                           layer_ids: list[int], report: CacheReport, notes: dict) -> None:
+        """Every speculatively decoded reference against the target's argmax on the features pass (the run
+        reads those features next, from memory); a prompt where they differ is decoded plainly instead."""
+        bad = []
+        for i in requests:
+            feats = self._features(refs[i], suite, layer_ids, report)
+            if _first_divergence(feats["greedy"].tolist(), refs[i].ext) is not None:
+                bad.append(i)
+        notes["fallback_plain"] = [refs[i].name for i in bad]
+        if not bad:
+            return
+        log.warning("%s: speculative references of %s differ from the target's argmax on the features pass; "
+                    "decoded plainly instead", suite.name, ", ".join(repr(refs[i].name) for i in bad))
+        reqs = [dataclasses.replace(requests[i], known=[]) for i in bad]  # from the prompt: the plain decoder's own
+        swap = {}
+        for batch in self.reference_source.generate_many(reqs):
+            for j, ref in batch:
+                swap[id(refs[bad[j]])] = ref
+                refs[bad[j]] = ref
+        pending[:] = [(slot, key, swap.get(id(ref), ref)) for slot, key, ref in pending]
 
     @staticmethod
-    def _cached_reference(look: Lookup, lookahead: int) -> Reference | None:
-        """The reference of a cache hit that serves `lookahead`; else None (and `look` says why)."""
+    def _cached_ext(look: Lookup) -> tuple[list[int], int]:
+        """The continuation a cache entry holds and how much of it its source was asked for (a server may
+        return fewer lookahead tokens than asked): ([], 0) when it holds none (missing, changed, unreadable)."""
         if look.status != "hit":
-            return None
+            return [], 0
         try:
             ref = Reference.from_dict(look.value)
         except (KeyError, TypeError, ValueError) as e:
             look.status, look.note = "corrupt", f"bad reference record ({e})"
-            return None
-        if ref.lookahead_requested < lookahead:  # a longer lookahead serves any shorter need
-            look.status, look.note = "mismatch", f"lookahead {ref.lookahead_requested} -> {lookahead}"
-            return None
-        ref.lookahead = ref.lookahead[:lookahead]
-        return ref
+            return [], 0
+        return ref.ext, len(ref.tokens) + ref.lookahead_requested
 
     def _features(self, ref: Reference, suite: Suite, layer_ids: list[int], report: CacheReport,
                   check: bool = False, written: list | None = None, sampling_id: dict | None = None) -> dict:
@@ -396,8 +491,9 @@ class Evaluator:
         ids = ref.prompt_ids + ref.tokens
         # a sampled reference has its own slot (its key, the tokens' digest, tells the samples apart)
         variant = {} if sampling_id is None else {"sampling": sampling_id}
+        # the length in the slot: references of other lengths (another max_new_tokens) keep their own features
         slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": ref.name, "layers": layer_ids,
-                       **variant})
+                       "num_tokens": len(ids), **variant})
         key = {"target_fingerprint": self.target.fingerprint(), "layer_ids": list(layer_ids), "tokens": digest(ids),
                "num_tokens": len(ids), "dtype": _dt(self.target.dtype)}
         mkey = digest({"slot": slot, "key": key})

@@ -30,13 +30,13 @@ def digest(obj: Any, n: int = 20) -> str:
 @dataclass
 class Lookup:
     value: Any
-    status: str  # hit | miss | mismatch | corrupt
+    status: str  # hit | miss | mismatch | corrupt | extended (a hit the caller completed: a longer reference)
     note: str = ""
 
     @property
     def outcome(self) -> str:
-        """What the caller reports after (re)building: hit | built | rebuilt."""
-        return {"hit": "hit", "miss": "built"}.get(self.status, "rebuilt")
+        """What the caller reports after (re)building: hit | built | extended | rebuilt."""
+        return {"hit": "hit", "miss": "built", "extended": "extended"}.get(self.status, "rebuilt")
 
 
 def describe_mismatch(stored: dict, expected: dict) -> str:
@@ -68,7 +68,8 @@ class DiskCache:
                 path.unlink(missing_ok=True)
 
     # --- JSON ----------------------------------------------------------------
-    def get_json(self, kind: str, slot: str, key: dict) -> Lookup:
+    def get_json(self, kind: str, slot: str, key: dict, ignore: tuple[str, ...] = ()) -> Lookup:
+        """`ignore`: stored key fields no longer part of the key (an entry written with them still matches)."""
         path = self._path(kind, slot, "json")
         if path is None or not path.exists():
             return Lookup(None, "miss")
@@ -77,6 +78,7 @@ class DiskCache:
             stored, value = data["key"], data["value"]
             if not isinstance(stored, dict):
                 raise TypeError("key is not an object")
+            stored = {k: v for k, v in stored.items() if k not in ignore}
         except (OSError, ValueError, KeyError, TypeError) as e:
             return Lookup(None, "corrupt", f"{path.name} unreadable ({type(e).__name__}: {e})")
         if stored != key:
@@ -170,6 +172,8 @@ class CacheReport:
             return "rebuilt"
         if "built" in got:
             return "built"
+        if "extended" in got:
+            return "extended"
         return "hit" if got else "none"
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dflash_train.common.errors import DFlashError
 from dflash_train.core.tau import COUNTING_RULES
 
 # How the work is done, not what is measured: not part of an evaluation's identity.
-PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend", "drafting"})
+PERFORMANCE_ONLY = frozenset({"anchors_per_chunk", "head_rows", "backend", "drafting", "reference_drafter"})
 MAX_SHOWN = 80  # characters of an offending value quoted in an error
 DEFAULT_LEAK_PROBE_ANCHORS = 256  # anchors over the whole suite the leak probe drafts again
 DEFAULT_ANCHOR_SAMPLE = 512  # anchors over the whole suite behind the statistics over every anchor
@@ -104,6 +104,10 @@ class EvalOptions(BaseModel):
     # "all": a block at every anchor (drafting.draft_anchors); "auto": the cheaper by measured cost.
     # The same numbers either way.
     drafting: Literal["auto", "walk", "all"] = "auto"
+    # missing greedy references decoded by lossless greedy speculative decoding with this drafter (the
+    # evaluated "checkpoint" or the "baseline"), or "none": plainly. The same references either way, each
+    # checked against the target's argmax (eval_worker.engine.decoding); local references only
+    reference_drafter: Literal["checkpoint", "baseline", "none"] = "checkpoint"
     # mean streak over all anchors and per-slot top-1 accuracy come from this many anchors over the
     # suite, a fixed sample seeded by `seed` (every anchor when the suite has no more)
     anchor_sample: int = _int(1, 1 << 24, DEFAULT_ANCHOR_SAMPLE)

@@ -19,15 +19,17 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from dflash_train.common.errors import DFlashError
+from dflash_train.core.model import DFlashDrafter
 from dflash_train.core.sampling import Sampler
-from dflash_train.core.speculative import greedy_generate
 from dflash_train.core.target import Target
+from eval_worker.engine.decoding import DEFAULT_ROWS, DecodeStats, DrafterProposer, Row, decode
 
 
 class ReferenceSourceError(DFlashError, RuntimeError):
@@ -73,14 +75,49 @@ def split_at_eos(ids: list[int], max_new_tokens: int, eos_token_id: int | None) 
     return ids[:end], ids[end:], finish
 
 
+@dataclass
+class Request:
+    """A greedy reference wanted: `known`, a greedy continuation of the prompt already held (a cached entry), is
+    extended, not decoded again."""
+
+    name: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_id: int | None
+    lookahead: int
+    known: list[int] = field(default_factory=list)
+
+    def need(self, ext: list[int]) -> int | None:
+        """Tokens of greedy continuation this request needs given `ext` (None: more than `ext` shows)."""
+        tokens, _, finish = split_at_eos(ext, self.max_new_tokens, self.eos_token_id)
+        if finish == "eos" or len(tokens) == self.max_new_tokens:
+            return len(tokens) + self.lookahead
+        return None
+
+    def served(self, ext: list[int], source: str = "local", asked: int = 0) -> Reference | None:
+        """The reference `ext` (a greedy continuation) holds for this request, or None when it is too short.
+        `asked`: the length its source was asked for, when it returned less (a server's short lookahead):
+        what it gave serves a request within that length."""
+        need = self.need(ext)
+        if need is None or (len(ext) < need and asked < need):
+            return None
+        tokens, rest, finish = split_at_eos(ext, self.max_new_tokens, self.eos_token_id)
+        return Reference(self.name, list(self.prompt_ids), tokens, rest[: self.lookahead], finish, source,
+                         self.lookahead)
+
+
 class LocalReferences:
-    """Greedy decoding with the loaded target (no logits processors: plain argmax), or keyed sampling."""
+    """Greedy decoding with the loaded target (no logits processors: plain argmax), or keyed sampling.
+
+    Greedy references are decoded in batches across prompts (`eval_worker.engine.decoding`), plainly
+    or, given a drafter, by lossless greedy speculative decoding."""
 
     name = "local"
     couples_sampling = True  # the same keyed draws as the real loop's
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, max_rows: int = DEFAULT_ROWS):
         self.target = target
+        self.max_rows = max_rows
 
     def identity(self) -> dict[str, Any]:
         return {"kind": "local"}
@@ -89,10 +126,33 @@ class LocalReferences:
                  lookahead: int, sampler: Sampler | None = None) -> Reference:
         if sampler is not None:
             return self.generate_samples(name, prompt_ids, max_new_tokens, eos_token_id, lookahead, [sampler])[0]
-        tokens = greedy_generate(self.target, prompt_ids, max_new_tokens, eos_token_id=eos_token_id)
-        tokens, _, finish = split_at_eos(tokens, max_new_tokens, eos_token_id)
-        more = greedy_extend(self.target, prompt_ids + tokens, lookahead)
-        return Reference(name, list(prompt_ids), tokens, more, finish, "local", lookahead)
+        req = Request(name, list(prompt_ids), max_new_tokens, eos_token_id, lookahead)
+        return next(ref for batch in self.generate_many([req]) for _, ref in batch)
+
+    def generate_many(self, requests: list[Request], drafter: DFlashDrafter | None = None,
+                      stats: DecodeStats | None = None) -> Iterator[list[tuple[int, Reference]]]:
+        """(index in `requests`, reference) per batch as it is done. `drafter`: decoded speculatively with it
+        (the same greedy output, fewer target steps); each request's `known` continuation is extended."""
+        done: list[tuple[int, Reference]] = []
+        rows = []
+        for i, req in enumerate(requests):
+            ref = req.served(req.known)
+            if ref is not None:
+                done.append((i, ref))
+            else:
+                rows.append(Row(i, req.prompt_ids + req.known,
+                                lambda out, req=req: _less(req.need(req.known + out), len(req.known))))
+        if done:
+            yield done
+        proposer = DrafterProposer(drafter, self.target) if drafter is not None else None
+        for batch in decode(self.target, rows, proposer, max_rows=self.max_rows, stats=stats):
+            out = []
+            for row in batch:
+                req = requests[row.index]
+                ref = req.served(req.known + row.result())
+                assert ref is not None, "a row stops once its request is served"
+                out.append((row.index, ref))
+            yield out
 
     def generate_samples(self, name: str, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
                          lookahead: int, samplers: list[Sampler]) -> list[Reference]:
@@ -106,29 +166,8 @@ class LocalReferences:
         return refs
 
 
-@torch.no_grad()
-def greedy_extend(target: Target, ids: list[int], n: int) -> list[int]:
-    """n more argmax tokens, ignoring eos (`generate` would stop or need its config changed).
-
-    The LM head runs on the last position only: `[seq, vocab]` logits never exist, so
-    memory stays flat in the vocabulary (1.2 GB of float32 logits for 2k tokens at 151k).
-    """
-    if n <= 0:
-        return []
-    from transformers import DynamicCache
-
-    dev = target.device
-    cache = DynamicCache(config=target.model.config)
-    inp = torch.tensor([ids], device=dev)
-    out: list[int] = []
-    pos = 0
-    for _ in range(n):
-        last = target.forward(inp, [], past_key_values=cache, use_cache=True,
-                              position_ids=torch.arange(pos, pos + inp.shape[1], device=dev)[None]).last_hidden
-        pos += inp.shape[1]
-        out.append(int(target.greedy_tokens(last[:, -1:])[0, 0]))
-        inp = torch.tensor([[out[-1]]], device=dev)
-    return out
+def _less(need: int | None, known: int) -> int | None:
+    return None if need is None else max(need - known, 1)
 
 
 SAMPLE_BATCH = 16  # samples of one prompt decoded together (rows of one batched forward)
@@ -147,7 +186,7 @@ def sample_continuations(target: Target, prompt_ids: list[int], samplers: list[S
                          eos_token_id: int | None, lookahead: int) -> list[list[int]]:
     """`sample_continuation` for several samplers of one prompt, decoded as the rows of one batch
     (same prompt, one token per row per forward: no padding). KV cached; the LM head runs on the
-    last position only (memory flat in the vocabulary, as `greedy_extend`)."""
+    last position only (memory flat in the vocabulary, as the greedy decoder's)."""
     from transformers import DynamicCache
 
     if len(samplers) > SAMPLE_BATCH:
