@@ -51,6 +51,7 @@ TESTS=(
   tests/unit/core/test_tiny_target.py
   tests/unit/engine/test_real_shapes.py
   tests/unit/engine/test_replay.py
+  tests/unit/engine/test_batched_references.py
   tests/architecture/test_rq_internals.py
   tests/architecture/test_lock.py
   tests/unit/service/test_sidecar_queue.py
