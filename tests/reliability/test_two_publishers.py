@@ -9,7 +9,6 @@ Select with `pytest -k "publish_no_replace or upload_conditional"`.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import threading
 import uuid
@@ -30,50 +29,17 @@ from dflash_train.checkpoints.publication import (
     verify_checkpoint,
 )
 from tests.support import waits
+from tests.support.publisher_race import RUN, race_round
 
 ROUNDS = 20
 
 
-def _publisher(root: str, step: int, tag: str, barrier, results) -> None:
-    """One publisher process: its own weights for (run, step); both reach the placing at once."""
-    def write(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps({"publisher": tag}))
-        (tmp / "model.safetensors").write_bytes(os.urandom(64 << 10) + tag.encode())
-        barrier.wait(timeout=30)
-
-    try:
-        path = publish_directory(root, "race", step, write)
-        results.put((tag, "ok", str(path), os.getpid()))
-    except CheckpointError as e:
-        results.put((tag, "refused", str(e), os.getpid()))
-    except BaseException as e:  # noqa: BLE001 - anything else is the defect: reported, not raised in the child
-        results.put((tag, "crashed", f"{type(e).__name__}: {e}", os.getpid()))
-
-
 def test_publish_no_replace_two_local_publishers_exactly_one_wins(tmp_path):
-    ctx = multiprocessing.get_context("fork")  # the parent's imports, no re-import per child: cheap rounds
     root = tmp_path / "ck"
-    outcomes = []
     for step in range(1, ROUNDS + 1):
-        barrier, results = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_publisher, args=(str(root), step, tag, barrier, results)) for tag in "AB"]
-        for p in procs:
-            p.start()
-        got = [results.get(timeout=waits.scaled(60)) for _ in procs]
-        for p in procs:
-            p.join(waits.scaled(30))
-            assert p.exitcode == 0
-        outcomes.append(got)
-        won = [g for g in got if g[1] == "ok"]
-        lost = [g for g in got if g[1] != "ok"]
-        assert len(won) == 1 and len(lost) == 1, f"step {step}: {got}"
-        assert lost[0][1] == "refused", f"step {step}: the loser crashed: {lost[0][2]}"
-        assert "already published by" in lost[0][2] and f"pid {won[0][3]}" in lost[0][2], lost[0][2]
-        final = Path(won[0][2])
-        manifest = verify_checkpoint(final)  # the marker lists exactly the files that stand beside it
-        assert manifest["published_by"].endswith(f"pid {won[0][3]}")
-        assert json.loads((final / "config.json").read_text()) == {"publisher": won[0][0]}
-    run = root / "race"
+        r = race_round(root, step)
+        assert r.problems == [], f"step {step}: {r.problems} {r.outcomes}"
+    run = root / RUN
     assert [p.name for p in list_checkpoints(run)] == [f"step-{s:08d}" for s in range(1, ROUNDS + 1)]
     assert sorted(p.name for p in run.iterdir()) == [f"step-{s:08d}" for s in range(1, ROUNDS + 1)]  # no temp left
 
