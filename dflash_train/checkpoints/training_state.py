@@ -64,7 +64,7 @@ def load_pt(path: str | Path) -> object:
                               f"(torch.load weights_only=True: {why.strip()[:300]}); save the model's state_dict "
                               "alone, or convert it where the pickle is trusted") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path}: {_unreadable(path)} ({type(e).__name__}: "
+        raise CheckpointError(f"{path}: not a readable torch zip checkpoint: {_unreadable(path)} ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
@@ -78,11 +78,10 @@ def _unreadable(path: Path) -> str:
     if not head:
         return "an empty file (still being written, or its write failed)"
     if head == b"PK\x03\x04":  # torch >= 1.6 writes a zip: its central directory comes last
-        return ("an incomplete or damaged torch zip checkpoint (truncated, or still being written when it was "
-                "read)")
+        return "incomplete or damaged (truncated, or still being written when it was read)"
     if head[:1] == b"\x80":  # a bare pickle: torch's legacy (pre-1.6) serialization
         return "a legacy (pre-1.6) torch file, which cannot be memory-mapped: re-save it with torch.save"
-    return "not a torch checkpoint (neither a torch zip nor a legacy torch file)"
+    return "neither a torch zip nor a legacy torch file"
 
 
 def _tensors_only(obj) -> bool:

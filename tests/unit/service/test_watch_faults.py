@@ -81,7 +81,7 @@ def test_watch_stalled_write_is_retried_once_the_write_goes_on(tmp_path, drafter
     events = h.settle(w)
     assert [e["status"] for e in events] == ["failed"]
     reason = events[0]["reason"]
-    assert "legacy" not in reason and "incomplete or damaged torch zip" in reason, reason
+    assert "legacy" not in reason and "incomplete or damaged (truncated, or still being written" in reason, reason
     pt.write_bytes(whole)  # the write goes on: a new size and mtime
     _bump_mtime(pt)
     assert w.scan() == []  # settling again
