@@ -20,17 +20,23 @@ through `files_dir(directory, manifest)`, so verification, confinement (the sour
 must lie inside the roots too), pins and retention treat both kinds alike.
 
 A checkpoint is published by writing a hidden temporary directory
-`.step-<step:08d>.tmp-<pid>`, fsyncing it, renaming it into place and only then writing
+`.step-<step:08d>.tmp-<pid>-<random>`, fsyncing it, renaming it into place and only then writing
 COMPLETE.json (a fsynced temporary file and a rename). A directory without the marker is
 never a checkpoint: never enqueued, never evaluated, removed by the next run's cleanup.
+Two publishers of one (run, step) (two trainers on one run, a watcher and an `import`): the
+rename and the marker are placed under an exclusive lock on the run directory (`_placing`), so
+exactly one wins; the other is told who published it (`published_by` in the manifest), and a
+marker never stands over another publisher's files.
 
 Run ids name directories, Redis keys and job ids: `RUN_ID_PATTERN`, checked by the
 trainer's config, the job schema and the ledger alike.
 
 The same layout lives in an object store under a URL prefix (`s3://bucket/runs/<run_id>/
 step-<step:08d>/...`, see `storage.py`). A store has no atomic directory rename, so the
-marker is the commit point: `upload_checkpoint` uploads every file of a published local
-checkpoint, then COMPLETE.json last; a prefix without the marker is never a checkpoint
+marker is the commit point: `upload_checkpoint` takes the step's upload lease (an object created
+only if absent: S3 `If-None-Match: *`), uploads every file of a published local checkpoint, then
+COMPLETE.json last, again created only if absent; a second uploader of the step is refused with
+who holds it, never overwrites. A prefix without the marker is never a checkpoint
 (an interrupted upload is ignored by readers and removed by `cleanup_incomplete`). Reading
 the manifest, listing, pins, retention and cleanup take a URL wherever they take a directory:
 they are written once against `storage.Store`, whose kind (local directory, object store,
@@ -38,12 +44,15 @@ read-only Hub) `storage.store_for` picks once per location.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+import socket
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -68,9 +77,15 @@ RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 RUN_ID_RULE = "1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, no '..'"
 _RUN_ID = re.compile(rf"^{RUN_ID_PATTERN}$")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_TMP_DIR = re.compile(r"^\.step-(\d{8,})\.tmp-(\d+)$")
+_TMP_DIR = re.compile(r"^\.step-(\d{8,})\.tmp-(\d+)(?:-[0-9a-f]+)?$")
+UPLOAD_LEASE = ".upload-lease"  # inside a step prefix of a store: who is uploading it (removed once marked)
 
-__all__ = ["CheckpointError"]  # defined in the kernel (common/errors.py: the Hub raises it too), named here
+class MissingBucket(CheckpointError):
+    """A store location whose bucket does not exist (not merely an unpublished step): the message names it."""
+
+
+# CheckpointError is defined in the kernel (common/errors.py: the Hub raises it too), named here
+__all__ = ["CheckpointError", "MissingBucket"]
 
 
 # --------------------------------------------------------------------------- names
@@ -169,49 +184,118 @@ def _run_dir(checkpoint_root: str | Path, run_id: str) -> Path:
     return run_dir
 
 
-def _place(run_dir: Path, step: int, write_files: Callable[[Path], None]) -> tuple[Path, dict[str, str]]:
-    """Write into a fresh temporary directory, fsync, rename to `step-<step>`; (its path, digests of its files)."""
+def publisher() -> str:
+    """Who publishes, as the manifest (`published_by`) and a losing publisher's error name it."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+@contextlib.contextmanager
+def _placing(run_dir: Path) -> Iterator[None]:
+    """An exclusive lock on `run_dir` while a step is checked, renamed into place and marked.
+
+    Two publishers of one (run, step), threads or processes, then see each other's marker whole:
+    exactly one renames and marks, the other is refused (`_refuse_published`). flock on the directory
+    itself leaves nothing behind; where a directory opened read-only cannot be locked (NFS emulates
+    flock with write locks), a `.publish.lock` file in it is locked instead."""
+    import fcntl
+
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd)
+            fd = -1
+            fd = os.open(run_dir / ".publish.lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the lock
+
+
+def _refuse_published(final: Path, accept: Callable[[dict], bool] | None = None) -> bool:
+    """False when `final` holds no marker; True when its manifest is one `accept` takes as this very
+    publication (the same drafter imported again); else CheckpointError naming who published it."""
+    if not (final / MARKER_NAME).exists():
+        return False
+    try:
+        old = read_manifest(final)
+    except CheckpointError:
+        old = {}
+    if accept is not None and old and accept(old):
+        return True
+    who = old.get("published_by") or "another publisher"
+    when = f" at {old['created_at']}" if old.get("created_at") else ""
+    what = f" (digest {old['digest'][:12]}...)" if isinstance(old.get("digest"), str) else ""
+    raise CheckpointError(f"{final} is already published by {who}{when}{what}; a step is published once: "
+                          "publish this one under another run or step")
+
+
+def _place(run_dir: Path, step: int, write_files: Callable[[Path], None],
+           manifest_for: Callable[[Path, dict[str, str]], dict], *,
+           accept: Callable[[dict], bool] | None = None) -> tuple[Path, bool]:
+    """Write into a fresh temporary directory, fsync, then under `_placing`: rename to `step-<step>`
+    and write its marker (`manifest_for(final, digests of its files)`); (its path, written now).
+
+    A step already marked is refused (or returned, not written, when `accept` takes its manifest);
+    a `step-<step>` without a marker (a crashed earlier attempt) is replaced. The temporary directory
+    never outlives the call."""
     final = run_dir / step_dir_name(step)
-    if (final / MARKER_NAME).exists():
-        raise CheckpointError(f"{final} is already published")
-    tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    if _refuse_published(final, accept):  # before writing gigabytes for nothing; checked again when placing
+        return final, False
+    tmp = run_dir / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"  # unique: threads share a pid
     tmp.mkdir()
-    write_files(tmp)
-    os.chmod(tmp, DIR_MODE)
-    files = {}
-    for p in sorted(tmp.iterdir()):
-        os.chmod(p, FILE_MODE)
-        fsync_path(p)
-        files[p.name] = sha256_file(p)
-    fsync_path(tmp)
-    if final.exists():  # renamed but never marked: a crashed earlier attempt
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_path(run_dir)
-    return final, files
+    try:
+        write_files(tmp)
+        os.chmod(tmp, DIR_MODE)
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            os.chmod(p, FILE_MODE)
+            fsync_path(p)
+            files[p.name] = sha256_file(p)
+        fsync_path(tmp)
+        with _placing(run_dir):
+            if _refuse_published(final, accept):
+                return final, False
+            if final.exists():  # renamed but never marked: a crashed earlier attempt (no one else holds the lock)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_path(run_dir)
+            try:
+                atomic_write_json(final / MARKER_NAME, manifest_for(final, files), mode=FILE_MODE)
+            except BaseException:
+                shutil.rmtree(final, ignore_errors=True)  # never a step directory left for the next one to guess at
+                raise
+        return final, True
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train_metrics: dict | None,
               **extra) -> dict:
     return {"format": MANIFEST_FORMAT, "run_id": run_id, "step": int(step), "digest": weights_digest(files),
             "files": files, "config": config, "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "train_metrics": dict(train_metrics or {}), **extra}
+            "published_by": publisher(), "train_metrics": dict(train_metrics or {}), **extra}
 
 
 def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
-                      train_metrics: dict | None = None, extra: dict | None = None) -> Path:
+                      train_metrics: dict | None = None, extra: dict | None = None,
+                      accept: Callable[[dict], bool] | None = None) -> Path:
     """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
 
     `write_files(tmp_dir)` writes the checkpoint's files (config.json, the weights) into a
-    fresh temporary directory. Publishing a step that is already complete is an error; a
-    leftover without a marker is replaced.
+    fresh temporary directory. Publishing a step that is already complete is an error naming
+    its publisher (also when another publisher wins the race for it meanwhile), unless `accept`
+    takes the existing manifest as this publication (then its path is returned, nothing written);
+    a leftover without a marker is replaced.
     """
-    final, files = _place(_run_dir(checkpoint_root, run_id), step, write_files)
-    manifest = _manifest(run_id, step, files, json.loads((final / CONFIG_NAME).read_text()), train_metrics,
-                         **(extra or {}))
-    atomic_write_json(final / MARKER_NAME, manifest, mode=FILE_MODE)
+    final, _ = _place(_run_dir(checkpoint_root, run_id), step, write_files,
+                      lambda final, files: _manifest(run_id, step, files,
+                                                     json.loads((final / CONFIG_NAME).read_text()), train_metrics,
+                                                     **(extra or {})),
+                      accept=accept)
     return final
 
 
@@ -243,10 +327,9 @@ def import_directory(checkpoint_root: str | Path, run_id: str, step: int, source
             return existing, False
         raise CheckpointError(f"{existing} already records {old.get('source') or 'a published checkpoint'} "
                               f"(digest {old['digest'][:12]}...); import this drafter under another run or step")
-    final, _ = _place(run_dir, step, lambda tmp: None)
-    atomic_write_json(final / MARKER_NAME, _manifest(run_id, step, files, config, train_metrics, source=str(src)),
-                      mode=FILE_MODE)
-    return final, True
+    return _place(run_dir, step, lambda tmp: None,
+                  lambda final, _: _manifest(run_id, step, files, config, train_metrics, source=str(src)),
+                  accept=lambda m: m.get("source") == str(src) and m.get("files") == files)
 
 
 _STEP_IN_NAME = re.compile(r"(?:^|[_-])(?:step|checkpoint|ckpt|iter)[_-]?(\d+)$", re.IGNORECASE)
@@ -299,6 +382,9 @@ def read_marker(directory: str | Path) -> bytes:
     try:
         return store.read_bytes(store.join(directory, MARKER_NAME))
     except FileNotFoundError:
+        problem = storage.missing_bucket(str(directory)) if not store.local else None  # not "no marker": no bucket
+        if problem:
+            raise MissingBucket(problem) from None
         raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
                               "(still being written or uploaded, or abandoned)") from None
     except storage.StoreUnavailable:
@@ -402,10 +488,12 @@ def list_checkpoints(run_dir: str | Path) -> list:
 def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = True) -> str:
     """Copy a published local checkpoint to `<run_url>/step-<step:08d>/`; returns that URL.
 
-    Every listed file is uploaded (and its size checked against the store), then
-    COMPLETE.json, byte for byte, last: the marker is the commit point, so a reader sees
-    the whole checkpoint or none. An earlier interrupted upload of the same step (objects
-    but no marker) is removed first; a step already marked in the store is an error.
+    The step's upload lease is taken first (`UPLOAD_LEASE`, created only if absent), then every
+    listed file is uploaded (and its size checked against the store), then COMPLETE.json, byte
+    for byte, last and again only if absent: the marker is the commit point, so a reader sees the
+    whole checkpoint or none, and two uploaders of one step never both succeed nor mix their files.
+    The loser gets CheckpointError naming who holds or published the step. An earlier interrupted
+    upload of the same step (objects but no marker, no live lease) is removed first.
     """
     directory = Path(directory)
     raw = read_marker(directory)
@@ -418,21 +506,82 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
     store.check_writable(run_url)
     dest = urls.join(run_url, step_dir_name(manifest["step"]))
     marker = store.join(dest, MARKER_NAME)
-    if store.exists(marker):
-        raise CheckpointError(f"{dest} is already published")
-    if store.list_names(dest):  # an interrupted earlier upload
-        store.remove(dest, recursive=True)
-    where = files_dir(directory, manifest)
-    if manifest.get("source"):  # an import record: in the store its files lie beside the marker
-        raw = json.dumps({k: v for k, v in manifest.items() if k != "source"}, indent=2).encode()
-    for file_name in sorted(manifest["files"]):
-        url = store.join(dest, file_name)
-        store.put_file(where / file_name, url)
-        want, got = (where / file_name).stat().st_size, store.size(url)
-        if got != want:
-            raise storage.StoreUnavailable(f"{url}: the store holds {got} bytes after uploading {want}")
-    store.write_bytes(marker, raw)
+    _refuse_uploaded(store, dest)
+    lease = _take_lease(store, dest, manifest["digest"])
+    try:
+        leftovers = [n for n in store.list_names(dest) if n != UPLOAD_LEASE]  # an interrupted earlier upload
+        for name in leftovers:
+            store.remove(store.join(dest, name), recursive=True)
+        where = files_dir(directory, manifest)
+        if manifest.get("source"):  # an import record: in the store its files lie beside the marker
+            raw = json.dumps({k: v for k, v in manifest.items() if k != "source"}, indent=2).encode()
+        for file_name in sorted(manifest["files"]):
+            url = store.join(dest, file_name)
+            store.put_file(where / file_name, url)
+            want, got = (where / file_name).stat().st_size, store.size(url)
+            if got != want:
+                raise storage.StoreUnavailable(f"{url}: the store holds {got} bytes after uploading {want}")
+        if not store.create_bytes(marker, raw):  # only if the lease was taken over meanwhile
+            _refuse_uploaded(store, dest)
+            raise CheckpointError(f"{dest} was published by another uploader meanwhile")
+    finally:
+        _release_lease(store, dest, lease)
     return dest
+
+
+def _refuse_uploaded(store: storage.Store, dest: str) -> None:
+    """CheckpointError naming the publisher when `dest` is already marked in the store."""
+    try:
+        raw = store.read_bytes(store.join(dest, MARKER_NAME))
+    except FileNotFoundError:
+        return
+    try:
+        old = json.loads(raw)
+    except ValueError:
+        old = {}
+    who = old.get("published_by") if isinstance(old, dict) else None
+    when = f" at {old['created_at']}" if isinstance(old, dict) and old.get("created_at") else ""
+    raise CheckpointError(f"{dest} is already published by {who or 'another uploader'}{when}; a step is uploaded "
+                          "once: upload this one under another run or step")
+
+
+def _take_lease(store: storage.Store, dest: str, digest: str) -> bytes:
+    """Create the step's upload lease (who, when, what) or CheckpointError naming its holder.
+
+    A lease left by a dead process of this host is taken over; any other lease stands until its
+    upload ends (the trainer's start-up `cleanup_incomplete` removes one whose uploader died)."""
+    lease = store.join(dest, UPLOAD_LEASE)
+    body = json.dumps({"by": publisher(), "host": socket.gethostname(), "pid": os.getpid(), "digest": digest,
+                       "token": secrets.token_hex(8), "at": datetime.now(UTC).isoformat(timespec="seconds")},
+                      sort_keys=True).encode()
+    for _ in range(3):
+        if store.create_bytes(lease, body):
+            return body
+        _refuse_uploaded(store, dest)
+        try:
+            held = json.loads(store.read_bytes(lease))
+        except FileNotFoundError:
+            continue  # released meanwhile: try again
+        except ValueError:
+            held = {}
+        if not isinstance(held, dict):
+            held = {}
+        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int) \
+                and not pid_alive(held["pid"]):
+            store.remove(lease)  # its uploader died on this host
+            continue
+        raise CheckpointError(f"{dest} is being uploaded by {held.get('by') or 'another uploader'} since "
+                              f"{held.get('at') or '?'}; a step is uploaded once (if that upload died, the trainer's "
+                              f"next start removes it, or remove {store.join(dest, UPLOAD_LEASE)})")
+    raise CheckpointError(f"{dest}: could not take its upload lease (others kept taking it); try again")
+
+
+def _release_lease(store: storage.Store, dest: str, body: bytes) -> None:
+    """Remove the lease if it is still this upload's (never one another uploader took over)."""
+    lease = store.join(dest, UPLOAD_LEASE)
+    with contextlib.suppress(FileNotFoundError, StoreError, OSError):
+        if store.read_bytes(lease) == body:
+            store.remove(lease)
 
 
 # --------------------------------------------------------------------------- pins and retention

@@ -31,6 +31,7 @@ credentials in it is refused (`check_url`), so no secret can travel in a job, a 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -50,7 +51,7 @@ from . import hub
 
 __all__ = ["StoreError", "StoreUnavailable", "Store", "LocalStore", "FsspecStore", "HubStore", "Snapshot",
            "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url", "join", "parent", "name",
-           "within_prefixes", "store_for", "canonical", "redact", "preflight"]
+           "within_prefixes", "store_for", "canonical", "redact", "preflight", "missing_bucket"]
 
 READ_ONLY = ("hf",)  # the Hugging Face Hub: read, never uploaded to, pinned or pruned
 Location = str | os.PathLike[str]  # a URL for a store, a path for a LocalStore
@@ -99,6 +100,11 @@ class Store(ABC):
 
     @abstractmethod
     def write_bytes(self, location: Location, data: bytes) -> None: ...
+
+    @abstractmethod
+    def create_bytes(self, location: Location, data: bytes) -> bool:
+        """Write `data` at `location` only if nothing is there, atomically with that check (two writers:
+        exactly one creates it); False when something already was (nothing written)."""
 
     @abstractmethod
     def put_file(self, local: str | Path, location: Location) -> None: ...
@@ -170,6 +176,28 @@ class LocalStore(Store):
         self._make_parents(path)
         with atomic_writer(path, mode=self.file_mode) as f:
             f.write(data)
+
+    def create_bytes(self, location: Location, data: bytes) -> bool:
+        """A fsynced temporary file hard-linked to the target: link(2) never replaces (EEXIST)."""
+        path = Path(location)
+        self._make_parents(path)
+        tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if self.file_mode is not None:
+                os.chmod(tmp, self.file_mode)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        fsync_dir(path.parent)
+        return True
 
     def put_file(self, local: str | Path, location: Location) -> None:
         path = Path(location)
@@ -257,6 +285,23 @@ class FsspecStore(Store):
     def write_bytes(self, url: Location, data: bytes) -> None:
         self._call("writing", url, self.fs.pipe_file, path_of(os.fspath(url)), data)
 
+    def create_bytes(self, url: Location, data: bytes) -> bool:
+        """fsspec's exclusive write (`mode="create"`: S3 `If-None-Match: *`, which AWS S3, MinIO and moto
+        honour); the store's refusal (412) is FileExistsError. A library without that mode is refused with
+        StoreError: an unconditional write would let two writers both believe they created the object."""
+        def create() -> bool:
+            try:
+                self.fs.pipe_file(path_of(os.fspath(url)), data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+        try:
+            return bool(self._call("creating", url, create))
+        except TypeError as e:  # a library that knows no `mode`
+            raise StoreError(f"{redact(os.fspath(url))}: this storage library cannot create an object only if it "
+                             f"is absent ({e}); upgrade it (s3fs >= 2024.12)") from None
+
     def put_file(self, local: str | Path, url: Location) -> None:
         self._call("uploading to", url, self.fs.put_file, str(local), path_of(os.fspath(url)))
 
@@ -324,6 +369,10 @@ class HubStore(Store):
     def write_bytes(self, location: Location, data: bytes) -> None:
         self.check_writable(location)
 
+    def create_bytes(self, location: Location, data: bytes) -> bool:
+        self.check_writable(location)
+        return False
+
     def put_file(self, local: str | Path, location: Location) -> None:
         self.check_writable(location)
 
@@ -371,6 +420,25 @@ def canonical(location: Location) -> str | Path:
 BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")  # the URL's first segment is a bucket/container
 
 
+def missing_bucket(url: str) -> str | None:
+    """The sentence to say when the bucket (container) of `url` does not exist, naming it and the endpoint;
+    None when it exists or the protocol has no buckets. StoreUnavailable when the store cannot be reached.
+    One wording for the trainer's preflight and every reader that finds no marker (`publication.read_marker`)."""
+    url = check_url(url)
+    proto = protocol(url)
+    if proto not in BUCKET_PROTOCOLS:
+        return None
+    store = store_for(url)
+    bucket = path_of(url).split("/", 1)[0]
+    if store.exists(f"{proto}://{bucket}"):
+        return None
+    # the endpoint the client resolved (AWS_ENDPOINT_URL, a profile, or AWS itself)
+    client = getattr(getattr(store, "fs", None), "s3", None)
+    endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None) or "AWS"
+    return (f"bucket {bucket!r} does not exist (endpoint {endpoint}): create it first "
+            f"(`aws s3 mb s3://{bucket}`, `mc mb ALIAS/{bucket}`) or fix the URL {redact(url)}")
+
+
 def preflight(url: str, *, write: bool = True) -> None:
     """Check a store prefix before a long run relies on it: its bucket exists and, with `write`, an
     object can be written under the prefix and deleted. StoreError (the bucket is missing) or
@@ -383,19 +451,12 @@ def preflight(url: str, *, write: bool = True) -> None:
     store = store_for(url)
     if store.read_only:
         return
-    proto, path = protocol(url), path_of(url)
-    if proto in BUCKET_PROTOCOLS:
-        bucket = path.split("/", 1)[0]
-        try:
-            found = store.exists(f"{proto}://{bucket}")
-        except StoreUnavailable as e:
-            raise StoreUnavailable(f"cannot reach the store for {redact(url)}: {e.__cause__ or e}") from None
-        if not found:
-            # the endpoint the client resolved (AWS_ENDPOINT_URL, a profile, or AWS itself)
-            client = getattr(getattr(store, "fs", None), "s3", None)
-            endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None) or "AWS"
-            raise StoreError(f"bucket {bucket!r} does not exist (endpoint {endpoint}): create it first "
-                             f"(`aws s3 mb s3://{bucket}`, `mc mb ALIAS/{bucket}`) or fix the URL {redact(url)}")
+    try:
+        problem = missing_bucket(url)
+    except StoreUnavailable as e:
+        raise StoreUnavailable(f"cannot reach the store for {redact(url)}: {e.__cause__ or e}") from None
+    if problem:
+        raise StoreError(problem)
     if not write:
         return
     probe = join(url, f".dflash-preflight-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")

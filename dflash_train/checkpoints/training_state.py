@@ -48,6 +48,10 @@ _REFUSED = torch.serialization.pickle.UnpicklingError
 _STEP_K = re.compile(r"(?:step|checkpoint|ckpt|iter)[_-]?(\d+)(k?)$", re.IGNORECASE)
 
 
+class StepUnknown(CheckpointError):
+    """A checkpoint that records no step, in its contents or its name: the caller says how to give one."""
+
+
 def load_pt(path: str | Path) -> object:
     """A `.pt` file's contents: tensors (memory-mapped) in plain containers, or CheckpointError."""
     path = Path(path)
@@ -60,9 +64,24 @@ def load_pt(path: str | Path) -> object:
                               f"(torch.load weights_only=True: {why.strip()[:300]}); save the model's state_dict "
                               "alone, or convert it where the pickle is trusted") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable torch zip checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); legacy (pre-1.6) files "
-                              "cannot be memory-mapped: re-save with torch.save") from None
+        raise CheckpointError(f"{path}: not a readable torch zip checkpoint: {_unreadable(path)} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
+def _unreadable(path: Path) -> str:
+    """Why torch could not read `path`, from its first bytes: a half-written zip is not a legacy file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b""
+    if not head:
+        return "an empty file (still being written, or its write failed)"
+    if head == b"PK\x03\x04":  # torch >= 1.6 writes a zip: its central directory comes last
+        return "incomplete or damaged (truncated, or still being written when it was read)"
+    if head[:1] == b"\x80":  # a bare pickle: torch's legacy (pre-1.6) serialization
+        return "a legacy (pre-1.6) torch file, which cannot be memory-mapped: re-save it with torch.save"
+    return "neither a torch zip nor a legacy torch file"
 
 
 def _tensors_only(obj) -> bool:
@@ -156,6 +175,12 @@ def only_prefix(tensors: dict[str, torch.Tensor], prefix: str, where: str | Path
     return kept
 
 
+def recorded_in_place(facts: dict, config: str | Path | None, prefix: str | None) -> bool:
+    """Whether `import_checkpoint` records this checkpoint (`describe`'s facts) in place, its files read where
+    they are (a drafter directory, no config or prefix given), rather than converting it."""
+    return facts["kind"] == "drafter_dir" and config is None and prefix is None
+
+
 def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None, source: str | Path, *,
                       config: str | Path | None = None, prefix: str | None = None) -> tuple[Path, bool, dict]:
     """Make a trainer's checkpoint evaluable: (the record's path, written now, `describe`'s facts).
@@ -177,10 +202,10 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
     if at is None and facts["kind"] in ("pt", "training_state"):  # the step the file records, if any
         _, at, _ = model_tensors(load_pt(facts["weights"]), facts["weights"])
         if at is None:
-            raise CheckpointError(f"{src}: no step in the checkpoint or its name; give --step")
+            raise StepUnknown(f"{src}: no step in the checkpoint or its name")
     at = 0 if at is None else at  # a release directory: step 0, as `dflash-eval import` has it
     facts["step"] = at
-    if facts["kind"] == "drafter_dir" and config is None and prefix is None:
+    if recorded_in_place(facts, config, prefix):
         path, created = import_directory(checkpoint_root, run_id, at, src)
         return path, created, facts
     cfg_path = config or facts["config"]
@@ -211,5 +236,6 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
     state = {**drafter_tensors, **own_vocab}
     path = publish_directory(checkpoint_root, run_id, at,
                              lambda tmp: save_drafter(SimpleNamespace(config=cfg), tmp, state=state),
-                             extra={"imported_from": provenance})
+                             extra={"imported_from": provenance},
+                             accept=lambda m: m.get("imported_from") == provenance)  # a twin importer won the race
     return path, True, facts

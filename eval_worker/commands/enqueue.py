@@ -173,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost
         return fail(str(e))
     submission.enqueue_all(conn, config, force=args.force)
-    delivered = [deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected)
+    delivered = [deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected, roots=roots)
                  for directory in args.outbox]
     outcomes, errors = submission.outcomes, submission.errors
 

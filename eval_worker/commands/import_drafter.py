@@ -51,16 +51,20 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
     import os
     from pathlib import Path
 
-    from dflash_train.checkpoints.publication import CheckpointError, import_name, run_id_from, valid_run_id, within
-    from dflash_train.checkpoints.training_state import import_checkpoint
+    from dflash_train.checkpoints.publication import CheckpointError, import_name, run_id_from, valid_run_id
+    from dflash_train.checkpoints.training_state import StepUnknown, describe, import_checkpoint, recorded_in_place
     from dflash_train.common.settings import parse_roots
+    from eval_worker.service.confinement import converts_outside_roots, import_roots_problem
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
-    into = args.into or (str(roots[0]) if roots else None)
+    into = args.into or next((str(r) for r in roots or () if isinstance(r, Path)), None)
     if into is None:
         return [], [{"source": s, "given": s,
                      "error": "no place for the import record: give --into ROOT (a checkpoint root "
                                            "of the worker) or set $DFLASH_CHECKPOINT_ROOTS"} for s in sources]
+    problem = import_roots_problem(into, roots) if roots is not None else None
+    if problem:
+        return [], [{"source": s, "given": s, "error": problem} for s in sources]
     records, errors = [], []
     for source in sources:
         # a training-state file is named after its step: the run is its directory
@@ -70,14 +74,14 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
         try:
             if not valid_run_id(run_id):
                 raise CheckpointError(f"invalid run id {run_id!r}")
-            if roots is not None:
-                for what, path in (("drafter directory", source), ("record root --into", into)):
-                    if within(path, roots) is None:
-                        raise CheckpointError(
-                            f"{what} {path} is outside the checkpoint roots ({os.pathsep.join(map(str, roots))}); "
-                            "the worker would refuse it: add its root with --checkpoint-root / "
-                            "$DFLASH_CHECKPOINT_ROOTS (for a Hugging Face snapshot, the cache's hub directory)")
-            path, created, _ = import_checkpoint(Path(into), run_id, at, source, config=config, prefix=prefix)
+            use = config
+            facts = describe(os.path.realpath(source))
+            if recorded_in_place(facts, config, prefix) and converts_outside_roots(source, roots):
+                use = facts["config"]  # the worker could not read it where it is: converted into the record root
+            path, created, _ = import_checkpoint(Path(into), run_id, at, source, config=use, prefix=prefix)
+        except StepUnknown as e:
+            errors.append({"source": source, "error": f"{e}; give --step", "given": source})
+            continue
         except (CheckpointError, OSError) as e:
             errors.append({"source": source, "error": str(e), "given": source})
             continue
@@ -85,7 +89,7 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
 
         m = read_manifest(path)
         records.append({"source": m.get("source") or m["imported_from"]["path"], "record": str(path),
-                        "run_id": m["run_id"], "step": m["step"],
+                        "run_id": m["run_id"], "step": m["step"], "in_place": bool(m.get("source")),
                         "digest": m["digest"], "created": created, "given": source})
     if roots is None and records:
         _warn_unconfined(into, records)
@@ -93,17 +97,17 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
 
 
 def _warn_unconfined(into: str, records: list[dict]) -> None:
-    """No roots configured here, so nothing could be checked: name the roots the worker needs (it reads the
-    record and the drafter's own directory, and refuses both outside its --checkpoint-root)."""
+    """No roots configured here, so nothing could be checked: name the roots the worker needs (the record
+    root, and the directory of each drafter recorded in place: `import_roots_problem`'s rule)."""
     import os
     import sys
 
     needed = list(dict.fromkeys([os.path.abspath(into)] + [os.path.dirname(os.path.abspath(r["given"]))
-                                                          for r in records]))
+                                                          for r in records if r["in_place"]]))
     flags = " ".join(f"--checkpoint-root {d}" for d in needed)
     print(f"WARNING: no checkpoint roots configured (--checkpoint-root / $DFLASH_CHECKPOINT_ROOTS), so the import "
-          f"could not be checked against the worker's: the worker must serve the record root and each drafter's "
-          f"directory, e.g. `dflash-eval worker ... {flags}`, or every job using these records fails there",
+          f"could not be checked against the worker's: the worker must serve the record root and each drafter "
+          f"recorded in place, e.g. `dflash-eval worker ... {flags}`, or every job using these records fails there",
           file=sys.stderr)
 
 

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(checkpoints without a completion marker; default %(default)s)")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between scans (default %(default)s)")
     parser.add_argument("--once", action="store_true", help="scan once and exit (cron, tests)")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="try the checkpoints that failed once more (a failed one is retried by itself when its "
+                             "files, --config or its file, --prefix or --every change)")
     add_redis_args(parser)
 
 
@@ -55,6 +58,12 @@ def main(args: argparse.Namespace) -> int:
     elif into is None:
         return fail("no place for the converted checkpoints: give --into ROOT or set $DFLASH_CHECKPOINT_ROOTS "
                     "(a local directory)")
+    elif roots is not None:  # `import`'s rule: every checkpoint is converted into --into, which the worker reads
+        from eval_worker.service.confinement import import_roots_problem
+
+        problem = import_roots_problem(into, roots)
+        if problem:
+            return fail(problem)
     try:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisAccessError and friends: say why
@@ -79,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         return "; ".join(out)
 
     watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
-                      run_id=args.run, state_path=state_path, prefix=args.prefix,
+                      run_id=args.run, state_path=state_path, prefix=args.prefix, retry_failed=args.retry_failed,
                       log=lambda line: print(line, flush=True))
     print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
           f"redis {url})", flush=True)

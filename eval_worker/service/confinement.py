@@ -40,6 +40,25 @@ def confine(path: str | os.PathLike, roots: Sequence[Path | str], what: str = "c
     raise JobError(f"{path} is outside the {what} roots ({shown}); add its root with {how}")
 
 
+def import_roots_problem(into: str | os.PathLike, roots: Sequence[Path | str]) -> str | None:
+    """The one roots rule of `import`, `watch` and `enqueue --external` (docs/adoption.md): only the record
+    root (`--into`, where converted checkpoints and import records go, read by the worker) must lie in a
+    checkpoint root. A trainer's checkpoint is only read here: one outside the roots is converted into the
+    record root (`converts_outside_roots`), never recorded in place. None when the rule holds, else the
+    sentence to print."""
+    if within(into, roots) is None:
+        return (f"record root --into {into} is outside the checkpoint roots ({os.pathsep.join(map(str, roots))}); "
+                "the worker reads records there and would refuse them: add it with --checkpoint-root / "
+                "$DFLASH_CHECKPOINT_ROOTS")
+    return None
+
+
+def converts_outside_roots(source: str | os.PathLike, roots: Sequence[Path | str] | None) -> bool:
+    """Whether a drafter directory that could be recorded in place is converted instead: it lies outside the
+    roots the worker reads (with no roots known here, it is recorded in place and the roots it needs are named)."""
+    return roots is not None and within(source, roots) is None
+
+
 def check_target(target: str, default_target: str | None, target_roots: Sequence[Path | str] | None,
                  checkpoint_roots: Sequence[Path | str]) -> None:
     """A job may name the worker's own target, or one inside the target roots.

@@ -19,6 +19,7 @@ from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
+    MissingBucket,
     files_dir,
     parse_manifest,
     read_manifest,
@@ -89,6 +90,8 @@ def _check_remote(url: str, roots: Sequence[Path | str] | None, what: str) -> tu
     try:
         raw = read_marker(url)
         return str(url), raw, parse_manifest(raw, url)
+    except MissingBucket as e:
+        raise JobError(f"{what}: {e}") from None
     except CheckpointError as e:
         raise JobError(f"{what}: checkpoint {url} is not published: {e}") from None
 

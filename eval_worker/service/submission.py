@@ -84,10 +84,12 @@ class Submission:
                 self.errors.append({"checkpoint": job.checkpoint, "error": str(e)})
 
 
-def deliver_outbox(directory: str, connection, config: QueueConfig, *, retry_rejected: bool = False) -> dict:
-    """Deliver the jobs waiting in a hook outbox; what happened, as JSON data."""
+def deliver_outbox(directory: str, connection, config: QueueConfig, *, retry_rejected: bool = False,
+                   roots: Sequence[Path | str] | None = None) -> dict:
+    """Deliver the jobs waiting in a hook outbox; what happened, as JSON data. With `roots`, a job whose
+    checkpoint lies outside them is set aside with the reason, as a plain `enqueue` refuses it."""
     box = Outbox(directory)
     restored = box.restore_rejected() if retry_rejected else []
-    report = box.deliver(lambda job: enqueue(connection, job, config=config))
+    report = box.deliver(lambda job: enqueue(connection, job, config=config, roots=roots))
     return {"dir": directory, "restored": restored, "delivered": report.delivered, "rejected": report.rejected,
             "remaining": report.remaining, "error": report.error, "set_aside": box.rejected()}

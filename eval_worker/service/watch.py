@@ -11,6 +11,14 @@ trainer's retention may delete its own copy before the eval runs. What was done 
 state file (atomic writes): a restarted watcher queues nothing twice and picks up what appeared
 while it was down; the queue's job ids dedupe the window between a job queued and the state
 written. A checkpoint deleted before it could be imported is a visible skip, not a crash.
+
+An entry of the state is (path, signature, step): a file re-saved under its name (`last.pt` at
+step 400, then 500) has a new signature (size, mtime) and is handled again once it settles; a
+failed entry is retried when its files' signature changes (a write that stalled past `settle`
+and was read half-written) or the inputs it failed with change (`--config` and the file it
+names, `--prefix`, `--every`), else said once per start, with `--retry-failed` to force it.
+One odd entry of the directory (an unreadable file, a DeepSpec `step_latest` of either form,
+something that vanishes mid-scan) is reported and passed over, never the end of the watcher.
 """
 from __future__ import annotations
 
@@ -44,6 +52,22 @@ class Seen:
     since: float
 
 
+def _pointed_step(latest: Path) -> int | None:
+    """The step DeepSpec's `step_latest` names: a symlink to `step_N`, or a plain file holding `step_N`
+    (a path or a name); None when it names none or cannot be read."""
+    from dflash_train.checkpoints.training_state import step_from_name
+
+    try:
+        if latest.is_symlink():
+            text = os.readlink(latest)
+        else:
+            with open(latest, "rb") as f:
+                text = f.read(4096).decode("utf-8", "replace").strip().splitlines()[0] if latest.is_file() else ""
+    except (OSError, IndexError):
+        return None
+    return step_from_name(Path(text.strip().rstrip("/")).name) if text.strip() else None
+
+
 class Watcher:
     """`scan()` once per poll; `submit(record_path) -> str` queues a record and says how (the CLI
     enqueues on Redis). `clock` is injectable so tests step time instead of sleeping."""
@@ -51,7 +75,8 @@ class Watcher:
     def __init__(self, directory: str | Path, into: str | Path | None, *, submit: Callable[[Path], str],
                  config: str | Path | None = None, every: int | None = None, settle: float = 30.0,
                  run_id: str | None = None, state_path: str | Path | None = None, prefix: str | None = None,
-                 log: Callable[[str], None] = print, clock: Callable[[], float] = time.time):
+                 retry_failed: bool = False, log: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.time):
         # an object-store run prefix (s3://...): its published checkpoints (COMPLETE.json written last) are queued
         store = storage.store_for(str(directory))
         self.url = None if store.local else storage.check_url(str(directory))
@@ -66,7 +91,10 @@ class Watcher:
         else:
             assert self.into is not None  # checked just above
             self.state_path = self.into / self.run_id / STATE_NAME
-        self.log, self.clock = log, clock
+        self.log, self.clock, self.retry_failed = log, clock, retry_failed
+        self._retried: set[str] = set()  # entries recorded in this process: --retry-failed retries each once
+        self._told: set[str] = set()  # failed entries whose "not retried" was said in this process
+        self._odd: dict[str, str] = {}  # odd entries and what was said about them (said again only if it changes)
         self.state: dict[str, dict] = {}
         self._seen: dict[str, Seen] = {}  # written but not yet settled (kept across restarts: `--once` from cron)
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,14 +110,27 @@ class Watcher:
     def candidates(self) -> list[Path]:
         assert self.directory is not None, "a local directory is watched"
         out = []
-        for p in sorted(self.directory.iterdir()) if self.directory.is_dir() else []:
-            if p.name.startswith(".") or p.is_symlink():
-                continue
-            if p.is_dir() and (_DIR.match(p.name) or (p / MARKER_NAME).exists()):
-                out.append(p)
-            elif p.is_file() and p.suffix in _FILE_SUFFIXES:
-                out.append(p)
+        try:
+            entries = sorted(self.directory.iterdir()) if self.directory.is_dir() else []
+        except OSError as e:  # the directory itself is unreadable this time: said, tried again next scan
+            self._odd_entry(str(self.directory), f"cannot list it ({e})")
+            return []
+        for p in entries:
+            try:
+                if p.name.startswith(".") or p.is_symlink():
+                    continue
+                if p.is_dir() and (_DIR.match(p.name) or (p / MARKER_NAME).exists()):
+                    out.append(p)
+                elif p.is_file() and p.suffix in _FILE_SUFFIXES:
+                    out.append(p)
+            except OSError as e:  # an entry we may not even stat: not ours, passed over
+                self._odd_entry(str(p), f"passed over ({e})")
         return out
+
+    def _odd_entry(self, key: str, what: str) -> None:
+        if self._odd.get(key) != what:
+            self._odd[key] = what
+            self.log(f"{'odd':8s} {key}: {what}")
 
     def _signature(self, p: Path) -> tuple:
         files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
@@ -105,20 +146,59 @@ class Watcher:
             return (p / "trainer_state.json").is_file()
         latest = p.parent / "step_latest"
         if p.is_dir() and p.name.startswith("step_") and os.path.lexists(latest):
-            pointed = step_from_name(Path(os.readlink(latest)).name)
+            pointed = _pointed_step(latest)
             return pointed is not None and pointed >= (step_from_name(p.name) or 0)
         now, sig = self.clock(), self._signature(p)
         seen = self._seen.get(str(p))
         if seen is None or seen.signature != sig:
             self._seen[str(p)] = Seen(sig, now)
             self._save()
-            return False
+            return self.settle <= 0  # no settling asked for: what is seen counts (`--settle 0 --once`)
         return now - seen.since >= self.settle
+
+    # --- what a state entry stands for -----------------------------------------------------
+    def _inputs(self) -> dict:
+        """What a conversion depends on besides the checkpoint: the config given (and its file's signature),
+        the prefix, `every`. A failed entry is retried when these change."""
+        config = None
+        if self.config is not None:
+            path = Path(self.config).resolve()
+            try:
+                st = path.stat()
+                config = [str(path), st.st_size, st.st_mtime_ns]
+            except OSError:
+                config = [str(path), None, None]
+        return {"config": config, "prefix": self.prefix, "every": self.every}
+
+    def _again(self, p: Path, key: str, entry: dict) -> bool:
+        """Whether a checkpoint handled before is handled again now (rules in the module docstring)."""
+        if entry.get("status") == "failed":
+            if self.retry_failed and key not in self._retried:
+                return True  # until its retry is recorded (`_record`)
+            if entry.get("signature") is not None and self._signature_now(p) != _as_signature(entry["signature"]):
+                return True  # rewritten since (a stalled write that went on, a fixed file)
+            if entry.get("inputs") is not None and entry["inputs"] != self._inputs():
+                return True  # the config or flags it failed with were changed
+            if key not in self._told:
+                self._told.add(key)
+                self.log(f"{'failed':8s} {key}: not retried: neither it nor the inputs it failed with (--config and "
+                         f"its file, --prefix, --every) changed since it failed ({_first_line(entry.get('reason'))}); "
+                         "`dflash-eval watch ... --retry-failed` tries it again")
+            return False
+        # a file re-saved under its name is a new checkpoint (directories keep their name per step)
+        return (entry.get("signature") is not None and p.is_file()
+                and self._signature_now(p) != _as_signature(entry["signature"]))
+
+    def _signature_now(self, p: Path) -> tuple | None:
+        try:
+            return self._signature(p)
+        except OSError:
+            return None
 
     # --- one poll --------------------------------------------------------------------------
     def scan(self) -> list[dict]:
         """Handle what is complete and new; return one event per checkpoint handled now."""
-        from dflash_train.checkpoints.training_state import describe, import_checkpoint
+        from dflash_train.checkpoints.training_state import StepUnknown, describe, import_checkpoint
 
         if self.url:
             return self._scan_store()
@@ -129,41 +209,54 @@ class Watcher:
             if key not in self.state:
                 events.append(self._record(key, {"status": "skipped", "reason": "deleted before it was complete"}))
         for p in self.candidates():
-            key = str(p)
-            if key in self.state:
-                continue
+            key, signature = str(p), None
             try:
+                if key in self.state and not self._again(p, key, self.state[key]):
+                    continue
                 if not self.complete(p):
                     continue
                 self._seen.pop(key, None)
+                signature = self._signature_now(p)  # what is handled now: a later change is another checkpoint
                 if (p / MARKER_NAME).exists() if p.is_dir() else False:
                     record, step = p, read_manifest(p)["step"]
                 else:
                     step = describe(p)["step"]
                     if self.every and step is not None and step % self.every:
-                        events.append(self._record(key, {"status": "skipped", "step": step,
+                        events.append(self._record(key, {"status": "skipped", "step": step, "signature": signature,
                                                          "reason": f"not a multiple of --every {self.every}"}))
                         continue
                     # always converted (its own config.json when it has one): the trainer may delete its copy
                     own = p / "config.json" if p.is_dir() and (p / "config.json").is_file() else None
                     # a local directory watched with no `into` fails here, as it always did: kept as is
-                    record, _, facts = import_checkpoint(self.into, self.run_id, None, p,  # type: ignore[arg-type]
-                                                         config=self.config or own, prefix=self.prefix)
+                    try:
+                        record, _, facts = import_checkpoint(self.into, self.run_id, None,  # type: ignore[arg-type]
+                                                             p, config=self.config or own, prefix=self.prefix)
+                    except StepUnknown as e:
+                        raise CheckpointError(f"{e}: name the file after its step (e.g. checkpoint_step500.pt), "
+                                              "save a `step` entry in it, or import it with `dflash-eval import "
+                                              f"{p} --step N`") from None
                     step = facts["step"]
                 if self.every and step % self.every:
-                    events.append(self._record(key, {"status": "skipped", "step": step,
+                    events.append(self._record(key, {"status": "skipped", "step": step, "signature": signature,
                                                      "reason": f"not a multiple of --every {self.every}"}))
                     continue
                 how = self.submit(Path(record))
                 events.append(self._record(key, {"status": "queued", "step": step, "record": str(record),
-                                                 "job": how}))
+                                                 "job": how, "signature": signature}))
             except FileNotFoundError as e:  # the trainer's retention removed it under us
                 events.append(self._record(key, {"status": "skipped", "reason": f"deleted before its import ({e})"}))
             except CheckpointError as e:
                 if not os.path.lexists(p):
                     events.append(self._record(key, {"status": "skipped", "reason": "deleted before its import"}))
+                elif signature is not None and self._signature_now(p) != signature:  # written to while read: unsettled
+                    self._seen[key] = Seen(self._signature_now(p) or (), self.clock())
+                    self._save()
+                    self._odd_entry(key, "changed while it was read: handled once it settles again")
                 else:
-                    events.append(self._record(key, {"status": "failed", "reason": str(e)}))
+                    events.append(self._record(key, {"status": "failed", "reason": str(e), "signature": signature,
+                                                     "inputs": self._inputs()}))
+            except OSError as e:  # an entry we cannot read (permissions, a vanishing mount): said, not fatal
+                self._odd_entry(key, f"cannot be read now ({type(e).__name__}: {e}); tried again next scan")
         return events
 
     def _scan_store(self) -> list[dict]:
@@ -192,13 +285,17 @@ class Watcher:
                         v in self._seen.items()}})
 
     def _record(self, key: str, entry: dict) -> dict:
+        if entry.get("signature") is not None:
+            entry["signature"] = [list(x) for x in entry["signature"]]  # JSON's shape, compared via _as_signature
         self.state[key] = entry
+        self._retried.add(key)
         self._seen.pop(key, None)
+        self._odd.pop(key, None)
         self._save()
         step = f" step {entry['step']}" if entry.get("step") is not None else ""
         detail = entry.get("job") or entry.get("reason") or ""
         self.log(f"{entry['status']:8s} {key}{step}: {detail}")
-        return {"checkpoint": key, **entry}
+        return {"checkpoint": key, **{k: v for k, v in entry.items() if k not in ("signature", "inputs")}}
 
     def run(self, interval: float = 10.0, once: bool = False) -> None:
         while True:
@@ -206,3 +303,12 @@ class Watcher:
             if once:
                 return
             time.sleep(interval)  # polling: a training directory may be on NFS or a FUSE mount (no inotify)
+
+
+def _as_signature(saved) -> tuple:
+    return tuple(tuple(x) for x in saved)
+
+
+def _first_line(text) -> str:
+    line = str(text or "").strip().splitlines()[0] if str(text or "").strip() else ""
+    return line if len(line) <= 200 else line[:200] + " ..."

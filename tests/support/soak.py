@@ -53,6 +53,7 @@ from tests.support.soak_stack import (
     OPTIONS,
     REPO,
     RUN,
+    Counts,
     Row,
     Stack,
     Zygote,
@@ -1597,6 +1598,32 @@ def scenario_bundled_redis(base: Path, zygote: Zygote, target: Path, *, jobs: in
 
 # =========================================================================== the table
 
+def scenario_publishers(base: Path, zygote: Zygote, target: Path, *, rounds: int = 10, timeout: float = 120) -> Row:
+    """Two trainers publishing one (run, step) at once (issue 34 D6): two forked publishers per round,
+    released together into the placing (tests/support/publisher_race.py). Accepted: publications
+    attempted; recorded: told "published" with a marker that verifies; failed (visible): told who
+    published instead; duplicated: rounds where both were told "published"."""
+    from tests.support.publisher_race import race_round
+
+    t0 = time.monotonic()
+    c = Counts()
+    problems: list[str] = []
+    for step in range(1, rounds + 1):
+        r = race_round(base / "ckpts", step)
+        c.accepted += len(r.outcomes)
+        c.recorded += min(len(r.winners), 1)
+        c.duplicated += max(len(r.winners) - 1, 0)
+        c.failed += sum(1 for o in r.outcomes if o[1] == "refused")
+        c.lost += sum(1 for o in r.outcomes if o[1] == "crashed") + (1 if not r.winners else 0)
+        problems += [f"step {step}: {p}" for p in r.problems]
+    observed = (f"{rounds} rounds of 2 processes: {c.recorded} told published (each marker verified against the files "
+                f"beside it), {c.failed} told who published it instead, {c.duplicated} rounds with two winners, "
+                f"{c.lost} crashed")
+    return Row.of("Two local publishers of one run/step (two trainers on one run)",
+                  "exactly one told published, the other told who; a marker never over files it does not list",
+                  observed, c, t0, problems=problems)
+
+
 SCENARIOS: dict[str, Callable[..., Row]] = {
     "kill": scenario_kill, "redis": scenario_redis, "wandb": scenario_wandb, "disk": scenario_disk,
     "checkpoints": scenario_checkpoints, "cache": scenario_cache, "trainer": scenario_trainer_kill,
@@ -1610,6 +1637,7 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "store_disk": soak_store.scenario_store_disk, "store_missing": soak_store.scenario_store_missing,
     "store_transport": soak_store.scenario_store_transport,
     "skew": scenario_clock_skew,
+    "publishers": scenario_publishers,
 }
 FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "redis": dict(checkpoints=40, down_s=5.0, outages=("stop", "crash", "crash"), appendfsync="everysec"),
@@ -1617,13 +1645,13 @@ FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200),
         "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5),
         "store_tamper": dict(rounds=6), "store_sticky": dict(rounds=6), "store_disk": dict(jobs=12),
-        "store_transport": dict(flaky=6), "skew": dict(jobs=24)}
+        "store_transport": dict(flaky=6), "skew": dict(jobs=24), "publishers": dict(rounds=40)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
          "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
          "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100),
          "refusing": dict(per_phase=1, hold_s=2.0), "spool": dict(jobs=2), "orphan": dict(jobs=4, kills=2),
          "store_tamper": dict(rounds=2), "store_sticky": dict(rounds=1), "store_disk": dict(jobs=5),
-         "store_transport": dict(flaky=1), "skew": dict(jobs=6)}
+         "store_transport": dict(flaky=1), "skew": dict(jobs=6), "publishers": dict(rounds=10)}
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 

@@ -287,9 +287,13 @@ def test_import_command_names_records_and_refuses_what_a_worker_would(tmp_path, 
     assert capsys.readouterr().out.startswith("exists")
     elsewhere = tmp_path / "elsewhere"
     save_drafter(_DRAFTER, elsewhere)
-    assert cli(["import", str(elsewhere), "--run", "x"], settings=settings) == 2
-    assert "outside the checkpoint roots" in capsys.readouterr().err
-    assert not (tmp_path / "ckpts" / "x").exists()
+    # outside the roots the worker could not read it in place: converted into the record root instead
+    assert cli(["import", str(elsewhere), "--run", "x"], settings=settings) == 0
+    assert "source" not in read_manifest(tmp_path / "ckpts" / "x" / "step-00000000")
+    assert cli(["import", str(elsewhere), "--run", "y", "--into", str(tmp_path / "records")], settings=settings) == 2
+    err = capsys.readouterr().err
+    assert "record root --into" in err and "outside the checkpoint roots" in err
+    assert not (tmp_path / "records").exists()
     no_roots = Settings.from_env().replace(checkpoint_roots=None)
     assert cli(["import", str(src)], settings=no_roots) == 2
     assert "give --into ROOT" in capsys.readouterr().err

@@ -64,18 +64,20 @@ def test_s3_interrupted_upload_leaves_no_checkpoint(tmp_path, bucket, monkeypatc
     """The marker goes last: an upload cut after any number of files is not a checkpoint to
     any reader, and the next run's cleanup removes it."""
     local = publish_random(tmp_path / "ck", "run1", 100)
-    real_put, real_write, calls = storage.FsspecStore.put_file, storage.FsspecStore.write_bytes, []
+    real_put, real_create, calls = storage.FsspecStore.put_file, storage.FsspecStore.create_bytes, []
 
     def cut(real):
         def write(self, src, url):
             if len(calls) == files_uploaded:  # the connection drops before this write
                 raise storage.StoreUnavailable("connection reset (simulated interruption)")
             calls.append(url)
-            real(self, src, url)
+            return real(self, src, url)
         return write
 
     monkeypatch.setattr(storage.FsspecStore, "put_file", cut(real_put))
-    monkeypatch.setattr(storage.FsspecStore, "write_bytes", lambda self, url, data: cut(real_write)(self, url, data))
+    monkeypatch.setattr(storage.FsspecStore, "create_bytes",  # the marker (the upload lease is not cut)
+                        lambda self, url, data: cut(real_create)(self, url, data) if url.endswith(MARKER_NAME)
+                        else real_create(self, url, data))
     run_url = f"s3://{bucket}/runs/run1"
     with pytest.raises(storage.StoreUnavailable):
         upload_checkpoint(local, run_url)
