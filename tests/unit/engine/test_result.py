@@ -189,12 +189,18 @@ class _Collapsing(LocalReferences):
     def identity(self):
         return {"kind": "collapsing"}
 
-    def generate(self, name, prompt_ids, max_new_tokens, eos_token_id, lookahead):
-        ref = super().generate(name, prompt_ids, max_new_tokens, eos_token_id, lookahead)
-        if name == "p1":
-            ref = Reference(name, ref.prompt_ids, [ref.tokens[0]] * 40, [ref.tokens[0]] * lookahead, "length",
-                            "collapsing", lookahead)
-        return ref
+    def generate_many(self, requests, drafter=None, stats=None):
+        # the engine decodes greedy references in batches through generate_many
+        for batch in super().generate_many(requests, drafter=drafter, stats=stats):
+            yield [(i, self._collapse(ref)) for i, ref in batch]
+
+    @staticmethod
+    def _collapse(ref):
+        if ref.name != "p1":
+            return ref
+        n = len(ref.lookahead)
+        return Reference(ref.name, ref.prompt_ids, [ref.tokens[0]] * 40, [ref.tokens[0]] * n, "length",
+                         "collapsing", n)
 
 
 def test_collapse_diagnostic_fires_on_a_constructed_degenerate_reference(ckpts, tmp_path):
