@@ -43,6 +43,8 @@ def redact_url(url: str | None) -> str | None:
         parts = urlsplit(url)
         out = url
         netloc = parts.netloc
+        if netloc.startswith("[") and "@]" in netloc:
+            netloc = ""  # a syntax template (`redis://[:password@]host`, help text), not a URL: nothing to mask
         if "@" in netloc:
             userinfo, hostport = netloc.rsplit("@", 1)
             if ":" in userinfo:
