@@ -110,6 +110,7 @@ def ensure_store(uri: str, lock_dir: Path) -> None:
             except Exception as e:  # noqa: BLE001 - judged below: a half-made store, or a real one to keep
                 if _holds_runs(db):
                     raise
+                _forget_engine(uri)  # its pooled connection still reads the half-made file
                 aside = db.with_name(f"{db.name}.half-made-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
                 os.replace(db, aside)
                 log.warning("MLflow store %s was half-made (%s: %s; a kill while it was created?); set aside as %s "
@@ -125,6 +126,17 @@ def ensure_store(uri: str, lock_dir: Path) -> None:
             pass
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def _forget_engine(uri: str) -> None:
+    """MLflow keeps one SQLAlchemy engine per store URI for the process (`SqlAlchemyStore._engine_map`, a
+    private map: looked up defensively); a store replaced on disk needs a fresh one."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engines = getattr(SqlAlchemyStore, "_engine_map", None)
+    engine = engines.pop(uri, None) if isinstance(engines, dict) else None
+    if engine is not None:
+        engine.dispose()
 
 
 def _holds_runs(db: Path) -> bool:
