@@ -33,9 +33,9 @@ from urllib.parse import urlparse
 
 from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, Series, lag_scalars, load_run, series_of
+from eval_worker.results.sinks.base import SinkError
 from eval_worker.results.sinks.names import points
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.base import SinkError
 from eval_worker.results.sinks.wandb_sink import eval_run_id
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,8 @@ def _log_record(client, mid: str, res: RunResult, series: Series) -> None:
     for i in range(0, max(len(ms), 1), _BATCH):
         last = i + _BATCH >= len(ms)
         client.log_batch(mid, metrics=ms[i:i + _BATCH], tags=[RunTag(record_tag(res), str(res.step))] if last else [])
-    client.log_artifact(mid, str(res.path), artifact_path=f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}")
+    where = f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}"
+    client.log_artifact(mid, str(res.path), artifact_path=where)
 
 
 def _log_report(client, mid: str, run_id: str, results_dir) -> None:

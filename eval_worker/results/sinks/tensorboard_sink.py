@@ -25,7 +25,7 @@ import shutil
 import struct
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.common.fsutil import atomic_write_text

@@ -36,7 +36,8 @@ def _counting_run(tmp_path, run_id="run-c"):
     """Step 300 with the default rule; step 600 under each rule (the default one first)."""
     out = {("response", 300): _record(tmp_path, run_id, 300, 0.4)[0]}
     for rule, p in RULES.items():
-        out[(rule, 600)] = _record(tmp_path, run_id, 600, p, options=None if rule == "response" else {"counting": rule})[0]
+        options = None if rule == "response" else {"counting": rule}
+        out[(rule, 600)] = _record(tmp_path, run_id, 600, p, options=options)[0]
     return out
 
 

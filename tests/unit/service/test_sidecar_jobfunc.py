@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 from dflash_train.common.settings import Settings
-
 from eval_worker.engine.options import shorten
 from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.service import evaluators
