@@ -48,7 +48,7 @@ from dflash_train.common.errors import DFlashError
 from dflash_train.common.fsutil import fsync_dir
 from eval_worker.engine.options import OptionsError, options_identity
 from eval_worker.results.attempts import strip_attempt
-from eval_worker.results.run_results import _options, options_label, target_identity, target_label
+from eval_worker.results.series import options_label, options_of, target_identity, target_label
 
 RECORD_SCHEMA = "dflash-eval-record/1"
 # Redis keys of this module: the index is a cache of the files (`Ledger.reindex` rebuilds it)
@@ -370,7 +370,7 @@ class Ledger:
                 "job_id": record.get("job_id"), "checkpoint_digest": record.get("checkpoint_digest"),
                 "tau": tau.get("macro"), "tau_ci95": tau.get("ci95"), "recorded_at": record.get("recorded_at"),
                 "path": str(path), "target": target_label(result), "target_fingerprint": target_identity(result),
-                "options": options_label(_options(record))}
+                "options": options_label(options_of(record))}
 
     def index(self, record: dict[str, Any], path: Path | str) -> None:
         """Add a record to the Redis index (newest attempt per step and record key wins)."""
