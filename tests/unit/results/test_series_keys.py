@@ -211,25 +211,16 @@ def test_lag_all_sinks_and_mlflow_run_finished(tmp_path, mlflow_uri):
     assert run.info.status == "FINISHED" and _history(client, run, "eval/lag_steps") == {300: 200.0, 400: 0.0}
 
 
-test_mlflow_run_finished = test_lag_all_sinks_and_mlflow_run_finished  # the name issue 35 asks for
-
-
 # --------------------------------------------------------------------------- issue 34 D8, D2: MLflow's faults
 
 
 def test_mlflow_param_keys_a_refused_suite_name_blocks_nothing(tmp_path, mlflow_uri):
     """A suite named `code review (v2) τ ✓` made MLflow refuse the params batch, and the run's other suite lost
     its points too; param keys are made MLflow-safe like metric keys, and both suites are logged."""
-    import subprocess
-    import sys
-
     odd = "code review (v2) τ ✓"
     _record(tmp_path, "run-p", 100, 0.5, suite=odd)
     _record(tmp_path, "run-p", 100, 0.6, suite="coding")
-    out = subprocess.run([sys.executable, "-m", "eval_worker.cli", "publish", "--run", "run-p", "--sink", "mlflow",
-                          "--results", str(tmp_path / "results"), "--mlflow-uri", mlflow_uri],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    assert len(_mlflow_publish(tmp_path, mlflow_uri, "run-p")["logged"]) == 2  # what `publish --sink mlflow` runs
     client, run = _mlflow_run(mlflow_uri, "run-p")
     assert 100 in _history(client, run, "eval/coding/tau")
     assert 100 in _history(client, run, "eval/code_review_v2_/tau")
