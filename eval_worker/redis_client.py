@@ -16,6 +16,7 @@ server that cannot take a write now from a command that was wrong.
 from __future__ import annotations
 
 import re
+import weakref
 from urllib.parse import quote
 
 import redis
@@ -57,6 +58,17 @@ def build_url(host: str, port: int, password: str | None, db: int = 0) -> str:
     return f"redis://{auth}{host}:{port}/{db}"
 
 
+_URLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection pool -> the URL `connect` opened
+
+
+def url_of(client) -> str | None:
+    """The URL a client was opened with by `connect` (scheme, user, TLS options and all), else None."""
+    try:
+        return _URLS.get(client.connection_pool)
+    except (AttributeError, TypeError):
+        return None
+
+
 def connect(url: str, *, ping: bool = True, **kwargs) -> redis.Redis:
     """Open a :class:`redis.Redis` client for ``url``.
 
@@ -76,6 +88,7 @@ def connect(url: str, *, ping: bool = True, **kwargs) -> redis.Redis:
         client = redis.Redis.from_url(url, **kwargs)
     except ValueError as exc:
         raise RedisAccessError(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+    _URLS[client.connection_pool] = url  # what a child process is given (`url_of`): this very URL
     if ping:
         try:
             client.ping()

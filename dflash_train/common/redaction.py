@@ -26,6 +26,9 @@ _SECRET_QUERY_RE = re.compile(
 )
 _MASK = "***"
 # a URL inside text: scheme://, then up to whitespace, a quote or a bracket that ends it in prose/JSON/repr
+# `scheme://[...@]...`: brackets around the userinfo mark an optional part of a syntax, never a real URL's
+# (a bracket is only valid around an IPv6 host, which holds no `@`)
+_TEMPLATE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\[[^\]/@]*@\]")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 
 
@@ -38,6 +41,8 @@ def redact_url(url: str | None) -> str | None:
     ``?password=...`` query values are masked. Never raises.
     """
     if not url:
+        return url
+    if _TEMPLATE.match(url):  # a syntax template (`redis://[:password@]host`, help text), not a URL: no secret
         return url
     try:
         parts = urlsplit(url)

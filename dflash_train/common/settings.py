@@ -129,7 +129,7 @@ class Settings:
     wandb_timeout_s: float = 300.0
     wandb_primary_suite: str | None = None
     wandb_upload_checkpoints: bool = False
-    tensorboard_dir: Path = Path("tensorboard-eval")
+    tensorboard_dir: Path = Path("tensorboard")  # from_env: $DFLASH_TENSORBOARD_DIR, else <home>/tensorboard
     mlflow_tracking_uri: str | None = None  # None: the local sqlite store under home
     mlflow_experiment: str = "dflash-eval"
     sink_timeout_s: float = 300.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 
@@ -37,6 +38,15 @@ def connect_from_args(args: argparse.Namespace):
     except Exception:  # noqa: BLE001 - unreachable now: the command itself says so
         pass
     return conn, redact_url(url)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text) -> str:
+    """`text` with every control character escaped (`\\x1b`): names read from files (suites, prompts, runs)
+    never drive the terminal (issue 34 D9)."""
+    return _CONTROL.sub(lambda m: repr(m.group(0))[1:-1], str(text))
 
 
 def fail(message: str, code: int = 2) -> int:

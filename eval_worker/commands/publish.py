@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis for the writer lock (default: $REDIS_URL; without one a local file lock)")
     p.add_argument("--sink", default="wandb", help="comma-separated sinks to rebuild: wandb, tensorboard, mlflow "
                                                    "(default: wandb)")
-    p.add_argument("--tensorboard-dir", help="TensorBoard root (default: $DFLASH_TENSORBOARD_DIR, ./tensorboard-eval)")
+    p.add_argument("--tensorboard-dir",
+                   help="TensorBoard root (default: $DFLASH_TENSORBOARD_DIR, else $DFLASH_HOME/tensorboard)")
     p.add_argument("--mlflow-uri", help="MLflow tracking URI (default: $DFLASH_MLFLOW_TRACKING_URI, "
                                         "$MLFLOW_TRACKING_URI, a sqlite store under $DFLASH_HOME)")
     p.add_argument("--mlflow-experiment", help="MLflow experiment (default: $DFLASH_MLFLOW_EXPERIMENT, dflash-eval)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import fail, print_json
+from ._common import fail, print_json, printable
 
 HELP = "print the evaluations of training runs (the ledger: latest attempt per checkpoint and suite) as a table"
 
@@ -26,28 +26,39 @@ def _ci(ci) -> str:
 
 
 def rows(runs: list[str], results_dir, settings=None) -> list[dict]:
-    """Each run's rows; with `settings` and no `results_dir`, a run found only in the latest demo's
-    ledger is read from there (latest_demo.results_dir_for)."""
+    """Each run's rows, each naming what tells its number apart (target, options, prompt count, max tokens:
+    run_results.series_of). With `settings` and no `results_dir`, every ledger holding the run is read
+    (the configured one and the latest demo's: latest_demo.ledgers_for), each row naming its ledger."""
     import sys
 
     from eval_worker.results import latest_demo
-    from eval_worker.results.run_results import load_run
+    from eval_worker.results.run_results import load_run, series_of, target_notes
 
     out = []
     for run in runs:
-        where = results_dir
-        if settings is not None:
-            _, where, note = latest_demo.results_dir_for(run, results_dir, settings)
+        ledgers = (latest_demo.ledgers_for(run, results_dir, settings) if settings is not None
+                   else [(results_dir, None)])
+        loaded = []
+        for where, note in ledgers:
             if note:
-                print(f"note: {note}", file=sys.stderr)
-        for r in load_run(run, where):
+                print(f"note: {printable(note)}", file=sys.stderr)
+            loaded += [(where, r) for r in load_run(run, where)]
+        series = series_of([r for _, r in loaded])
+        for note in target_notes([r for _, r in loaded]):
+            print(f"warning: run {printable(run)}: {printable(note)}", file=sys.stderr)
+        for where, r in loaded:
             res, base = r.result, r.result.get("baseline") or {}
-            out.append({"run": run, "step": r.step, "suite": res["suite"]["name"],
+            out.append({"run": run, "step": r.step, "suite": res["suite"]["name"], "series": series[r.key].label,
+                        "target": r.target_label, "target_fingerprint": (res.get("target") or {}).get("fingerprint"),
+                        "options": r.options, "options_label": r.options_label or "default",
+                        "prompts": res["suite"].get("num_prompts"),
+                        "max_new_tokens": (res.get("settings") or {}).get("max_new_tokens"),
                         "digest": res["checkpoint"]["digest"], "source": res["checkpoint"].get("source"),
                         "tau": res["tau"]["macro"], "ci95": res["tau"].get("ci95"),
                         "tree_tau": (res.get("tree") or {}).get("tau"),
                         "baseline": base.get("checkpoint"), "baseline_tau": base.get("tau"),
-                        "delta_tau": base.get("delta_tau"), "delta_ci95": base.get("delta_ci95")})
+                        "delta_tau": base.get("delta_tau"), "delta_ci95": base.get("delta_ci95"),
+                        **({"ledger": str(where)} if len(ledgers) > 1 else {})})
     return out
 
 
@@ -64,16 +75,24 @@ def main(args: argparse.Namespace) -> int:
         print_json(table)
         return 0
     width = max(len(r["run"]) for r in table)
-    print(f"{'run':<{width}} |     step | suite          |  τ (macro) | 95% CI           | tree τ | baseline τ |     "
-          f"Δτ | Δτ 95% CI")
-    print("-" * (width + 112))
+    twidth = min(28, max(len("target"), *(len(r["target"]) for r in table)))
+    owidth = min(28, max(len("options"), *(len(r["options_label"]) for r in table)))
+    print(f"{'run':<{width}} |     step | suite          | {'target':<{twidth}} | {'options':<{owidth}} | prompts | "
+          f"max tok |  τ (macro) | 95% CI           | tree τ | baseline τ |     Δτ | Δτ 95% CI")
+    print("-" * (width + twidth + owidth + 138))
     for r in table:
-        print(f"{r['run']:<{width}} | {r['step']:>8} | {r['suite'][:14]:<14} | {_f(r['tau'], 10)} | {_ci(r['ci95'])} | "
+        print(f"{printable(r['run']):<{width}} | {r['step']:>8} | {printable(r['suite'])[:14]:<14} | "
+              f"{printable(r['target'])[:twidth]:<{twidth}} | {printable(r['options_label'])[:owidth]:<{owidth}} | "
+              f"{_n(r['prompts']):>7} | {_n(r['max_new_tokens']):>7} | {_f(r['tau'], 10)} | {_ci(r['ci95'])} | "
               f"{_f(r['tree_tau'])} | {_f(r['baseline_tau'], 10)} | {_f(r['delta_tau'])} | {_ci(r['delta_ci95'])}")
     baselines = sorted({r["baseline"] for r in table if r["baseline"]})
     for b in baselines:
-        print(f"baseline: {b}")
+        print(f"baseline: {printable(b)}")
     return 0
+
+
+def _n(x) -> str:
+    return str(x) if isinstance(x, int) else "-"
 
 
 def _list_runs(args: argparse.Namespace) -> int:
@@ -97,5 +116,5 @@ def _list_runs(args: argparse.Namespace) -> int:
     print("runs (`dflash-eval results --run RUN` shows one):")
     for run, d in known:
         mark = "  <- latest demo" if demo and demo["run_id"] == run and Path(demo["results"]) == d else ""
-        print(f"  {run}  ({d}){mark}")
+        print(f"  {printable(run)}  ({printable(d)}){mark}")
     return 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_redis_args, connect_from_args, fail, print_json
+from ._common import add_redis_args, connect_from_args, fail, print_json, printable
 
 HELP = "show queue depth, running jobs and workers, failures with reasons, latest and best τ per run"
 
@@ -100,14 +100,17 @@ def main(args: argparse.Namespace) -> int:
         print("  (no results recorded yet)")
     _latest_demo(args)
     for run, r in sorted(st["runs"].items()):
-        suites = r.get("suites") or {}
+        suites = r.get("suites") or {}  # by series: suite, then options and target where they differ
         if len(suites) <= 1:
-            print(f"  {run}: {r['evaluated']} evaluated; latest τ {_tau(r['latest'])}; best τ {_tau(r['best'])}"
-                  f"{_lag(r.get('eval_lag'))}")
+            print(f"  {printable(run)}: {r['evaluated']} evaluated; latest τ {_tau(r['latest'])}; best τ "
+                  f"{_tau(r['best'])}{_lag(r.get('eval_lag'))}")
             continue
-        print(f"  {run}: {r['evaluated']} evaluated on {len(suites)} suites{_lag(r.get('eval_lag'))}")
+        n_suites = len({t["latest"].get("suite") for t in suites.values() if t.get("latest")})
+        what = f"{len(suites)} series" if len(suites) != n_suites else f"{len(suites)} suites"
+        print(f"  {printable(run)}: {r['evaluated']} evaluated on {what}{_lag(r.get('eval_lag'))}")
         for suite, t in sorted(suites.items()):
-            print(f"    {suite}: {t['evaluated']} evaluated; latest τ {_tau(t['latest'])}; best τ {_tau(t['best'])}")
+            print(f"    {printable(suite)}: {t['evaluated']} evaluated; latest τ {_tau(t['latest'])}; "
+                  f"best τ {_tau(t['best'])}")
     return 0
 
 
@@ -131,5 +134,6 @@ def _latest_demo(args: argparse.Namespace) -> None:
     if taus:
         line += f"; latest τ {taus[-1][0]:.3f} @ step {taus[-1][1]}; best τ {max(taus)[0]:.3f} @ step {max(taus)[1]}"
     print(line)
-    print(f"  ledger {demo['results']}, report {demo['report']} (its Redis stopped with it; "
+    redis = ("its own Redis, stopped when it ends" if demo.get("state") == "running" else "its Redis stopped with it")
+    print(f"  ledger {demo['results']}, report {demo['report']} ({redis}; "
           "`dflash-eval results` / `report` read it without flags)")

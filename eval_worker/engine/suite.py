@@ -56,6 +56,18 @@ class SuiteError(DFlashError, ValueError):
     """A suite that cannot be used (missing, empty, malformed); the message says where."""
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _refuse_control_characters(suite) -> None:
+    """Suite and prompt names are shown by every view and sink: a control character (an ESC sequence that
+    drives a terminal, a newline that forges a table row) is refused where the suite is read (issue 34 D9)."""
+    for what, name in [("suite name", suite.name), *(("prompt name", p.name) for p in suite.prompts)]:
+        if isinstance(name, str) and _CONTROL.search(name):
+            raise SuiteError(f"suite {shorten(suite.name)} ({suite.source or 'in memory'}): {what} {shorten(name)} "
+                             "holds a control character; names must be printable text")
+
+
 @dataclass(frozen=True)
 class Prompt:
     name: str
@@ -103,6 +115,7 @@ class Suite:
         if dup:
             raise SuiteError(f"suite {self.name!r}: duplicate prompt names {dup}")
         _check_max_new_tokens(self.max_new_tokens, f"suite {shorten(self.name)}")
+        _refuse_control_characters(self)
         if len(self.prompts) > MAX_PROMPTS:
             raise SuiteError(f"suite {shorten(self.name)} has {len(self.prompts)} prompts; the limit is {MAX_PROMPTS}")
 

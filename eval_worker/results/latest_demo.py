@@ -71,3 +71,21 @@ def known_runs(settings) -> list[tuple[str, Path]]:
     if demo and Path(demo["results"]) not in dirs:
         dirs.append(Path(demo["results"]))
     return [(run, d) for d in dirs for run in Ledger(d).runs()]
+
+
+def ledgers_for(run_id: str, given: str | None, settings) -> list[tuple[Path, str | None]]:
+    """Every ledger holding `run_id`, each with a note for a reader: an explicit `--results` alone; else the
+    configured ledger and the latest demo's, both when both hold the run (a demo run named like one of the
+    configured ledger's must not hide the other's rows)."""
+    if given:
+        return [(Path(given), None)]
+    demo = read(settings)
+    out: list[tuple[Path, str | None]] = []
+    if _has_run(settings.results_dir, run_id):
+        out.append((Path(settings.results_dir), None))
+    if demo and _has_run(Path(demo["results"]), run_id) and Path(demo["results"]) != Path(settings.results_dir):
+        out.append((Path(demo["results"]), f"run {run_id} found in the latest demo's ledger ({demo['results']})"))
+    if len(out) > 1:
+        out = [(d, f"run {run_id} is in {len(out)} ledgers: rows from {d}") for d, _ in out]
+    return out or [(Path(settings.results_dir), None)]
+

@@ -48,6 +48,7 @@ from dflash_train.common.errors import DFlashError
 from dflash_train.common.fsutil import fsync_dir
 from eval_worker.engine.options import OptionsError, options_identity
 from eval_worker.results.attempts import strip_attempt
+from eval_worker.results.series import options_label, options_of, target_identity, target_label
 
 RECORD_SCHEMA = "dflash-eval-record/1"
 # Redis keys of this module: the index is a cache of the files (`Ledger.reindex` rebuilds it)
@@ -153,6 +154,24 @@ def same_job(record: dict[str, Any], job: RecordedJob, job_id: str) -> bool:
                 and options_identity(theirs.get("options")) == options_identity(job.options))
     except OptionsError:
         return False
+
+
+def series_keys(summaries: list[dict[str, Any]]) -> list[str]:
+    """What tells each summary's number apart, for views that tally by it (`status`): the suite; then the
+    options that change τ when not the defaults; then the target when its run measured more than one
+    (by fingerprint: two files under one path are two). The common case is the suite alone."""
+    targets: dict[str, set[str]] = {}
+    for s in summaries:
+        targets.setdefault(s["run_id"], set()).add(str(s.get("target_fingerprint") or ""))
+    out = []
+    for s in summaries:
+        key = str(s.get("suite"))
+        if s.get("options"):
+            key += f" [{s['options']}]"
+        if len(targets[s["run_id"]]) > 1:
+            key += f" [target {s.get('target') or '?'}]"
+        out.append(key)
+    return out
 
 
 def _mkdirs(path: Path) -> None:
@@ -350,7 +369,8 @@ class Ledger:
                 "attempt": record["attempt"],
                 "job_id": record.get("job_id"), "checkpoint_digest": record.get("checkpoint_digest"),
                 "tau": tau.get("macro"), "tau_ci95": tau.get("ci95"), "recorded_at": record.get("recorded_at"),
-                "path": str(path)}
+                "path": str(path), "target": target_label(result), "target_fingerprint": target_identity(result),
+                "options": options_label(options_of(record))}
 
     def index(self, record: dict[str, Any], path: Path | str) -> None:
         """Add a record to the Redis index (newest attempt per step and record key wins)."""

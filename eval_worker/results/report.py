@@ -20,7 +20,7 @@ import markupsafe
 
 from dflash_train.common.fsutil import atomic_write_text
 from eval_worker.results import report_figures as figs
-from eval_worker.results.run_results import ResultsError, RunResult, load_run
+from eval_worker.results.run_results import ResultsError, RunResult, load_run, series_of, target_notes
 
 TEMPLATE = "report.html.j2"
 
@@ -89,10 +89,10 @@ def _fmt_ci(ci) -> str:
     return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci and None not in ci else "–"
 
 
-def _summary_row(r: RunResult, best_key: str) -> dict:
+def _summary_row(r: RunResult, best_key: str, label: str | None = None) -> dict:
     res, base, train = r.result, r.result.get("baseline") or {}, r.train_metrics or {}
     return {"train_loss": train.get("loss"), "train_streak": train.get("streak"), "step": r.step,
-            "suite": res["suite"]["name"], "attempt": r.attempt, "tau": res["tau"]["macro"],
+            "suite": label or res["suite"]["name"], "attempt": r.attempt, "tau": res["tau"]["macro"],
             "ci": _fmt_ci(res["tau"].get("ci95")), "pooled": res["tau"].get("pooled"),
             "tree": (res.get("tree") or {}).get("tau"), "streak": res.get("mean_streak_all_anchors"),
             "delta": base.get("delta_tau"), "delta_ci": _fmt_ci(base.get("delta_ci95")) if base else "–",
@@ -121,9 +121,12 @@ def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | N
     import jinja2
 
     rows = load_run(run_id, results_dir)
+    # one series per suite, target and τ-changing options (run_results.series_of): the suite's name in the
+    # common case; two counting rules or two targets are two curves and two columns, never one
+    series = series_of(rows)
     by_suite: dict[str, list[RunResult]] = {}
     for r in rows:
-        by_suite.setdefault(r.result["suite"]["name"], []).append(r)
+        by_suite.setdefault(series[r.key].label, []).append(r)
     if suite is not None and suite not in by_suite:
         raise ResultsError(f"run {run_id!r} has no results for suite {suite!r} (has: {sorted(by_suite)})")
     main_suite = suite or max(by_suite, key=lambda s: len(by_suite[s]))
@@ -165,7 +168,9 @@ def build_report(run_id: str, *, results_dir, out_dir=None, steps: list[int] | N
     first = main[0].result
     html = env.get_template(TEMPLATE).render(
         run_id=run_id, suite=main_suite, suites=sorted(by_suite), images=images,
-        rows=[_summary_row(r, best.key) for r in sorted(rows, key=lambda r: (r.step, r.result["suite"]["name"]))],
+        rows=[_summary_row(r, best.key, series[r.key].label)
+              for r in sorted(rows, key=lambda r: (r.step, series[r.key].label))],
+        notes=target_notes(rows),
         by_suite=_side_by_side(by_suite),
         best={"step": best.step, "tau": best.result["tau"]["macro"], "ci": _fmt_ci(best.result["tau"].get("ci95"))},
         details=details, target=first.get("target") or {}, settings=first.get("settings") or {},

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_train.common.errors import DFlashError
+from eval_worker.results.series import (  # noqa: F401 - re-exported: the sinks and views read them here
+    Series,
+    options_label,
+    options_of,
+    series_of,
+    target_identity,
+    target_label,
+    target_notes,
+)
 
 RESULT_SCHEMA = "dflash-eval-result/1"
 
@@ -35,6 +44,21 @@ class RunResult:
     train_metrics: dict | None = None
     # the queue's view when the record was written: {"eval_lag": {"lag_steps", "lag_s", ...}} (service/routing.py)
     queue: dict | None = None
+    # the job's options that change a recorded number (engine.options.options_identity; {}: every default)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def target_id(self) -> str:
+        """The target the number was measured against: its fingerprint, else its path."""
+        return target_identity(self.result)
+
+    @property
+    def target_label(self) -> str:
+        return target_label(self.result)
+
+    @property
+    def options_label(self) -> str:
+        return options_label(self.options)
 
     @property
     def key(self) -> str:
@@ -72,7 +96,8 @@ def load_run(run_id: str, results_dir: str | os.PathLike) -> list[RunResult]:
         except (LedgerError, ResultsError) as err:
             raise ResultsError(f"{entry.path}: {err}") from None
         out.append(RunResult(entry.step, entry.key, entry.attempt, entry.path, result, _train_metrics(record),
-                             record.get("queue") if isinstance(record.get("queue"), dict) else None))
+                             record.get("queue") if isinstance(record.get("queue"), dict) else None,
+                             options_of(record)))
     return out
 
 

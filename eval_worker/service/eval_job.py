@@ -29,7 +29,8 @@ from dflash_train.common.progress import format_duration
 from eval_worker.engine.options import options_identity
 from eval_worker.engine.suite import HF_PREFIX, Suite, load_suite
 from eval_worker.results import sinks
-from eval_worker.results.ledger import Ledger, tau_of
+from eval_worker.results.ledger import Ledger, read_record, tau_of
+from eval_worker.results.sinks import owed
 from eval_worker.service import evaluators, routing
 from eval_worker.service.confinement import check_suite, check_target
 from eval_worker.service.evaluators import WorkerSettings
@@ -59,6 +60,8 @@ def _publish_to_sinks(record: dict[str, Any], job: JobPayload) -> str | None:
                     record.get("job_id"), e, exc_info=True)
         return f"{type(e).__name__}: {e}"
     bad = [f"{name}: {info.get('error')}" for name, info in outcome.items() if not info["ok"]]
+    bad += [f"{name}: published without this record ({record.get('step')}:{record.get('key')})"
+            for name, info in outcome.items() if info["ok"] and not owed.holds(info, record)]
     return "; ".join(bad) or None
 
 
@@ -76,6 +79,7 @@ def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         return _run(payload, get_current_job())
     except Exception as e:
+        _publish_owed(get_current_job(), payload)
         if retryable(e):
             raise
         rq_job = get_current_job()
@@ -86,6 +90,30 @@ def run_eval_job(payload: dict[str, Any]) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - the in-memory value already stops the retry
                 pass
         raise
+
+
+def _publish_owed(rq_job, payload: dict[str, Any]) -> None:
+    """A failing job publishes what earlier jobs of its run left to it (their records are in the ledger;
+    without this a deferral to a job that then fails left the sinks without them: issue 34 D3)."""
+    run_id = payload.get("run_id") if isinstance(payload, dict) else None
+    if rq_job is None or not isinstance(run_id, str):
+        return
+    try:
+        path = owed.pending(rq_job.connection, run_id)
+        if path is None:
+            return
+        record = read_record(path)
+        error = _publish_to_sinks({**record, "path": str(path)}, validate_job(record["job"]))
+    except Exception as e:  # noqa: BLE001 - the job's own failure is what it reports; `publish` fills the gap
+        log.warning("job %s failed and could not publish the records of run %s left to it: %s", rq_job.id, run_id, e)
+        return
+    if error is None:
+        owed.settle(rq_job.connection, run_id)
+        log.info("job %s failed; published the records of run %s its run's earlier jobs left to it", rq_job.id,
+                 run_id)
+    else:
+        log.warning("job %s failed; publishing the records of run %s left to it failed too (`dflash-eval publish "
+                    "--run %s` retries): %s", rq_job.id, run_id, run_id, error)
 
 
 def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
@@ -106,7 +134,7 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
         created = False
         ledger.index(record, path)
         _drop_spool(s, job_id)
-        log.info("job %s already recorded at %s; not evaluating again", job_id, path)
+        log.info("job %s already recorded at %s; not evaluating again (the sinks catch up)", job_id, path)
     else:
         spooled = _read_spool(s, job, job_id)
         if spooled is not None:  # evaluated before, only the ledger write failed: write it now
@@ -122,13 +150,18 @@ def _run(payload: dict[str, Any], rq_job) -> dict[str, Any]:
         _drop_spool(s, job_id)
         if spooled is not None:
             _note(rq_job, spooled_result=None)
-        if created:
-            deferred = _next_job_of_run(rq_job, job) if _rebuilds_run(job, s) else None
-            if deferred:
-                log.info("job %s: result sinks left to %s, queued next for run %s (its publication includes "
-                         "this record)", job_id, deferred, job.run_id)
-            else:
-                sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
+    # Every execution that holds a record publishes it, a recorded one too: an execution killed between
+    # the ledger and the sinks (or inside a sink) left them behind, and each sink replays the run from
+    # the ledger idempotently (each knows the records it has), so this catches them up (issue 34 D1).
+    deferred = _next_job_of_run(rq_job, job) if _rebuilds_run(job, s) else None
+    if deferred:
+        owed.owe(connection, job.run_id, job_id, path, deferred)
+        log.info("job %s: result sinks left to %s, queued next for run %s (its publication includes "
+                 "this record)", job_id, deferred, job.run_id)
+    else:
+        sink_error = _publish_to_sinks({**record, "path": str(path)}, job)
+        if sink_error is None:
+            owed.settle(connection, job.run_id)
     unpin_checkpoint(job.checkpoint, job_id)
     tau = tau_of(record)
     _log_outcome(job_id, job, record, path, time.monotonic() - t0, created)

@@ -34,7 +34,7 @@ from rq.worker import Worker
 from dflash_train.checkpoints.publication import pin_checkpoint, unpin_checkpoint
 from dflash_train.common.redaction import redact
 from eval_worker.results.attempts import strip_attempt
-from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
+from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, series_keys, step_checkpoints
 from eval_worker.service import routing
 from eval_worker.service.job_checkpoints import check_checkpoint
 from eval_worker.service.job_ids import base_job_id, job_fingerprint, job_id_for
@@ -441,10 +441,11 @@ def status(connection, base: str = DEFAULT_BASE, run: str | None = None, limit: 
         for section in ("queued", "running", "scheduled", "failed"):
             out[section] = [j for j in out[section] if j["run_id"] == run]
     summaries = Ledger(connection=connection).indexed(run)
-    for s in summaries:
+    for s, series in zip(summaries, series_keys(summaries), strict=True):
         r = out["runs"].setdefault(s["run_id"], {"evaluated": 0, "latest": None, "best": None, "suites": {}})
-        # per suite too: τ on gsm8k and on a coding suite are not one scale, a best across them means little
-        for tally in (r, r["suites"].setdefault(str(s.get("suite")), {"evaluated": 0, "latest": None, "best": None})):
+        # per series too (suite, options, target): τ on gsm8k and on a coding suite, or under two counting
+        # rules, are not one scale, a best across them means little
+        for tally in (r, r["suites"].setdefault(series, {"evaluated": 0, "latest": None, "best": None})):
             tally["evaluated"] += 1
             if tally["latest"] is None or (s["step"], s["attempt"]) >= (tally["latest"]["step"],
                                                                         tally["latest"]["attempt"]):

@@ -98,18 +98,23 @@ def make_result(run_id: str = "run-a", step: int = 100, *, p: float = 0.6, block
     }
 
 
-def write_ledger(results_dir: Path, result: dict, attempt: int = 0, train_metrics: dict | None = None) -> Path:
-    """Record ``result`` through the real ledger, as the worker does; returns the record path."""
+def write_ledger(results_dir: Path, result: dict, attempt: int = 0, train_metrics: dict | None = None,
+                 options: dict | None = None, queue: dict | None = None) -> Path:
+    """Record ``result`` through the real ledger, as the worker does (with the job's `options` and the
+    queue's view, eval lag included, when given); returns the record path."""
     from eval_worker.results.ledger import Ledger
     from eval_worker.service.job_schema import validate_job
 
     ck = result["checkpoint"]
     job = {"schema": "dflash-eval-job/1", "run_id": ck["run_id"], "step": ck["step"], "checkpoint": ck["path"],
            "checkpoint_digest": ck["digest"], "suite": f"builtin:{result['suite']['name']}-v1", "attempt": attempt,
-           "train_metrics": train_metrics}
-    job_id = f"eval-{ck['run_id']}-{ck['step']}-{ck['digest'][:12]}-{result['suite']['fingerprint'][:8]}"
+           "train_metrics": train_metrics, "options": options}
+    variant = "" if not options else "-" + "-".join(f"{k}{v}" for k, v in sorted(options.items()))
+    target = (result.get("target") or {}).get("fingerprint") or ""
+    variant += f"-{target[:6]}" if target and target != "f" * 16 else ""  # another target: another job
+    job_id = f"eval-{ck['run_id']}-{ck['step']}-{ck['digest'][:12]}-{result['suite']['fingerprint'][:8]}{variant}"
     path, _, _ = Ledger(results_dir).write(job=validate_job(job), job_id=job_id + (f"-r{attempt}" if attempt else ""),
-                                           result=result)
+                                           result=result, queue=queue)
     return path
 
 

@@ -32,22 +32,34 @@ def _results_dir(record: dict, settings: Settings) -> Path:
     return Ledger.root_of(path) if path else settings.results_dir
 
 
-def _redis_url(settings: Settings) -> str | None:
-    """The Redis the worker uses: ``settings.redis_url``, else the current RQ job's connection."""
+def _redis_url(settings: Settings, connection=None) -> str | None:
+    """The Redis the worker uses, for the sink's child (its writer lock): ``settings.redis_url``, else the URL
+    the worker's connection was opened with (`redis_client.url_of`: scheme, user and TLS options unchanged),
+    else one rebuilt from a connection opened elsewhere (a plain `rq worker`), its TLS and user kept."""
     if settings.redis_url:
         return settings.redis_url
     try:
-        from rq import get_current_job
+        if connection is None:
+            from rq import get_current_job
 
-        job = get_current_job()
-        if job is None:
-            return None
-        kw = job.connection.connection_pool.connection_kwargs
+            job = get_current_job()
+            if job is None:
+                return None
+            connection = job.connection
+        from eval_worker.redis_client import url_of
+
+        url = url_of(connection)
+        if url:
+            return url
+        pool = connection.connection_pool
+        kw = pool.connection_kwargs
         if kw.get("path"):
             return f"unix://{kw['path']}?db={kw.get('db', 0)}"
-        auth = f":{quote(kw['password'], safe='')}@" if kw.get("password") else ""
-        return f"redis://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
-    except Exception:  # no RQ context: the local file lock still applies
+        user = quote(kw["username"], safe="") if kw.get("username") else ""
+        auth = f"{user}:{quote(kw['password'], safe='')}@" if kw.get("password") else (f"{user}@" if user else "")
+        scheme = "rediss" if getattr(pool.connection_class, "__name__", "") == "SSLConnection" else "redis"
+        return f"{scheme}://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+    except Exception:  # noqa: BLE001 - no RQ context: the local file lock still applies
         return None
 
 

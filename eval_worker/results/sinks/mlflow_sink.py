@@ -18,20 +18,25 @@ one writer per run (`wandb_lock.writer_lock`).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
+import os
+import re
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 from dflash_train.common.settings import Settings
-from eval_worker.results.run_results import RunResult, load_run
+from eval_worker.results.run_results import RunResult, Series, lag_scalars, load_run, series_of
+from eval_worker.results.sinks.base import SinkError
 from eval_worker.results.sinks.names import points
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_sink import eval_run_id, primary_suite
+from eval_worker.results.sinks.wandb_sink import eval_run_id
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +81,72 @@ def _local_path(uri: str) -> Path | None:
     return None
 
 
+_MLFLOW_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]+")  # what MLflow allows in metric and param names
+
+
 def metric_key(key: str) -> str:
-    """MLflow allows no '@' in a name: ``accept_rate@0`` is logged as ``accept_rate_at_0``."""
-    return key.replace("@", "_at_")
+    """A name MLflow takes, for metrics and params alike: ``accept_rate@0`` is logged as ``accept_rate_at_0``,
+    any other character MLflow refuses (a suite named ``code review (v2) τ ✓``) becomes ``_``."""
+    return _MLFLOW_UNSAFE.sub("_", key.replace("@", "_at_"))[:250]
+
+
+def ensure_store(uri: str, lock_dir: Path) -> None:
+    """A local sqlite store, created atomically: built under a temporary name and linked into place, so a
+    kill while MLflow creates its tables never leaves a half-made store at the real name. One left by an
+    earlier version (MLflow then fails for good: "table ... already exists") is set aside and rebuilt when
+    it holds no run; one that holds runs is left to MLflow's own error (`mlflow db upgrade`)."""
+    if not uri.startswith("sqlite:///"):
+        return
+    from mlflow.tracking import MlflowClient
+
+    from eval_worker.results.sinks.wandb_lock import file_lock
+
+    db = Path(uri[len("sqlite:///"):])
+    with file_lock(lock_dir / ".mlflow-store.lock", wait_s=600.0):
+        if db.is_file():
+            try:
+                MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+                return
+            except Exception as e:  # noqa: BLE001 - judged below: a half-made store, or a real one to keep
+                if _holds_runs(db):
+                    raise
+                _forget_engine(uri)  # its pooled connection still reads the half-made file
+                aside = db.with_name(f"{db.name}.half-made-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+                os.replace(db, aside)
+                log.warning("MLflow store %s was half-made (%s: %s; a kill while it was created?); set aside as %s "
+                            "and created again", db, type(e).__name__, str(e).splitlines()[0][:200], aside.name)
+        tmp = db.with_name(f".{db.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            store = SqlAlchemyStore(f"sqlite:///{tmp}", (db.parent / "artifacts").resolve().as_uri())
+            store.engine.dispose()
+            os.link(tmp, db)  # never replaces a store another process made meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _forget_engine(uri: str) -> None:
+    """MLflow keeps one SQLAlchemy engine per store URI for the process (`SqlAlchemyStore._engine_map`, a
+    private map: looked up defensively); a store replaced on disk needs a fresh one."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engines = getattr(SqlAlchemyStore, "_engine_map", None)
+    engine = engines.pop(uri, None) if isinstance(engines, dict) else None
+    if engine is not None:
+        engine.dispose()
+
+
+def _holds_runs(db: Path) -> bool:
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as c:
+            return bool(c.execute("SELECT count(*) FROM runs").fetchone()[0])
+    except sqlite3.Error:
+        return False
 
 
 def record_tag(res: RunResult) -> str:
@@ -116,18 +184,23 @@ def _find_or_create_run(client, exp_id: str, run_id: str, target: MlflowTarget):
 _PARAM_KEYS = ("block_size", "max_new_tokens", "mode", "counting", "tree_budget", "temperature", "eos_token_id")
 
 
-def _params(res: RunResult) -> dict[str, str]:
-    name = res.result["suite"]["name"]
+def _params(res: RunResult, series: Series) -> dict[str, str]:
+    """The eval settings of a series, keyed by its label (two counting rules are two params, not one
+    overwritten), with what the label stands for (suite, target, options); keys MLflow takes."""
+    name = series.label
     settings = res.result.get("settings") or {}
     out = {f"{name}.{k}": str(settings[k]) for k in _PARAM_KEYS if settings.get(k) is not None}
     out[f"{name}.suite_fingerprint"] = str(res.result["suite"].get("fingerprint"))
-    return out
+    target = res.result.get("target") or {}
+    out[f"{name}.target"] = f"{target.get('path')} ({str(target.get('fingerprint') or '')[:16]})"
+    if series.options:
+        out[f"{name}.options"] = series.options
+    return {metric_key(k): v[:6000] for k, v in out.items()}
 
 
 def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: str | None = None,
                 force: bool = False, lock_wait_s: float = 600.0) -> dict:
     """Log the ledger records the MLflow run lacks (`force`: re-log every record)."""
-    from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
     from dflash_train.common.redaction import redact_url  # the outcome is logged: no password in it
@@ -138,17 +211,20 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
     if local is not None:
         local.mkdir(parents=True, exist_ok=True)
     eid = eval_run_id(run_id)
+    if local is not None:
+        ensure_store(target.tracking_uri, lock_dir)
     with writer_lock(f"mlflow-{eid}", redis_url=redis_url, lock_dir=lock_dir, wait_s=lock_wait_s):
         results = load_run(run_id, results_dir)  # under the lock: a waiting writer sees every record
         client = MlflowClient(tracking_uri=target.tracking_uri)
         run = _find_or_create_run(client, _experiment_id(client, target), run_id, target)
         mid = run.info.run_id
         tags, params = dict(run.data.tags), dict(run.data.params)
-        primary = primary_suite(results, target.primary_suite)
+        series = series_of(results, target.primary_suite)
         todo = [r for r in results if force or record_tag(r) not in tags]
+        failed: list[str] = []
         new_params = {}
         for res in results:
-            for k, v in _params(res).items():
+            for k, v in _params(res, series[res.key]).items():
                 if k not in params and k not in new_params:
                     new_params[k] = v
                 elif params.get(k, new_params.get(k)) != v:
@@ -156,22 +232,55 @@ def publish_run(run_id: str, target: MlflowTarget, *, results_dir, redis_url: st
                                 v)
         items = list(new_params.items())
         for i in range(0, len(items), 100):
-            client.log_batch(mid, params=[Param(k, v) for k, v in items[i:i + 100]])
+            _log_params(client, mid, items[i:i + 100], failed)
+        logged = []
         for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
-            ts = int(time.time() * 1000)
-            ms = [Metric(metric_key(k), float(v), ts, res.step) for k, v in sorted(points(res.result, primary).items())]
-            for i in range(0, max(len(ms), 1), _BATCH):  # the tag rides with the last batch: logged means complete
-                last = i + _BATCH >= len(ms)
-                client.log_batch(mid, metrics=ms[i:i + _BATCH],
-                                 tags=[RunTag(record_tag(res), str(res.step))] if last else [])
-            client.log_artifact(mid, str(res.path),
-                                artifact_path=f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}")
-        if todo and target.report:
+            try:  # one record MLflow refuses never keeps the others out
+                _log_record(client, mid, res, series[res.key])
+                logged.append(res)
+            except Exception as e:  # noqa: BLE001 - named in the error raised at the end
+                failed.append(f"step {res.step} ({series[res.key].label}): {type(e).__name__}: {str(e)[:300]}")
+        if logged and target.report:
             _log_report(client, mid, run_id, results_dir)
+        client.set_terminated(mid, "FINISHED")  # an eval run is complete after each publication (reopened by the next)
+        if failed:
+            raise SinkError(f"MLflow refused {len(failed)} item(s) of run {run_id} (the others are logged): "
+                            + "; ".join(failed[:5]))
         return {"eval_run_id": eid, "mlflow_run_id": mid, "experiment_id": run.info.experiment_id,
-                "tracking_uri": redact_url(target.tracking_uri), "logged": [r.key for r in todo],
+                "tracking_uri": redact_url(target.tracking_uri), "logged": [r.key for r in logged],
                 "records": [r.key for r in results], "steps": sorted({r.step for r in results}),
                 "parent_run_id": target.parent_run_id}
+
+
+def _log_params(client, mid: str, items: list[tuple[str, str]], failed: list[str]) -> None:
+    """A batch of params; when MLflow refuses the batch, one by one (a bad one is named, the rest logged)."""
+    from mlflow.entities import Param
+
+    try:
+        client.log_batch(mid, params=[Param(k, v) for k, v in items])
+        return
+    except Exception:  # noqa: BLE001 - retried one by one below, each failure named
+        pass
+    for k, v in items:
+        try:
+            client.log_batch(mid, params=[Param(k, v)])
+        except Exception as e:  # noqa: BLE001 - named in the publication's error
+            failed.append(f"param {k!r}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def _log_record(client, mid: str, res: RunResult, series: Series) -> None:
+    """Every point of one record at its training step, its tag with the last batch (logged means complete),
+    and the record itself as an artifact."""
+    from mlflow.entities import Metric, RunTag
+
+    ts = int(time.time() * 1000)
+    values = {**points(res.result, None, series), **lag_scalars(res)}
+    ms = [Metric(metric_key(k), float(v), ts, res.step) for k, v in sorted(values.items())]
+    for i in range(0, max(len(ms), 1), _BATCH):
+        last = i + _BATCH >= len(ms)
+        client.log_batch(mid, metrics=ms[i:i + _BATCH], tags=[RunTag(record_tag(res), str(res.step))] if last else [])
+    where = f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}"
+    client.log_artifact(mid, str(res.path), artifact_path=where)
 
 
 def _log_report(client, mid: str, run_id: str, results_dir) -> None:

@@ -75,11 +75,9 @@ def _per_position(per: dict | None) -> dict:
     return out
 
 
-
-
-def aliases(result: dict) -> dict[str, float]:
-    """The field's names for one result, under ``eval/<suite>/``."""
-    prefix = suite_prefix(result["suite"]["name"])
+def aliases(result: dict, prefix: str | None = None) -> dict[str, float]:
+    """The field's names for one result, under ``eval/<suite>/`` (or its series' prefix)."""
+    prefix = prefix or suite_prefix(result["suite"]["name"])
     tau = result.get("tau") or {}
     hist = [int(c) for c in result.get("acceptance_histogram") or []]
     block = int((result.get("settings") or {}).get("block_size") or len(hist) or 0)
@@ -93,12 +91,14 @@ def aliases(result: dict) -> dict[str, float]:
     return {prefix + k: n for k, v in out.items() if (n := finite(v)) is not None}
 
 
-def points(result: dict, primary_suite: str | None) -> dict[str, float]:
-    """Every scalar of one result as the non-W&B sinks log it: the suite's scalars under
-    ``eval/<suite>/``, the primary suite's also under plain ``eval/`` (as W&B does), and the aliases."""
-    name = result["suite"]["name"]
+def points(result: dict, primary_suite: str | None, series=None) -> dict[str, float]:
+    """Every scalar of one result as the non-W&B sinks log it: the series' scalars under
+    ``eval/<series>/`` (run_results.series_of; the suite's name in the common case), the primary series'
+    also under plain ``eval/`` (as W&B does), and the aliases. Without `series`: the suite is the series."""
+    name = series.label if series is not None else result["suite"]["name"]
+    primary = series.primary if series is not None else primary_suite is None or name == primary_suite
     out = scalars(result, suite_prefix(name))
-    if primary_suite is None or name == primary_suite:
+    if primary:
         out.update(scalars(result, "eval/"))
-    out.update(aliases(result))
+    out.update(aliases(result, suite_prefix(name)))
     return out

@@ -25,21 +25,21 @@ import shutil
 import struct
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.common.fsutil import atomic_write_text
-from eval_worker.results.run_results import RunResult, load_run
+from eval_worker.results.run_results import RunResult, Series, lag_scalars, load_run, series_of
 from eval_worker.results.sinks.names import points, suite_prefix
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_sink import eval_run_id, primary_suite
+from eval_worker.results.sinks.wandb_sink import eval_run_id
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TensorBoardTarget:
-    root: Path = field(default_factory=lambda: Path("tensorboard-eval").resolve())
+    root: Path  # Settings.tensorboard_dir: $DFLASH_TENSORBOARD_DIR, else $DFLASH_HOME/tensorboard
     primary_suite: str | None = None
     images: bool = True  # the per-position curve as an image (needs matplotlib)
 
@@ -66,13 +66,13 @@ def _curve_png(res: RunResult) -> bytes | None:
     return per_position([res])
 
 
-def _write(writer, res: RunResult, primary: str | None, images: bool) -> None:
+def _write(writer, res: RunResult, series: Series, images: bool) -> None:
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     step = res.step
-    for key, value in sorted(points(res.result, primary).items()):
+    for key, value in sorted({**points(res.result, None, series), **lag_scalars(res)}.items()):
         writer.add_scalar(key, value, global_step=step, new_style=False)
-    prefix = suite_prefix(res.result["suite"]["name"])
+    prefix = suite_prefix(series.label)
     hist = [int(c) for c in res.result.get("acceptance_histogram") or []]
     if sum(hist):
         lengths = [k for k, c in enumerate(hist, start=1) if c]
@@ -106,9 +106,9 @@ def rebuild(run_id: str, results: list[RunResult], target: TensorBoardTarget) ->
     try:
         writer = SummaryWriter(log_dir=str(staging), flush_secs=3600)
         try:
-            primary = primary_suite(results, target.primary_suite)
+            series = series_of(results, target.primary_suite)
             for res in sorted(results, key=lambda r: (r.step, r.record_key)):
-                _write(writer, res, primary, target.images)
+                _write(writer, res, series[res.key], target.images)
         finally:
             writer.close()
         (new,) = staging.glob("events.out.tfevents.*")

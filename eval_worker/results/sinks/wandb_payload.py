@@ -46,14 +46,18 @@ def prefix_for(suite_name: str, primary_suite: str | None) -> str:
     return suite_prefix(suite_name)
 
 
-def run_log(result: dict, primary_suite: str | None, *, html_column: bool = True) -> dict:
+def run_log(result: dict, primary_suite: str | None, *, html_column: bool = True, series=None) -> dict:
     """The ``run.log()`` payload of one result in a run of several suites: the full payload
-    under ``prefix_for``, and the suite's scalars under ``eval/<suite>/`` when that is not the same."""
-    name = result["suite"]["name"]
-    payload = log_dict(result, prefix_for(name, primary_suite), html_column=html_column)
-    if prefix_for(name, primary_suite) != suite_prefix(name):
+    under ``prefix_for``, and the suite's scalars under ``eval/<suite>/`` when that is not the same.
+    With `series` (run_results.series_of), the series' label stands for the suite's name and its
+    `primary` flag for the comparison with `primary_suite`."""
+    name = series.label if series is not None else result["suite"]["name"]
+    prefix = ("eval/" if series.primary else suite_prefix(name)) if series is not None else prefix_for(name,
+                                                                                                      primary_suite)
+    payload = log_dict(result, prefix, html_column=html_column)
+    if prefix != suite_prefix(name):
         payload.update(scalars(result, suite_prefix(name)))
-    payload.update(aliases(result))  # the field's names beside ours
+    payload.update(aliases(result, suite_prefix(name)))  # the field's names beside ours
     return payload
 
 

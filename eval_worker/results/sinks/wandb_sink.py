@@ -46,7 +46,7 @@ from pathlib import Path
 from dflash_train.checkpoints import storage
 from dflash_train.common.fsutil import atomic_write_text
 from dflash_train.common.settings import Settings
-from eval_worker.results.run_results import RunResult, lag_scalars, load_run
+from eval_worker.results.run_results import RunResult, lag_scalars, load_run, series_of
 from eval_worker.results.sinks.base import SinkError, run_child  # noqa: F401 - SinkError: the sinks' one error
 from eval_worker.results.sinks.names import suite_prefix
 from eval_worker.results.sinks.wandb_lock import writer_lock
@@ -111,16 +111,6 @@ def eval_run_id(run_id: str) -> str:
     return _SAFE.sub("_", run_id)[:120] + "-eval"
 
 
-def primary_suite(results: list[RunResult], configured: str | None = None) -> str | None:
-    """The suite logged under plain ``eval/...``: the configured one, else the first ever evaluated."""
-    if configured:
-        return configured
-    if not results:
-        return None
-    first = min(results, key=lambda r: (r.result.get("provenance", {}).get("created_at") or "", r.step))
-    return first.result["suite"]["name"]
-
-
 def _settings(target: WandbTarget):
     import wandb
 
@@ -138,23 +128,28 @@ def _init(target: WandbTarget, run_id: str, run_dir: Path, results: list[RunResu
     import wandb
 
     eid = eval_run_id(run_id)
+    series = series_of(results, target.primary_suite)
+    # what each series' key stands for (suite, target, options), shown in the run's config
+    legend = {s.label: {"suite": s.suite, "target": s.target, "options": s.options or "default"}
+              for s in series.values()}
     run = wandb.init(project=target.project, entity=target.entity, group=target.group or run_id, job_type="eval",
                      id=eid, name=target.name or eid, tags=target.tags or None, mode=target.mode, dir=str(run_dir),
                      config={"train_run": run_id, "source": "dflash-eval results ledger",
-                             "suites": sorted({r.result["suite"]["name"] for r in results})},
+                             "suites": sorted({r.result["suite"]["name"] for r in results}), "series": legend},
                      settings=_settings(target), **extra)
     # The full schema on every writer: a later writer's definitions replace earlier ones.
     run.define_metric(STEP_KEY)
     run.define_metric(HF_STEP_KEY)  # an x-axis choice for panels shared with an HF run
     run.define_metric("eval/*", step_metric=STEP_KEY)
-    prefixes = {"eval/"} | {suite_prefix(r.result["suite"]["name"]) for r in results}
+    prefixes = {"eval/"} | {suite_prefix(s.label) for s in series.values()}
     for r_prefix in sorted(prefixes):
         run.define_metric(r_prefix + "tau", step_metric=STEP_KEY, summary="max")
     return run
 
 
-def _best(results: list[RunResult], primary: str | None) -> RunResult | None:
-    pool = [r for r in results if primary is None or r.result["suite"]["name"] == primary]
+def _best(results: list[RunResult], series: dict) -> RunResult | None:
+    """The best checkpoint of the primary series (τ of other suites, targets or counting rules is another scale)."""
+    pool = [r for r in results if series[r.key].primary] or results
     return max(pool, key=lambda r: (r.result["tau"]["macro"], -r.step), default=None)
 
 
@@ -210,11 +205,11 @@ def _log_store_checkpoint(run, run_id: str, res: RunResult, best: RunResult | No
 
 
 def _log_results(run, run_id: str, todo: list[RunResult], all_results: list[RunResult], target: WandbTarget) -> None:
-    primary = primary_suite(all_results, target.primary_suite)
-    best = _best(all_results, primary)
+    series = series_of(all_results, target.primary_suite)
+    best = _best(all_results, series)
     logged_ckpts: set[str] = set()
     for res in sorted(todo, key=lambda r: (r.step, r.record_key)):
-        run.log({**run_log(res.result, primary), **lag_scalars(res)})
+        run.log({**run_log(res.result, None, series=series[res.key]), **lag_scalars(res)})
         digest = res.result["checkpoint"].get("digest") or res.result["checkpoint"]["path"]
         if digest not in logged_ckpts:
             logged_ckpts.add(digest)

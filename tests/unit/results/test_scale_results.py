@@ -104,3 +104,31 @@ def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tm
     pointer = json.loads((wandb_offline / "run-s-eval.json").read_text())
     assert sorted(read_run(pointer["wandb_file"]).points("eval/tau")) == [100, 200, 300]
     assert (wandb_offline / "run-o-eval.json").is_file()  # another run's job is no reason to wait
+
+
+def test_deferred_sink_failure_still_publishes(conn, tmp_path, wandb_offline, monkeypatch):
+    """Issue 34 D3: job 1 leaves the sinks to job 2 of its run (`sinks_deferred_to`), job 2 then fails
+    (damaged weights): job 1's record must still reach W&B, published by the failing job."""
+    import json
+
+    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.worker import serve
+    from tests.support.eval_results import fake_checkpoint
+    from tests.support.wandb_reader import read_run
+
+    monkeypatch.delenv("DFLASH_SINKS", raising=False)  # the default: W&B (offline here)
+    root = tmp_path / "ck"
+    first, second = (fake_checkpoint(root, "run-d", step)[0] for step in (100, 200))
+    ids = [enqueue(conn, make_job(d, suite="builtin:coding-v1")).job_id for d in (first, second)]
+    (second / "model.safetensors").write_bytes(b"damaged after publication")
+    serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root],
+                                                default_target=str(tmp_path),
+                                                evaluator_factory="tests.support.fake_evaluator:FakeEvaluator"),
+          burst=True, preload=False, with_scheduler=False, name=f"wd-{tmp_path.name}"[:60])
+    assert fetch_job(conn, ids[0]).return_value()["sinks_deferred_to"] == ids[1]
+    assert fetch_job(conn, ids[1]).get_status() == "failed"
+    pointer = json.loads((wandb_offline / "run-d-eval.json").read_text())
+    assert sorted(read_run(pointer["wandb_file"]).points("eval/tau")) == [100]
+    assert not conn.exists("dflash:sinks-owed:run-d")  # paid

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_train.common.settings import Settings
 from eval_worker.engine.options import shorten
 from eval_worker.results.ledger import Ledger, read_record
 from eval_worker.service import evaluators
@@ -41,8 +42,55 @@ def test_evaluates_records_and_keeps_the_target(env, monkeypatch):
     entries = Ledger(settings.results_dir).entries("run-f")
     assert [e.step for e in entries] == [1, 2]
     assert told == [r1["ledger_path"], r2["ledger_path"]]  # sinks hear of it after the ledger has it
-    again = run_eval_job(j1)  # same attempt again: nothing new is recorded, sinks are not told twice
-    assert again["recorded_now"] is False and len(told) == 2
+    again = run_eval_job(j1)  # same attempt again: nothing new is recorded; the sinks catch up (idempotent)
+    assert again["recorded_now"] is False and told[2:] == [r1["ledger_path"]]
+    assert len(Ledger(settings.results_dir).entries("run-f", all_attempts=True)) == 2
+
+
+def test_sink_catch_up_after_a_kill_between_ledger_and_sinks(wandb_offline, env, monkeypatch):
+    """Issue 34 D1: an execution killed after its ledger write, before W&B heard of it; the retry finds the
+    record ("already recorded; not evaluating again") and must still bring W&B up to date, not end
+    `finished` with `sink_error: null` and nothing published."""
+    import json
+
+    from eval_worker.service import eval_job
+    from tests.support.wandb_reader import read_run
+
+    settings, (j1, _) = env
+    monkeypatch.setenv("DFLASH_SINKS", "wandb")
+    settings.env = Settings.from_env()  # W&B offline into the test's directory (the same object the job reads)
+
+    class Killed(BaseException):  # kill -9 at the sink phase: nothing after it runs
+        pass
+
+    def killed(record, job):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(eval_job, "_publish_to_sinks", killed)
+        with pytest.raises(Killed):
+            run_eval_job(j1)
+    assert len(Ledger(settings.results_dir).entries("run-f")) == 1
+    assert not (wandb_offline / "run-f-eval.json").exists()  # W&B never heard of it
+
+    retry = run_eval_job(j1)
+    assert retry["recorded_now"] is False and retry["sink_error"] is None, retry
+    pointer = json.loads((wandb_offline / "run-f-eval.json").read_text())
+    assert sorted(read_run(pointer["wandb_file"]).points("eval/tau")) == [1]
+    again = run_eval_job(j1)  # up to date: the replay is a no-op, and says so
+    assert again["sink_error"] is None
+    assert json.loads((wandb_offline / "run-f-eval.json").read_text())["wandb_file"] == pointer["wandb_file"]
+
+
+def test_sink_catch_up_names_a_sink_that_lacks_the_record(env, monkeypatch):
+    """A sink that reports success without the job's record is a visible sink error, never `null`."""
+    from eval_worker.results import sinks
+
+    settings, (j1, _) = env
+    monkeypatch.setattr(sinks, "publish_result", lambda record, job, settings: {"tensorboard": {
+        "ok": True, "records": ["7:0000000000000000:0"]}})
+    r = run_eval_job(j1)
+    assert r["recorded_now"] and "tensorboard: published without this record" in r["sink_error"]
 
 
 def test_a_job_hashes_its_checkpoint_files_once(env, monkeypatch):
