@@ -5,7 +5,9 @@
 
 Every measurement is appended to FILE (one JSON object a line) as soon as it is taken, so a part
 killed by its timeout still leaves what it measured; `table` prints them all as one table.
---dry-run: the same code on the CPU at tiny shapes (tests/integration/test_gpu_check.py runs it).
+--dry-run: the same code on the CPU at tiny shapes (tests/integration/test_gpu_check.py runs it), with every
+installed package the device image lacks (and bench/gpu_wheels.txt does not carry) hidden from imports
+(GPU_CHECK_FULL_ENV=1: not hidden).
 
 smoke:   flex vs SDPA losses on the bundled tiny target (same data and seed), then the trainer's
          hidden-state queue off vs on (bench/train_throughput.py's runner).
@@ -427,6 +429,35 @@ def missing_on_device() -> list[str]:
     return sorted(_closure((used | carried) - {"dflash-eval"}) - allowed - {"dflash-eval"})
 
 
+class _ImageOnly:
+    """A sys.meta_path path finder that does not find what the lent machine lacks (so an import of it
+    fails, and a probe for it answers "absent", as there)."""
+
+    def __init__(self, inner, blocked: set[str]):
+        self.inner, self.blocked = inner, blocked
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.blocked:
+            return None
+        return self.inner.find_spec(name, path, target)
+
+    def __getattr__(self, attr):  # invalidate_caches, find_distributions, ...
+        return getattr(self.inner, attr)
+
+
+def emulate_device_image() -> set[str]:
+    """Hide every installed package outside the device image (with its requirements) and the carried
+    wheels: the dry run then imports only what a lent machine would have. Returns the hidden top-level names."""
+    import importlib.machinery
+    from importlib.metadata import packages_distributions
+
+    allowed = _closure(DEVICE_IMAGE) | {_norm(w) for w in wheels()}
+    blocked = {top for top, dists in packages_distributions().items()
+               if not (REPO / top).exists() and not any(_norm(d) in allowed for d in dists)}
+    sys.meta_path[:] = [_ImageOnly(f, blocked) if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+    return blocked
+
+
 PARTS = {"smoke": part_smoke, "trainer": part_trainer, "engine": part_engine}
 
 
@@ -450,6 +481,9 @@ def main() -> None:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         ap.error(f"unknown part(s) {unknown}: {', '.join(PARTS)} or table")
+    if args.dry_run and os.environ.get("GPU_CHECK_FULL_ENV") != "1":
+        hidden = emulate_device_image()
+        print(f"dry run: {len(hidden)} installed top-level packages hidden (not on the device image nor carried)")
     import torch
 
     if args.dry_run:  # tiny shapes: a second thread only adds contention (the dev VM's 2 cores are shared)

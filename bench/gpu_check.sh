@@ -19,7 +19,8 @@
 # Failed parts' logs are printed in full at the end, then ONE table (bench/gpu_check.py table).
 #
 # Usage: bench/gpu_check.sh [--dry-run] [--parts tests,smoke,trainer,engine] [--out DIR]
-#   --dry-run   the same parts on the CPU at tiny shapes (tests/integration/test_gpu_check.py runs it)
+#   --dry-run   the same parts on the CPU at tiny shapes, packages the device image lacks hidden
+#               (tests/integration/test_gpu_check.py runs it)
 #   --out DIR   where logs and results go (default: $OUT/gpu_check, else a new temporary folder)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -27,7 +27,9 @@ def test_gpu_check_dry_run(tmp_path):
             ("engine", "generate.b1"), ("engine", "generate.b8"), ("engine", "references.ms_per_token"),
             ("engine", "engine.cold"), ("engine", "engine.warm2"), ("engine", "engine.drafting.walk"),
             ("engine", "engine.drafting.all"), ("engine", "engine.drafting.auto")} <= keys
-    # nothing the parts import is missing from the lent machine's image + bench/gpu_wheels.txt
+    # the parts ran with only the lent machine's image + bench/gpu_wheels.txt importable, and the wheels'
+    # own requirements are met there
+    assert "installed top-level packages hidden" in proc.stdout
     assert [r["outside"] for r in recs if r["key"] == "imports"] == [[]]
     # ONE table, last, with every part's status and a row per measurement
     table = proc.stdout[proc.stdout.rindex("| part"):]
