@@ -4,6 +4,7 @@
 #   make lint   ruff check and mypy (the `dev` extra)
 #   make lock   recompile requirements.lock (every package of every extra, pinned) from setup.cfg's ranges
 #   make test-newest  the tests that touch other packages' internals, in a throwaway venv with the newest releases
+#   make gpu-wheels   .whl/: the wheels bench/gpu_check.sh carries to a lent GPU machine (bench/gpu_wheels.txt)
 # Override the venv location with VENV=/path, pass pytest flags with PYTEST_ARGS='-k redis'.
 
 VENV ?= .venv
@@ -22,7 +23,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: venv install test lint demo bench lock test-newest clean distclean
+.PHONY: venv install test lint demo bench gpu-wheels lock test-newest clean distclean
 
 venv: $(PY)
 
@@ -53,6 +54,10 @@ demo: $(VENV)/.dflash-eval-installed-demo
 BENCHES ?= eval_speed train_throughput hook_overhead job_latency object_store
 bench: install
 	@set -e; for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py $(BENCH_ARGS); done
+
+# then run bench/gpu_check.sh on the lent machine with `.whl` carried
+gpu-wheels: $(PY)
+	PYTHON=$(PY) bash bench/gpu_wheels.sh .whl
 
 # torch comes from constraints.txt (its CPU build, found through pip's find-links where one is configured), so
 # the lock holds torch's own requirements but not torch: the CUDA images install PyPI's build of the same version.

@@ -18,16 +18,20 @@ Per drafter layer, published configs may narrow this (`DrafterConfig.attention`)
 `visible` states both on absolute positions, once, for every layout.
 
 `mask_mod` is the single definition of the multi-block mask. On CUDA it is compiled into a
-flex_attention BlockMask; elsewhere the same function is evaluated on an index grid to give
-a dense boolean mask for SDPA. Tests hold the two equal. Cached drafting (one block right
+flex_attention BlockMask; elsewhere (or where the compiled kernel refuses the drafter's shape:
+`choose_backend`) the same function is evaluated on an index grid to give a dense boolean mask
+for SDPA. Tests hold the two equal. Cached drafting (one block right
 after its whole context) is the same layout with one block at anchor = context length:
 `cached_block_mask` gives its mask from `visible` alone (rules 1-2 hold trivially there).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,12 +129,77 @@ def flex_block_mask(layout: BlockLayout, *, compile: bool | None = None):
                              Q_LEN=layout.q_len, KV_LEN=layout.kv_len, device=dev, _compile=compile)
 
 
-def build_attention_mask(layout: BlockLayout, backend: str = "auto"):
-    """Mask object for `DFlashDrafter`: a BlockMask for flex, a dense tensor for SDPA."""
-    if backend == "auto":
-        backend = "flex" if layout.anchors.device.type == "cuda" else "sdpa"
+BACKENDS = ("auto", "flex", "sdpa")
+# The compiled (Triton) flex_attention kernel on CUDA refuses query/key/value head dims below 16
+# (`tl.dot` needs K >= 16): torch/_inductor/kernel/flex/flex_attention.py raises "NYI: embedding
+# dimension ... must be at least 16" (torch 2.11, met on an H200, through 2.13).
+FLEX_MIN_HEAD_DIM = 16
+
+
+class AttentionBackendError(ValueError):
+    """`backend=flex` asked for where flex_attention cannot run: raised before any work."""
+
+
+def flex_unavailable(config, device, *, backward: bool = False, triton: bool | None = None) -> str | None:
+    """Why flex_attention cannot run drafter `config` (anything with `head_dim`) on `device`, or None
+    when it can. `backward`: gradients will flow (training). `triton`: whether Triton is importable
+    (default: asked of this machine; pass it to ask about another machine, e.g. a CUDA one from a CPU).
+
+    The one home of the rule: the trainer, the drafter's multi-block forward and the engine's drafting
+    all ask here (through `choose_backend`)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if config.head_dim < FLEX_MIN_HEAD_DIM:
+            return (f"head_dim {config.head_dim} < {FLEX_MIN_HEAD_DIM}: the compiled flex_attention kernel on CUDA "
+                    f"needs query/key/value head dims of at least {FLEX_MIN_HEAD_DIM}")
+        if triton is None:
+            from torch.utils._triton import has_triton_package
+
+            triton = has_triton_package()
+        if not triton:
+            return "Triton is not installed: flex_attention cannot be compiled for CUDA"
+        return None
+    if backward and kind in ("cpu", "mps"):
+        return f"flex_attention has no backward pass on {kind} (torch refuses it)"
+    return None
+
+
+_announced: set[str] = set()
+
+
+def choose_backend(requested: str, config, device, *, backward: bool = False, triton: bool | None = None,
+                   announce: bool = True) -> tuple[str, str | None]:
+    """The attention backend that runs: `(backend, why flex was not taken)`.
+
+    auto: flex on CUDA where `flex_unavailable` finds nothing, else the SDPA twin (the same mask,
+    dense); off CUDA always SDPA (flex is only compiled there). A CUDA fallback is logged once per
+    reason and process (`announce=False`: the caller logs it).
+    flex: flex, or `AttentionBackendError` naming why it cannot run. sdpa: SDPA."""
+    if requested not in BACKENDS:
+        raise AttentionBackendError(f"unknown attention backend {requested!r} ({', '.join(BACKENDS)})")
+    if requested == "sdpa":
+        return "sdpa", None
+    why = flex_unavailable(config, device, backward=backward, triton=triton)
+    if requested == "flex":
+        if why:
+            raise AttentionBackendError(f"backend=flex cannot run on {torch.device(device).type}: {why}; "
+                                        "use backend=auto (falls back to SDPA) or backend=sdpa")
+        return "flex", None
+    if torch.device(device).type != "cuda":
+        return "sdpa", None
+    if why is None:
+        return "flex", None
+    if announce and why not in _announced:
+        _announced.add(why)
+        log.warning("attention: SDPA instead of flex_attention (%s)", why)
+    return "sdpa", why
+
+
+def build_attention_mask(layout: BlockLayout, backend: str):
+    """Mask object for `DFlashDrafter`: a BlockMask for flex, a dense tensor for SDPA (`backend` as
+    `choose_backend` resolved it)."""
     if backend == "flex":
         return flex_block_mask(layout)
     if backend == "sdpa":
         return dense_mask(layout)
-    raise ValueError(f"unknown attention backend {backend!r} (flex, sdpa, auto)")
+    raise ValueError(f"attention backend {backend!r} is not resolved (flex, sdpa): see choose_backend")

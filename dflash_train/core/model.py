@@ -26,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .config import DrafterConfig
-from .masks import BlockLayout, build_attention_mask, cached_block_mask
+from .masks import BlockLayout, build_attention_mask, cached_block_mask, choose_backend
 
 
 class DraftCache:
@@ -213,8 +213,11 @@ class DFlashDrafter(nn.Module):
         token at `anchor_j + k`.
         see_anchor_state: context `kv <= anchor` instead of `kv < anchor`, the inclusive-anchor
         leak. Never for training or drafting: only the eval worker's leak probe asks for it.
+        backend: auto | flex | sdpa, resolved by `masks.choose_backend` (auto falls back to SDPA where
+        flex cannot run this drafter; an explicit flex there raises).
         """
         B = self.config.block_size
+        backend, _ = choose_backend(backend, self.config, input_ids.device, backward=torch.is_grad_enabled())
         if valid is None:
             valid = torch.ones_like(anchors, dtype=torch.bool)
         layout = BlockLayout(anchors=anchors, valid=valid, context_len=input_ids.shape[1], block_size=B,

@@ -79,7 +79,8 @@ class TrainConfig:
 
     # --- runtime --------------------------------------------------------------------------
     device: str = opt("auto", "auto | cpu | cuda (each torchrun rank takes cuda:LOCAL_RANK)")
-    backend: str = opt("auto", "attention kernel: auto (flex on CUDA, sdpa elsewhere) | flex | sdpa")
+    backend: str = opt("auto", "attention kernel: auto (flex on CUDA where it can run the drafter, "
+                                  "else sdpa) | flex | sdpa")
     autocast: str = opt("auto", "mixed precision: auto (bf16 on CUDA) | bf16 | off")
     queue_depth: int = opt(2, "target hidden-state batches prepared ahead of the drafter; 0 = synchronous")
     num_threads: int | None = opt(None, "torch intra-op threads on CPU (default: torch's)")
@@ -146,6 +147,8 @@ class TrainConfig:
             problems.append(f"loss_type must be dflash or dpace (got {self.loss_type!r})")
         if self.chat_template not in ("auto", "always", "never"):
             problems.append("chat_template must be auto, always or never")
+        if self.backend not in ("auto", "flex", "sdpa"):
+            problems.append(f"backend must be auto, flex or sdpa (got {self.backend!r})")
         if self.autocast not in ("auto", "bf16", "off"):
             problems.append("autocast must be auto, bf16 or off")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:

@@ -28,6 +28,7 @@ from dflash_train.checkpoints.checkpoint import load_drafter
 from dflash_train.checkpoints.publication import list_checkpoints
 from dflash_train.common.progress import Progress
 from dflash_train.core.config import ConfigError, DrafterConfig
+from dflash_train.core.masks import AttentionBackendError, choose_backend
 from dflash_train.core.model import DFlashDrafter
 from dflash_train.core.target import Target, TargetError
 
@@ -135,6 +136,7 @@ class Trainer:
         self.target = target or self._load_target()
         self.drafter = self._build_drafter().to(self.device)
         self.target.check_drafter(self.drafter.config)
+        self.backend = self._attention_backend()
         self.block_size = self.drafter.config.block_size
         self.layer_ids = list(self.drafter.config.target_layer_ids)
 
@@ -143,7 +145,7 @@ class Trainer:
         self.plan = BatchPlan(self.examples, c.batch_size, seed=c.seed, rank=self.dist.rank,
                               world_size=self.dist.world_size, max_seq_len=c.max_seq_len,
                               pad_id=pad if pad is not None else 0, seq_multiple=c.seq_multiple)
-        self.model: nn.Module = _BlockForward(self.drafter, self.target.parts.embed_tokens, c.backend)
+        self.model: nn.Module = _BlockForward(self.drafter, self.target.parts.embed_tokens, self.backend)
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -179,6 +181,18 @@ class Trainer:
                                        intermediate_size=c.drafter_intermediate_size)
         torch.manual_seed(c.seed)  # same initial weights on every rank (DDP also broadcasts)
         return DFlashDrafter(cfg).float()
+
+    def _attention_backend(self) -> str:
+        """flex or sdpa, decided once before any data or step (`masks.choose_backend`): an explicit flex
+        that cannot run is a config error here, not a compile error at the first step."""
+        try:
+            backend, why = choose_backend(self.config.backend, self.drafter.config, self.device, backward=True,
+                                          announce=False)
+        except AttentionBackendError as e:
+            raise TrainConfigError(str(e)) from e
+        if why and self.dist.is_main:
+            log.warning("attention: training with SDPA instead of flex_attention (%s)", why)
+        return backend
 
     def _examples(self):
         c = self.config

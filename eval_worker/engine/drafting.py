@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash_train.core.masks import choose_backend
 from dflash_train.core.model import DFlashDrafter, mask_blocks
 from dflash_train.core.target import logits_rows
 
@@ -200,7 +201,8 @@ def draft_anchors(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, inp
         raise ValueError(f"anchors must lie in [0, {input_ids.shape[0]})")
     dev = next(drafter.parameters()).device
     emb = _CastEmbedding(embed, drafter.fc.weight.dtype)
-    flex = backend == "flex" or (backend == "auto" and dev.type == "cuda")
+    backend, _ = choose_backend(backend, cfg, dev)  # SDPA where flex cannot run this drafter (logged once)
+    flex = backend == "flex"
     per = anchors_per_chunk or anchors_per_pass(B, context_len=int(input_ids.shape[0]),
                                                 heads=cfg.num_attention_heads, dense=not flex)
     out_arg, out_ids, out_logp = [], [], []

@@ -12,9 +12,10 @@ from .factories import MASK_ID, qwen3_target
 
 
 @functools.lru_cache(maxsize=4)
-def target_and_examples(n: int = 16, prompt_len: int = 12, new_tokens: int = 20, seed: int = 0):
-    """A random Qwen3 target and `n` examples whose responses are its greedy output."""
-    target = qwen3_target(layers=6, hidden=32, seed=seed)
+def target_and_examples(n: int = 16, prompt_len: int = 12, new_tokens: int = 20, seed: int = 0, hidden: int = 32):
+    """A random Qwen3 target and `n` examples whose responses are its greedy output (head_dim = hidden / 4:
+    8 by default, below what compiled flex_attention accepts on CUDA; 64 gives 16)."""
+    target = qwen3_target(layers=6, hidden=hidden, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     prompts = [torch.randint(1, MASK_ID, (prompt_len,), generator=g).tolist() for _ in range(n)]
     responses = regenerate(target, prompts, new_tokens, batch_size=n)
