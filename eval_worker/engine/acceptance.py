@@ -47,7 +47,7 @@ from eval_worker.engine.result import EvalResult, PromptResult
 from eval_worker.engine.scoring import PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize
 from eval_worker.engine.speed import measure_step_costs
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
-from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, context_kv, group_kv_budget, walk_groups
+from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, auto_path, context_kv, group_kv_budget, walk_groups
 
 log = logging.getLogger(__name__)
 # what the fixed anchor sample (options.anchor_sample) stands in for every anchor in
@@ -228,6 +228,7 @@ class Evaluator:
         self._baselines: dict[str, DrafterRun] = {}
         self._costs: dict[str, dict | None] = {}
         self._draft_costs: dict[str, dict] = {}  # drafting seconds per response token, per path and drafter shape
+        self._auto_runs: dict[str, int] = {}  # evaluations "auto" chose a path for, per drafter shape
 
     # --- public -----------------------------------------------------------------------
     def evaluate(self, checkpoint_dir: str | Path, suite: Suite | str = "builtin:coding-v1",
@@ -560,15 +561,15 @@ class Evaluator:
 
     def _drafting_path(self, drafter: DFlashDrafter, opts: EvalOptions) -> tuple[str, dict | None]:
         """"walk" or "all", and the measured drafting cost per response token of each (None: not
-        measured yet) for this drafter's shape. "auto" takes the cheaper once both are measured;
-        until then it measures the one it has not (walk first: it is cheaper unless τ is near 1)."""
-        key = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype)})
+        measured yet) for this drafter's shape on this device (`walk.auto_path`: "auto" starts with the
+        path the device favours, times the other once, then takes the cheaper, re-timing the dearer now and then)."""
+        device = self.target.device.type
+        key = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "device": device})
         costs = self._draft_costs.setdefault(key, {"walk": None, "all": None})
         if opts.drafting != "auto":
             return opts.drafting, costs
-        if costs["walk"] is None or costs["all"] is None:
-            return ("walk" if costs["walk"] is None else "all"), costs
-        return min(("walk", "all"), key=lambda p: costs[p]), costs
+        runs = self._auto_runs[key] = self._auto_runs.get(key, -1) + 1
+        return auto_path(device, costs, runs), costs
 
     def _features_for(self, ref, suite, cfg, report, timings, check, written, sampling_id) -> dict:
         with _timer(timings, "features"):

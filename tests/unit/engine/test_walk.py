@@ -381,6 +381,7 @@ def test_walk_driven_early_exit_evaluator_results_equal(engine, options):
 def test_auto_measures_both_paths_then_takes_the_cheaper(engine):
     ev, root, suite = engine
     ev._draft_costs.clear()
+    ev._auto_runs.clear()
     opts = {"measure_speed": False, "leak_probe_anchors": 0, "anchor_sample": 5}
     paths = [ev.evaluate(root / "good", suite, options=opts).provenance["drafting"] for _ in range(3)]
     assert [p["path"] for p in paths[:2]] == ["walk", "all"]
@@ -443,3 +444,41 @@ def test_logsumexp_is_torchs_bit_for_bit_on_one_tile_within_ulps_over_several(se
     assert torch.equal(finite, torch.isfinite(logp)) and torch.equal(want[~finite].isnan(), logp[~finite].isnan())
     ulps = 4 * torch.finfo(torch.float32).eps * lse.abs().clamp(min=1).expand_as(want)  # a few ulps of the sum's log
     assert ((logp - want).abs()[finite] <= ulps[finite]).all()
+
+
+def test_auto_drafting_device_starts_with_the_path_the_device_favours_and_times_the_other_once():
+    """On CUDA "auto" starts with the all-anchor pass (4-6x cheaper than the walk at τ ≈ 1 on an H200), on a CPU
+    with the walk; the other path is timed once, then the cheaper is taken, the dearer re-timed one time in
+    AUTO_RETIME_EVERY: timing never costs more than one slower evaluation in eight after the first two."""
+    from eval_worker.engine.walk import AUTO_RETIME_EVERY, auto_path
+
+    for device, true_costs in (("cuda", {"walk": 5.0, "all": 1.0}), ("cpu", {"walk": 1.0, "all": 3.0}),
+                               ("cuda", {"walk": 1.0, "all": 2.0})):
+        costs: dict = {"walk": None, "all": None}
+        chosen = []
+        for runs in range(40):
+            path = auto_path(device, costs, runs)
+            chosen.append(path)
+            costs[path] = true_costs[path]
+        assert chosen[0] == ("all" if device == "cuda" else "walk")
+        assert set(chosen[:2]) == {"walk", "all"}
+        cheaper = min(true_costs, key=true_costs.get)
+        dearer_runs = [i for i, p in enumerate(chosen[2:], start=2) if p != cheaper]
+        assert dearer_runs == [i for i in range(2, 40) if i % AUTO_RETIME_EVERY == 0]
+
+
+def test_auto_drafting_device_reads_the_costs_the_evaluations_timed(engine):
+    """On this CPU the first evaluation walks and times it; the next takes the all-anchor pass once that is timed
+    cheaper (here: set so), without timing the walk again."""
+    ev, root, suite = engine
+    ev._draft_costs.clear()
+    ev._auto_runs.clear()
+    opts = {"measure_speed": False, "leak_probe_anchors": 0, "anchor_sample": 5}
+    ev.evaluate(root / "good", suite, options=opts)
+    (key,) = ev._draft_costs
+    assert ev._draft_costs[key]["walk"] is not None and ev._draft_costs[key]["all"] is None
+    walk = ev._draft_costs[key]["walk"]
+    ev._draft_costs[key]["all"] = 0.0  # as if timed, and cheaper
+    second = ev.evaluate(root / "good", suite, options=opts).provenance["drafting"]
+    assert second["path"] == "all" and second["chosen"] == "auto"
+    assert ev._draft_costs[key]["walk"] == walk  # the walk was not run (nor timed) again
