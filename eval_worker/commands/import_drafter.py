@@ -52,7 +52,6 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
     from pathlib import Path
 
     from dflash_train.checkpoints.publication import CheckpointError, import_name, run_id_from, valid_run_id, within
-    from dflash_train.checkpoints.training_state import import_checkpoint
     from dflash_train.common.settings import parse_roots
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
@@ -77,6 +76,9 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
                             f"{what} {path} is outside the checkpoint roots ({os.pathsep.join(map(str, roots))}); "
                             "the worker would refuse it: add its root with --checkpoint-root / "
                             "$DFLASH_CHECKPOINT_ROOTS (for a Hugging Face snapshot, the cache's hub directory)")
+            # torch (seconds to import) only once the checks above passed: a refusal comes at once
+            from dflash_train.checkpoints.training_state import import_checkpoint
+
             path, created, _ = import_checkpoint(Path(into), run_id, at, source, config=config, prefix=prefix)
         except (CheckpointError, OSError) as e:
             errors.append({"source": source, "error": str(e), "given": source})
