@@ -61,7 +61,13 @@ def _routing_lines(st: dict) -> None:
 def main(args: argparse.Namespace) -> int:
     from eval_worker.service.queue import status
 
-    if (why := no_redis_to_read(args)) is not None:  # a fresh home: start nothing to show an empty queue
+    try:
+        why = no_redis_to_read(args)
+        if why is None:
+            conn, url = connect_from_args(args, start=False)
+    except Exception as e:  # noqa: BLE001
+        return fail(str(e))
+    if why is not None:  # a fresh home: start nothing to show an empty queue
         if args.json:
             from eval_worker.results import latest_demo
 
@@ -70,10 +76,6 @@ def main(args: argparse.Namespace) -> int:
         print(why)
         _latest_demo(args)
         return 0
-    try:
-        conn, url = connect_from_args(args, start=False)
-    except Exception as e:  # noqa: BLE001
-        return fail(str(e))
     st = status(conn, args.queue, run=args.run, limit=None if args.json else SHOWN)
     if args.json:
         from eval_worker.results import latest_demo

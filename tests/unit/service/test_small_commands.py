@@ -26,13 +26,13 @@ def _settings(home, **env) -> Settings:
 # --------------------------------------------------------------------------- item 12: refuse first
 
 def _fresh_cli(argv: list[str], cwd) -> dict:
-    """`dflash-eval ARGV` in a fresh interpreter: its exit status, stderr, and the heavy modules it imported."""
+    """`dflash-eval ARGV` in a fresh interpreter: its exit status, output, and the heavy modules it imported."""
     code = ("import json, sys\nfrom eval_worker.cli import main\nrc = main(sys.argv[1:])\n"
             f"print(json.dumps({{'rc': rc, 'heavy': [m for m in {HEAVY!r} if m in sys.modules]}}))")
     proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT),
                                             "DFLASH_HOME": str(cwd / "home"), "HOME": str(cwd)})
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "err": proc.stderr}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "err": proc.stdout + proc.stderr}
 
 
 def test_quick_refusal_import_and_enqueue_refuse_outside_the_roots_before_loading_torch(tmp_path):
