@@ -134,6 +134,11 @@ def test_enqueue_redis_oom_says_cause_and_fix(full_redis, tmp_path, capsys):
 
     conn = connect(full_redis.url)
     try:
+        root = tmp_path / "ck"
+        ckpts = [publish_random(root, "run-oom", s, seed=s) for s in (1, 2, 3)]
+        base = ["--target", str(tmp_path), "--redis-url", full_redis.url, "--checkpoint-root", str(root)]
+        assert cli(["enqueue", str(ckpts[2]), *base, "--json"]) == 0  # queued before the server filled up
+        [queued] = json.loads(capsys.readouterr().out)["outcomes"]
         filler = 0
         while True:  # another tenant fills it until it refuses
             try:
@@ -141,18 +146,21 @@ def test_enqueue_redis_oom_says_cause_and_fix(full_redis, tmp_path, capsys):
             except redis.exceptions.OutOfMemoryError:  # the refusal we wait for
                 break
             filler += 1
-        root = tmp_path / "ck"
-        ckpts = [publish_random(root, "run-oom", s, seed=s) for s in (1, 2)]
-        rc = cli(["enqueue", *map(str, ckpts), "--target", str(tmp_path), "--redis-url", full_redis.url,
-                  "--checkpoint-root", str(root)])
+        rc = cli(["enqueue", *map(str, ckpts[:2]), *base])
         out, err = capsys.readouterr()
         assert rc == 2, (out, err)
         assert "Traceback" not in out + err and "OutOfMemoryError" not in out + err
         lines = [ln for ln in err.splitlines() + out.splitlines() if "out of memory" in ln]
         assert len(lines) == 2, (out, err)  # one per checkpoint
         assert all("maxmemory-policy noeviction" in ln and "CONFIG SET maxmemory" in ln for ln in lines), lines
-        assert not any((c / ".pins").exists() and any((c / ".pins").iterdir()) for c in ckpts)
-        assert not conn.keys("rq:job:*")
+        assert not any((c / ".pins").exists() and any((c / ".pins").iterdir()) for c in ckpts[:2])
+        assert conn.keys("rq:job:*") == [f"rq:job:{queued['job_id']}".encode()]
+
+        # a command without handling of its own (`cancel` of the queued job) gets the same sentence
+        rc = cli(["cancel", queued["job_id"], "--redis-url", full_redis.url])
+        out, err = capsys.readouterr()
+        assert rc == 2 and "Traceback" not in out + err, (out, err)
+        assert err.startswith("error: Redis refuses writes: it is out of memory") and "CONFIG SET maxmemory" in err
     finally:
         conn.close()
 
@@ -242,8 +250,7 @@ def test_cache_enospc_degrades_to_evaluating_without_the_cache(small_disk, tmp_p
 
     from eval_worker.service import evaluators
     from eval_worker.service.eval_job import run_eval_job
-    from tests.support.sidecar_support import tiny_target_drafter_config
-    from tests.support.sidecar_support import REPO_ROOT
+    from tests.support.sidecar_support import REPO_ROOT, tiny_target_drafter_config
 
     target = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
     mnt, fill = small_disk
