@@ -15,6 +15,7 @@ import pytest
 
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.job_builder import make_job
+from tests.support.eval_results import fake_checkpoint
 from tests.support.sidecar_support import publish_random
 
 FAKE = "tests.support.fake_evaluator:FakeEvaluator"
@@ -83,7 +84,7 @@ def test_partition_no_false_loss_warning_from_a_second_worker(conn, tmp_path, wo
 
     monkeypatch.setenv("DFLASH_SINKS", "none")
     root = tmp_path / "ck"
-    ckpt = publish_random(root, "run-part", 3, seed=3)
+    ckpt, _ = fake_checkpoint(root, "run-part", 3)  # the stand-in engine reads only its marker
     settings = WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path], default_target=str(tmp_path),
                               evaluator_factory=FAKE)
     job = make_job(ckpt, suite="builtin:coding-v1", target=str(tmp_path))
@@ -135,7 +136,7 @@ def test_enqueue_redis_oom_says_cause_and_fix(full_redis, tmp_path, capsys):
     conn = connect(full_redis.url)
     try:
         root = tmp_path / "ck"
-        ckpts = [publish_random(root, "run-oom", s, seed=s) for s in (1, 2, 3)]
+        ckpts = [fake_checkpoint(root, "run-oom", s)[0] for s in (1, 2, 3)]
         base = ["--target", str(tmp_path), "--redis-url", full_redis.url, "--checkpoint-root", str(root)]
         assert cli(["enqueue", str(ckpts[2]), *base, "--json"]) == 0  # queued before the server filled up
         [queued] = json.loads(capsys.readouterr().out)["outcomes"]
@@ -146,6 +147,10 @@ def test_enqueue_redis_oom_says_cause_and_fix(full_redis, tmp_path, capsys):
             except redis.exceptions.OutOfMemoryError:  # the refusal we wait for
                 break
             filler += 1
+        # full it stays: the limit a little under what it holds (freed client buffers would let a
+        # small write in again, and the test would depend on their size)
+        used = int(conn.info("memory")["used_memory"])
+        conn.config_set("maxmemory", used - 256 * 1024)
         rc = cli(["enqueue", *map(str, ckpts[:2]), *base])
         out, err = capsys.readouterr()
         assert rc == 2, (out, err)
@@ -187,7 +192,7 @@ def test_deep_json_in_config_marker_and_suite_is_a_clear_error_naming_the_file(t
     assert rc == 2 and str(drafter / "config.json") in err and "nested too deeply" in err, err
     assert "Traceback" not in err and "RecursionError" not in err
 
-    ckpt = publish_random(root, "run-deep", 1, seed=1)
+    ckpt, _ = fake_checkpoint(root, "run-deep", 1)
     good_marker = (ckpt / "COMPLETE.json").read_bytes()
     (ckpt / "COMPLETE.json").write_text(DEEP)
     rc = cli(["enqueue", str(ckpt), "--target", str(tmp_path), "--checkpoint-root", str(root),
