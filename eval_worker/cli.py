@@ -63,6 +63,16 @@ def _main(argv: list[str] | None, settings: Settings | None) -> int:
         return int(args._main(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if not type(e).__module__.startswith("redis."):
+            raise
+        # a server refusing writes (out of memory, MISCONF, ...) or gone: a sentence, not a traceback
+        from eval_worker.redis_client import refusal_message, server_unavailable
+
+        if not server_unavailable(e):
+            raise
+        print(f"error: {refusal_message(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

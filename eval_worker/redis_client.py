@@ -31,6 +31,7 @@ __all__ = [
     "RedisConnectError",
     "build_url",
     "connect",
+    "refusal_message",
     "server_unavailable",
 ]
 
@@ -127,3 +128,35 @@ def server_unavailable(error: BaseException) -> bool:
     if isinstance(error, _UNAVAILABLE):
         return True
     return isinstance(error, redis.exceptions.ResponseError) and bool(_UNAVAILABLE_RE.search(str(error)))
+
+
+def refusal_message(error: BaseException, connection=None) -> str:
+    """One sentence for a user: why the server refused (`server_unavailable`) and what fixes it.
+    `connection` (optional) lets an out-of-memory refusal name the server's limit and policy."""
+    text = str(error)
+    if isinstance(error, redis.exceptions.OutOfMemoryError) or text.startswith("OOM"):
+        limit = ""
+        if connection is not None:
+            try:  # a read: a server refusing writes still answers it
+                memory = connection.info("memory")
+                limit = (f" (maxmemory {int(memory.get('maxmemory') or 0)} bytes reached, maxmemory-policy "
+                         f"{memory.get('maxmemory_policy')})")
+            except redis.exceptions.RedisError:
+                pass
+        return (f"Redis refuses writes: it is out of memory{limit}. Free memory on it (`dflash-eval dismiss "
+                "--all` removes failed jobs; other tenants' keys) or raise its limit (`CONFIG SET maxmemory "
+                "<bytes>`, or `maxmemory` in its redis.conf), then run the command again")
+    if text.startswith("MISCONF"):
+        return ("Redis refuses writes: it cannot save its data to disk (MISCONF; its log says why, often a full "
+                "disk). Free its disk, then run the command again")
+    if isinstance(error, redis.exceptions.ReadOnlyError) or text.startswith("READONLY"):
+        return ("Redis refuses writes: this server is a read-only replica. Point REDIS_URL (or --redis-url) at "
+                "the primary, then run the command again")
+    if text.startswith("BUSY"):
+        return ("Redis refuses commands: it is busy running a script (BUSY). Wait for it or stop it "
+                "(`SCRIPT KILL`), then run the command again")
+    if text.startswith("LOADING"):
+        return "Redis is loading its data from disk (LOADING). Run the command again in a moment"
+    if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return f"cannot reach Redis ({text}). Check that it runs and REDIS_URL (or --redis-url), then run it again"
+    return f"Redis cannot take writes now ({text}). Run the command again once it does"

@@ -123,6 +123,6 @@ def resolve_target(target: str | None) -> str | None:
     except LocalEntryNotFoundError:
         raise CheckpointError(f"target {target}: not a local directory, and not in the Hugging Face cache "
                               "(HF_HUB_OFFLINE is set, or the Hub is unreachable): download it once with "
-                              f"`huggingface-cli download {repo_id}`") from None
+                              f"`hf download {repo_id}`") from None
     except (HfHubHTTPError, OSError) as e:
         raise CheckpointError(f"target {target}: {e}") from None

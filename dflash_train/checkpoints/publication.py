@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dflash_train.common import urls
+from dflash_train.common import jsonutil, urls
 from dflash_train.common.errors import CheckpointError, StoreError
 from dflash_train.common.fsutil import atomic_write_json, fsync_path, pid_alive
 
@@ -316,7 +316,7 @@ def import_directory(checkpoint_root: str | Path, run_id: str, step: int, source
                               "enqueue it as it is")
     files = {name: sha256_file(src / name) for name in drafter_files(src)}
     try:
-        config = json.loads((src / CONFIG_NAME).read_text())
+        config = jsonutil.loads((src / CONFIG_NAME).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{src / CONFIG_NAME}: unreadable ({e})") from None
     run_dir = _run_dir(checkpoint_root, run_id)
@@ -399,7 +399,7 @@ def _derived_marker(snapshot: storage.Snapshot) -> bytes:
     Deterministic (no time in it): the bytes are the worker's cache key."""
     files = {name: sha256_file(snapshot.directory / name) for name in drafter_files(snapshot.directory)}
     try:
-        config = json.loads((snapshot.directory / CONFIG_NAME).read_text())
+        config = jsonutil.loads((snapshot.directory / CONFIG_NAME).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{snapshot.directory / CONFIG_NAME}: unreadable ({e})") from None
     manifest = {"format": MANIFEST_FORMAT, "run_id": run_id_from(snapshot.name), "step": 0,
@@ -412,7 +412,7 @@ def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
     """The manifest in marker bytes `raw`, checked; CheckpointError naming `directory` if invalid."""
     marker = urls.join(os.fspath(directory), MARKER_NAME)
     try:
-        data = json.loads(raw)
+        data = jsonutil.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
     problems = []

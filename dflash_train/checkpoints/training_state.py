@@ -15,13 +15,13 @@ that is not in the checkpoint is given by the caller (any published layout), nev
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 import torch
 
+from dflash_train.common import jsonutil
 from dflash_train.core.config import ConfigError, DrafterConfig
 
 from .publication import (
@@ -135,7 +135,7 @@ def describe(source: str | Path) -> dict:
     step = step_from_name(p.name)
     if (p / TRAINER_STATE).is_file():
         try:
-            state = json.loads((p / TRAINER_STATE).read_text())
+            state = jsonutil.loads((p / TRAINER_STATE).read_text())
             step = int(state["global_step"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{p / TRAINER_STATE}: no global_step ({e})") from None
@@ -158,7 +158,7 @@ def describe(source: str | Path) -> dict:
 def read_config(path: str | Path) -> DrafterConfig:
     try:
         return DrafterConfig.load(path) if Path(path).is_dir() else DrafterConfig.from_dict(
-            json.loads(Path(path).read_text()))
+            jsonutil.loads(Path(path).read_text()))
     except (OSError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise CheckpointError(f"{path}: {e}") from None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_train.common import jsonutil
 from dflash_train.common.errors import DFlashError
 
 
@@ -349,7 +350,7 @@ class DrafterConfig:
     def load(cls, directory: str | Path) -> DrafterConfig:
         path = Path(directory) / "config.json"
         try:
-            data = json.loads(path.read_text())
+            data = jsonutil.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path} not found: not a drafter directory") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -21,14 +21,31 @@ def add_redis_args(parser: argparse.ArgumentParser, *, queue: bool = True) -> No
                             help="queue base name; priorities use BASE-high, BASE, BASE-low (default: %(default)s)")
 
 
-def connect_from_args(args: argparse.Namespace):
-    """(connection, redacted url) for the command's Redis; raises RedisAccessError with a clear message."""
+def no_redis_to_read(args: argparse.Namespace) -> str | None:
+    """Why a read-only command has no Redis to read (no URL given, no local redis-server running: it
+    would only show an empty queue, so it starts none), or None when there is one."""
+    if args.redis_url or args.settings.redis_url:
+        return None
+    from eval_worker.service.redis_server import LocalRedis
+
+    local = LocalRedis(args.settings.redis_dir, password=args.settings.redis_password,
+                       binary=args.settings.redis_server)
+    if local.attach():
+        return None
+    return (f"no Redis: REDIS_URL is not set and no local redis-server runs in {local.data_dir} (`dflash-eval "
+            "worker`, `enqueue` and the trainer's hook start one); nothing is queued")
+
+
+def connect_from_args(args: argparse.Namespace, *, start: bool = True):
+    """(connection, redacted url) for the command's Redis; raises RedisAccessError with a clear message.
+    `start=False`: never start the local redis-server (a read-only command)."""
     from dflash_train.common.redaction import redact_url
     from eval_worker.redis_client import connect
     from eval_worker.service.redis_server import resolve_redis_url
 
     # the notice goes first, on stderr: stdout may be JSON that a script reads
-    url = resolve_redis_url(args.redis_url, args.settings, notice=lambda text: print(f"note: {text}", file=sys.stderr))
+    url = resolve_redis_url(args.redis_url, args.settings, start=start,
+                            notice=lambda text: print(f"note: {text}", file=sys.stderr))
     conn = connect(url)
     try:
         from eval_worker.service.queue import server_risks

@@ -16,7 +16,7 @@ HELP = "serve rq-dashboard (queues, jobs, workers) for the eval queue's Redis, J
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_redis_args(parser, queue=False)
+    add_redis_args(parser)
     parser.add_argument("--bind", default="127.0.0.1",
                         help="address to listen on (default: %(default)s; 0.0.0.0 shows the queue to the network)")
     parser.add_argument("--port", type=int, default=9181, help="port (default: %(default)s)")
@@ -42,17 +42,40 @@ def _json_workers() -> None:
     web.Worker = JSONWorker
 
 
-def dashboard_app(redis_url: str):
-    """The rq-dashboard Flask app for `redis_url`, with the JSON serializer for jobs and workers."""
-    import os
+def _jobs_queue(connection, base: str) -> str:
+    """The queue the Jobs tab opens on: the first of `base`'s queues, in the order workers serve them,
+    that holds queued jobs (routed targets' included), else `base` itself."""
+    from eval_worker.service.queue import all_queue_names, get_queue
 
+    names = all_queue_names(connection, base)
+    return next((n for n in names if get_queue(connection, n).count), base)
+
+
+def dashboard_app(redis_url: str, queue: str = "dflash-eval"):
+    """The rq-dashboard Flask app for `redis_url`, with the JSON serializer for jobs and workers; its Jobs
+    tab opens on the eval queue (`queue`: the base name) rather than RQ's `default`, which is always empty."""
+    import os
+    import re
+    from urllib.parse import quote
+
+    from flask import current_app, redirect, request
     from rq_dashboard.app import create_app
 
     os.environ["RQ_DASHBOARD_REDIS_URL"] = redis_url  # read by create_app (as `rq-dashboard --redis-url`)
     os.environ["RQ_DASHBOARD_JSON_SERIALIZER"] = "true"
     os.environ.setdefault("RQ_DASHBOARD_URL_PREFIX", "")
     _json_workers()
-    return create_app()
+    app = create_app()
+
+    @app.before_request
+    def _jobs_tab_on_the_eval_queue():
+        m = re.fullmatch(r"(.*/\d+)/view/jobs/?", request.path)  # the tab's link names no queue
+        if m:
+            name = _jobs_queue(current_app.redis_conn, queue)
+            return redirect(f"{m.group(1)}/view/jobs/{quote(name, safe='')}/queued/8/asc/1")
+        return None
+
+    return app
 
 
 def main(args: argparse.Namespace) -> int:
@@ -71,5 +94,5 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001
         return fail(str(e))
     print(f"rq-dashboard for {redact_url(url)} on http://{args.bind}:{args.port}/", file=sys.stderr, flush=True)
-    dashboard_app(url).run(host=args.bind, port=args.port)
+    dashboard_app(url, args.queue).run(host=args.bind, port=args.port)
     return 0

@@ -168,13 +168,17 @@ def main(args: argparse.Namespace) -> int:
                             sinks=sinks, mlflow=mlflow, priority=args.priority, options=options or None,
                             roots=roots, errors=import_errors)
     submission.make_jobs(paths)
-    try:
-        conn, url = connect_from_args(args)
-    except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost
-        return fail(str(e))
-    submission.enqueue_all(conn, config, force=args.force)
-    delivered = [deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected, roots=roots)
-                 for directory in args.outbox]
+    url, delivered = None, []
+    if submission.jobs or args.outbox:  # every checkpoint refused: said without waiting for Redis
+        try:
+            conn, url = connect_from_args(args)
+        except Exception as e:  # noqa: BLE001 - RedisLocalError and friends: say why, nothing was lost
+            for err in submission.errors:
+                fail(f"{err['checkpoint']}: {err['error']}")
+            return fail(str(e))
+        submission.enqueue_all(conn, config, force=args.force)
+        delivered = [deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected, roots=roots)
+                     for directory in args.outbox]
     outcomes, errors = submission.outcomes, submission.errors
 
     if args.json:

@@ -52,7 +52,6 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
     from pathlib import Path
 
     from dflash_train.checkpoints.publication import CheckpointError, import_name, run_id_from, valid_run_id
-    from dflash_train.checkpoints.training_state import StepUnknown, describe, import_checkpoint, recorded_in_place
     from dflash_train.common.settings import parse_roots
     from eval_worker.service.confinement import converts_outside_roots, import_roots_problem
 
@@ -65,6 +64,9 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
     problem = import_roots_problem(into, roots) if roots is not None else None
     if problem:
         return [], [{"source": s, "given": s, "error": problem} for s in sources]
+    # torch (seconds to import) only once the roots rule held: a refusal comes at once
+    from dflash_train.checkpoints.training_state import StepUnknown, describe, import_checkpoint, recorded_in_place
+
     records, errors = [], []
     for source in sources:
         # a training-state file is named after its step: the run is its directory

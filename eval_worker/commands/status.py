@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_redis_args, connect_from_args, fail, print_json, printable
+from ._common import add_redis_args, connect_from_args, fail, no_redis_to_read, print_json, printable
 
 HELP = "show queue depth, running jobs and workers, failures with reasons, latest and best τ per run"
 
@@ -62,9 +62,20 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.service.queue import status
 
     try:
-        conn, url = connect_from_args(args)
+        why = no_redis_to_read(args)
+        if why is None:
+            conn, url = connect_from_args(args, start=False)
     except Exception as e:  # noqa: BLE001
         return fail(str(e))
+    if why is not None:  # a fresh home: start nothing to show an empty queue
+        if args.json:
+            from eval_worker.results import latest_demo
+
+            print_json({"redis": None, "note": why, "latest_demo": latest_demo.read(args.settings)})
+            return 0
+        print(why)
+        _latest_demo(args)
+        return 0
     st = status(conn, args.queue, run=args.run, limit=None if args.json else SHOWN)
     if args.json:
         from eval_worker.results import latest_demo
@@ -115,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _latest_demo(args: argparse.Namespace) -> None:
-    """The demo runs its own Redis (stopped when it ends): its results are found through its pointer."""
+    """The demo runs its own Redis (stopped when it ends): its results are found through its pointer.
+    The pointer's state says whether it still runs (its Redis too) or ended."""
     import time
 
     from eval_worker.results import latest_demo
@@ -134,6 +146,7 @@ def _latest_demo(args: argparse.Namespace) -> None:
     if taus:
         line += f"; latest τ {taus[-1][0]:.3f} @ step {taus[-1][1]}; best τ {max(taus)[0]:.3f} @ step {max(taus)[1]}"
     print(line)
-    redis = ("its own Redis, stopped when it ends" if demo.get("state") == "running" else "its Redis stopped with it")
+    redis = ("it runs on a Redis of its own, not this one, stopped when it ends" if demo.get("state") == "running"
+             else "its Redis stopped with it")
     print(f"  ledger {demo['results']}, report {demo['report']} ({redis}; "
           "`dflash-eval results` / `report` read it without flags)")

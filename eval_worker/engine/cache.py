@@ -8,8 +8,10 @@ so); unreadable -> "corrupt" (rebuilt, never a crash). Writes are atomic (temp +
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,9 @@ import torch
 from dflash_train.common.fsutil import atomic_write_bytes
 
 KEY_META = "dflash_cache_key"
+_DISK_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the disk's state, not the entry's fault
+
+log = logging.getLogger(__name__)
 
 
 def digest(obj: Any, n: int = 20) -> str:
@@ -50,10 +55,26 @@ def describe_mismatch(stored: dict, expected: dict) -> str:
 
 
 class DiskCache:
-    """Slots under `root/<kind>/<slot>.{json,safetensors}`; `root=None` caches nothing."""
+    """Slots under `root/<kind>/<slot>.{json,safetensors}`; `root=None` caches nothing.
+
+    A write the disk refuses (full, over quota, read-only) stops the writing, with one warning
+    naming the path: the cache only saves time, the evaluation goes on without it."""
 
     def __init__(self, root: str | Path | None):
         self.root = Path(root).expanduser() if root is not None else None
+        self.unwritable: str | None = None  # why writes stopped (None: they did not)
+
+    def _write(self, path: Path, data: bytes) -> None:
+        if self.unwritable is not None:
+            return
+        try:
+            _atomic_write(path, data)
+        except OSError as e:
+            if e.errno not in _DISK_REFUSALS:
+                raise
+            self.unwritable = f"{path}: {e.strerror or e}"
+            log.warning("the reference/feature cache cannot be written (%s): evaluating without writing to it "
+                        "(free space there, or set DFLASH_CACHE_DIR to another disk)", self.unwritable)
 
     def _path(self, kind: str, slot: str, ext: str) -> Path | None:
         if self.root is None:
@@ -88,7 +109,7 @@ class DiskCache:
     def put_json(self, kind: str, slot: str, key: dict, value: Any) -> None:
         path = self._path(kind, slot, "json")
         if path is not None:
-            _atomic_write(path, json.dumps({"key": key, "value": value}).encode())
+            self._write(path, json.dumps({"key": key, "value": value}).encode())
 
     # --- tensors -----------------------------------------------------------------
     def get_tensors(self, kind: str, slot: str, key: dict) -> Lookup:
@@ -114,7 +135,7 @@ class DiskCache:
         if path is not None:
             blob = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                         metadata={KEY_META: json.dumps(key, sort_keys=True)})
-            _atomic_write(path, blob)
+            self._write(path, blob)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_train.common import jsonutil
 from dflash_train.common.errors import DFlashError
 from eval_worker.engine.options import MAX_NAME, MAX_NEW_TOKENS, MAX_PROMPTS, shorten
 
@@ -210,7 +211,7 @@ def parse_suite(lines: list[str], source: str, default_name: str = "suite") -> S
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = jsonutil.loads(line)
         except json.JSONDecodeError as e:
             raise SuiteError(f"{source}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict):
@@ -507,13 +508,13 @@ def _load_rows(bench: HFBenchmark, req: HFRequest, datasets_dir: str | Path | No
                                        revision=req.revision if where == bench.repo else None)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ValueError...)
         offline = bool(why or getattr(datasets.config, "HF_HUB_OFFLINE", False))
-        if why:
-            what += f"; the Hub cannot be reached ({why}) and the datasets cache has no copy"
+        cause = (f"the Hub cannot be reached ({why}) and the datasets cache has no copy" if why
+                 else f"{type(e).__name__}: {_no_cli_hint(str(e))[:300]}")
         raise SuiteError(
-            f"{req.canonical}: dataset {what} is not available{' offline' if offline else ''} "
-            f"({type(e).__name__}: {str(e)[:300]}). Load it once where the Hub is reachable (the datasets "
-            f"cache keeps it), or download it (`hf download --repo-type dataset {bench.repo} --local-dir "
-            f"DIR/{bench.repo}`) and point $DFLASH_HF_DATASETS_DIR at DIR") from None
+            f"{req.canonical}: dataset {what} is not available{' offline' if offline else ''}: {cause}. Load it "
+            f"once where the Hub is reachable (the datasets cache keeps it), or download it (`hf download "
+            f"--repo-type dataset {bench.repo} --local-dir DIR/{bench.repo}`) and point $DFLASH_HF_DATASETS_DIR "
+            "at DIR") from None
     missing = [f for f in bench.fields if f not in ds.column_names]
     if missing:
         raise SuiteError(f"{req.canonical}: dataset {what} has no column(s) {missing} (has {ds.column_names})")
@@ -525,6 +526,12 @@ def _load_rows(bench: HFBenchmark, req: HFRequest, datasets_dir: str | Path | No
               "copy_digest": digest, "n": req.n, "seed": req.seed if req.n is not None else None,
               "spec": req.canonical}
     return ds, origin
+
+
+def _no_cli_hint(text: str) -> str:
+    """A library message with its `huggingface-cli ...` advice spelled for the `hf` command installed
+    with huggingface_hub >= 1 (`huggingface-cli` is gone)."""
+    return text.replace("huggingface-cli", "hf")
 
 
 def _content_digest(ds, fields: tuple[str, ...]) -> str:

@@ -6,6 +6,7 @@ Why once per process: a target may be tens of GB on a GPU, and the in-memory cac
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -22,6 +23,8 @@ from dflash_train.common.settings import Settings
 from eval_worker.service.job_schema import JobError
 
 log = logging.getLogger(__name__)
+
+PROBE_BYTES = 64 * 1024  # the cache directory's start-up write probe: what a small cache entry takes
 
 
 @dataclass
@@ -187,16 +190,24 @@ def _writable_cache_dir(cache_dir: Path | None) -> str | None:
     (a container) failed every job after evaluating it, at the cache write."""
     if cache_dir is None:
         return None
+    probe = None
     try:
         os.makedirs(cache_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=cache_dir)
-        os.close(fd)
-        os.unlink(probe)
+        try:  # real bytes, flushed: an empty file takes no block and passed on a disk full by blocks
+            os.write(fd, b"\0" * PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as e:
         log.warning("the reference/feature cache %s cannot be written (%s): this worker evaluates without a disk "
                     "cache (each job computes the target's references and features again); set DFLASH_CACHE_DIR "
                     "to a writable directory", cache_dir, e.strerror or e)
         return None
+    finally:
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
     return str(cache_dir)
 
 

@@ -10,8 +10,8 @@ tier the queues of the targets it holds loaded first (:func:`affinity_order`), s
 targets when its own have nothing queued. These are RQ queues and RQ's dequeue; nothing else
 brokers the jobs. ``dflash:targets`` maps each key to the target path for `status`.
 
-Backlog policy per run (`--backlog`, the job's run; the train-end checkpoint is the newest, so
-no policy ever displaces it):
+Backlog policy per run and target (`--backlog`, the job's run; each target's and each suite's jobs
+are a stream of their own; the train-end checkpoint is the newest, so no policy ever displaces it):
 - ``all``: every checkpoint, first in first out (as before);
 - ``newest-first``: when a newer checkpoint of the run is queued, the run's previous newest one
   (if still queued) moves to the front of the family's ``-backlog`` queue, which workers serve
@@ -151,8 +151,10 @@ def apply_backlog(connection, job: JobPayload, job_id: str, queue: str, policy: 
     name, k = parse_policy(policy)
     if name == "all" or job.requested_by == "requeue":
         return None
-    # one stream per (run, suite): a checkpoint's jobs on two suites never displace each other
-    key = BACKLOG_PREFIX + job.run_id + ":" + hashlib.sha256(job.suite.encode()).hexdigest()[:12]
+    # one stream per (run, suite, target): a checkpoint's jobs on two suites or two targets never
+    # displace each other, so no policy holds back any target's newest checkpoint
+    stream = job.suite + "\0" + (target_key(job.target) if job.target else "")
+    key = BACKLOG_PREFIX + job.run_id + ":" + hashlib.sha256(stream.encode()).hexdigest()[:12]
     seq = int(connection.hincrby(key, "seq", 1))
     prev = connection.hgetall(key)
     prev = {(a.decode() if isinstance(a, bytes) else a): (b.decode() if isinstance(b, bytes) else b)
@@ -177,10 +179,16 @@ def apply_backlog(connection, job: JobPayload, job_id: str, queue: str, policy: 
     if int(prev.get("head_seq", 0)) % k == 0:
         return None
     if _take(connection, old_queue, old_id, None):
-        _mark_skipped(connection, old_id, f"thin:{k}: not a {k}-th checkpoint and a newer one is queued")
+        _mark_skipped(connection, old_id, f"thin:{k} keeps every {_ordinal(k)} checkpoint and the newest; this one "
+                                          "is neither (a newer one is queued)")
         return f"{old_id} skipped (thin:{k}; `dflash-eval requeue --run {job.run_id} --steps "\
                f"{prev.get('head_step')}` evaluates it)"
     return None
+
+
+def _ordinal(k: int) -> str:
+    suffix = "th" if k % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
 
 
 def _mark_skipped(connection, job_id: str, reason: str) -> None:
@@ -192,8 +200,12 @@ def _mark_skipped(connection, job_id: str, reason: str) -> None:
 
     job = fetch_job(connection, job_id)
     job.meta["skipped"] = reason
+    # RQ knows no "skipped": the job is canceled, and its description (what rq-dashboard and `rq info`
+    # show beside "Canceled") names the skip
+    job.description = f"SKIPPED by the backlog policy ({reason}): {job.description}"
     with connection.pipeline() as pipe:
         job.save_meta()
+        pipe.hset(job.key, "description", job.description)
         job.set_status(JobStatus.CANCELED, pipeline=pipe)
         CanceledJobRegistry(job.origin, connection=connection, serializer=JSONSerializer).add(job, pipeline=pipe)
         pipe.execute()

@@ -74,14 +74,25 @@ class Submission:
 
     def enqueue_all(self, connection, config: QueueConfig, *, force: bool = False) -> None:
         """Enqueue every job made; a job naming no target gets the workers' own, spelled out (the same
-        job as one naming it)."""
-        for job in self.jobs:
-            if not job.target:
-                job = job.replace(target=workers_target(connection, queue_name(config.base, job.priority)))
+        job as one naming it). A server that refuses writes (out of memory, MISCONF, ...) stops the
+        loop: that job and every one after it is an error saying why and what fixes it."""
+        import redis
+
+        from eval_worker.redis_client import refusal_message, server_unavailable
+
+        for i, job in enumerate(self.jobs):
             try:
+                if not job.target:
+                    job = job.replace(target=workers_target(connection, queue_name(config.base, job.priority)))
                 self.outcomes.append(enqueue(connection, job, force=force, config=config, roots=self.roots))
             except (JobError, storage.StoreError, OSError) as e:
                 self.errors.append({"checkpoint": job.checkpoint, "error": str(e)})
+            except redis.exceptions.RedisError as e:
+                if not server_unavailable(e):
+                    raise
+                why = f"not queued: {refusal_message(e, connection)}"
+                self.errors += [{"checkpoint": j.checkpoint, "error": why} for j in self.jobs[i:]]
+                return
 
 
 def deliver_outbox(directory: str, connection, config: QueueConfig, *, retry_rejected: bool = False,

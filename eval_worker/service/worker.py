@@ -49,7 +49,7 @@ from eval_worker.results.ledger import RUNS_KEY, Ledger
 from eval_worker.service import evaluators, routing
 from eval_worker.service.evaluators import Evaluators, WorkerSettings
 from eval_worker.service.job_guard import EvalJob
-from eval_worker.service.queue import TARGET_FIELD, get_queue, server_risks
+from eval_worker.service.queue import JOBS_PREFIX, TARGET_FIELD, get_queue, server_risks
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,39 @@ class EvalWorker(SimpleWorker):
         if self.default_target:  # lives and dies with the worker's registration hash
             self.connection.hset(self.key, TARGET_FIELD, self.default_target)
 
+    # ---- registration that lapsed ------------------------------------------------------
+    # RQ registers a worker once, at birth. Its registration can lapse while the process lives on:
+    # a failover to a replica that never saw it (or a restart without persistence), a partition or
+    # a SIGSTOP longer than the heartbeat TTL (another worker's maintenance then drops it from
+    # rq:workers). RQ's heartbeat only re-creates a bare hash, so `status` said `workers (0):` while
+    # the worker kept recording jobs. Each heartbeat checks first, and registers it again.
+    def _registration_lapsed(self) -> bool:
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.sismember(self.redis_workers_keys, self.key)
+            pipe.hexists(self.key, "birth")
+            listed, born = pipe.execute()
+        return not (listed and born)
+
+    def _register_again(self, ttl: int) -> None:
+        self.last_heartbeat = now()
+        with self.connection.pipeline() as pipe:
+            pipe.hset(self.key, mapping=self.serialize())
+            pipe.hdel(self.key, "death")
+            pipe.hset(self.key, "state", str(getattr(self._state, "value", self._state)))
+            if self._current is not None:
+                pipe.hset(self.key, "current_job", self._current.id)
+            if self.default_target:
+                pipe.hset(self.key, TARGET_FIELD, self.default_target)
+            worker_registration.register(self, pipe)
+            pipe.expire(self.key, ttl)
+            pipe.execute()
+        self.log.warning("Worker %s: its registration had lapsed (Redis failed over or lost its data, or the worker "
+                         "was cut off or paused past its heartbeat TTL); registered again", self.name)
+
+    def _keep_registered(self, ttl: int) -> None:
+        if self.birth_date is not None and self._registration_lapsed():
+            self._register_again(ttl)
+
     # ---- the scheduler -----------------------------------------------------------------
     def _start_scheduler(self, burst=False, logging_level="INFO", date_format=None, log_format=None):
         # RQ's Worker._start_scheduler with EvalScheduler in place of RQScheduler
@@ -222,6 +255,7 @@ class EvalWorker(SimpleWorker):
 
     def maintain_heartbeats(self, job, execution):
         # like RQ's, with our grace instead of its fixed +60 s for the worker key
+        self._keep_registered(int(self.job_monitoring_interval) + self.heartbeat_grace)
         with self.connection.pipeline() as pipe:
             self.heartbeat(int(self.job_monitoring_interval) + self.heartbeat_grace, pipeline=pipe)
             working = (now() - job.started_at).total_seconds() if job.started_at else 0.0
@@ -366,6 +400,7 @@ class EvalWorker(SimpleWorker):
         if pipeline is not None:
             return super().heartbeat(timeout, pipeline=pipeline)
         with _ride_out(self.log, f"Worker {self.name}: heartbeat"):
+            self._keep_registered(timeout or self.worker_ttl + 60)
             super().heartbeat(timeout)
 
     def set_state(self, state, pipeline=None):
@@ -406,12 +441,25 @@ class EvalWorker(SimpleWorker):
         if conn.exists(RUNS_KEY):
             return
         ledger = Ledger(evaluators.current().settings.results_dir, connection=conn)
-        if not ledger.runs() or not conn.set(REINDEX_LOCK, self.name, nx=True, ex=600):
+        runs = ledger.runs()
+        if not runs or not conn.set(REINDEX_LOCK, self.name, nx=True, ex=600):
             return
         try:
             n = ledger.reindex()
         finally:
             conn.delete(REINDEX_LOCK)
+        # Not every missing index is lost data: Redis still holding a run's enqueue memory (written at
+        # enqueue, before any record) means it kept its data, and the records were written by a worker
+        # that could not reach it (a partition) and has not come back to index them yet.
+        with conn.pipeline(transaction=False) as pipe:
+            for run in runs:
+                pipe.exists(JOBS_PREFIX + run)
+            kept = [run for run, known in zip(runs, pipe.execute(), strict=True) if known]
+        if kept:
+            log.info("the results index lacked record(s) of run(s) %s, whose jobs Redis still holds (written "
+                     "while their worker could not reach Redis); index rebuilt from %d record(s)",
+                     ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""), n)
+            return
         log.warning("Redis had no results index while the ledger %s holds records: it lost its data (restarted "
                     "without persistence, flushed, or evicting keys); index rebuilt from %d record(s)",
                     ledger.root, n)

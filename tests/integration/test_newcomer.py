@@ -16,12 +16,13 @@ def _settings(home, **env) -> Settings:
 
 
 def test_redis_stop_notice_status_and_stop(tmp_path, capsys):
-    """The command that starts the server says so first (stderr); `redis status` finds it and `redis stop` ends it."""
+    """The command that starts the server says so first (stderr); `redis status` finds it and `redis stop` ends it.
+    (`status`, read-only, starts none: tests/unit/service/test_small_commands.py.)"""
     from eval_worker.service.redis_server import LocalRedis
 
     settings = _settings(tmp_path)
     try:
-        assert cli(["status", "--json"], settings=settings) == 0
+        assert cli(["dismiss", "--all", "--json"], settings=settings) == 0
         first = capsys.readouterr()
         assert first.err.splitlines()[0].startswith("note: started a local redis-server")
         assert "dflash-eval redis stop" in first.err

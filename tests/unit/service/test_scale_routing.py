@@ -162,3 +162,40 @@ def test_eval_lag_in_status_the_ledger_record_and_the_wandb_run(conn, stack, wan
     pointer = json.loads((wandb_offline / "run-l-eval.json").read_text())
     log = read_run(pointer["wandb_file"])
     assert log.points("eval/lag_steps") == {100: 200.0, 200: 100.0, 300: 0.0}
+
+
+def test_backlog_per_target_one_targets_policy_never_holds_back_anothers_newest(conn, stack):
+    """One run on two targets, each with its own policy (issue 35 item 10): T1 `thin:2`, T2
+    `newest-first`, both routed by target. On main the policies shared one stream per run: T2's
+    enqueue demoted T1's step-600 job (T1's newest) to a backlog queue. Now each (run, target) is a
+    stream of its own: each target's newest stays next in line, and only its own older job moves."""
+    t1, t2 = stack["targets"]["qwen-a"], stack["targets"]["qwen-b"]
+    thin = QueueConfig(route_by_target=True, backlog="thin:2")
+    nf = QueueConfig(route_by_target=True, backlog="newest-first")
+    ids1 = _queue(conn, stack, "run-two", (300, 600), target=t1, config=thin)
+    ids2 = _queue(conn, stack, "run-two", (300, 600), target=t2, config=nf)
+    fam1, fam2 = routing.routed_base(BASE, str(t1)), routing.routed_base(BASE, str(t2))
+    # T1: step 300 was its 1st of 2 (thin:2 skips it), step 600 its newest: queued where it was
+    assert fetch_job(conn, ids1[1]).origin == fam1 and fetch_job(conn, ids1[1]).get_status() == JobStatus.QUEUED
+    assert [i.decode() for i in conn.lrange(f"rq:queue:{fam1}", 0, -1)] == [ids1[1]]
+    # T2: its newest (600) next in line on its own queue, its older one (300) in its own backlog
+    queued2 = [i.decode() for i in conn.lrange(f"rq:queue:{fam2}", 0, -1)]
+    assert queued2 == [ids2[1]], queued2
+    assert [i.decode() for i in conn.lrange(f"rq:queue:{routing.backlog_queue(fam2)}", 0, -1)] == [ids2[0]]
+    assert [s["job_id"] for s in status(conn)["skipped"]] == [ids1[0]]
+    # every newest checkpoint of every target is evaluated
+    _work(conn, stack, serve_targets=[t1, t2], default_target=t1, name="wtwo")
+    assert fetch_job(conn, ids1[1]).get_status() == JobStatus.FINISHED
+    assert fetch_job(conn, ids2[1]).get_status() == JobStatus.FINISHED
+
+
+def test_backlog_thin_skip_is_named_where_rq_shows_canceled(conn, stack):
+    """A thin-skipped job is `canceled` to RQ: rq-dashboard and `rq info` show "Canceled" and its
+    description, which names the skip; the reason reads "every 2nd", not "a 2-th" (item 17)."""
+    ids = _queue(conn, stack, "run-skip", (100, 200), config=QueueConfig(backlog="thin:2"))
+    skipped = fetch_job(conn, ids[0])
+    assert skipped.get_status() == JobStatus.CANCELED
+    assert skipped.description.startswith("SKIPPED by the backlog policy (thin:2 keeps every 2nd checkpoint")
+    assert "2-th" not in skipped.meta["skipped"]
+    assert [routing._ordinal(k) for k in (2, 3, 4, 11, 12, 13, 21, 22, 23, 101)] == [
+        "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st"]
