@@ -400,7 +400,9 @@ def test_secret_redaction_redact_masks_every_url_in_any_text():
         url = f"{scheme}://{user + ':' if user else ''}{secret}@host.example/a/b?x=1"
         text = noise + shape.format(url) + noise
         out = redact(text)
-        assert secret not in out.replace("***", "")
+        # the secret may also occur by chance in what surrounds it ("?x=1" + "aaaaa" holds "1aaaaa")
+        by_chance = (noise + shape.format(url.replace(f"{secret}@", "@")) + noise).count(secret)
+        assert out.replace("***", "").count(secret) <= by_chance
         assert f"{scheme}://" in out  # still says which location
 
     check()
