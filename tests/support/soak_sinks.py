@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import time
 from collections import Counter
@@ -66,22 +67,34 @@ def sink_env(base: Path) -> dict[str, str]:
             "DFLASH_WANDB_TIMEOUT_S": "240", "DFLASH_SINK_TIMEOUT_S": "240"}
 
 
+_TAU = re.compile(r"^eval/(?:[^/]+/)?tau$")  # `eval/tau` (the primary series) or `eval/<series>/tau`
+
+
 def _steps(values) -> dict[str, object]:
     steps = [int(v) for v in values]
     dupes = sorted(s for s, n in Counter(steps).items() if n > 1)
     return {"points": len(steps), "steps": sorted(set(steps)), "duplicate_steps": dupes}
 
 
+def _tau_key(keys) -> str:
+    """The one τ key of the run (the soak's options are not the defaults: `eval/<suite>.<options>/tau`)."""
+    found = sorted({k for k in keys if _TAU.match(k)})
+    if len(found) != 1:
+        raise AssertionError(f"expected one τ key, found {found}")
+    return found[0]
+
+
 def read_back(base: Path, run: str = RUN) -> dict[str, dict]:
-    """Points of `eval/tau` in each sink, read with that sink's own reader: {sink: {points, steps, duplicate_steps}}
-    (or {error} when the sink has nothing readable)."""
+    """Points of the run's τ in each sink, read with that sink's own reader: {sink: {key, points, steps,
+    duplicate_steps}} (or {error} when the sink has nothing readable)."""
     out: dict[str, dict] = {}
     try:
         from tests.support.wandb_reader import read_run
 
         pointer = json.loads((base / "wandb" / f"{run}-eval.json").read_text())
         history = read_run(pointer["wandb_file"]).history
-        out["wandb"] = _steps(row["train/step"] for row in history if "eval/tau" in row)
+        key = _tau_key(k for row in history for k in row)
+        out["wandb"] = {"key": key, **_steps(row["train/step"] for row in history if key in row)}
     except Exception as e:  # noqa: BLE001 - a sink with nothing readable is a finding, not a crash
         out["wandb"] = {"error": f"{type(e).__name__}: {e}"}
     try:
@@ -89,7 +102,8 @@ def read_back(base: Path, run: str = RUN) -> dict[str, dict]:
 
         acc = EventAccumulator(str(base / "tensorboard" / f"{run}-eval"), size_guidance={"scalars": 0})
         acc.Reload()
-        out["tensorboard"] = _steps(e.step for e in acc.Scalars("eval/tau"))
+        key = _tau_key(acc.Tags()["scalars"])
+        out["tensorboard"] = {"key": key, **_steps(e.step for e in acc.Scalars(key))}
     except Exception as e:  # noqa: BLE001
         out["tensorboard"] = {"error": f"{type(e).__name__}: {e}"}
     try:
@@ -100,7 +114,8 @@ def read_back(base: Path, run: str = RUN) -> dict[str, dict]:
         runs = client.search_runs(exps, filter_string=f"tags.`dflash.train_run` = '{run}'")
         if len(runs) != 1:
             raise AssertionError(f"{len(runs)} MLflow runs for {run} (one expected)")
-        out["mlflow"] = _steps(m.step for m in client.get_metric_history(runs[0].info.run_id, "eval/tau"))
+        key = _tau_key(runs[0].data.metrics)
+        out["mlflow"] = {"key": key, **_steps(m.step for m in client.get_metric_history(runs[0].info.run_id, key))}
     except Exception as e:  # noqa: BLE001
         out["mlflow"] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -121,41 +136,49 @@ def scenario_sink_kills(base: Path, zygote: Zygote, target: Path, *, jobs: int =
             s.start_worker(env=env)
         ids = [s.enqueue(s.publish(i), config=retry_now(kills + 1), wandb=wandb_block) for i in range(1, jobs + 1)]
         landed: list[dict] = []
-        publications_seen = 0
+        missed = 0
         deadline = time.monotonic() + timeout
+        # the kills planned: both kinds in every sink, in turn; the point inside the child is random
+        plan = [("worker" if k % 2 == 0 else "sink child", SINKS[k % len(SINKS)]) for k in range(kills)]
+        window = dict.fromkeys(SINKS, 1.5)  # seconds into a child to draw the kill point from (shrinks on a miss)
 
-        def settled() -> bool:
-            return all(v in ("finished", "failed") for v in s.statuses(ids).values())
+        def publication(sink: str):
+            for w in s.live_workers():
+                for child, name in sink_children(w.pid):
+                    if name == sink:
+                        return w, child
+            return None
 
-        while len(landed) < kills and time.monotonic() < deadline and not settled():
-            kind = "worker" if len(landed) % 2 == 0 else "sink child"
-            found = None
-            with contextlib.suppress(TimeoutError):
-                found = wait_for(lambda: next(((w, ch) for w in s.live_workers() for ch in sink_children(w.pid)),
-                                              None) or settled(), 60, "a publication", interval=0.02)
-            if not isinstance(found, tuple):
+        for kind, sink in plan:
+            while time.monotonic() < deadline:
+                open_ = [j for j, v in s.statuses(ids).items() if v not in ("finished", "failed")]
+                if len(open_) < workers:  # keep publications coming until every planned kill has landed
+                    ids.append(s.enqueue(s.publish(len(ids) + 1), config=retry_now(kills + 1), wandb=wandb_block))
+                try:
+                    w, child = wait_for(lambda sink=sink: publication(sink), 60, f"a {sink} publication",
+                                        interval=0.02)
+                except TimeoutError:
+                    continue
+                seen_at = time.monotonic()
+                job = _current_job(s, w.name)
+                time.sleep(rng.uniform(0, window[sink]))
+                if not (w.alive() and (child, sink) in sink_children(w.pid)):
+                    missed += 1  # the child ended first: draw from a shorter window next time
+                    window[sink] *= 0.7
+                    continue
+                at = round(time.monotonic() - seen_at, 2)
+                if kind == "worker":  # the box dies: the worker and the tracker client it waits on
+                    _killpg(w.pid)
+                    _killpg(child)  # its own session (sinks/base.py run_child)
+                    w.wait(30)
+                    s.start_worker(env=env, register=False)
+                else:  # the tracker client alone (the OOM killer): the worker carries on
+                    _killpg(child)
+                landed.append({"kind": kind, "sink": sink, "job": job, "at_s": at, "worker": w.name})
                 break
-            publications_seen += 1
-            w, _ = found
-            job = _current_job(s, w.name)
-            seen_at = time.monotonic()
-            time.sleep(rng.uniform(0, 4.0))  # a random point of the publication (three children, ~1-3 s each)
-            live = sink_children(w.pid) if w.alive() else []
-            if not live:
-                continue  # the publication ended before the kill: not counted, wait for the next one
-            child, sink = live[0]
-            at = round(time.monotonic() - seen_at, 2)
-            if kind == "worker":  # the box dies: the worker and the tracker client it waits on
-                _killpg(w.pid)
-                _killpg(child)  # its own session (sinks/base.py run_child)
-                w.wait(30)
-                s.start_worker(env=env, register=False)
-            else:  # the tracker client alone (the OOM killer): the worker carries on
-                _killpg(child)
-            landed.append({"kind": kind, "sink": sink, "job": job, "at_s": at, "worker": w.name})
         s.wait_settled(ids, timeout)
         # a later publication of the run, never killed: catches up what a killed sink child left out
-        control = s.enqueue(s.publish(jobs + 1), wandb=wandb_block)
+        control = s.enqueue(s.publish(len(ids) + 1), wandb=wandb_block)
         s.wait_settled([control], timeout)
         c = s.audit([*ids, control])
         results = {j: (fetch_job(s.conn, j).return_value() or {}) for j in [*ids, control]}
@@ -175,14 +198,15 @@ def scenario_sink_kills(base: Path, zygote: Zygote, target: Path, *, jobs: int =
                              sink_child_kills_reported=not unreported,
                              **{f"{name}_equals_ledger": ok for name, ok in equal.items()})
         figures = ", ".join(f"{name} {p.get('points', p.get('error'))}" for name, p in points.items())
-        observed = (f"{len(landed)} kills in {publications_seen} publications watched "
+        observed = (f"{len(landed)} kills landed ({missed} drawn points fell after the child had ended) "
                     f"({', '.join(f'{n} {what}' for what, n in sorted(by_phase.items()))}); "
                     f"{c.executions} evaluations for {c.accepted} jobs, {sink_errors} finished with a sink error; "
                     f"ledger {len(ledger_steps)} records, points read back: {figures}")
         return Row.of("kill -9 in the sink phase (the worker with its sink child, or the sink child alone)",
                       "every ledger record reaches W&B, TensorBoard and MLflow once (points = records), "
                       "a killed sink is a visible sink error until the run's next publication", observed, c, t0,
-                      kills=landed, by_phase=dict(by_phase), ledger_records=len(ledger_steps), points=points,
+                      kills=landed, missed=missed, jobs=len(ids) + 1, by_phase=dict(by_phase),
+                      ledger_records=len(ledger_steps), points=points,
                       sink_errors=sink_errors, unreported=unreported, problems=problems,
                       lost_ids=c.lost_ids, duplicated_ids=c.duplicated_ids)
 
