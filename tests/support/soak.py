@@ -1648,7 +1648,7 @@ FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5),
         "store_tamper": dict(rounds=6), "store_sticky": dict(rounds=6), "store_disk": dict(jobs=12),
         "store_transport": dict(flaky=6), "skew": dict(jobs=24), "publishers": dict(rounds=40),
-        "sink_kills": dict(jobs=16, kills=20, workers=2)}
+        "sink_kills": dict(jobs=4, kills=6, workers=2, timeout=420)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
          "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
          "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100),
