@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from eval_worker.service.queue import JOB_FUNC
-from tests.support import soak_store
+from tests.support import soak_sinks, soak_store
 from tests.support.soak_stack import (
     HIDDEN,
     OPTIONS,
@@ -1638,6 +1638,8 @@ SCENARIOS: dict[str, Callable[..., Row]] = {
     "store_transport": soak_store.scenario_store_transport,
     "skew": scenario_clock_skew,
     "publishers": scenario_publishers,
+    # what reaches the dashboards (tests/support/soak_sinks.py)
+    "sink_kills": soak_sinks.scenario_sink_kills,
 }
 FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "redis": dict(checkpoints=40, down_s=5.0, outages=("stop", "crash", "crash"), appendfsync="everysec"),
@@ -1645,13 +1647,15 @@ FULL = {"kill": dict(workers=3, jobs=120, kills=25),
         "fuzz": dict(n=200), "burst": dict(jobs=500, workers=3), "memory": dict(jobs=200),
         "refusing": dict(per_phase=3), "spool": dict(jobs=4), "orphan": dict(jobs=16, kills=5),
         "store_tamper": dict(rounds=6), "store_sticky": dict(rounds=6), "store_disk": dict(jobs=12),
-        "store_transport": dict(flaky=6), "skew": dict(jobs=24), "publishers": dict(rounds=40)}
+        "store_transport": dict(flaky=6), "skew": dict(jobs=24), "publishers": dict(rounds=40),
+        "sink_kills": dict(jobs=4, kills=6, workers=2, timeout=420)}
 QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12, down_s=3.0),
          "wandb": dict(jobs=2, modes=("hung",)), "trainer": dict(kills=5),
          "fuzz": dict(n=40), "burst": dict(jobs=40, workers=2), "memory": dict(jobs=100),
          "refusing": dict(per_phase=1, hold_s=2.0), "spool": dict(jobs=2), "orphan": dict(jobs=4, kills=2),
          "store_tamper": dict(rounds=2), "store_sticky": dict(rounds=1), "store_disk": dict(jobs=5),
-         "store_transport": dict(flaky=1), "skew": dict(jobs=6), "publishers": dict(rounds=10)}
+         "store_transport": dict(flaky=1), "skew": dict(jobs=6), "publishers": dict(rounds=10),
+         "sink_kills": dict(jobs=3, kills=2, workers=2)}
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 

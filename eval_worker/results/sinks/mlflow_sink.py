@@ -269,18 +269,19 @@ def _log_params(client, mid: str, items: list[tuple[str, str]], failed: list[str
 
 
 def _log_record(client, mid: str, res: RunResult, series: Series) -> None:
-    """Every point of one record at its training step, its tag with the last batch (logged means complete),
-    and the record itself as an artifact."""
+    """The record itself as an artifact, then every point of it at its training step, its tag with the last
+    batch: the tag means complete, so it comes last (a kill before it leaves the record to the next
+    publication, which re-logs the artifact in place; issue 34 D1)."""
     from mlflow.entities import Metric, RunTag
 
+    where = f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}"
+    client.log_artifact(mid, str(res.path), artifact_path=where)
     ts = int(time.time() * 1000)
     values = {**points(res.result, None, series), **lag_scalars(res)}
     ms = [Metric(metric_key(k), float(v), ts, res.step) for k, v in sorted(values.items())]
     for i in range(0, max(len(ms), 1), _BATCH):
         last = i + _BATCH >= len(ms)
         client.log_batch(mid, metrics=ms[i:i + _BATCH], tags=[RunTag(record_tag(res), str(res.step))] if last else [])
-    where = f"results/step-{res.step}-{record_tag(res)[len(RECORD_TAG):]}"
-    client.log_artifact(mid, str(res.path), artifact_path=where)
 
 
 def _log_report(client, mid: str, run_id: str, results_dir) -> None:

@@ -253,6 +253,31 @@ def test_mlflow_store_recovery_after_a_kill_during_its_creation(tmp_path, _mlflo
 # --------------------------------------------------------------------------- views: issue 35.2, 35.4, 34 D9
 
 
+def test_sink_catch_up_mlflow_kill_before_the_record_artifact(tmp_path, mlflow_uri, monkeypatch):
+    """A publication killed after a record's points and its "logged" tag, before the record's JSON artifact:
+    every later publication took the record for logged, and the artifact never came (found by reading the
+    kill windows of the sink-phase soak, tests/support/soak_sinks.py). The tag now comes last."""
+    from mlflow.tracking import MlflowClient
+
+    _record(tmp_path, "run-k", 100, 0.5)
+
+    class Killed(BaseException):  # kill -9: nothing after it runs
+        pass
+
+    def killed(self, *args, **kwargs):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(MlflowClient, "log_artifact", killed)
+        with pytest.raises(Killed):
+            _mlflow_publish(tmp_path, mlflow_uri, "run-k")
+    assert len(_mlflow_publish(tmp_path, mlflow_uri, "run-k")["logged"]) == 1  # the retry logs the record
+    client, run = _mlflow_run(mlflow_uri, "run-k")
+    assert [a.path.split("/")[1].split("-")[1] for a in client.list_artifacts(run.info.run_id, "results")] == ["100"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/coding/tau")] == [100]  # once
+    assert _mlflow_publish(tmp_path, mlflow_uri, "run-k")["logged"] == []  # then up to date
+
+
 def test_results_run_merge_reads_every_ledger_holding_the_run(tmp_path, monkeypatch, capsys):
     """`results --run demo-…` printed only the default ledger's rows once it held that run name too, with no
     note: both ledgers' rows now, each naming its ledger, with prompt count and max tokens as columns."""
