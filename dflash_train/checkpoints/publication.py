@@ -280,7 +280,7 @@ def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train
             "published_by": publisher(), "train_metrics": dict(train_metrics or {}), **extra}
 
 
-def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
+def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], object], *,
                       train_metrics: dict | None = None, extra: dict | None = None,
                       accept: Callable[[dict], bool] | None = None) -> Path:
     """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.
