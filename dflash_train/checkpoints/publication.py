@@ -232,7 +232,7 @@ def _refuse_published(final: Path, accept: Callable[[dict], bool] | None = None)
                           "publish this one under another run or step")
 
 
-def _place(run_dir: Path, step: int, write_files: Callable[[Path], None],
+def _place(run_dir: Path, step: int, write_files: Callable[[Path], object],
            manifest_for: Callable[[Path, dict[str, str]], dict], *,
            accept: Callable[[dict], bool] | None = None) -> tuple[Path, bool]:
     """Write into a fresh temporary directory, fsync, then under `_placing`: rename to `step-<step>`

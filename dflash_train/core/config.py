@@ -537,10 +537,10 @@ def _parse_fields(d: dict, dcfg: dict) -> dict[str, Any]:
     layers = int(d["num_hidden_layers"])
     ntl = _one(d, dcfg, "num_target_layers")
     ids = dcfg.get("target_layer_ids", d.get("target_layer_ids"))
-    rope_params: dict[str, Any] = d.get("rope_parameters") or {}
+    rope_params: object = d.get("rope_parameters") or {}  # a JSON value, checked next
     if not isinstance(rope_params, dict):
         raise ConfigError(f"config.json: rope_parameters must be an object (got {rope_params!r})")
-    theta = d.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
+    theta = d["rope_theta"] if "rope_theta" in d else rope_params.get("rope_theta", 1_000_000.0)
     if rope_params.get("rope_theta", theta) != theta:
         raise ConfigError(f"config.json: rope_theta is {theta} but rope_parameters.rope_theta is "
                           f"{rope_params['rope_theta']}")
