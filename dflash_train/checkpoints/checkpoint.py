@@ -110,7 +110,9 @@ def map_checkpoint_keys(tensors: dict[str, torch.Tensor], cfg: DrafterConfig,
                 raise CheckpointError(f"{where}: fused {origin[key]!r} has shape {tuple(t.shape)}; config.json "
                                       f"implies {sum(sizes)} rows ({' + '.join(map(str, sizes))} for "
                                       f"{'/'.join(parts)})")
-            base = pattern.match(key).group(1)
+            m = pattern.match(key)
+            assert m is not None, key  # the fused keys are the pattern's matches
+            base = m.group(1)
             for part, piece in zip(parts, torch.split(t, list(sizes), dim=0), strict=True):
                 name = f"{base}{part}.weight"
                 if name in out:
@@ -134,11 +136,19 @@ def save_drafter(drafter: DFlashDrafter, directory: str | Path, *, dtype: torch.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = state if state is not None else drafter_state_dict(drafter)
+    return write_drafter(drafter.config, state if state is not None else drafter_state_dict(drafter), directory,
+                         dtype=dtype)
+
+
+def write_drafter(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], directory: str | Path, *,
+                  dtype: torch.dtype | None = None) -> Path:
+    """Write config.json (`cfg`, its torch_dtype set to the tensors') and model.safetensors (`tensors`, in
+    `dtype` if given) into `directory` (created if needed): `save_drafter` without the module."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
-    cfg = drafter.config
     cfg.torch_dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     cfg.save(directory)
@@ -210,8 +220,8 @@ def drafter_from_module(module: torch.nn.Module, config: DrafterConfig | dict | 
     config = getattr(module, "config", None) if config is None else config
     if not isinstance(config, DrafterConfig):
         # a transformers config: what save_pretrained writes (config.json), not every default
-        raw = (config.to_diff_dict() if hasattr(config, "to_diff_dict") else config.to_dict()
-               if hasattr(config, "to_dict") else config)
+        to_dict = getattr(config, "to_diff_dict", None) or getattr(config, "to_dict", None)
+        raw = to_dict() if to_dict is not None else config
         if not isinstance(raw, dict):
             raise CheckpointError(f"{type(module).__name__} has no config to read the drafter's shape from; "
                                   "pass config= (a DrafterConfig, or a dict in the published config.json layout)")

@@ -232,7 +232,7 @@ def _refuse_published(final: Path, accept: Callable[[dict], bool] | None = None)
                           "publish this one under another run or step")
 
 
-def _place(run_dir: Path, step: int, write_files: Callable[[Path], None],
+def _place(run_dir: Path, step: int, write_files: Callable[[Path], object],
            manifest_for: Callable[[Path, dict[str, str]], dict], *,
            accept: Callable[[dict], bool] | None = None) -> tuple[Path, bool]:
     """Write into a fresh temporary directory, fsync, then under `_placing`: rename to `step-<step>`
@@ -280,7 +280,7 @@ def _manifest(run_id: str, step: int, files: dict[str, str], config: dict, train
             "published_by": publisher(), "train_metrics": dict(train_metrics or {}), **extra}
 
 
-def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], None], *,
+def publish_directory(checkpoint_root: str | Path, run_id: str, step: int, write_files: Callable[[Path], object], *,
                       train_metrics: dict | None = None, extra: dict | None = None,
                       accept: Callable[[dict], bool] | None = None) -> Path:
     """Atomically publish `<root>/<run_id>/step-<step:08d>/`; returns its path.

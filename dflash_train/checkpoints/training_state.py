@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 
@@ -84,7 +85,7 @@ def _unreadable(path: Path) -> str:
     return "neither a torch zip nor a legacy torch file"
 
 
-def _tensors_only(obj) -> bool:
+def _tensors_only(obj: object) -> TypeGuard[dict[str, torch.Tensor]]:
     return isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                        for k, v in obj.items())
 
@@ -192,9 +193,8 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
     under `<root>/<run_id>/step-<step>/` with its provenance (`imported_from`); `prefix` keeps only the
     tensors under it (the drafter inside a wrapper that also holds the target). Importing the same
     unchanged source again returns the existing record."""
-    from types import SimpleNamespace
 
-    from .checkpoint import checked_tensors, read_drafter_tensors, save_drafter
+    from .checkpoint import checked_tensors, read_drafter_tensors, write_drafter
 
     src = Path(os.path.realpath(os.path.expanduser(str(source))))
     facts = describe(src)
@@ -235,7 +235,7 @@ def import_checkpoint(checkpoint_root: str | Path, run_id: str, step: int | None
     # own embedding / LM head copies (DeepSpec) travel along: checked against the target at eval time
     state = {**drafter_tensors, **own_vocab}
     path = publish_directory(checkpoint_root, run_id, at,
-                             lambda tmp: save_drafter(SimpleNamespace(config=cfg), tmp, state=state),
+                             lambda tmp: write_drafter(cfg, state, tmp),
                              extra={"imported_from": provenance},
                              accept=lambda m: m.get("imported_from") == provenance)  # a twin importer won the race
     return path, True, facts

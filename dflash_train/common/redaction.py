@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 from collections.abc import Iterator
+from typing import overload
 from urllib.parse import urlsplit
 
 __all__ = ["redact", "redact_url", "redacted_output", "install_log_redaction"]
@@ -32,6 +33,12 @@ _TEMPLATE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\[[^\]/@]*@\]")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 
 
+@overload
+def redact_url(url: str) -> str: ...
+@overload
+def redact_url(url: None) -> None: ...
+@overload
+def redact_url(url: str | None) -> str | None: ...
 def redact_url(url: str | None) -> str | None:
     """Return ``url`` with any password replaced by ``***``.
 

@@ -135,6 +135,12 @@ class DrafterConfig:
         self.validate()
 
     @property
+    def _types(self) -> list[str]:
+        """`layer_types`, never None once constructed (`__post_init__` fills the default)."""
+        assert self.layer_types is not None
+        return self.layer_types
+
+    @property
     def num_features(self) -> int:
         return len(self.target_layer_ids) if self.target_layer_ids is not None else self.num_hidden_layers
 
@@ -145,16 +151,16 @@ class DrafterConfig:
         sliding = self.sliding_causal if self.sliding_causal is not None else self.sliding_rule == "serving"
         return [(self.sliding_window if t == "sliding_attention" else None,
                  (t == "sliding_attention" and sliding) if self.causal is None else self.causal)
-                for t in self.layer_types]
+                for t in self._types]
 
     @property
     def sliding_implicit(self) -> bool:
         """Sliding layers whose causality the config leaves to the engine (engines disagree)."""
-        return "sliding_attention" in self.layer_types and self.causal is None and self.sliding_causal is None
+        return "sliding_attention" in self._types and self.causal is None and self.sliding_causal is None
 
     def attention_rule(self) -> str:
         """The causality rule applied, in words (named in every result)."""
-        if "sliding_attention" not in self.layer_types:
+        if "sliding_attention" not in self._types:
             return "no sliding layers" + ("" if self.causal is None else f"; causal={str(self.causal).lower()} "
                                           "in every layer (config)")
         if self.causal is not None:
@@ -257,7 +263,7 @@ class DrafterConfig:
         """The layout current engines read: z-lab's (`block_size`, `num_target_layers` at the
         top) and SGLang/vLLM's (`dflash_config.block_size`), plus explicit `layer_types`."""
         d: dict[str, Any] = dict(self.extra)
-        types = list(self.layer_types)
+        types = list(self._types)
         d.update({
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
@@ -451,7 +457,7 @@ def normalize_layout(d: dict[str, Any]) -> tuple[dict[str, Any], str, bool | Non
     archs = archs if isinstance(archs, list) else [archs] if archs is not None else []
     if isinstance(d.get("dflash_config"), dict):
         d["dflash_config"] = dict(d["dflash_config"])
-    dcfg = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    dcfg: dict[str, Any] = d["dflash_config"] if isinstance(d.get("dflash_config"), dict) else {}
     layout = "z-lab"
     if "speculators_model_type" in d or "transformer_layer_config" in d or any(
             a in SPECULATORS_ARCHITECTURES for a in archs):
@@ -532,10 +538,10 @@ def _parse_fields(d: dict, dcfg: dict) -> dict[str, Any]:
     layers = int(d["num_hidden_layers"])
     ntl = _one(d, dcfg, "num_target_layers")
     ids = dcfg.get("target_layer_ids", d.get("target_layer_ids"))
-    rope_params = d.get("rope_parameters") or {}
+    rope_params: object = d.get("rope_parameters") or {}  # a JSON value, checked next
     if not isinstance(rope_params, dict):
         raise ConfigError(f"config.json: rope_parameters must be an object (got {rope_params!r})")
-    theta = d.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
+    theta = d["rope_theta"] if "rope_theta" in d else rope_params.get("rope_theta", 1_000_000.0)
     if rope_params.get("rope_theta", theta) != theta:
         raise ConfigError(f"config.json: rope_theta is {theta} but rope_parameters.rope_theta is "
                           f"{rope_params['rope_theta']}")
@@ -557,6 +563,7 @@ def _parse_fields(d: dict, dcfg: dict) -> dict[str, Any]:
     if types is None or "sliding_attention" not in types:
         window = None  # a window no layer uses
     causal = d.get("is_causal", dcfg.get("causal"))
+    mask_id = dcfg.get("mask_token_id", d.get("mask_token_id"))
     return dict(
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
@@ -567,8 +574,7 @@ def _parse_fields(d: dict, dcfg: dict) -> dict[str, Any]:
         vocab_size=int(d["vocab_size"]),
         num_target_layers=None if ntl is None else int(ntl),
         target_layer_ids=None if ids is None else [int(i) for i in ids],
-        mask_token_id=(None if dcfg.get("mask_token_id", d.get("mask_token_id")) is None
-                       else int(dcfg.get("mask_token_id", d.get("mask_token_id")))),
+        mask_token_id=None if mask_id is None else int(mask_id),
         mask_token=dcfg.get("mask_token"),
         block_size=int(_one(d, dcfg, "block_size")),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),

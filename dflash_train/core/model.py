@@ -15,6 +15,7 @@ checkpoint layout.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from .config import DrafterConfig
+from .config import ConfigError, DrafterConfig
 from .masks import BlockLayout, build_attention_mask, cached_block_mask, choose_backend
 
 
@@ -45,9 +46,10 @@ class DraftCache:
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
+        prev_k, prev_v = self.keys[layer], self.values[layer]
+        if prev_k is not None and prev_v is not None:  # set together, below
+            k = torch.cat([prev_k, k], dim=2)
+            v = torch.cat([prev_v, v], dim=2)
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
@@ -148,12 +150,16 @@ class DFlashDrafter(nn.Module):
     """The drafter network (no embedding, no LM head: both are the target's)."""
 
     stored_dtype: str = ""  # a loaded drafter's file dtype(s), named in results (it computes in the target's)
+    # a loaded drafter's own embedding / LM head copies (checkpoint.drafter_from_tensors), until
+    # checkpoint.check_own_vocab compares them with the target's and drops them; declared only (no default)
+    own_vocab: dict[str, torch.Tensor]
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
         qcfg = cfg.qwen3_config()
         self.layers = nn.ModuleList(DrafterLayer(cfg, qcfg) for _ in range(cfg.num_hidden_layers))
+        assert cfg.target_hidden_size is not None  # DrafterConfig.__post_init__ defaults it to hidden_size
         self.fc = nn.Linear(cfg.num_features * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -185,7 +191,7 @@ class DFlashDrafter(nn.Module):
             cos_c, sin_c = self.rotary_emb(ctx, context_positions)
         for i, (layer, (window, causal)) in enumerate(zip(self.layers, self.config.attention(), strict=False)):
             if ctx is not None:
-                kv = layer.self_attn.key_value(ctx, cos_c, sin_c)
+                kv = cast(DrafterLayer, layer).self_attn.key_value(ctx, cos_c, sin_c)
             else:
                 shape = (h.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim)
                 kv = (h.new_zeros(shape), h.new_zeros(shape))
@@ -196,6 +202,7 @@ class DFlashDrafter(nn.Module):
             if mask is None:  # the cache holds context positions 0..len-1
                 ctx_pos = (torch.arange(kv[0].shape[2], device=h.device)[None] if cache is not None or ctx is None
                            else context_positions)
+                assert ctx_pos is not None  # context features come with their positions (rotated above)
                 layer_mask = cached_block_mask(block_positions, ctx_pos, window, causal)
             else:
                 layer_mask = mask[i]
@@ -232,19 +239,22 @@ class DFlashDrafter(nn.Module):
         return self(embed_tokens(block_ids), layout.block_positions(), context_features, ctx_pos, masks)
 
 
-def mask_blocks(first: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+def mask_blocks(first: torch.Tensor, block_size: int, mask_token_id: int | None) -> torch.Tensor:
     """`[..., B]` ids: one block `[first, MASK x (B-1)]` per anchor token in `first` (any shape).
 
     The one place a draft block is built: training, the engine, the reference loop and the
-    speed estimate all draft from it.
+    speed estimate all draft from it. `mask_token_id` is a config's, None until
+    `DrafterConfig.resolve_mask_token` resolved its `mask_token`: drafting before that is an error.
     """
+    if mask_token_id is None:
+        raise ConfigError("the drafter's mask_token is not resolved to an id (DrafterConfig.resolve_mask_token)")
     ids = torch.full((*first.shape, block_size), mask_token_id, dtype=first.dtype, device=first.device)
     ids[..., 0] = first
     return ids
 
 
 def block_token_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                    mask_token_id: int) -> torch.Tensor:
+                    mask_token_id: int | None) -> torch.Tensor:
     """`[batch, N*B]` ids: each block is `[token at anchor, MASK x (B-1)]`."""
     first = torch.gather(input_ids, 1, anchors.clamp(0, input_ids.shape[1] - 1))
     return mask_blocks(first, block_size, mask_token_id).reshape(anchors.shape[0], -1)

@@ -82,6 +82,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
     check_counting(counting)
     cfg = drafter.config
     B, layer_ids = cfg.block_size, cfg.target_layer_ids
+    assert layer_ids is not None, "the drafter config is not bound to a target (DrafterConfig.bind_target)"
     dev = target.device
     embed, head = target.parts.embed_tokens, target.parts.lm_head
     cache = VerifyCache(target)

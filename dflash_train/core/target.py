@@ -12,7 +12,7 @@ import hashlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from dflash_train.common.errors import DFlashError
 from . import cache_compat
 from .config import DrafterConfig
 from .fingerprint import FileDigests, FingerprintError, directory_state, tensor_digest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class TargetError(DFlashError, ValueError):
@@ -36,7 +39,7 @@ class TargetParts:
     layers: nn.ModuleList
     embed_tokens: nn.Embedding
     final_norm: nn.Module
-    lm_head: nn.Module
+    lm_head: nn.Linear  # used as one: its weight is [vocab, hidden] and it maps final hiddens to logits
     text_config: Any
 
 
@@ -44,7 +47,7 @@ def locate_parts(model: nn.Module) -> TargetParts:
     """Find the text decoder stack, embedding, final norm and LM head of a HF model."""
     candidates = []
     for path in ("model.language_model", "language_model", "model.text_model", "model", ""):
-        obj = model
+        obj: nn.Module | None = model
         for attr in filter(None, path.split(".")):
             obj = getattr(obj, attr, None)
             if obj is None:
@@ -56,7 +59,8 @@ def locate_parts(model: nn.Module) -> TargetParts:
         embed = getattr(stack, "embed_tokens", None)
         norm = getattr(stack, "norm", None)
         if isinstance(layers, nn.ModuleList) and isinstance(embed, nn.Embedding) and norm is not None:
-            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            get_head = getattr(model, "get_output_embeddings", None)  # a transformers model's
+            head = get_head() if get_head is not None else None
             if head is None:
                 head = getattr(model, "lm_head", None)
             if head is None:
@@ -78,7 +82,7 @@ class TargetOutput:
 class Target:
     """A frozen target model with the DFlash view of it."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, source: str | None = None):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, source: str | None = None):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.source = source
@@ -117,7 +121,8 @@ class Target:
         if directory_state(path) != before:
             raise TargetError(f"the files of {path} changed while the target was loading; load it again")
         if device is not None and device_map is None:
-            model = model.to(device)
+            module: nn.Module = model  # transformers' `to` wrapper has no signature mypy can bind; same call
+            module.to(device)  # in place (a module's `to` returns itself)
         target = cls(model, tokenizer, source=str(path))
         target._files_digest = files
         return target
@@ -168,7 +173,9 @@ class Target:
         if cfg.num_target_layers is not None and cfg.num_target_layers != self.num_layers:
             problems.append(f"drafter was built for a {cfg.num_target_layers}-layer target, this one has "
                             f"{self.num_layers}")
-        if not 0 <= cfg.mask_token_id < self.vocab_size:
+        if cfg.mask_token_id is None:
+            problems.append("mask_token_id is not resolved (DrafterConfig.resolve_mask_token)")
+        elif not 0 <= cfg.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's embedding ({self.vocab_size} "
                             f"rows)")
         head_rows = self.parts.lm_head.weight.shape[0]

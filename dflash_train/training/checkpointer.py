@@ -62,9 +62,9 @@ class Checkpointer:
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.store_run = storage.join(c.publish_to, run_id) if c.publish_to else None
-        if self.store_run:  # a missing bucket or no write permission fails now, not at the first upload
+        if c.publish_to:  # a missing bucket or no write permission fails now, not at the first upload
             storage.preflight(c.publish_to)
-        for where in filter(None, (self.run_dir, self.store_run)):
+        for where in self._places():
             for p in cleanup_incomplete(where):
                 log.info("removed half-written %s", p)
         self.publisher = AsyncPublisher(c.checkpoint_root, run_id, dtype=dtype, publish_to=c.publish_to,
@@ -72,9 +72,15 @@ class Checkpointer:
         if self.store_run:  # published here but never uploaded (the run stopped in between): upload now
             uploaded = {checkpoint_step(u) for u in list_checkpoints(self.store_run)}
             for p in list_checkpoints(self.run_dir):
-                if checkpoint_step(p) not in uploaded:
+                step = checkpoint_step(p)
+                assert step is not None, p  # list_checkpoints lists step directories only
+                if step not in uploaded:
                     log.info("uploading %s, published before the run stopped", p)
-                    self.publisher.submit_upload(p, checkpoint_step(p))
+                    self.publisher.submit_upload(p, step)
+
+    def _places(self) -> list[Path | str]:
+        """Where the run's checkpoints lie: its directory, and its object-store copy when it has one."""
+        return [self.run_dir, self.store_run] if self.store_run else [self.run_dir]
 
     def step(self, step: int, train_metrics: Callable[[], dict], data_position: int) -> None:
         """After optimizer step `step` (the next batch to train on: `data_position`): publish and/or
@@ -95,7 +101,7 @@ class Checkpointer:
                 return
             self.published.append(str(path))
             self.on_published(step, path, manifest)
-            for where in filter(None, (self.run_dir, self.store_run)):
+            for where in self._places():
                 for p in apply_retention(where, self.config.keep_last, protect=self.protects):
                     log.info("retention removed %s", p)
 

@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         base = unwrap_optional(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            assert callable(f.default_factory), f.name  # train_config.opt gives each field a default or a factory
+            default = f.default_factory()
         text = help_of(f)
         if "default" not in text:  # a field whose help explains its default (None: "the target's") keeps that
             text += f" (default: {_shown(default)})"

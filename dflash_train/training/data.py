@@ -238,7 +238,8 @@ class BatchPlan:
         self.local_batch = global_batch // world_size
         self.max_seq_len, self.pad_id, self.seq_multiple, self.shuffle = max_seq_len, pad_id, seq_multiple, shuffle
         self.batches_per_epoch = len(examples) // global_batch
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch = -1
+        self._perm: list[int] = []  # the order of epoch _perm_epoch (none yet)
 
     def _order(self, epoch: int) -> list[int]:
         if epoch != self._perm_epoch:
@@ -246,7 +247,7 @@ class BatchPlan:
             self._perm = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch)).tolist()
                           if self.shuffle else list(range(n)))
             self._perm_epoch = epoch
-        return self._perm  # type: ignore[return-value]
+        return self._perm
 
     def batch(self, position: int) -> Batch:
         epoch, i = divmod(position, self.batches_per_epoch)
@@ -287,6 +288,7 @@ def build_examples(target, data: str, *, num_prompts: int = 512, prompt_tokens: 
     if tok is None:
         raise DataError("the target has no tokenizer: cannot tokenise training data")
     eos = tok.eos_token_id
+    pairs: list[tuple[list[int], list[int] | None]]  # (prompt, response; None: the target's, regenerated below)
     if data in BUILTIN_SOURCES:
         n_code = {BUILTIN_STDLIB: num_prompts, BUILTIN_INSTRUCT: 0}.get(data, num_prompts // 2)
         exs = stdlib_code_prompts(tok, n_code, prompt_tokens, "train") if n_code else []
@@ -311,7 +313,8 @@ def build_examples(target, data: str, *, num_prompts: int = 512, prompt_tokens: 
                            batch_size=regen_batch_size, eos_token_id=eos, progress=progress)
         for i, r in zip(todo, regen, strict=True):
             pairs[i] = (pairs[i][0], r)
-    out = [Example(p + r, len(p), n) for (p, r), n in zip(pairs, names, strict=True) if len(r) >= 2]
+    out = [Example(p + r, len(p), n) for (p, r), n in zip(pairs, names, strict=True)
+           if r is not None and len(r) >= 2]  # (no None is left: regenerated above)
     if not out:
         raise DataError(f"{data}: no example has a response of 2+ tokens")
     return out

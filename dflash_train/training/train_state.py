@@ -27,6 +27,7 @@ class TrainStateError(DFlashError, ValueError):
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the global RandomState's legacy (MT19937) form
     state = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate()),
              "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
     if torch.cuda.is_available():

@@ -138,7 +138,9 @@ class Trainer:
         self.target.check_drafter(self.drafter.config)
         self.backend = self._attention_backend()
         self.block_size = self.drafter.config.block_size
-        self.layer_ids = list(self.drafter.config.target_layer_ids)
+        layer_ids = self.drafter.config.target_layer_ids
+        assert layer_ids is not None, "the drafter config names no target_layer_ids"  # for_target names them
+        self.layer_ids = list(layer_ids)
 
         self.examples = examples if examples is not None else self._examples()
         pad = self.target.tokenizer.pad_token_id if self.target.tokenizer is not None else None
@@ -150,8 +152,9 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DDP(self.model, device_ids=ids)
+        beta1, beta2 = c.adam_betas  # AdamW's two
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=c.lr, weight_decay=c.weight_decay,
-                                           betas=tuple(c.adam_betas))
+                                           betas=(beta1, beta2))
         warmup = int(round(c.warmup_ratio * c.max_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lr_lambda(warmup, c.max_steps, c.min_lr_ratio))
@@ -354,6 +357,7 @@ class Trainer:
                 logger.step(self.step, metrics, meta.tokens, q.health)
                 if main:
                     self.callbacks.on_step_end(self, self.step, metrics)
+                if checkpointer is not None:  # rank 0's
                     checkpointer.step(self.step, logger.window_means, self.data_position)
         finally:  # on errors too: the producer thread stops, the last publication is waited for
             failing = sys.exc_info()[0] is not None
@@ -363,13 +367,13 @@ class Trainer:
             if checkpointer is not None:
                 checkpointer.close(failing)  # raises if the last publication failed (and nothing else did)
         wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
-        if main:
+        if checkpointer is not None:  # rank 0's
             checkpointer.announce()
             self.callbacks.on_train_end(self)
         logger.close(failing=False)
         return TrainSummary(self.run_id, str(self.run_dir), start_step, self.step, losses=logger.losses,
-                            metrics=metrics, checkpoints=checkpointer.published if main else [],
-                            state_path=checkpointer.state_path if main else None, wall_s=wall, cpu_s=cpu,
+                            metrics=metrics, checkpoints=checkpointer.published if checkpointer is not None else [],
+                            state_path=checkpointer.state_path if checkpointer is not None else None, wall_s=wall, cpu_s=cpu,
                             tokens_per_s=logger.total_tokens() / max(wall, 1e-9), queue_health=q.health.as_dict(),
                             world_size=self.dist.world_size)
 

@@ -12,6 +12,7 @@ that the seeds' harness used; the tests hold the two equal and the bench times b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -83,9 +84,10 @@ def head_topk(head: nn.Module, hidden: torch.Tensor, topk: int = 0, rows_per_chu
         a, v, i = tiled(hidden[s:e], topk, m)
         arg[s:e] = a.cpu()
         if m:
+            assert logp is not None and ids is not None  # m > 0 only with topk
             K = v.shape[1]
             logp[s:s + m, :K], ids[s:s + m, :K] = v.cpu(), i.cpu()
-    return arg, (ids[:, :K] if topk else None), (logp[:, :K] if topk else None)
+    return arg, (ids[:, :K] if ids is not None else None), (logp[:, :K] if logp is not None else None)
 
 
 class TiledHead:
@@ -94,7 +96,7 @@ class TiledHead:
     tile would pay its page faults each time)."""
 
     def __init__(self, head: nn.Module):
-        self.head, self.W = head, head.weight
+        self.head, self.W = head, cast(torch.Tensor, head.weight)  # an LM head's [vocab, hidden] weight
         self.vocab = self.W.shape[0]
         self.tile = min(self.vocab, VOCAB_TILE)
         self.plain = type(head) is nn.Linear and head.bias is None  # the product is x @ W.T (F.linear, no bias)
@@ -130,11 +132,14 @@ def tile_topk(tiles, topk: int, m: int):
     whole row, also on an exact tie); the top-k merges tile by tile; the log-sum-exp is `logsumexp`'s steps
     per tile, combined from each tile's (max, sum of exp) in tile order. With one tile (vocabulary <=
     `VOCAB_TILE`) the log-probs are `torch.logsumexp`'s bit for bit (a property test holds it)."""
-    best_v = best_i = top_v = top_i = None
+    best_v: torch.Tensor | None = None
+    best_i: torch.Tensor | None = None  # set with best_v
+    top_v: torch.Tensor | None = None
+    top_i: torch.Tensor | None = None  # set with top_v
     stats = []  # per tile, of the top-k rows: (max, max with inf as 0, sum of exp below it)
     for c, logits in tiles:
         v, i = logits.max(-1)  # the first index of the largest, as `argmax`
-        if best_v is None:
+        if best_v is None or best_i is None:
             best_v, best_i = v, i
         else:
             better = v > best_v  # an equal value in a later tile keeps the earlier index
@@ -142,7 +147,7 @@ def tile_topk(tiles, topk: int, m: int):
         if not (topk and m):
             continue
         tv, ti = logits[:m].topk(min(topk, logits.shape[-1]), dim=-1)
-        if top_v is None:
+        if top_v is None or top_i is None:
             top_v, top_i = tv, ti + c
         else:
             cv, ci = torch.cat([top_v, tv], 1), torch.cat([top_i, ti + c], 1)
@@ -160,6 +165,7 @@ def tile_topk(tiles, topk: int, m: int):
         mm = mx.masked_fill(mx.abs() == float("inf"), 0)
         total = sum(s_ * (tm - mm).exp() for _, tm, s_ in stats)  # a tile whose max is -inf adds 0
     lse = total.log_().add_(mm).masked_fill_(mx == -float("inf"), -float("inf"))  # a row of -inf only
+    assert top_v is not None  # set with the stats
     return best_i, top_v.float() - lse, top_i
 
 

@@ -82,6 +82,7 @@ class LeakProbe:
             noisy[a:] = noise * features.float().std().to(noisy.dtype)
             same = draft_anchors(drafter, embed, head, input_ids, features, [a], topk=2, **draft_kw)
             moved = draft_anchors(drafter, embed, head, input_ids, noisy, [a], topk=2, **draft_kw)
+            assert same.topk_logp is not None and moved.topk_logp is not None  # topk=2 drafts them
             if not (np.array_equal(same.argmax, moved.argmax) and np.array_equal(same.topk_logp, moved.topk_logp)):
                 self.future_reads.append(f"{name}@{off}")
             self.contract_checked += 1

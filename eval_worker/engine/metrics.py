@@ -11,22 +11,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from dflash_train.core.tau import check_counting, tau
 
 
-def matches(drafts: np.ndarray, ext: Sequence[int], offsets: Sequence[int]) -> np.ndarray:
+def matches(drafts: np.ndarray, ext: npt.ArrayLike, offsets: npt.ArrayLike) -> np.ndarray:
     """`[A, B-1]` bool: slot k of the block at offsets[i] equals ext[offsets[i] + k].
 
     Slots whose label lies past the end of ext count as misses (nothing to compare).
     """
     drafts = np.asarray(drafts)
-    ext = np.asarray(ext, dtype=np.int64)
-    offsets = np.asarray(offsets, dtype=np.int64)
+    ext_a = np.asarray(ext, dtype=np.int64)
+    at = np.asarray(offsets, dtype=np.int64)
     A, D = drafts.shape
-    idx = offsets[:, None] + np.arange(1, D + 1)[None, :]
-    inside = idx < len(ext)
-    labels = np.where(inside, ext[np.minimum(idx, len(ext) - 1)], -1)
+    idx = at[:, None] + np.arange(1, D + 1)[None, :]
+    inside = idx < len(ext_a)
+    labels = np.where(inside, ext_a[np.minimum(idx, len(ext_a) - 1)], -1)
     return inside & (drafts == labels)
 
 
@@ -81,7 +82,9 @@ def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, cou
     last = num_tokens if past_end else num_tokens - 1
     if stop_offset is None and ends_with_stop:
         stop_offset = num_tokens - 1
-    accepts, anchors, spans = [], [], []
+    accepts: list[int] = []
+    anchors: list[int] = []
+    spans: list[tuple[int, int]] = []
     s = 0
     while (s < last or (counting == "published" and not accepts and num_tokens > 0)) and (
             max_steps is None or len(accepts) < max_steps):
@@ -104,7 +107,7 @@ def online_walk(streak_at, num_tokens: int, max_steps: int | None = None, *, cou
 
 def stride_blocks(streaks: np.ndarray, num_tokens: int, block_size: int, max_blocks: int | None = None) -> list[int]:
     """Fixed-stride blocks (the seeds' harness): anchors 0, B, 2B, ...; accept = streak + 1."""
-    out = []
+    out: list[int] = []
     for s in range(0, max(num_tokens - 1, 0), block_size):
         if max_blocks is not None and len(out) >= max_blocks:
             break
@@ -135,7 +138,7 @@ def top1_accuracy(match_sum: np.ndarray, valid_sum: np.ndarray) -> list[float | 
     return [float(m / v) if v else None for m, v in zip(match_sum.tolist(), valid_sum.tolist(), strict=True)]
 
 
-def bootstrap_ci(values: Sequence[float], *, n_resamples: int = 2000, level: float = 0.95,
+def bootstrap_ci(values: Sequence[float | None], *, n_resamples: int = 2000, level: float = 0.95,
                  seed: int = 0) -> tuple[float, float] | None:
     """Percentile bootstrap interval of the mean (resampling the items, e.g. prompts)."""
     v = np.asarray([x for x in values if x is not None], dtype=np.float64)
@@ -166,7 +169,7 @@ def nested_bootstrap_ci(groups: Sequence[Sequence[float | None]], *, n_resamples
     if len(rows) == 1 and sizes[0] == 1:
         return float(v[0, 0]), float(v[0, 0])
     rng = np.random.default_rng(seed)
-    means = []
+    chunks: list[np.ndarray] = []
     for start in range(0, n_resamples, chunk):  # [chunk, groups, width] at a time: memory flat in n_resamples
         n = min(chunk, n_resamples - start)
         g = rng.integers(0, len(rows), size=(n, len(rows)))
@@ -174,8 +177,8 @@ def nested_bootstrap_ci(groups: Sequence[Sequence[float | None]], *, n_resamples
         within = (rng.random((n, len(rows), width)) * size).astype(np.int64)  # indices < the group's size
         keep = np.arange(width) < size  # a group of s items resamples s items
         picked = np.where(keep, v[g[..., None], within], 0.0)
-        means.append((picked.sum(axis=2) / size[..., 0]).mean(axis=1))
-    means = np.concatenate(means)
+        chunks.append((picked.sum(axis=2) / size[..., 0]).mean(axis=1))
+    means = np.concatenate(chunks)
     alpha = (1 - level) / 2
     lo, hi = np.quantile(means, [alpha, 1 - alpha])
     return float(lo), float(hi)
@@ -193,7 +196,7 @@ def paired_delta(a: Sequence[float | None], b: Sequence[float | None], **kw) -> 
 
 def macro_pooled(per_prompt_accepts: Sequence[Sequence[int]]) -> tuple[float | None, float | None, int]:
     """Macro mean of per-prompt τ (the DFlash benchmark's number) and pooled mean over steps."""
-    taus = [tau(a) for a in per_prompt_accepts if len(a)]
+    taus = [t for a in per_prompt_accepts if (t := tau(a)) is not None]  # None: a prompt without steps
     steps = [x for a in per_prompt_accepts for x in a]
     macro = float(np.mean(taus)) if taus else None  # a mean of τs, not a τ
     return macro, tau(steps), len(steps)

@@ -147,7 +147,7 @@ class EvalOptions(BaseModel):
         return self
 
     @property
-    def validate(self) -> bool:  # type: ignore[override] - the option's name, as jobs spell it
+    def validate(self) -> bool:  # type: ignore[override]  # the option's name, as jobs spell it
         return self.validate_loop
 
     @classmethod

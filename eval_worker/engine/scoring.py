@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -84,13 +85,14 @@ def score_prompt(name: str, ext: list[int], num_tokens: int, drafts: AnchorDraft
     streaks = metrics.leading_true(metrics.matches(drafts.argmax, ext, offsets))
     sample = offsets if sample is None else sample
     tree_at = None
-    if tree_budget > 0 and drafts.topk_ids is not None:
+    topk_ids, topk_logp = drafts.topk_ids, drafts.topk_logp
+    if tree_budget > 0 and topk_ids is not None:
+        assert topk_logp is not None  # drafted together (drafting.draft_anchors)
         ext_arr = np.asarray(ext, dtype=np.int64)
 
         def tree_at(s: int) -> int:
             labels = walk_labels(ext_arr, s, B)
-            return tree_streak_of(drafts.topk_ids[s], drafts.topk_logp[s], drafts.argmax[s], labels, tree_budget,
-                                  tree_spine)
+            return tree_streak_of(topk_ids[s], topk_logp[s], drafts.argmax[s], labels, tree_budget, tree_spine)
 
     return score_blocks(name, ext, num_tokens, B, streaks, tree_at, sample, drafts.argmax[sample],
                         max_blocks=max_blocks, counting=counting, ends_with_stop=ends_with_stop,
@@ -113,10 +115,12 @@ def score_blocks(name: str, ext: list[int], num_tokens: int, block_size: int, st
     B = block_size
     m = metrics.matches(sample_argmax, ext, sample)
     valid = (sample[:, None] + np.arange(1, B)[None, :]) < len(ext)
-    walk = dict(counting=counting, ends_with_stop=ends_with_stop)
+    walk: dict[str, Any] = dict(counting=counting, ends_with_stop=ends_with_stop)
     if stop_offset is not None:
         walk["stop_offset"] = stop_offset
-    score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), None, [], walk=walk, sample=sample)
+    # online: an empty walk until the next line replays it (the walk reads the score's own streaks)
+    score = PromptScore(name, B, num_tokens, streaks, m.sum(0), valid.sum(0), metrics.Walk([], [], []), [],
+                        walk=walk, sample=sample)
     score.online = metrics.online_walk(score._streak, num_tokens, max_blocks, **walk)
     score.stride = metrics.stride_blocks(streaks, num_tokens, B, max_blocks)
     if tree_at is not None:

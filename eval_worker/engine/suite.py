@@ -493,6 +493,7 @@ def _load_rows(bench: HFBenchmark, req: HFRequest, datasets_dir: str | Path | No
         what += f"; no local copy at {local}"
     digest = None
     if where != bench.repo:
+        assert local is not None  # `where` is the local copy
         # datasets keys its cache of a local folder by the config name alone, so a changed copy
         # would be read from the old cache: key it by the copy's content instead
         digest = _tree_digest(local)

@@ -44,12 +44,13 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
 
 from dflash_train.core.masks import BlockLayout, dense_mask
-from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
+from dflash_train.core.model import DFlashDrafter, DraftCache, DrafterLayer, mask_blocks
 from dflash_train.core.target import logits_rows
 from eval_worker.engine import metrics
 from eval_worker.engine.drafting import DEFAULT_HEAD_ROWS, VOCAB_TILE, _CastEmbedding, anchors_per_pass, head_topk
@@ -132,7 +133,8 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
     (what `DFlashDrafter.forward` computes from the context, once for every anchor)."""
     ctx = drafter.hidden_norm(drafter.fc(features[None].to(drafter.fc.weight.dtype)))
     cos, sin = drafter.rotary_emb(ctx, torch.arange(features.shape[0], device=ctx.device)[None])
-    return [tuple(t[0] for t in layer.self_attn.key_value(ctx, cos, sin)) for layer in drafter.layers]
+    return [tuple(t[0] for t in cast(DrafterLayer, layer).self_attn.key_value(ctx, cos, sin))
+            for layer in drafter.layers]
 
 
 def all_anchor_peak(drafter: DFlashDrafter, prompt_len: int, num_tokens: int, vocab: int,
@@ -322,8 +324,8 @@ class Walker:
         kept: dict[tuple[int, int], tuple] = {}
         reads: dict[tuple[int, int], list[int]] = {}  # per drafted block: head slots a greedy, a tree visit needs
         self._draft(seqs, kvs, out, fixed, kept, [None] * len(seqs), reads)
-        for i, off, t, f in fixed:  # every fixed block is read
-            out[i].need[off] = self.B - 1 if f else reads[(i, off)][1 if t else 0]
+        for i, off, with_tree, f in fixed:  # every fixed block is read
+            out[i].need[off] = self.B - 1 if f else reads[(i, off)][1 if with_tree else 0]
         # then the walks, all prompts together: every cursor walks as far as its blocks are drafted, then
         # one round drafts the block each waiting cursor needs (one pass where they fit), and the next
         # ones when this drafter's steps are short (`lookahead`: at τ ≈ 1 one pass serves many steps).
@@ -386,7 +388,8 @@ class Walker:
         (`all_anchor_peak`)."""
         heads_only = [row for row in rows if (row[0], row[1]) in kept]
         drafted = [row for row in rows if (row[0], row[1]) not in kept]
-        B, passes = self.B, [[]]
+        B = self.B
+        passes: list[list[tuple[int, int, bool, bool]]] = [[]]
         counts: dict[int, int] = {}  # blocks per prompt in the pass being filled
         limit = (0, 0, 0)  # its (blocks, score elements, longest context): the all-anchor pass's, half its scores
         # the head runs on several passes' rows at once (a head call reads the whole head, most of its

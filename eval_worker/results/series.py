@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -85,7 +86,7 @@ def _created(r: RunResult) -> tuple[str, int]:
     return (r.result.get("provenance", {}).get("created_at") or "", r.step)
 
 
-def series_of(results: list[RunResult], primary_suite: str | None = None) -> dict[str, Series]:
+def series_of(results: Sequence[RunResult], primary_suite: str | None = None) -> dict[str, Series]:
     """RunResult.key -> its Series. The run's first target (first evaluated) and the default options keep
     the plain suite name; anything else adds what differs. The primary series (plain `eval/...`) is the
     configured suite's, else the first evaluated suite's, with default options on the first target."""
@@ -105,7 +106,7 @@ def series_of(results: list[RunResult], primary_suite: str | None = None) -> dic
             for k, (label, suite, target, opts) in labels.items()}
 
 
-def target_notes(results: list[RunResult]) -> list[str]:
+def target_notes(results: Sequence[RunResult]) -> list[str]:
     """A line per target path that holds more than one target (different fingerprints): two files under one
     path measured one run, so its numbers are drawn as separate series (issue 34 D15)."""
     by_path: dict[str, set[str]] = {}

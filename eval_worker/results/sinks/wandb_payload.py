@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import html
 
+import numpy as np
+
 from eval_worker.results.sinks.names import aliases, finite, sampled, scalars, suite_prefix
 
 STEP_KEY = "train/step"
@@ -112,10 +114,11 @@ def log_dict(result: dict, prefix: str = "eval/", *, html_column: bool = True) -
         thist = [int(c) for c in entry.get("acceptance_histogram") or []]
         if thist:
             edges = [k + 0.5 for k in range(len(thist) + 1)]
-            payload[f"{prefix}t{tkey}/accept_hist"] = wandb.Histogram(np_histogram=(thist, edges))
+            payload[f"{prefix}t{tkey}/accept_hist"] = wandb.Histogram(np_histogram=(np.asarray(thist),
+                                                                                     np.asarray(edges)))
     if hist:
         edges = [k + 0.5 for k in range(len(hist) + 1)]  # bins centred on accept lengths 1..B
-        payload[prefix + "accept_hist"] = wandb.Histogram(np_histogram=(hist, edges))
+        payload[prefix + "accept_hist"] = wandb.Histogram(np_histogram=(np.asarray(hist), np.asarray(edges)))
         bar = wandb.Table(columns=["accept_length", "count"], data=[[k, c] for k, c in enumerate(hist, start=1)])
         payload[prefix + "accept_len_bar"] = wandb.plot.bar(bar, "accept_length", "count",
                                                             title=f"accept length, step {step}")
@@ -128,7 +131,7 @@ def log_dict(result: dict, prefix: str = "eval/", *, html_column: bool = True) -
             keys=[n for n, _ in curves],
             title=f"per-position acceptance, step {step} (B={block})", xname="slot")
 
-    columns = ["train_step", "prompt", "tau", "baseline_tau", "verify_steps", "reference_marked"]
+    columns: list[str | int] = ["train_step", "prompt", "tau", "baseline_tau", "verify_steps", "reference_marked"]
     if html_column:
         columns.append("reference_html")
     rows = []

@@ -42,6 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from dflash_train.checkpoints import storage
 from dflash_train.common.fsutil import atomic_write_text
@@ -54,7 +55,8 @@ from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_l
 
 log = logging.getLogger(__name__)
 
-MODES = ("offline", "online", "disabled")
+Mode = Literal["offline", "online", "disabled"]
+MODES: tuple[Mode, ...] = ("offline", "online", "disabled")
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -66,7 +68,7 @@ class WandbTarget:
     project: str = "dflash-eval"
     entity: str | None = None
     group: str | None = None
-    mode: str = "offline"
+    mode: Mode = "offline"
     name: str | None = None
     tags: list[str] = field(default_factory=list)
     root: Path = field(default_factory=lambda: Path("wandb-eval").resolve())
@@ -115,7 +117,7 @@ def _settings(target: WandbTarget):
     import wandb
 
     init_timeout = target.init_timeout_s
-    kwargs = dict(silent=True, console="off", x_disable_stats=True, x_disable_meta=True, disable_git=True,
+    kwargs: dict[str, Any] = dict(silent=True, console="off", x_disable_stats=True, x_disable_meta=True, disable_git=True,
                   save_code=False, disable_code=True, disable_job_creation=True, x_save_requirements=False,
                   init_timeout=init_timeout)
     if target.mode == "online":  # fail fast when the server is down; the ledger keeps the result
