@@ -293,6 +293,11 @@ class Evaluator:
                  sampling: tuple[SamplingParams, int] | None = None) -> dict:
         """Run the real draft-verify loop on every prompt and compare step by step with the replay.
 
+        The engine's one per-prompt loop, on purpose: what it checks is the published loop itself (batch 1,
+        its own numerics), so batching its prompts would validate another loop. It costs what that loop costs,
+        one target step per verify (bench/cold_cost.py's "loop" column: at τ ≈ 7 on the tiny target about
+        the cost of a warm evaluation with run defaults, at τ ≈ 1 one step per token, several times it).
+
         `sampling` (params, seed): the loop samples with each reference's keyed draws (its sample index)."""
         mismatched, token_mismatch, steps = [], [], 0
         for ref, replay in zip(refs, replays, strict=False):
