@@ -431,7 +431,8 @@ class Evaluator:
                     yield from batch
                     bar.update(len(batch))
             notes.update(decoding=decoding, prompts=len(todo), target_steps=stats.target_steps,
-                         tokens=stats.tokens, seconds=round(time.perf_counter() - t0, 4))
+                         tokens=stats.tokens, seconds=round(time.perf_counter() - t0, 4),
+                         speculative_steps=stats.speculative)  # the last batch's adaptive choice
             log.info("%s: %d references decoded (%s): %d tokens in %d target steps", suite.name, len(todo),
                      decoding, stats.tokens, stats.target_steps)
             return
