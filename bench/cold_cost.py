@@ -48,12 +48,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dflash-cold-bench"))
     p.add_argument("--parts", action="store_true", help="also time warm defaults less each part")
+    p.add_argument("--oracle-tau", type=float, default=7.0,
+                   help="also time the references alone, plain vs speculative, with an oracle drafter at this τ (0: off)")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    rows = [run_case(name, args, work) for name in args.cases.split(",")]
+    rows = [run_case(name, args, work) for name in args.cases.split(",") if name]
+    if args.oracle_tau:
+        rows.append(oracle_references(args))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
@@ -132,6 +136,59 @@ def run_case(name: str, args, work: Path) -> dict:
     print("  cold defaults' timings:", row["timings_cold_defaults"])
     print("  warm defaults' timings:", row["timings_warm_defaults"], "path", row["drafting_warm_defaults"])
     return row
+
+
+class Oracle:
+    """Proposes the greedy continuation (known) with each block cut at a random slot: the next token there is
+    wrong, so a verify commits about `tau` tokens; stands in for a drafter at that τ (references only)."""
+
+    def __init__(self, truth: list[list[int]], block_size: int, tau: float, vocab: int):
+        self.truth, self.B, self.vocab = truth, block_size, vocab
+        self.rng = np.random.default_rng(0)
+        self.p = min(1.0, 1.0 / max(tau - 1.0, 1e-9))  # geometric streaks: mean accepted drafts tau - 1
+        self.layer_ids: list[int] = []
+
+    def propose(self, row) -> list[int]:
+        at = len(row.out)
+        true = list(self.truth[row.index][at:at + self.B - 1]) + [7] * self.B
+        stop = int(min(self.rng.geometric(self.p) - 1, self.B - 1))
+        return [t if k < stop else (t + 1) % self.vocab for k, t in enumerate(true[:self.B - 1])]
+
+
+def oracle_references(args) -> dict:
+    """The references alone, batched plain vs batched speculative at a forced τ (the decoder's own cost)."""
+    from bench.walk_cost import load_case_target, suite_for
+    from eval_worker.engine.decoding import DecodeStats, Row, decode
+
+    target = load_case_target("tiny")
+    suite = suite_for(target, args.num_prompts, args.max_new_tokens)
+    prompts = [q.ids for q in suite.encode(target.tokenizer)]
+    n = args.max_new_tokens + 15
+
+    def run(prop):
+        rows, stats = [Row(i, list(q), lambda out: n) for i, q in enumerate(prompts)], DecodeStats()
+        for _ in decode(target, rows, prop, stats=stats):
+            pass
+        return [r.result() for r in sorted(rows, key=lambda r: r.index)], stats, rows
+
+    truth, plain_stats, _ = run(None)
+    best: dict[str, float] = {}
+    for _ in range(args.repeat):
+        for way in ("plain", "speculative"):
+            oracle = Oracle(truth, 16, args.oracle_tau, target.vocab_size) if way == "speculative" else None
+            t = time.perf_counter()
+            got, stats, rows = run(oracle)
+            best[way] = min(best.get(way, float("inf")), time.perf_counter() - t)
+            assert got == truth
+            if oracle is not None:
+                tau = float(np.mean([a for r in rows for a in r.accepts]))
+                spec_stats = stats
+    print(f"\nreferences alone, oracle drafter at τ {tau:.2f} ({len(prompts)} x {n} tokens, fastest of {args.repeat}):")
+    print(f"  batched plain        {best['plain']:7.2f} s  target steps {plain_stats.target_steps}")
+    print(f"  batched speculative  {best['speculative']:7.2f} s  target steps {spec_stats.target_steps} "
+          f"(kept: {spec_stats.speculative})  {best['plain'] / best['speculative']:.2f}x")
+    return {"case": "oracle_references", "tau": tau, "seconds": best, "plain_steps": plain_stats.target_steps,
+            "speculative_steps": spec_stats.target_steps}
 
 
 def _opts(d):
