@@ -45,7 +45,7 @@ from eval_worker.engine.options import EvalOptions, temperature_key
 from eval_worker.engine.references import LocalReferences, Reference, ReferenceSourceError, Request
 from eval_worker.engine.result import EvalResult, PromptResult
 from eval_worker.engine.scoring import PromptScore, Summary, sample_offsets, score_blocks, score_prompt, summarize
-from eval_worker.engine.speed import measure_step_costs
+from eval_worker.engine.speed import StepCosts
 from eval_worker.engine.suite import EncodedPrompt, Suite, SuiteError, load_suite
 from eval_worker.engine.walk import GroupKV, Walker, WalkSeq, auto_path, context_kv, group_kv_budget, walk_groups
 
@@ -226,7 +226,7 @@ class Evaluator:
         self.reference_source = reference_source or LocalReferences(target)
         self.progress, self.progress_every_s = progress, progress_every_s
         self._baselines: dict[str, DrafterRun] = {}
-        self._costs: dict[str, dict | None] = {}
+        self.step_costs = StepCosts(self.disk)  # one measurement per (target, device, drafter shape)
         self._draft_costs: dict[str, dict] = {}  # drafting seconds per response token, per path and drafter shape
         self._auto_runs: dict[str, int] = {}  # evaluations "auto" chose a path for, per drafter shape
 
@@ -293,6 +293,11 @@ class Evaluator:
                  eos: int | None, counting: str = "response",
                  sampling: tuple[SamplingParams, int] | None = None) -> dict:
         """Run the real draft-verify loop on every prompt and compare step by step with the replay.
+
+        The engine's one per-prompt loop, on purpose: what it checks is the published loop itself (batch 1,
+        its own numerics), so batching its prompts would validate another loop. It costs what that loop costs,
+        one target step per verify (bench/cold_cost.py's "loop" column: at τ ≈ 7 on the tiny target about
+        the cost of a warm evaluation with run defaults, at τ ≈ 1 one step per token, several times it).
 
         `sampling` (params, seed): the loop samples with each reference's keyed draws (its sample index)."""
         mismatched, token_mismatch, steps = [], [], 0
@@ -427,7 +432,8 @@ class Evaluator:
                     yield from batch
                     bar.update(len(batch))
             notes.update(decoding=decoding, prompts=len(todo), target_steps=stats.target_steps,
-                         tokens=stats.tokens, seconds=round(time.perf_counter() - t0, 4))
+                         tokens=stats.tokens, seconds=round(time.perf_counter() - t0, 4),
+                         speculative_steps=stats.speculative)  # the last batch's adaptive choice
             log.info("%s: %d references decoded (%s): %d tokens in %d target steps", suite.name, len(todo),
                      decoding, stats.tokens, stats.target_steps)
             return
@@ -743,13 +749,7 @@ class Evaluator:
             return out
         ctx = int(np.median([len(r.prompt_ids) + len(r.tokens) for r in refs]))
         committed = max(1, round(tau or 1))  # hybrid targets re-run the accepted tokens after a rejection
-        ckey = digest({"cfg": drafter.config.to_dict(), "dtype": str(drafter.fc.weight.dtype), "ctx": ctx,
-                       "committed": committed})
-        if ckey not in self._costs:
-            self._costs[ckey] = measure_step_costs(self.target, drafter,
-                                                   context_len=max(ctx, drafter.config.block_size + 8),
-                                                   committed=committed)
-        costs = self._costs[ckey]
+        costs, cached = self.step_costs.get(self.target, drafter, max(ctx, drafter.config.block_size + 8), committed)
         if costs is None:
             out["source"] = "not measurable on this target (sliding-window target layers)"
             return out
@@ -757,7 +757,7 @@ class Evaluator:
                    verify_decode_cost_ratio=costs["verify_s"] / costs["decode_s"],
                    estimated=metrics.estimated_speedup(tau, draft_s=costs["draft_s"], verify_s=costs["verify_s"],
                                                        ar_s=costs["decode_s"]),
-                   measured=costs, source=f"measured on {self.target.device}")
+                   measured=costs, source=f"measured on {self.target.device}", cached=cached)
         return out
 
     def _bar(self, items, desc: str):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.core import cache_compat
+from dflash_train.core.masks import cached_block_mask
 from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.core.target import Target, VerifyCache
 
@@ -101,6 +102,57 @@ class DrafterProposer:
                               mask=None, cache=row.dcache)
         return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)[0].tolist()
 
+    @torch.no_grad()
+    def propose_many(self, rows: list[Row]) -> list[list[int]]:
+        """Every row's block in one drafter forward: each row's new context goes into its own cache (a few
+        positions), then the rows' caches are stacked, left-padded and masked, and their blocks drafted together
+        (one call instead of one per row: at 8-16 rows the per-row calls cost more than the verify they feed).
+        The drafts may differ from `propose`'s at near-ties (other float sums); any drafts give the same
+        references (the verify keeps only the target's tokens), only the steps they take can change."""
+        if len(rows) == 1:
+            return [self.propose(rows[0])]
+        cfg, dev, drafter = self.drafter.config, self.target.device, self.drafter
+        embed, head = self.target.parts.embed_tokens, self.target.parts.lm_head
+        starts = []
+        for row in rows:
+            if row.dcache is None:
+                row.dcache = DraftCache(cfg.num_hidden_layers)
+            start = len(row.context) + len(row.out) - 1
+            starts.append(start)
+            if row.feats is not None and row.feats.shape[1] > 0:  # the row's new context keys, into its cache
+                ctx = drafter.hidden_norm(drafter.fc(row.feats.to(drafter.fc.weight.dtype)))
+                cos, sin = drafter.rotary_emb(ctx, torch.arange(row.dcache.length, start, device=dev)[None])
+                for i, layer in enumerate(drafter.layers):
+                    row.dcache.extend(i, *layer.self_attn.key_value(ctx, cos, sin))
+                row.feats = row.feats[:, :0]
+        lengths = [r.dcache.length for r in rows]
+        width = max(lengths)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool, device=dev)
+        ctx_pos = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        for j, n in enumerate(lengths):
+            valid[j, width - n:] = True
+            ctx_pos[j, width - n:] = torch.arange(n, device=dev)
+        stacked = DraftCache(cfg.num_hidden_layers)
+        for i in range(cfg.num_hidden_layers):
+            for part, out in ((0, stacked.keys), (1, stacked.values)):
+                first = rows[0].dcache.keys[i] if part == 0 else rows[0].dcache.values[i]
+                buf = first.new_zeros(len(rows), first.shape[1], width, first.shape[3])
+                for j, r in enumerate(rows):
+                    t = r.dcache.keys[i] if part == 0 else r.dcache.values[i]
+                    buf[j, :, width - lengths[j]:] = t[0]
+                out[i] = buf
+        positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(self.block_size, device=dev)[None]
+        keys_ok = torch.cat([valid, torch.ones(len(rows), self.block_size, dtype=torch.bool, device=dev)], dim=1)
+        masks, built = [], {}
+        for spec in cfg.attention():
+            if spec not in built:
+                m = cached_block_mask(positions, ctx_pos, *spec)
+                built[spec] = keys_ok[:, None, None, :] if m is None else m & keys_ok[:, None, None, :]
+            masks.append(built[spec].expand(-1, 1, self.block_size, -1))
+        block = mask_blocks(torch.tensor([r.out[-1] for r in rows], device=dev), self.block_size, cfg.mask_token_id)
+        hidden = drafter(embed(block).to(drafter.fc.weight.dtype), positions, None, None, mask=masks, cache=stacked)
+        return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1).tolist()
+
 
 @dataclass
 class DecodeStats:
@@ -132,6 +184,12 @@ def decode(target: Target, rows: list[Row], proposer: DrafterProposer | None = N
         stats.rows += len(batch)
         stats.tokens += sum(len(r.out) for r in batch)
         yield batch
+
+
+def _propose(proposer, rows: list[Row]) -> list[list[int]]:
+    """Every row's drafts: in one call where the proposer batches rows, else row by row."""
+    many = getattr(proposer, "propose_many", None)
+    return many(rows) if many is not None else [proposer.propose(r) for r in rows]
 
 
 def _choose(target: Target, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -201,7 +259,7 @@ def _decode_batch(target: Target, rows: list[Row], proposer: DrafterProposer | N
     while live:
         use = proposer if choice.speculative() else None
         t0 = time.perf_counter()
-        drafts = [use.propose(r) for r in live] if use else [[] for _ in live]
+        drafts = _propose(use, live) if use else [[] for _ in live]
         k = 1 + len(drafts[0])
         block = torch.tensor([[r.out[-1], *d] for r, d in zip(live, drafts, strict=True)], device=dev)
         starts = torch.tensor([len(r.context) + len(r.out) - 1 for r in live], device=dev)

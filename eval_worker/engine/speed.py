@@ -11,12 +11,16 @@ three alike instead of skewing their ratio.
 """
 from __future__ import annotations
 
+import json
+import platform
 import time
 
 import torch
 
+from dflash_train.core import cache_compat
 from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.core.target import Target, VerifyCache
+from eval_worker.engine.cache import DiskCache, digest
 
 
 def _sync(dev: torch.device) -> None:
@@ -91,3 +95,41 @@ def measure_step_costs(target: Target, drafter: DFlashDrafter, context_len: int 
     best = _fastest_interleaved({"draft_s": draft, "verify_s": verify, "decode_s": decode}, reps, dev)
     return {**best, "context_len": context_len, "recurrent_layers": len(cache.recurrent),
             "committed_per_step": committed}
+
+
+class StepCosts:
+    """Measured step costs, one measurement per (target, device and host, drafter shape and dtype, context
+    length; on a hybrid target also the tokens a step commits, which its rollback re-runs), kept in memory and
+    in the cache directory (kind "step_costs"): later checkpoints of a run, and the next process on the same
+    machine, read it instead of timing again (~0.1-1 s a checkpoint on the tiny target's CPU run, more on a
+    real target). The costs depend on shapes, not weights, so a checkpoint's τ changes nothing else here."""
+
+    KIND = "step_costs"
+
+    def __init__(self, disk: DiskCache | None = None):
+        self.disk = disk if disk is not None else DiskCache(None)
+        self.memory: dict[str, dict | None] = {}
+        self.measured = 0  # fresh measurements made (the rest were read)
+
+    def get(self, target: Target, drafter: DFlashDrafter, context_len: int, committed: int) -> tuple[dict | None, bool]:
+        """(costs, read from the cache) at `context_len`; costs None where not measurable."""
+        from transformers import DynamicCache
+
+        recurrent = bool(cache_compat.recurrent_layers(DynamicCache(config=target.model.config)))
+        key = {"target_fingerprint": target.fingerprint(), "device": str(target.device), "host": platform.node(),
+               "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "drafter": drafter.config.to_dict(), "drafter_dtype": str(drafter.fc.weight.dtype),
+               "context_len": context_len, "committed": committed if recurrent else None}
+        key = json.loads(json.dumps(key))  # as the cache file holds it (tuples are lists there)
+        slot = digest(key)
+        if slot in self.memory:
+            return self.memory[slot], True
+        look = self.disk.get_json(self.KIND, slot, key)
+        if look.status == "hit" and isinstance(look.value, dict) and "costs" in look.value:
+            self.memory[slot] = look.value["costs"]
+            return self.memory[slot], True
+        costs = measure_step_costs(target, drafter, context_len=context_len, committed=committed)
+        self.measured += 1
+        self.memory[slot] = costs
+        self.disk.put_json(self.KIND, slot, key, {"costs": costs})
+        return costs, False

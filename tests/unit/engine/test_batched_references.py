@@ -181,3 +181,26 @@ def test_flipped_reference_is_caught_only_by_the_check(tmp_path):
     flipped = next(iter(FlippedSpeculative(target).generate_many(reqs, drafter=drafter)))[0][1]
     assert flipped.ext != list(one_at_a_time("tiny", N + L)[1])
     assert torch.equal(torch.tensor(flipped.ext[:2]), torch.tensor(one_at_a_time("tiny", N + L)[1][:2]))
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_spec_references_drafts_batched_across_rows(sliding):
+    """One drafter forward drafts every row's block (caches stacked, left-padded, masked): the same drafts as
+    one call per row, at the first step and after new context, full and sliding-window drafter layers."""
+    from eval_worker.engine.decoding import DrafterProposer
+
+    target = tiny()
+    kw = {"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]} if sliding else {}
+    drafter = drafter_for(target, block_size=6, **kw)
+    proposer = DrafterProposer(drafter, target)
+    rows = [[Row(i, list(p), lambda out: N, out=[5 + i]) for i, p in enumerate(prompts_of(target))] for _ in (0, 1)]
+    for step in range(2):
+        for one, many in zip(*rows, strict=True):
+            seq = one.context + one.out
+            feats = target.forward(torch.tensor([seq]), drafter.config.target_layer_ids).features
+            new = feats[:, one.dcache.length if one.dcache else 0: len(seq) - 1]
+            one.feats, many.feats = new, new.clone()
+        assert proposer.propose_many(rows[1]) == [proposer.propose(r) for r in rows[0]], step
+        for one, many in zip(*rows, strict=True):
+            one.out += [7, 9 + step]
+            many.out += [7, 9 + step]

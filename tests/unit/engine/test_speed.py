@@ -42,3 +42,31 @@ def test_speed_is_measured_on_hybrid_targets_too(tmp_path):
     res = Evaluator(target, None).evaluate(tmp_path / "ck", suite, options={"validate": True})
     assert res.speedup["estimated"] is not None and res.speedup["source"].startswith("measured on")
     assert res.validation["ok"]  # and the real loop on this target still equals the replay
+
+
+def test_step_cost_cached(tmp_path):
+    """The step costs are timed once per (target, device, drafter shape): a second checkpoint of the same shape
+    (other weights) and the next process on the same cache directory read them (issue 37, item 3)."""
+    import json
+
+    from dflash_train.checkpoints.checkpoint import save_drafter
+    from dflash_train.core.target import Target
+    from eval_worker.engine.acceptance import Evaluator
+    from eval_worker.engine.suite import Prompt, Suite
+    from tests.support.factories import drafter_for
+
+    target = Target.load("dflash_train/assets/tiny_target")
+    for seed in (0, 1):
+        save_drafter(drafter_for(target, block_size=4, seed=seed), tmp_path / f"ck{seed}")
+    suite = Suite("s", "1", [Prompt("a", ids=(3, 1, 4, 1, 5))], chat_template=False, max_new_tokens=8)
+    opts = {"leak_probe_anchors": 0, "tree_budget": 0}
+    ev = Evaluator(target, tmp_path / "cache", progress=False)
+    first = ev.evaluate(tmp_path / "ck0", suite, options=opts).speedup
+    second = ev.evaluate(tmp_path / "ck1", suite, options=opts).speedup
+    assert ev.step_costs.measured == 1
+    assert first["cached"] is False and second["cached"] is True and second["measured"] == first["measured"]
+    again = Evaluator(target, tmp_path / "cache", progress=False)
+    third = again.evaluate(tmp_path / "ck1", suite, options=opts).speedup
+    assert again.step_costs.measured == 0 and third["cached"] is True
+    assert json.loads(json.dumps(third["measured"])) == json.loads(json.dumps(first["measured"]))
+    assert third["estimated"] is not None

@@ -1,0 +1,201 @@
+"""The first evaluation (cold) and a later one (warm) vs the reference loop, at τ ≈ 1.1 and τ ≈ 7, one run.
+
+    python bench/cold_cost.py [--cases low,high] [--num-prompts 8] [--max-new-tokens 64] [--repeat 2] [--parts]
+                              [--threads 1] [--work DIR] [--json OUT]
+
+The bundled tiny target, the built-in coding suite (chat template applied), B=16 two-layer drafters
+fitted to the suite's references (`walk_cost.fitted_checkpoint`, kept in --work): `low` 10 passes (τ ≈ 1.1,
+a run's early checkpoint), `high` 40 passes (τ ≈ 7). Sizes scaled down from issue 37's 32 x 128 so a run
+fits minutes on the shared 2-core VM (a fit of 10 passes over 28 x 128 took 14 min there).
+Per case, in interleaved rounds (fastest of --repeat):
+  - loop: `speculative_generate` (step for step the published `dflash_generate`) over every prompt;
+  - cold: a new `Evaluator` on an empty cache directory (references decoded, features computed, the
+    step costs measured): run defaults, and `drafting="walk"`;
+  - warm: the same `Evaluator` again (references and features cached): run defaults, `drafting="walk"`,
+    and the defaults less one part at a time (no leak probe, no step-cost timing, no tree) to show
+    what each part of the defaults costs.
+Every result's τ is checked equal to the loop's (macro over prompts) and the references to the loop's tokens
+before anything is printed. Target steps: the loop's verify steps; the engine's reference decoding steps
+(batched: one forward serves every row of a batch) plus one features pass per prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+CASES = {"low": 10, "high": 40}  # fit steps of a 2-layer B=16 drafter over the suite's references
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="low,high")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dflash-cold-bench"))
+    p.add_argument("--parts", action="store_true", help="also time warm defaults less each part")
+    p.add_argument("--oracle-tau", type=float, default=7.0,
+                   help="also time the references alone, plain vs speculative, with an oracle drafter at this τ (0: off)")
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [run_case(name, args, work) for name in args.cases.split(",") if name]
+    if args.oracle_tau:
+        rows.append(oracle_references(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def run_case(name: str, args, work: Path) -> dict:
+    from bench.walk_cost import fitted_checkpoint, load_case_target, suite_for
+    from dflash_train.checkpoints.checkpoint import load_drafter
+    from dflash_train.core.speculative import speculative_generate
+    from eval_worker.engine.acceptance import Evaluator
+
+    target = load_case_target("tiny")
+    suite = suite_for(target, args.num_prompts, args.max_new_tokens)
+    fit_cache = work / "fit-cache"
+    ckpt = fitted_checkpoint(target, "tiny", 2, CASES[name], suite, work, Evaluator(target, fit_cache, progress=False))
+    drafter = load_drafter(ckpt)
+    prompts = [q.ids for q in suite.encode(target.tokenizer)]
+    eos = Evaluator(target, fit_cache, progress=False)._eos(_opts({}))
+    base = {"max_new_tokens": args.max_new_tokens}
+    walk = {**base, "drafting": "walk"}
+    loop_out: dict = {}
+
+    def loop():
+        res = [speculative_generate(target, drafter, q, args.max_new_tokens, eos) for q in prompts]
+        loop_out["steps"] = sum(len(r.accept_lengths) for r in res)
+        loop_out["tau"] = float(np.mean([r.tau for r in res]))
+        loop_out["tokens"] = [r.tokens for r in res]
+        return res
+
+    def cold(options):
+        def run():
+            ev = Evaluator(target, tempfile.mkdtemp(dir=work), progress=False)
+            return ev.evaluate(ckpt, suite, options=options)
+        return run
+
+    warm_ev = Evaluator(target, tempfile.mkdtemp(dir=work), progress=False)
+    for options in (base, walk, base):  # references, features; both drafting paths measured for `auto`
+        warm_ev.evaluate(ckpt, suite, options=options)
+
+    def warm(options):
+        return lambda: warm_ev.evaluate(ckpt, suite, options=options)
+
+    ways = {"loop": loop, "cold defaults": cold(base), "cold walk": cold(walk),
+            "warm defaults": warm(base), "warm walk": warm(walk)}
+    if args.parts:
+        ways.update({"warm defaults, no leak probe": warm({**base, "leak_probe_anchors": 0}),
+                     "warm defaults, no step cost": warm({**base, "measure_speed": False}),
+                     "warm defaults, no tree": warm({**base, "tree_budget": 0})})
+    best: dict[str, float] = {}
+    out: dict[str, object] = {}
+    for _ in range(args.repeat):  # interleaved: a busy spell on the shared machine hits every way alike
+        for way, fn in ways.items():
+            gc.collect()
+            t = time.perf_counter()
+            out[way] = fn()
+            best[way] = min(best.get(way, float("inf")), time.perf_counter() - t)
+    for way, r in out.items():
+        if way == "loop":
+            continue
+        assert abs(r.tau["macro"] - loop_out["tau"]) < 1e-9, (way, r.tau["macro"], loop_out["tau"])
+        assert [q["num_tokens"] for q in r.to_dict()["prompts"]] == [len(t) for t in loop_out["tokens"]], way
+    refs = out["cold defaults"].provenance["references"]
+    row = {"case": name, "tau": loop_out["tau"], "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "loop_steps": loop_out["steps"], "reference_steps": refs["target_steps"],
+           "reference_decoding": refs["decoding"], "seconds": best,
+           "vs_loop": {w: best["loop"] / s for w, s in best.items()},
+           "timings_cold_defaults": out["cold defaults"].provenance["timings_s"],
+           "timings_warm_defaults": out["warm defaults"].provenance["timings_s"],
+           "drafting_warm_defaults": out["warm defaults"].provenance["drafting"]["path"]}
+    print(f"\n{name}: τ {row['tau']:.2f}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+          f"{args.threads} thread(s), fastest of {args.repeat}")
+    print(f"  target steps: loop {row['loop_steps']}; engine cold {row['reference_steps']} reference steps "
+          f"({refs['decoding']}, batched, speculative steps kept: {refs.get('speculative_steps')}) "
+          f"+ {len(prompts)} features passes")
+    for way, s in best.items():
+        print(f"  {way:34s} {s:7.2f} s  {row['vs_loop'][way]:5.2f}x the loop")
+    print("  cold defaults' timings:", row["timings_cold_defaults"])
+    print("  warm defaults' timings:", row["timings_warm_defaults"], "path", row["drafting_warm_defaults"])
+    return row
+
+
+class Oracle:
+    """Proposes the greedy continuation (known) with each block cut at a random slot: the next token there is
+    wrong, so a verify commits about `tau` tokens; stands in for a drafter at that τ (references only)."""
+
+    def __init__(self, truth: list[list[int]], block_size: int, tau: float, vocab: int):
+        self.truth, self.B, self.vocab = truth, block_size, vocab
+        self.rng = np.random.default_rng(0)
+        self.p = min(1.0, 1.0 / max(tau - 1.0, 1e-9))  # geometric streaks: mean accepted drafts tau - 1
+        self.layer_ids: list[int] = []
+
+    def propose(self, row) -> list[int]:
+        at = len(row.out)
+        true = list(self.truth[row.index][at:at + self.B - 1]) + [7] * self.B
+        stop = int(min(self.rng.geometric(self.p) - 1, self.B - 1))
+        return [t if k < stop else (t + 1) % self.vocab for k, t in enumerate(true[:self.B - 1])]
+
+
+def oracle_references(args) -> dict:
+    """The references alone, batched plain vs batched speculative at a forced τ (the decoder's own cost)."""
+    from bench.walk_cost import load_case_target, suite_for
+    from eval_worker.engine.decoding import DecodeStats, Row, decode
+
+    target = load_case_target("tiny")
+    suite = suite_for(target, args.num_prompts, args.max_new_tokens)
+    prompts = [q.ids for q in suite.encode(target.tokenizer)]
+    n = args.max_new_tokens + 15
+
+    def run(prop):
+        rows, stats = [Row(i, list(q), lambda out: n) for i, q in enumerate(prompts)], DecodeStats()
+        for _ in decode(target, rows, prop, stats=stats):
+            pass
+        return [r.result() for r in sorted(rows, key=lambda r: r.index)], stats, rows
+
+    truth, plain_stats, _ = run(None)
+    best: dict[str, float] = {}
+    for _ in range(args.repeat):
+        for way in ("plain", "speculative"):
+            oracle = Oracle(truth, 16, args.oracle_tau, target.vocab_size) if way == "speculative" else None
+            t = time.perf_counter()
+            got, stats, rows = run(oracle)
+            best[way] = min(best.get(way, float("inf")), time.perf_counter() - t)
+            assert got == truth
+            if oracle is not None:
+                tau = float(np.mean([a for r in rows for a in r.accepts]))
+                spec_stats = stats
+    print(f"\nreferences alone, oracle drafter at τ {tau:.2f} ({len(prompts)} x {n} tokens, fastest of {args.repeat}):")
+    print(f"  batched plain        {best['plain']:7.2f} s  target steps {plain_stats.target_steps}")
+    print(f"  batched speculative  {best['speculative']:7.2f} s  target steps {spec_stats.target_steps} "
+          f"(kept: {spec_stats.speculative})  {best['plain'] / best['speculative']:.2f}x")
+    return {"case": "oracle_references", "tau": tau, "seconds": best, "plain_steps": plain_stats.target_steps,
+            "speculative_steps": spec_stats.target_steps}
+
+
+def _opts(d):
+    from eval_worker.engine.options import EvalOptions
+
+    return EvalOptions.from_dict(d)
+
+
+if __name__ == "__main__":
+    main()
