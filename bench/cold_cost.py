@@ -49,7 +49,8 @@ def main() -> None:
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dflash-cold-bench"))
     p.add_argument("--parts", action="store_true", help="also time warm defaults less each part")
     p.add_argument("--oracle-tau", type=float, default=7.0,
-                   help="also time the references alone, plain vs speculative, with an oracle drafter at this τ (0: off)")
+                   help="also time the references alone, plain vs speculative, with an oracle drafter "
+                        "at this τ (0: off)")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

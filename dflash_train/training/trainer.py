@@ -373,7 +373,8 @@ class Trainer:
         logger.close(failing=False)
         return TrainSummary(self.run_id, str(self.run_dir), start_step, self.step, losses=logger.losses,
                             metrics=metrics, checkpoints=checkpointer.published if checkpointer is not None else [],
-                            state_path=checkpointer.state_path if checkpointer is not None else None, wall_s=wall, cpu_s=cpu,
+                            state_path=checkpointer.state_path if checkpointer is not None else None,
+                            wall_s=wall, cpu_s=cpu,
                             tokens_per_s=logger.total_tokens() / max(wall, 1e-9), queue_health=q.health.as_dict(),
                             world_size=self.dist.world_size)
 

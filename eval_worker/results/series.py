@@ -9,9 +9,9 @@ those of earlier versions (docs/design.md "Metric names and aliases").
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 

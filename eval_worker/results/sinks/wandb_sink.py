@@ -117,9 +117,9 @@ def _settings(target: WandbTarget):
     import wandb
 
     init_timeout = target.init_timeout_s
-    kwargs: dict[str, Any] = dict(silent=True, console="off", x_disable_stats=True, x_disable_meta=True, disable_git=True,
-                  save_code=False, disable_code=True, disable_job_creation=True, x_save_requirements=False,
-                  init_timeout=init_timeout)
+    kwargs: dict[str, Any] = dict(
+        silent=True, console="off", x_disable_stats=True, x_disable_meta=True, disable_git=True, save_code=False,
+        disable_code=True, disable_job_creation=True, x_save_requirements=False, init_timeout=init_timeout)
     if target.mode == "online":  # fail fast when the server is down; the ledger keeps the result
         kwargs.update(x_graphql_timeout_seconds=init_timeout, x_file_stream_timeout_seconds=init_timeout,
                       x_graphql_retry_max=2)
