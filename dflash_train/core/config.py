@@ -141,6 +141,14 @@ class DrafterConfig:
         return self.layer_types
 
     @property
+    def layer_ids(self) -> list[int]:
+        """The target layers the drafter reads; a config not yet bound to its target (`bind_target`) has none."""
+        if self.target_layer_ids is None:
+            raise ConfigError("the drafter config names no target_layer_ids and is not bound to a target "
+                              "(DrafterConfig.bind_target)")
+        return self.target_layer_ids
+
+    @property
     def num_features(self) -> int:
         return len(self.target_layer_ids) if self.target_layer_ids is not None else self.num_hidden_layers
 
@@ -202,6 +210,18 @@ class DrafterConfig:
         self.validate()
 
     def validate(self) -> None:
+        problems = self._shape_problems() + self._rope_problems() + self._layer_problems()
+        if not problems:
+            try:  # rope parameters the rotary embedding cannot build are refused now, not mid-evaluation
+                from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+                Qwen3RotaryEmbedding(self.qwen3_config())
+            except Exception as e:  # noqa: BLE001 - transformers raises several types here
+                problems.append(f"rope parameters {self.rope_scaling} are not usable ({type(e).__name__}: {e})")
+        if problems:
+            raise ConfigError("invalid drafter config: " + "; ".join(problems))
+
+    def _shape_problems(self) -> list[str]:
         problems = []
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size"):
@@ -213,16 +233,15 @@ class DrafterConfig:
             problems.append(f"block_size must be >= 2 (got {self.block_size})")
         if self.num_attention_heads % max(self.num_key_value_heads, 1):
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
-        ids = self.target_layer_ids
-        if ids is not None:
-            if not ids:
-                problems.append("dflash_config.target_layer_ids is empty")
-            # -1: the embedding output (HF hidden_states[0]), as DeepSpec allows
-            bad = [i for i in ids if i < -1 or (self.num_target_layers is not None and i >= self.num_target_layers)]
-            if bad:
-                problems.append(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
-            if len(set(ids)) != len(ids):
-                problems.append(f"target_layer_ids has duplicates: {ids}")
+        if self.mask_token_id is None:
+            if not isinstance(self.mask_token, str) or not self.mask_token:
+                problems.append("mask_token_id is missing (or dflash_config.mask_token, a token string)")
+        elif not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary (size {self.vocab_size})")
+        return problems
+
+    def _rope_problems(self) -> list[str]:
+        problems = []
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             problems.append(f"rms_norm_eps must be a positive number (got {self.rms_norm_eps})")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
@@ -233,11 +252,21 @@ class DrafterConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 problems.append(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-        if self.mask_token_id is None:
-            if not isinstance(self.mask_token, str) or not self.mask_token:
-                problems.append("mask_token_id is missing (or dflash_config.mask_token, a token string)")
-        elif not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary (size {self.vocab_size})")
+        return problems
+
+    def _layer_problems(self) -> list[str]:
+        """The target layers read, and the drafter's own layer types and window."""
+        problems = []
+        ids = self.target_layer_ids
+        if ids is not None:
+            if not ids:
+                problems.append("dflash_config.target_layer_ids is empty")
+            # -1: the embedding output (HF hidden_states[0]), as DeepSpec allows
+            bad = [i for i in ids if i < -1 or (self.num_target_layers is not None and i >= self.num_target_layers)]
+            if bad:
+                problems.append(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
+            if len(set(ids)) != len(ids):
+                problems.append(f"target_layer_ids has duplicates: {ids}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
@@ -248,15 +277,7 @@ class DrafterConfig:
                 problems.append("sliding_attention layers need sliding_window (or dflash_config.swa_window_size)")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             problems.append(f"sliding_window must be a positive integer (got {self.sliding_window!r})")
-        if not problems:
-            try:  # rope parameters the rotary embedding cannot build are refused now, not mid-evaluation
-                from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-                Qwen3RotaryEmbedding(self.qwen3_config())
-            except Exception as e:  # noqa: BLE001 - transformers raises several types here
-                problems.append(f"rope parameters {self.rope_scaling} are not usable ({type(e).__name__}: {e})")
-        if problems:
-            raise ConfigError("invalid drafter config: " + "; ".join(problems))
+        return problems
 
     # --- published layout ---------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -462,58 +483,17 @@ def normalize_layout(d: dict[str, Any]) -> tuple[dict[str, Any], str, bool | Non
     if "speculators_model_type" in d or "transformer_layer_config" in d or any(
             a in SPECULATORS_ARCHITECTURES for a in archs):
         layout = "speculators"
-        if d.get("speculators_model_type", "dflash") != "dflash":
-            raise ConfigError(f"config.json: speculators_model_type={json.dumps(d['speculators_model_type'])} "
-                              "is not a DFlash speculator")
-        inner = d.get("transformer_layer_config")
-        if not isinstance(inner, dict):
-            raise ConfigError("config.json: a speculators config needs transformer_layer_config (an object)")
-        out = {k: v for k, v in inner.items() if k != "architectures"}
-        for k, v in d.items():
-            if k in _SPECULATORS_META or k in ("transformer_layer_config", "architectures"):
-                continue
-            if k == "aux_hidden_state_layer_ids":
-                out["dflash_config"] = {**out.get("dflash_config", {}), "target_layer_ids": _plus_one_ids(v, k)}
-            elif k == "draft_vocab_size":
-                if v != inner.get("vocab_size"):
-                    out["draft_vocab_size"] = v  # a draft vocabulary mapped onto the target's: refused by name
-            else:
-                out[k] = v
-        out["architectures"] = [ARCHITECTURE]
-        d, dcfg = out, out.get("dflash_config", {})
+        d = _from_speculators(d)
+        dcfg = d.get("dflash_config", {})
     elif any(a in DEEPSPEC_ARCHITECTURES for a in archs) or "markov_rank" in d:
         layout = "deepspec"
-        if d.get("markov_rank", 0) == 0:  # any other rank is DSpark proper (a Markov head): refused by name
-            d.pop("markov_rank", None)
-        for key in ("use_confidence_head", "confidence_head"):
-            if key in d and not d[key]:
-                d.pop(key)
-        d.pop("num_anchors", None)  # anchors per training sequence: no effect on a draft
-        d["architectures"] = [ARCHITECTURE]
-    for name in ("eagle_aux_hidden_state_layer_ids", "dspark_target_layer_ids"):
-        source = d if name in d else dcfg if name in dcfg else None
-        if source is None:
-            continue
+        _from_deepspec(d)
+    if _move_plus_one_ids(d, dcfg):
         layout = "vllm" if layout == "z-lab" else layout
-        ids = _plus_one_ids(source.pop(name), name)
-        for where, label in ((dcfg, "dflash_config.target_layer_ids"), (d, "target_layer_ids")):
-            if where.get("target_layer_ids") is not None and where["target_layer_ids"] != ids:
-                raise ConfigError(f"config.json: {name} (+1 convention) gives layers {ids} but {label} says "
-                                  f"{where['target_layer_ids']}")
-        d["dflash_config"] = dcfg = {**dcfg, "target_layer_ids": ids}
+        dcfg = d["dflash_config"]
     if "draft_sliding_window" in d or "projector_type" in d or "projector_type" in dcfg:
         layout = "automodel" if layout == "z-lab" else layout
-        for where in (d, dcfg):
-            if where.get("projector_type", "linear") == "linear":
-                where.pop("projector_type", None)  # our fc: one bias-free linear map (anything else is refused)
-        window = d.pop("draft_sliding_window", None)
-        if window:
-            if d.get("sliding_window") not in (None, window):
-                raise ConfigError(f"config.json: draft_sliding_window {window} but sliding_window "
-                                  f"{d['sliding_window']}")
-            d["sliding_window"] = window
-            if d.get("layer_types") is None:
-                d["layer_types"] = ["sliding_attention"] * int(d.get("num_hidden_layers", 0))
+        _from_automodel(d, dcfg)
     sliding_causal = None
     if "sliding_window_non_causal" in d:
         flag = d.pop("sliding_window_non_causal")
@@ -521,6 +501,72 @@ def normalize_layout(d: dict[str, Any]) -> tuple[dict[str, Any], str, bool | Non
             raise ConfigError(f"config.json: sliding_window_non_causal must be true or false (got {flag!r})")
         sliding_causal = not flag
     return d, layout, sliding_causal
+
+
+def _from_speculators(d: dict[str, Any]) -> dict[str, Any]:
+    """speculators: the decoder in `transformer_layer_config`, the rest beside it."""
+    if d.get("speculators_model_type", "dflash") != "dflash":
+        raise ConfigError(f"config.json: speculators_model_type={json.dumps(d['speculators_model_type'])} "
+                          "is not a DFlash speculator")
+    inner = d.get("transformer_layer_config")
+    if not isinstance(inner, dict):
+        raise ConfigError("config.json: a speculators config needs transformer_layer_config (an object)")
+    out = {k: v for k, v in inner.items() if k != "architectures"}
+    for k, v in d.items():
+        if k in _SPECULATORS_META or k in ("transformer_layer_config", "architectures"):
+            continue
+        if k == "aux_hidden_state_layer_ids":
+            out["dflash_config"] = {**out.get("dflash_config", {}), "target_layer_ids": _plus_one_ids(v, k)}
+        elif k == "draft_vocab_size":
+            if v != inner.get("vocab_size"):
+                out["draft_vocab_size"] = v  # a draft vocabulary mapped onto the target's: refused by name
+        else:
+            out[k] = v
+    out["architectures"] = [ARCHITECTURE]
+    return out
+
+
+def _from_deepspec(d: dict[str, Any]) -> None:
+    """DeepSpec's DSpark at markov_rank 0 without a confidence head is DFlash (in place)."""
+    if d.get("markov_rank", 0) == 0:  # any other rank is DSpark proper (a Markov head): refused by name
+        d.pop("markov_rank", None)
+    for key in ("use_confidence_head", "confidence_head"):
+        if key in d and not d[key]:
+            d.pop(key)
+    d.pop("num_anchors", None)  # anchors per training sequence: no effect on a draft
+    d["architectures"] = [ARCHITECTURE]
+
+
+def _move_plus_one_ids(d: dict[str, Any], dcfg: dict[str, Any]) -> bool:
+    """vLLM/SGLang's layer ids (+1 convention) into `dflash_config.target_layer_ids`; whether any were there."""
+    moved = False
+    for name in ("eagle_aux_hidden_state_layer_ids", "dspark_target_layer_ids"):
+        source = d if name in d else dcfg if name in dcfg else None
+        if source is None:
+            continue
+        moved = True
+        ids = _plus_one_ids(source.pop(name), name)
+        for where, label in ((dcfg, "dflash_config.target_layer_ids"), (d, "target_layer_ids")):
+            if where.get("target_layer_ids") is not None and where["target_layer_ids"] != ids:
+                raise ConfigError(f"config.json: {name} (+1 convention) gives layers {ids} but {label} says "
+                                  f"{where['target_layer_ids']}")
+        d["dflash_config"] = dcfg = {**dcfg, "target_layer_ids": ids}
+    return moved
+
+
+def _from_automodel(d: dict[str, Any], dcfg: dict[str, Any]) -> None:
+    """Automodel: `draft_sliding_window` (every layer slides), `projector_type` "linear" (in place)."""
+    for where in (d, dcfg):
+        if where.get("projector_type", "linear") == "linear":
+            where.pop("projector_type", None)  # our fc: one bias-free linear map (anything else is refused)
+    window = d.pop("draft_sliding_window", None)
+    if window:
+        if d.get("sliding_window") not in (None, window):
+            raise ConfigError(f"config.json: draft_sliding_window {window} but sliding_window "
+                              f"{d['sliding_window']}")
+        d["sliding_window"] = window
+        if d.get("layer_types") is None:
+            d["layer_types"] = ["sliding_attention"] * int(d.get("num_hidden_layers", 0))
 
 
 def _one(d: dict, dcfg: dict, name: str, default: Any = None) -> Any:

@@ -81,8 +81,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt_ids: lis
     with keyed draws instead of taking its argmax (None: greedy)."""
     check_counting(counting)
     cfg = drafter.config
-    B, layer_ids = cfg.block_size, cfg.target_layer_ids
-    assert layer_ids is not None, "the drafter config is not bound to a target (DrafterConfig.bind_target)"
+    B, layer_ids = cfg.block_size, cfg.layer_ids
     dev = target.device
     embed, head = target.parts.embed_tokens, target.parts.lm_head
     cache = VerifyCache(target)

@@ -138,8 +138,7 @@ class Trainer:
         self.target.check_drafter(self.drafter.config)
         self.backend = self._attention_backend()
         self.block_size = self.drafter.config.block_size
-        layer_ids = self.drafter.config.target_layer_ids
-        assert layer_ids is not None, "the drafter config names no target_layer_ids"  # for_target names them
+        layer_ids = self.drafter.config.layer_ids  # for_target names them
         self.layer_ids = list(layer_ids)
 
         self.examples = examples if examples is not None else self._examples()

@@ -104,6 +104,7 @@ class ResultBuilder:
     def build(self) -> EvalResult:
         assert self.main is not None and self.speed is not None, "the drafter's run and the speed come first"
         main, s, opts, drafter, target = self.main, self.main.summary, self.opts, self.drafter, self.target
+        assert main.drafting is not None
         prompts, observed = self._prompts()
         baseline = self._baseline()
         facts = self._facts(*observed)
@@ -145,6 +146,7 @@ class ResultBuilder:
                 (a + 1, min(a + n, sc.num_tokens - 1) + 1) for a,
                 n in zip(range(0, sc.num_tokens, sc.block_size), sc.stride, strict=False)]
             text, spans = _char_spans(decode, ref.tokens, walk_spans)
+            assert sc.greedy is not None  # scored with the features pass
             first = _first_divergence(sc.greedy.tolist(), ref.ext)
             if first is not None:
                 divergence[ref.name] = first
@@ -258,7 +260,7 @@ class Evaluator:
         with _timer(timings, "references"):
             refs, pending = self._references(suite, prompts, max_new, eos, lookahead, report,
                                              drafter=self._reference_drafter(opts, drafter, base),
-                                             layer_ids=list(drafter.config.target_layer_ids),
+                                             layer_ids=list(drafter.config.layer_ids),
                                              notes=parts.reference_notes)
         parts.refs = refs
         # a server's reference must be the target's own greedy output (checked on the features
@@ -376,7 +378,8 @@ class Evaluator:
         todo = []  # (position in refs, label, slot, key, lookup, known continuation, sampler, prompt)
         for p in prompts:
             for k in [None] if sampling is None else range(K):
-                sampler = None if k is None else Sampler.for_prompt(sampling[0], sampling[1], p.ids, k)
+                sampler = None if k is None or sampling is None else Sampler.for_prompt(sampling[0], sampling[1],
+                                                                                        p.ids, k)
                 variant = {} if sampler is None else {"sampling": sampler.params.to_dict(), "seed": sampler.seed,
                                                       "sample": k}
                 slot = digest({"target": self._target_slot(), "suite": suite.name, "prompt": p.name,
@@ -563,7 +566,7 @@ class Evaluator:
                     "draft_s_per_token": dict(costs) if costs else None, **drafted,
                     "anchor_sample": {"anchors": sampled, "of": tokens, "seed": opts.seed,
                                       "every_anchor": sampled == tokens, "stats": list(SAMPLED_STATS)}}
-        return DrafterRun(scores, summary, B, list(cfg.target_layer_ids), leak.to_dict() if leak else None, drafting)
+        return DrafterRun(scores, summary, B, list(cfg.layer_ids), leak.to_dict() if leak else None, drafting)
 
     def _drafting_path(self, drafter: DFlashDrafter, opts: EvalOptions) -> tuple[str, dict | None]:
         """"walk" or "all", and the measured drafting cost per response token of each (None: not
@@ -579,7 +582,7 @@ class Evaluator:
 
     def _features_for(self, ref, suite, cfg, report, timings, check, written, sampling_id) -> dict:
         with _timer(timings, "features"):
-            return self._features(ref, suite, cfg.target_layer_ids, report, check, written,
+            return self._features(ref, suite, cfg.layer_ids, report, check, written,
                                   None if sampling_id is None else {**sampling_id, "sample": ref.sample})
 
     def _probe(self, leak: LeakProbe, drafter, ref: Reference, ids, feats, opts, timings, strict=None):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ class DrafterProposer:
     def __init__(self, drafter: DFlashDrafter, target: Target):
         self.drafter, self.target = drafter, target
         self.block_size = drafter.config.block_size
-        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.layer_ids = list(drafter.config.layer_ids)
 
     @torch.no_grad()
     def propose(self, row: Row) -> list[int]:
@@ -113,19 +114,22 @@ class DrafterProposer:
             return [self.propose(rows[0])]
         cfg, dev, drafter = self.drafter.config, self.target.device, self.drafter
         embed, head = self.target.parts.embed_tokens, self.target.parts.lm_head
-        starts = []
+        starts, caches = [], []
         for row in rows:
             if row.dcache is None:
                 row.dcache = DraftCache(cfg.num_hidden_layers)
+            dcache = row.dcache
+            caches.append(dcache)
             start = len(row.context) + len(row.out) - 1
             starts.append(start)
             if row.feats is not None and row.feats.shape[1] > 0:  # the row's new context keys, into its cache
                 ctx = drafter.hidden_norm(drafter.fc(row.feats.to(drafter.fc.weight.dtype)))
-                cos, sin = drafter.rotary_emb(ctx, torch.arange(row.dcache.length, start, device=dev)[None])
+                cos, sin = drafter.rotary_emb(ctx, torch.arange(dcache.length, start, device=dev)[None])
                 for i, layer in enumerate(drafter.layers):
-                    row.dcache.extend(i, *layer.self_attn.key_value(ctx, cos, sin))
+                    attn: Any = layer.self_attn  # an nn.Module attribute: typed Tensor | Module
+                    dcache.extend(i, *attn.key_value(ctx, cos, sin))
                 row.feats = row.feats[:, :0]
-        lengths = [r.dcache.length for r in rows]
+        lengths = [c.length for c in caches]
         width = max(lengths)
         valid = torch.zeros(len(rows), width, dtype=torch.bool, device=dev)
         ctx_pos = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
@@ -135,10 +139,12 @@ class DrafterProposer:
         stacked = DraftCache(cfg.num_hidden_layers)
         for i in range(cfg.num_hidden_layers):
             for part, out in ((0, stacked.keys), (1, stacked.values)):
-                first = rows[0].dcache.keys[i] if part == 0 else rows[0].dcache.values[i]
+                layer_kv = [c.keys[i] if part == 0 else c.values[i] for c in caches]
+                first = layer_kv[0]
+                assert first is not None  # every row's context holds at least its prompt
                 buf = first.new_zeros(len(rows), first.shape[1], width, first.shape[3])
-                for j, r in enumerate(rows):
-                    t = r.dcache.keys[i] if part == 0 else r.dcache.values[i]
+                for j, t in enumerate(layer_kv):
+                    assert t is not None
                     buf[j, :, width - lengths[j]:] = t[0]
                 out[i] = buf
         positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(self.block_size, device=dev)[None]
@@ -276,7 +282,7 @@ def _decode_batch(target: Target, rows: list[Row], proposer: DrafterProposer | N
             mask[j, mask.shape[1] - k + n + 1:] = False  # the rejected drafts' slots
             if choice.drafting():  # the drafter's next context: what it has not seen yet
                 new = vout.features[j:j + 1, : n + 1]
-                r.feats = new if use else torch.cat([r.feats, new], dim=1)
+                r.feats = new if use or r.feats is None else torch.cat([r.feats, new], dim=1)
         choice.record(use is not None, time.perf_counter() - t0, committed / len(live))
         keep = [j for j, r in enumerate(live) if not r.finished()]
         held = int(mask.sum(1).max()) if keep else 0

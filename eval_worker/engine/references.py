@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -140,8 +140,7 @@ class LocalReferences:
             if ref is not None:
                 done.append((i, ref))
             else:
-                rows.append(Row(i, req.prompt_ids + req.known,
-                                lambda out, req=req: _less(req.need(req.known + out), len(req.known))))
+                rows.append(Row(i, req.prompt_ids + req.known, _need_beyond_known(req)))
         if done:
             yield done
         proposer = DrafterProposer(drafter, self.target) if drafter is not None else None
@@ -164,6 +163,11 @@ class LocalReferences:
             refs.append(Reference(name, list(prompt_ids), tokens, more[:lookahead], finish, "local", lookahead,
                                   sample=sampler.sample))
         return refs
+
+
+def _need_beyond_known(req) -> Callable[[list[int]], int | None]:
+    """A row's need counted from the end of what the request already knows."""
+    return lambda out: _less(req.need(req.known + out), len(req.known))
 
 
 def _less(need: int | None, known: int) -> int | None:
@@ -209,7 +213,11 @@ def sample_continuations(target: Target, prompt_ids: list[int], samplers: list[S
             if ends[i] is None and (out[i][-1] == eos_token_id or len(out[i]) == max_new_tokens):
                 ends[i] = len(out[i])
         inp = torch.tensor([[o[-1]] for o in out], device=dev)
-    return [o[: e + lookahead] for o, e in zip(out, ends, strict=True)]
+    kept = []
+    for o, e in zip(out, ends, strict=True):
+        assert e is not None  # the loop above ran until every row ended
+        kept.append(o[: e + lookahead])
+    return kept
 
 
 class ServerReferences:

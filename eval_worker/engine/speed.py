@@ -64,7 +64,7 @@ def measure_step_costs(target: Target, drafter: DFlashDrafter, context_len: int 
     ids = torch.randint(0, hi, (1, context_len), generator=gen)
     ids[ids == cfg.mask_token_id] = 0
     ids = ids.to(dev)
-    feats = target.forward(ids, cfg.target_layer_ids, past_key_values=cache.kv, use_cache=True).features
+    feats = target.forward(ids, cfg.layer_ids, past_key_values=cache.kv, use_cache=True).features
     cache.save()  # every timed call starts from this warm cache
     embed, ddtype = target.parts.embed_tokens, drafter.fc.weight.dtype
     dcache = DraftCache(cfg.num_hidden_layers)
@@ -82,13 +82,13 @@ def measure_step_costs(target: Target, drafter: DFlashDrafter, context_len: int 
         target.parts.lm_head(h[:, 1:].to(target.parts.lm_head.weight.dtype)).argmax(-1)
 
     def verify():
-        out = target.forward(block, cfg.target_layer_ids, past_key_values=cache.kv, use_cache=True)
+        out = target.forward(block, cfg.layer_ids, past_key_values=cache.kv, use_cache=True)
         target.parts.lm_head(out.last_hidden).argmax(-1)
-        cache.rewind(context_len, block[:, :committed], cfg.target_layer_ids)  # what the loop does next
+        cache.rewind(context_len, block[:, :committed], cfg.layer_ids)  # what the loop does next
         cache.restore(context_len)
 
     def decode():
-        out = target.forward(block[:, :1], cfg.target_layer_ids, past_key_values=cache.kv, use_cache=True)
+        out = target.forward(block[:, :1], cfg.layer_ids, past_key_values=cache.kv, use_cache=True)
         target.parts.lm_head(out.last_hidden).argmax(-1)
         cache.restore(context_len)
 

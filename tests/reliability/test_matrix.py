@@ -53,6 +53,23 @@ def test_table_writer_replaces_only_its_block(tmp_path):
     assert _rows(fresh.read_text())[0][3:8] == ["3", "2", "1", "0", "0"]
 
 
+def test_subset_run_replaces_its_own_rows_and_keeps_the_others(tmp_path):
+    """`bench/soak.py --only X` puts X's row in place (or adds it) and sums the total again over every row."""
+    a = soak_stack.Row("a", "x", "y", 3, 3, 0, 0, 0, 1.0, {})
+    b_bad = soak_stack.Row("b | c", "x", "y", 5, 4, 1, 0, 0, 1.0, {"problems": ["one"]})
+    doc = tmp_path / "r.md"
+    soak.write_table(doc, soak.render([a, b_bad], "full run."))
+    b_new = soak_stack.Row("b | c", "x", "z", 7, 7, 0, 0, 0, 1.0, {})
+    d_new = soak_stack.Row("d", "x", "y", 2, 1, 1, 0, 0, 1.0, {})
+    soak.write_table(doc, soak.merge_rows(doc, soak.render([b_new, d_new], "subset."), "B and d rerun."))
+    text = doc.read_text()
+    rows = _rows(text)
+    assert [r[0] for r in rows] == ["a", "b \\| c", "d"]
+    assert rows[1][2] == "z" and rows[1][8] == "yes"
+    assert "| **total** | | | 12 | 11 | 1 | 0 | 0 | |" in text
+    assert "full run. B and d rerun." in text and "failed checks" not in text  # the rerun row's old note went
+
+
 @pytest.mark.slow
 def test_full_soak_passes(tmp_path):
     """`python bench/soak.py` at full size (about 10 minutes on 2 cores)."""

@@ -1660,10 +1660,12 @@ QUICK = {"kill": dict(workers=2, jobs=16, kills=4), "redis": dict(checkpoints=12
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 
 
-def render(rows: list[Row], header: str) -> str:
-    out = [header, "",
-           "| fault | expected | observed | accepted | recorded | failed (visible) | lost | duplicated | ok |",
+COLUMNS = ["| fault | expected | observed | accepted | recorded | failed (visible) | lost | duplicated | ok |",
            "|---|---|---|---:|---:|---:|---:|---:|:-:|"]
+
+
+def render(rows: list[Row], header: str) -> str:
+    out = [header, "", *COLUMNS]
     for r in rows:
         cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
         ok = "yes" if r.ok else ("skipped" if r.details.get("skipped") else "**NO**")
@@ -1685,6 +1687,40 @@ def write_table(doc: Path, table: str) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     doc.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+def merge_rows(doc: Path, table: str, note: str) -> str:
+    """The published table with the rows of `table` (a run of some scenarios) put in place of the rows of the same
+    fault, new faults added before the total, the total summed again, and `note` appended to the header."""
+    old = doc.read_text().split(BEGIN, 1)[1].split(END, 1)[0] if doc.exists() else ""
+    if "| fault " not in old:
+        return table
+
+    def rows(text: str) -> tuple[list[str], list[str], list[str]]:
+        lines = text.strip("\n").splitlines()
+        head = [ln for ln in lines[: next(i for i, ln in enumerate(lines) if ln.startswith("| fault "))]]
+        body = [ln for ln in lines if ln.startswith("| ") and not ln.startswith(("| fault ", "| **total**"))]
+        after = lines[lines.index(next(ln for ln in lines if ln.startswith("| **total**"))) + 1:]
+        return head, body, after
+
+    def fault(line: str) -> str:
+        return re.split(r"(?<!\\)\|", line)[1].strip()
+
+    head, body, after = rows(old)
+    _, new_body, new_after = rows(table)
+    fresh = {fault(ln): ln for ln in new_body}
+    rerun = set(fresh)
+    merged = [fresh.pop(fault(ln), ln) for ln in body] + list(fresh.values())
+    cols = [[int(c.strip()) for c in re.split(r"(?<!\\)\|", ln)[4:9]] for ln in merged]
+    tot = [sum(c[k] for c in cols) for k in range(5)]
+    header = "\n".join(head).rstrip() + " " + note
+    out = [header, "", *COLUMNS, *merged,
+           f"| **total** | | | {tot[0]} | {tot[1]} | {tot[2]} | {tot[3]} | {tot[4]} | |"]
+    # failure notes of the rows not rerun stay; those of the rerun rows are the new run's
+    extra = [ln for ln in after if ln.strip() and not any(f"**{f.replace(chr(92) + '|', '|')}**" in ln
+                                                        for f in rerun)]
+    extra += [ln for ln in new_after if ln.strip()]
+    return "\n".join(out + ([""] + extra if extra else [])) + "\n"
 
 
 def run_scenarios(names: list[str], sizes: dict, workdir: Path, *, log=print) -> list[Row]:
@@ -1743,6 +1779,9 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, header)
     print(table)
     if args.out != "-":
+        if args.only and not args.quick:  # a subset replaces its own rows; the others keep their last run
+            table = merge_rows(Path(args.out), table, f"The {', '.join(names)} row(s) are from "
+                               f"`python bench/soak.py --only {','.join(names)}` on {time.strftime('%Y-%m-%d')}.")
         write_table(Path(args.out), table)
         print(f"table written to {args.out}")
     if args.json:
