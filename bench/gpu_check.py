@@ -283,7 +283,7 @@ def _fmt(x, unit: str = "", nd: int = 2) -> str:
     return f"{x}{unit}"
 
 
-def table(path: Path, statuses: dict[str, str]) -> list[str]:
+def table(path: Path, statuses: dict[str, str]) -> list[str]:  # noqa: C901 - one row per check, in order
     recs: dict[tuple[str, str], dict] = {}
     if path.exists():
         for line in path.read_text().splitlines():

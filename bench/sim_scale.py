@@ -137,9 +137,10 @@ class Scheduler:
         return pick
 
 
-def simulate(runs_spec: list[dict], targets: dict, n_workers: int, policy: str, *, mtbf_s: float | None = None,
-             repair_s: float = 600.0, grace_s: float = 70.0, sample_s: float = 30.0, seed: int = 0,
-             serves: list[tuple] | None = None, jitter: float = 0.1) -> dict:
+def simulate(  # noqa: C901 - an event loop: one branch per event kind
+        runs_spec: list[dict], targets: dict, n_workers: int, policy: str, *, mtbf_s: float | None = None,
+        repair_s: float = 600.0, grace_s: float = 70.0, sample_s: float = 30.0, seed: int = 0,
+        serves: list[tuple] | None = None, jitter: float = 0.1) -> dict:
     rng = random.Random(seed)
     runs = [Run(**r) for r in runs_spec]
     sched = Scheduler(policy, runs)

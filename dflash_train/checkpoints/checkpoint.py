@@ -407,7 +407,7 @@ class AsyncPublisher:
                     path = upload_checkpoint(path, self.store_run)
                 if self.on_published is not None:
                     self.on_published(step, path, read_manifest(path))
-            except BaseException as e:  # kept for the training thread
+            except BaseException as e:  # noqa: BLE001 - kept for the training thread, raised there
                 self._error = self._error or e
             finally:
                 with self._lock:

@@ -67,7 +67,7 @@ def redact_url(url: str | None) -> str | None:
             query = _SECRET_QUERY_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}={_MASK}", query)
             out = f"{head}?{query}"
         return out
-    except Exception:  # malformed URL: fall back to a blunt regex, never leak
+    except Exception:  # noqa: BLE001 - malformed URL: fall back to a blunt regex, never leak
         masked = re.sub(r"//[^/@]*@", f"//{_MASK}@", url)
         return _SECRET_QUERY_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}={_MASK}", masked)
 

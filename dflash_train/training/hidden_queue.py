@@ -137,7 +137,7 @@ class HiddenStateQueue:
                         self._ready.append(slot)
                         self._cv.notify_all()
                     self.health.producer_total_s = time.perf_counter() - start
-        except BaseException as e:  # surfaced to the consumer at its next take()
+        except BaseException as e:  # noqa: BLE001 - surfaced to the consumer at its next take()
             with self._cv:
                 self._error = e
         finally:

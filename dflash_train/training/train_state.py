@@ -96,7 +96,7 @@ def load_training_state(path: str | Path, map_location="cpu") -> dict:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise TrainStateError(f"training state {path} not found") from None
-    except Exception as e:  # truncated/corrupt file, or a non-weights-only pickle
+    except Exception as e:  # noqa: BLE001 - truncated/corrupt file, or a non-weights-only pickle
         raise TrainStateError(f"{path}: cannot read training state ({e})") from None
     if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
         raise TrainStateError(f"{path}: not a {STATE_FORMAT} file")

@@ -64,7 +64,7 @@ def _other(args: argparse.Namespace, sink: str, publish) -> int:
     except LockTimeout as e:
         print(f"dflash-eval publish: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # tracker errors: say what and where, keep the ledger untouched
+    except Exception as e:  # noqa: BLE001 - tracker errors: say what and where, keep the ledger
         print(f"dflash-eval publish: {sink} publication failed ({type(e).__name__}): {redact_url(str(e))}",
               file=sys.stderr)
         return 1
@@ -121,7 +121,7 @@ def _wandb(args: argparse.Namespace) -> int:
     except (SinkError, LockTimeout) as e:
         print(f"dflash-eval publish: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # W&B / network errors: say what and where, keep the ledger untouched
+    except Exception as e:  # noqa: BLE001 - W&B / network errors: say what and where, keep the ledger
         print(f"dflash-eval publish: W&B publication failed ({type(e).__name__}): {redact_url(str(e))}",
               file=sys.stderr)
         return 1

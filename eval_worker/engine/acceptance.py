@@ -207,10 +207,10 @@ class ResultBuilder:
 
 def software_version() -> str:
     try:
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
         return version("dflash-eval")
-    except Exception:
+    except PackageNotFoundError:  # run from a checkout that is not installed
         return "0.1.0"
 
 

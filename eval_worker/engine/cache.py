@@ -124,7 +124,7 @@ class DiskCache:
                 if stored != key:
                     return Lookup(None, "mismatch", describe_mismatch(stored, key))
                 value = {name: f.get_tensor(name) for name in f.keys()}
-        except Exception as e:  # safetensors raises several types on truncated/garbage files
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types on truncated/garbage files
             return Lookup(None, "corrupt", f"{path.name} unreadable ({type(e).__name__}: {e})")
         return Lookup(value, "hit")
 

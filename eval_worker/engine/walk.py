@@ -288,7 +288,7 @@ class Walker:
         self.seen_step, self.seen_tree = [0, 0], [0, 0]
 
     @torch.no_grad()
-    def run(self, seqs: list[WalkSeq], kvs: list | GroupKV) -> list[WalkBlocks]:
+    def run(self, seqs: list[WalkSeq], kvs: list | GroupKV) -> list[WalkBlocks]:  # noqa: C901 - the loop in one sitting
         """`kvs`: the group's `GroupKV` (row i: seqs[i]'s context, stored as each prompt's features arrive),
         or `context_kv` of each seq's features."""
         kvs = kvs if isinstance(kvs, GroupKV) else GroupKV.of(self.drafter, kvs)

@@ -192,7 +192,7 @@ def _problems(error: ValidationError, payload: dict[str, Any]) -> list[str]:
     return out
 
 
-def validate_job(payload: Any) -> JobPayload:
+def validate_job(payload: Any) -> JobPayload:  # noqa: C901 - one refusal per way a payload can be wrong
     """Check a job payload (JSON text or data) against the schema; return the validated job (defaults filled).
 
     One schema, run by `enqueue` and again by the worker: the types, ranges and sizes of

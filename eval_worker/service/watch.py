@@ -196,7 +196,7 @@ class Watcher:
             return None
 
     # --- one poll --------------------------------------------------------------------------
-    def scan(self) -> list[dict]:
+    def scan(self) -> list[dict]:  # noqa: C901 - one poll's cases in the order they are met
         """Handle what is complete and new; return one event per checkpoint handled now."""
         from dflash_train.checkpoints.training_state import StepUnknown, describe, import_checkpoint
 

@@ -161,7 +161,7 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_demo():
         def __del__(self):  # what a finalizer does with an exception: print it, go on
             try:
                 interrupts.handle(signal.SIGINT, None)
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - the handler raises KeyboardInterrupt by design
                 pass
 
     interrupts = Interrupts()

@@ -101,7 +101,7 @@ def test_a_reader_polling_during_saves_never_loads_a_partial_checkpoint(tmp_path
                     verify_checkpoint(p)
                     load_drafter(p)
                     seen["loaded"].add(p.name)
-                except Exception as e:  # a marked checkpoint that does not load = a torn publication
+                except Exception as e:  # noqa: BLE001 - a marked checkpoint that does not load = a torn publication
                     failures.append(f"{p.name}: {e!r}")
 
     t = threading.Thread(target=reader)
