@@ -31,6 +31,7 @@ import hashlib
 import json
 import random
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,14 +112,16 @@ class Suite:
     def __post_init__(self) -> None:
         if not self.prompts:
             raise SuiteError(f"suite {self.name!r} ({self.source or 'in memory'}) has no prompts")
-        names = [p.name for p in self.prompts]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise SuiteError(f"suite {self.name!r}: duplicate prompt names {dup}")
-        _check_max_new_tokens(self.max_new_tokens, f"suite {shorten(self.name)}")
-        _refuse_control_characters(self)
         if len(self.prompts) > MAX_PROMPTS:
             raise SuiteError(f"suite {shorten(self.name)} has {len(self.prompts)} prompts; the limit is {MAX_PROMPTS}")
+        # one pass over the names: MAX_PROMPTS of them must be checked in seconds (issue 34 D11)
+        dup = sorted(n for n, k in Counter(p.name for p in self.prompts).items() if k > 1)
+        if dup:
+            more = f" and {len(dup) - 10} more" if len(dup) > 10 else ""
+            names = ", ".join(shorten(n) for n in dup[:10])
+            raise SuiteError(f"suite {shorten(self.name)}: duplicate prompt names {names}{more}")
+        _check_max_new_tokens(self.max_new_tokens, f"suite {shorten(self.name)}")
+        _refuse_control_characters(self)
 
     @property
     def label(self) -> str:

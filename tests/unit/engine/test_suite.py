@@ -85,3 +85,24 @@ def test_encode_with_the_tiny_tokenizer(tiny_target_path):
     assert tok.decode(chat[0].ids).startswith("<|im_start|>user\nWrite a Python function fizzbuzz")
     assert tok.decode(chat[0].ids).endswith("<|im_start|>assistant\n")
     assert tok.decode(plain[0].ids).startswith("Write a Python function fizzbuzz")
+
+
+def test_suite_names_linear_at_the_prompt_limit():
+    """The duplicate-name check at the documented maximum (2^20 prompts) is one pass (issue 34 D11: it was
+    quadratic, >600 s); a duplicate among them is still named. The bound is 20x what one pass takes here."""
+    import time
+
+    from eval_worker.engine.options import MAX_PROMPTS
+    from eval_worker.engine.suite import Prompt, Suite, SuiteError
+
+    prompts = [Prompt(name=f"p{i}", prompt="x") for i in range(MAX_PROMPTS)]
+    t0 = time.perf_counter()
+    Suite("big", "1", prompts)
+    took = time.perf_counter() - t0
+    assert took < 30, f"{took:.1f} s for {MAX_PROMPTS} names"
+    prompts[-1] = Prompt(name="p7", prompt="y")
+    with pytest.raises(SuiteError, match=r"duplicate prompt names 'p7'$"):
+        Suite("big", "1", prompts)
+    many = [Prompt(name=f"d{i % 20}", prompt="x") for i in range(40)]
+    with pytest.raises(SuiteError, match="and 10 more"):
+        Suite("dups", "1", many)
