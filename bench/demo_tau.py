@@ -35,7 +35,7 @@ from dflash_train.training.data import encode_record, stdlib_code_prompts, stdli
 from dflash_train.training.train_config import load_config  # noqa: E402
 from dflash_train.training.trainer import Trainer, resolve_target_path  # noqa: E402
 
-SUITE = REPO / "eval_worker" / "suites" / "coding.jsonl"
+SUITE = REPO / "eval_worker" / "engine" / "suites" / "coding.jsonl"
 
 
 def prompt_sets(tok, names: list[str], per_set: int) -> dict[str, list[list[int]]]:

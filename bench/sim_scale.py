@@ -23,8 +23,8 @@ worker utilisation (time evaluating / time up), starved runs (a stretch of 10 ca
 training in which no newer checkpoint of the run was evaluated), and how long after train end
 its last checkpoint was evaluated.
 
-    python bench/sim_scale.py            # the table in bench/README.md
-    python bench/sim_scale.py --markdown # the same, as markdown rows
+    python bench/sim_scale.py                           # the table in bench/README.md, as markdown rows
+    python bench/sim_scale.py --scenario overload --seeds 10
 """
 from __future__ import annotations
 
