@@ -50,7 +50,8 @@ def _concrete_sinks_reached(rel: str, tree: ast.AST) -> list[tuple[int, str]]:
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             names = [node.value]
-        found += [(node.lineno, n) for n in names if any(n == c or n.startswith(c + ".") for c in CONCRETE)]
+        line = getattr(node, "lineno", 0)
+        found += [(line, n) for n in names if any(n == c or n.startswith(c + ".") for c in CONCRETE)]
     return found
 
 
