@@ -42,10 +42,13 @@ def _redis_url(settings: Settings, connection=None) -> str | None:
     from eval_worker.redis_client import url_of
 
     if connection is None:
-        from rq import get_current_job
+        try:
+            from rq import get_current_job
 
-        job = get_current_job()
-        connection = job.connection if job is not None else None
+            job = get_current_job()
+            connection = job.connection if job is not None else None
+        except Exception as e:  # noqa: BLE001 - publish_result never raises; without a job: the settings' URL
+            log.debug("no RQ job to take the Redis connection from: %s", e)
     if connection is None:
         return settings.redis_url
     url = url_of(connection)
