@@ -119,7 +119,7 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
     import shutil
 
     from dflash_train.common.settings import Settings
-    from eval_worker.results.sinks.wandb_sink import publish_run, target_from
+    from eval_worker.results.sinks import registry
 
     os.environ.setdefault("WANDB_SILENT", "true")
     small_results = tmp / "results-small"
@@ -129,10 +129,12 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
     for step_dir in sorted(src.iterdir())[:per_small]:
         shutil.copytree(step_dir, dst / step_dir.name)
     settings = Settings.from_env()
+    wandb = registry.get("wandb")
     out = []
     for tag, root in (("small", small_results), ("full", results)):
-        target = target_from({"project": "bench"}, settings, mode="offline", root=tmp / f"wandb-{tag}")
-        t, m, _ = measure(lambda target=target, root=root: publish_run(run, target, results_dir=root, force=True),
+        target = wandb.target({"project": "bench"}, settings, mode="offline", root=tmp / f"wandb-{tag}")
+        t, m, _ = measure(lambda target=target, root=root: wandb.publish_run(run, target, results_dir=root,
+                                                                             force=True),
                           peak=False, repeat=1)
         out += [t, None]
     return ("publish --run (one run, offline W&B rebuild)", per_small, per_full, *out)
@@ -189,7 +191,7 @@ def main() -> None:
     # every module measured, imported now: the run takes a while and must measure one version of the code
     import eval_worker.commands.results  # noqa: F401
     import eval_worker.results.report  # noqa: F401
-    import eval_worker.results.sinks.wandb_sink  # noqa: F401
+    import eval_worker.results.sinks.registry  # noqa: F401 - and the sinks it registers
     import eval_worker.service.queue  # noqa: F401
     from eval_worker.redis_client import connect
     from eval_worker.service.redis_server import LocalRedis

@@ -171,7 +171,7 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float, interrupted:
     from eval_worker.results import latest_demo
     from eval_worker.results.report import build_report
     from eval_worker.results.run_results import load_run
-    from eval_worker.results.sinks.wandb_sink import publish_run, target_from
+    from eval_worker.results.sinks import registry
     from hooks.eval_flags import eval_hook  # commands are the top layer: the demo composes trainer, hook, worker
 
     sinks, unknown = parse_sinks(args.sink)
@@ -237,8 +237,9 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float, interrupted:
 
     info = {}
     if "wandb" in sinks:
-        info = publish_run(run_id, target_from(wandb_cfg, settings, mode=mode, root=paths["wandb"]),
-                           results_dir=paths["results"], redis_url=url)
+        wb = registry.get("wandb")
+        info = wb.publish_run(run_id, wb.target(wandb_cfg, settings, mode=mode, root=paths["wandb"]),
+                              results_dir=paths["results"], redis_url=url)
     extra = _publish_others(run_id, sinks, paths, mlflow_uri, settings, url)
     report = build_report(run_id, results_dir=paths["results"], out_dir=paths["report"] / run_id)
     rows = [r for r in load_run(run_id, paths["results"])]
@@ -268,20 +269,18 @@ def _run(args, stack, paths: dict[str, Path], mode: str, t0: float, interrupted:
 def _publish_others(run_id: str, sinks, paths: dict[str, Path], mlflow_uri: str, settings, url: str) -> list[str]:
     """The final pass for TensorBoard and MLflow (the worker published after each result; this
     makes sure every ledger record is there) and where to look."""
+    from eval_worker.results.sinks import registry
+
     lines = []
     if "tensorboard" in sinks:
-        from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget
-        from eval_worker.results.sinks.tensorboard_sink import publish_run as publish_tb
-
-        tb = publish_tb(run_id, TensorBoardTarget(root=paths["tensorboard"]), results_dir=paths["results"],
-                         redis_url=url)
+        tb_sink = registry.get("tensorboard")
+        tb = tb_sink.publish_run(run_id, tb_sink.target(None, settings, root=paths["tensorboard"]),
+                                 results_dir=paths["results"], redis_url=url)
         lines.append(f"  TensorBoard: {tb['view']}")
     if "mlflow" in sinks:
-        from eval_worker.results.sinks.mlflow_sink import publish_run as publish_ml
-        from eval_worker.results.sinks.mlflow_sink import target_from
-
-        ml = publish_ml(run_id, target_from(None, settings, tracking_uri=mlflow_uri), results_dir=paths["results"],
-                         redis_url=url)
+        ml_sink = registry.get("mlflow")
+        ml = ml_sink.publish_run(run_id, ml_sink.target(None, settings, tracking_uri=mlflow_uri),
+                                 results_dir=paths["results"], redis_url=url)
         lines.append(f"  MLflow:      run {ml['mlflow_run_id']}; mlflow ui --backend-store-uri {mlflow_uri}")
     return lines
 

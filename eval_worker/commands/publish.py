@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 HELP = ("rebuild the eval run of a training run in W&B, TensorBoard or MLflow from the results ledger "
         "(offline by default)")
@@ -47,93 +46,45 @@ def main(args: argparse.Namespace) -> int:
         return 2
     rc = 0
     for name in names:
-        rc = max(rc, {"wandb": _wandb, "tensorboard": _tensorboard, "mlflow": _mlflow}[name](args))
+        rc = max(rc, _publish(args, name))
     return rc
 
 
-def _other(args: argparse.Namespace, sink: str, publish) -> int:
+def _overrides(args: argparse.Namespace, name: str) -> dict:
+    """The flags of this command that set a sink's target (None: not given, the settings decide)."""
+    if name == "wandb":
+        return {"mode": args.mode, "root": args.wandb_dir, "identity_of": args.run}
+    if name == "tensorboard":
+        return {"root": args.tensorboard_dir}
+    return {"tracking_uri": args.mlflow_uri, "experiment": args.mlflow_experiment,
+            "parent_run_id": args.mlflow_parent_run}
+
+
+def _publish(args: argparse.Namespace, name: str) -> int:
     from dflash_train.common.redaction import redact_url
     from eval_worker.results.run_results import ResultsError
+    from eval_worker.results.sinks import registry
+    from eval_worker.results.sinks.base import SinkError
     from eval_worker.results.sinks.wandb_lock import LockTimeout
 
-    try:
-        info = publish()
-    except ResultsError as e:
-        print(f"dflash-eval publish: {e}", file=sys.stderr)
-        return 2
-    except LockTimeout as e:
-        print(f"dflash-eval publish: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - tracker errors: say what and where, keep the ledger
-        print(f"dflash-eval publish: {sink} publication failed ({type(e).__name__}): {redact_url(str(e))}",
-              file=sys.stderr)
-        return 1
-    if sink == "tensorboard":
-        what = "already up to date" if info.get("skipped") else "rebuilt"
-        print(f"tensorboard eval run {info['eval_run_id']} {what}: steps {', '.join(map(str, info['steps']))}")
-        print(f"  event file: {info['event_file']}")
-        print(f"  to view:    {info['view']}")
-    else:
-        print(f"mlflow run {info['mlflow_run_id']} ({info['eval_run_id']}): logged {len(info['logged'])} missing "
-              f"record(s), {len(info['records'])} in total ({redact_url(info['tracking_uri'])})")
-    return 0
-
-
-def _tensorboard(args: argparse.Namespace) -> int:
-    from eval_worker.results.sinks.tensorboard_sink import TensorBoardTarget, publish_run
-
     s = args.settings
-    root = Path(args.tensorboard_dir).expanduser().resolve() if args.tensorboard_dir else s.tensorboard_dir
-    target = TensorBoardTarget(root=root, primary_suite=s.wandb_primary_suite)
-    return _other(args, "tensorboard", lambda: publish_run(
-        args.run, target, results_dir=args.results or s.results_dir, redis_url=args.redis_url or s.redis_url,
-        force=args.force))
-
-
-def _mlflow(args: argparse.Namespace) -> int:
-    from eval_worker.results.sinks.mlflow_sink import publish_run, target_from
-
-    s = args.settings
-    target = target_from(None, s, tracking_uri=args.mlflow_uri, experiment=args.mlflow_experiment,
-                         parent_run_id=args.mlflow_parent_run)
-    return _other(args, "mlflow", lambda: publish_run(
-        args.run, target, results_dir=args.results or s.results_dir, redis_url=args.redis_url or s.redis_url,
-        force=args.force))
-
-
-def _wandb(args: argparse.Namespace) -> int:
-    from dflash_train.common.redaction import redact_url
-    from eval_worker.results.run_results import ResultsError
-    from eval_worker.results.sinks.wandb_lock import LockTimeout
-    from eval_worker.results.sinks.wandb_sink import SinkError, publish_run, saved_identity, target_from
-
-    settings = args.settings
-    target_root = Path(args.wandb_dir).expanduser().resolve() if args.wandb_dir else settings.wandb_dir
-    cfg = dict(saved_identity(args.run, target_root))
-    cfg.update({k: v for k, v in (("project", args.project), ("entity", args.entity)) if v})
+    sink = registry.get(name)
+    # the W&B project and entity flags override the run's last publication (its identity)
+    cfg = {k: v for k, v in (("project", args.project), ("entity", args.entity)) if v} if name == "wandb" else None
     try:
-        target = target_from(cfg, settings, mode=args.mode, root=target_root)
-        info = publish_run(args.run, target, results_dir=args.results or settings.results_dir,
-                           redis_url=args.redis_url or settings.redis_url, force=args.force)
+        target = sink.target(cfg, s, **_overrides(args, name))
+        info = sink.publish_run(args.run, target, results_dir=args.results or s.results_dir,
+                                redis_url=args.redis_url or s.redis_url, force=args.force)
     except ResultsError as e:
         print(f"dflash-eval publish: {e}", file=sys.stderr)
         return 2
     except (SinkError, LockTimeout) as e:
         print(f"dflash-eval publish: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # noqa: BLE001 - W&B / network errors: say what and where, keep the ledger
-        print(f"dflash-eval publish: W&B publication failed ({type(e).__name__}): {redact_url(str(e))}",
+    except Exception as e:  # noqa: BLE001 - tracker / network errors: say what and where, keep the ledger
+        print(f"dflash-eval publish: {sink.label} publication failed ({type(e).__name__}): {redact_url(str(e))}",
               file=sys.stderr)
         return 1
-    if info.get("mode") == "disabled":
-        print("W&B is disabled (WANDB_MODE=disabled); nothing published")
-        return 0
-    if target.mode == "online":
-        print(f"eval run {info['eval_run_id']}: logged {len(info['logged'])} missing record(s), "
-              f"{len(info['records'])} in total (project {target.project})")
-    else:
-        what = "already up to date" if info.get("skipped") else "rebuilt"
-        print(f"eval run {info['eval_run_id']} {what}: steps {', '.join(map(str, info['steps']))}")
-        print(f"  offline run: {info['run_dir']}")
-        print(f"  to upload:   {info['sync']}")
+    for line in sink.summary(info, target):
+        print(line)
     return 0

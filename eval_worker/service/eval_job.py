@@ -204,9 +204,9 @@ def _rebuilds_run(job: JobPayload, s: WorkerSettings) -> bool:
     if tuple(s.env.sinks) != ("wandb",):
         return False
     try:
-        from eval_worker.results.sinks.wandb_sink import target_from
+        from eval_worker.results.sinks import registry
 
-        return target_from(job.to_json()["wandb"], s.env).mode == "offline"
+        return registry.get("wandb").target(job.to_json()["wandb"], s.env).mode == "offline"
     except Exception:  # noqa: BLE001 - when in doubt, publish now
         return False
 

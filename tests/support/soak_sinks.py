@@ -29,11 +29,11 @@ from pathlib import Path
 from tests.support.soak_stack import RUN, Row, Stack, Zygote, retry_now, wait_for
 
 SINKS = ("wandb", "tensorboard", "mlflow")
-_CHILD_MODULES = {"eval_worker.results.sinks.wandb_sink": "wandb", "eval_worker.results.sinks.base": None}
+_CHILD_MODULE = "eval_worker.results.sinks.child"
 
 
 def sink_children(pid: int) -> list[tuple[int, str]]:
-    """(pid, sink) of the sink publications `pid` is running (sinks/base.py's child, or W&B's own)."""
+    """(pid, sink) of the sink publications `pid` is running (sinks/child.py, one per publication)."""
     from tests.support.soak import _children  # soak.py imports this module
 
     out = []
@@ -42,12 +42,8 @@ def sink_children(pid: int) -> list[tuple[int, str]]:
             args = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        for module, sink in _CHILD_MODULES.items():
-            if module in args:
-                if sink is None and "--sink" in args[:-1]:
-                    sink = args[args.index("--sink") + 1]
-                if sink:
-                    out.append((child, sink))
+        if _CHILD_MODULE in args and "--sink" in args[:-1]:
+            out.append((child, args[args.index("--sink") + 1]))
     return out
 
 
@@ -169,7 +165,7 @@ def scenario_sink_kills(base: Path, zygote: Zygote, target: Path, *, jobs: int =
                 at = round(time.monotonic() - seen_at, 2)
                 if kind == "worker":  # the box dies: the worker and the tracker client it waits on
                     _killpg(w.pid)
-                    _killpg(child)  # its own session (sinks/base.py run_child)
+                    _killpg(child)  # its own session (sinks/child.py run_child)
                     w.wait(30)
                     s.start_worker(env=env, register=False)
                 else:  # the tracker client alone (the OOM killer): the worker carries on

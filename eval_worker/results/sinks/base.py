@@ -1,27 +1,21 @@
-"""What every sink shares: one writer per eval run, a complete publication from the ledger, and a
-child process with a hard timeout so a hanging tracker client never stalls the worker.
+"""The sink contract: what a result sink is, in code.
 
-A sink module exposes ``publish_run(run_id, target, *, results_dir, redis_url, force)`` (the whole
-publication: lock, read the ledger under the lock, bring the tracker up to date) and a target
-dataclass with ``to_json`` / ``from_json``; ``python -m eval_worker.results.sinks.base`` runs one
-publication for the worker's child process.
+A sink brings one tracker (W&B, TensorBoard, MLflow) up to date with the ledger for one training run.
+Every sink keeps the same promises: one writer per eval run (`wandb_lock.writer_lock`, a lock name per
+sink), a publication complete from the ledger (read under the lock, so concurrent publications coalesce),
+offline by default, and, in the worker, a child process with a hard timeout (`child.py`).
+
+A sink module defines one :class:`Sink` subclass and registers it with :func:`register`; the sinks are
+looked up by name in `registry.py` and nowhere else (tests/architecture/test_sink_registry.py).
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib
-import json
 import os
-import signal
-import subprocess
-import sys
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from dflash_train.common.errors import DFlashError
-
-# sink name -> (module, target class); wandb keeps its own child entry point (wandb_sink._main)
-MODULES = {"tensorboard": ("eval_worker.results.sinks.tensorboard_sink", "TensorBoardTarget"),
-           "mlflow": ("eval_worker.results.sinks.mlflow_sink", "MlflowTarget")}
+from dflash_train.common.settings import Settings
 
 
 class SinkError(DFlashError, RuntimeError):
@@ -30,67 +24,65 @@ class SinkError(DFlashError, RuntimeError):
     retryable = True
 
 
-def run_child(cmd: list[str], *, label: str, redis_url: str | None, timeout_s: float, stdin_extra: str = "") -> dict:
-    """Run one publication command in its own process group; the Redis URL goes on stdin (it may
-    hold a password; `stdin_extra` follows it), the last JSON line of stdout is the outcome. Killed
-    whole on timeout."""
-    # A process that ran W&B itself exports WANDB_SERVICE; a child inheriting it would publish
-    # through that parent's service (its settings, its run ids) and outlive its own kill.
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
-    try:
-        out, err = proc.communicate(input=(redis_url or "") + "\n" + stdin_extra, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise SinkError(f"{label} timed out after {timeout_s:.0f}s (killed)") from None
-    if proc.returncode != 0:
-        lines = err.strip().splitlines()
-        reason = next((ln[len("error: "):] for ln in reversed(lines) if ln.startswith("error: ")), None)
-        raise SinkError(f"{label} failed (exit {proc.returncode}): "
-                        + (reason or " | ".join(lines[-3:]) or "no output"))
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1]) if lines else {}
+class SinkTarget(Protocol):
+    """Where and how a sink publishes: everything a publication needs, so the child gets it whole as JSON."""
+
+    def to_json(self) -> dict: ...
 
 
-def sink_module(name: str):
-    module, cls = MODULES[name]
-    mod = importlib.import_module(module)
-    return mod, getattr(mod, cls)
+T = TypeVar("T", bound=SinkTarget)
 
 
-def publish_in_child(sink: str, run_id: str, target, *, results_dir, redis_url: str | None = None,
-                     timeout_s: float = 300.0) -> dict:
-    # the target on stdin too: a tracking URI may carry credentials, and argv is visible to every user
-    cmd = [sys.executable, "-m", "eval_worker.results.sinks.base", "--sink", sink, "--run", run_id,
-           "--target", "-", "--results", str(results_dir)]
-    return run_child(cmd, label=f"{sink} publication for {run_id!r}", redis_url=redis_url, timeout_s=timeout_s,
-                     stdin_extra=json.dumps(target.to_json()) + "\n")
+class Sink(ABC, Generic[T]):
+    """One tracker the ledger's results are published to."""
+
+    name: ClassVar[str]   # as `--sink`, `$DFLASH_SINKS` and a job's `sinks` spell it (settings.KNOWN_SINKS)
+    label: ClassVar[str]  # for messages
+
+    @abstractmethod
+    def target(self, cfg: dict | None, settings: Settings, **over: Any) -> T:
+        """The target from the job's block of this sink (``job[name]``, None when it has none), the settings,
+        and explicit overrides (the flags of `dflash-eval publish`, the demo's directories)."""
+
+    @abstractmethod
+    def target_from_json(self, data: dict) -> T:
+        """The inverse of the target's ``to_json`` (the child's side)."""
+
+    @abstractmethod
+    def publish_run(self, run_id: str, target: T, *, results_dir: str | os.PathLike, redis_url: str | None = None,
+                    force: bool = False, lock_wait_s: float = 600.0) -> dict:
+        """The whole publication: take the writer lock, read the ledger under it, bring the tracker up to
+        date. Returns what was done; ``records`` lists every record the tracker now holds (`owed.holds`)."""
+
+    @abstractmethod
+    def summary(self, info: dict, target: T) -> list[str]:
+        """What `dflash-eval publish` prints after a publication: what was done and where to look."""
+
+    def _options(self, over: dict[str, Any], *known: str) -> dict[str, Any]:
+        """`over` with every key of `known` (None when not given); a key the sink does not know is an error."""
+        unknown = sorted(set(over) - set(known))
+        if unknown:
+            raise TypeError(f"{self.label} target: unknown option(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        return {k: over.get(k) for k in known}
+
+    def timeout_s(self, settings: Settings) -> float:
+        """How long the worker waits for one publication before it kills the child."""
+        return settings.sink_timeout_s
+
+    def skipped(self, target: T) -> dict | None:
+        """The outcome without a publication (no child started), or None to publish."""
+        return None
 
 
-def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="internal: one publication to a sink (used by the worker)")
-    p.add_argument("--sink", required=True, choices=sorted(MODULES))
-    p.add_argument("--run", required=True)
-    p.add_argument("--target", required=True, help="the sink's target as JSON ('-': the line after the Redis URL)")
-    p.add_argument("--results", required=True)
-    args = p.parse_args(argv)
-    redis_url = sys.stdin.readline().strip() or None  # from the worker (not argv: it may hold a password)
-    raw_target = sys.stdin.readline() if args.target == "-" else args.target
-    try:
-        mod, cls = sink_module(args.sink)
-        info = mod.publish_run(args.run, cls.from_json(json.loads(raw_target)), results_dir=args.results,
-                               redis_url=redis_url)
-    except Exception as e:  # one line for the parent's log
-        from dflash_train.common.redaction import redact_url
-
-        print("error: " + redact_url(f"{type(e).__name__}: {e}").replace("\n", " "), file=sys.stderr)
-        return 1
-    print(json.dumps(info, default=str))
-    return 0
+_REGISTERED: dict[str, Sink] = {}
 
 
-if __name__ == "__main__":
-    sys.exit(_main())
+def register(cls: type[Sink]) -> type[Sink]:
+    """Class decorator of a sink module: make its sink known to `registry.py` by its name."""
+    if not getattr(cls, "name", None) or not getattr(cls, "label", None):
+        raise TypeError(f"{cls.__name__} names no sink (`name` and `label` class attributes)")
+    known = _REGISTERED.get(cls.name)
+    if known is not None and (type(known).__module__, type(known).__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(f"two sinks named {cls.name!r}: {type(known).__name__} and {cls.__name__}")
+    _REGISTERED[cls.name] = cls()
+    return cls

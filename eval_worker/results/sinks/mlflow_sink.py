@@ -29,14 +29,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, Series, lag_scalars, load_run, series_of
-from eval_worker.results.sinks.base import SinkError
+from eval_worker.results.sinks.base import Sink, SinkError, register
+from eval_worker.results.sinks.common import eval_run_id
 from eval_worker.results.sinks.names import points
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_sink import eval_run_id
 
 log = logging.getLogger(__name__)
 
@@ -299,3 +300,29 @@ def _log_report(client, mid: str, run_id: str, results_dir) -> None:
             return
         client.log_artifacts(mid, tmp, artifact_path="report")
 
+
+
+@register
+class MlflowSink(Sink[MlflowTarget]):
+    """MLflow: the job's ``mlflow`` block (experiment, the trainer's run to nest under); the worker's tracking URI."""
+
+    name = "mlflow"
+    label = "MLflow"
+
+    def target(self, cfg: dict | None, settings: Settings, **over: Any) -> MlflowTarget:
+        """`over`: `tracking_uri`, `experiment`, `parent_run_id` (over the job's block and the settings)."""
+        return target_from(cfg, settings, **self._options(over, "tracking_uri", "experiment", "parent_run_id"))
+
+    def target_from_json(self, data: dict) -> MlflowTarget:
+        return MlflowTarget.from_json(data)
+
+    def publish_run(self, run_id: str, target: MlflowTarget, *, results_dir: str | os.PathLike,
+                    redis_url: str | None = None, force: bool = False, lock_wait_s: float = 600.0) -> dict:
+        return publish_run(run_id, target, results_dir=results_dir, redis_url=redis_url, force=force,
+                           lock_wait_s=lock_wait_s)
+
+    def summary(self, info: dict, target: MlflowTarget) -> list[str]:
+        from dflash_train.common.redaction import redact_url
+
+        return [f"mlflow run {info['mlflow_run_id']} ({info['eval_run_id']}): logged {len(info['logged'])} missing "
+                f"record(s), {len(info['records'])} in total ({redact_url(info['tracking_uri'])})"]

@@ -16,7 +16,6 @@ Offline by nature; one writer per run (`wandb_lock.writer_lock`, Redis + file lo
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
@@ -27,12 +26,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash_train.common.fsutil import atomic_write_text
+from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, Series, lag_scalars, load_run, series_of
+from eval_worker.results.sinks.base import Sink, register
+from eval_worker.results.sinks.common import eval_run_id, read_json
 from eval_worker.results.sinks.names import points, suite_prefix
 from eval_worker.results.sinks.wandb_lock import writer_lock
-from eval_worker.results.sinks.wandb_sink import eval_run_id
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +90,6 @@ def _write(writer, res: RunResult, series: Series, images: bool) -> None:
         writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=prefix + "pos_curve", image=img)]), step)
 
 
-def _read_json(path: Path) -> dict | None:
-    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-        return json.loads(path.read_text())
-    return None
-
-
 def rebuild(run_id: str, results: list[RunResult], target: TensorBoardTarget) -> dict:
     """Write the complete eval run and swap it in. Caller holds the lock."""
     from torch.utils.tensorboard import SummaryWriter
@@ -134,8 +130,36 @@ def publish_run(run_id: str, target: TensorBoardTarget, *, results_dir, redis_ur
     eid = eval_run_id(run_id)
     with writer_lock(f"tensorboard-{eid}", redis_url=redis_url, lock_dir=target.root, wait_s=lock_wait_s):
         results = load_run(run_id, results_dir)  # under the lock: a waiting writer sees every record
-        current = _read_json(target.root / f"{eid}.tensorboard.json")
+        current = read_json(target.root / f"{eid}.tensorboard.json")
         if (not force and current and set(current.get("records", [])) == {r.key for r in results}
                 and Path(current.get("event_file", "")).is_file()):
             return {**current, "skipped": "up to date"}
         return rebuild(run_id, results, target)
+
+
+@register
+class TensorBoardSink(Sink[TensorBoardTarget]):
+    """TensorBoard: no job block; the worker's ``$DFLASH_TENSORBOARD_DIR``."""
+
+    name = "tensorboard"
+    label = "TensorBoard"
+
+    def target(self, cfg: dict | None, settings: Settings, **over: Any) -> TensorBoardTarget:
+        """`over`: `root` (the logdir, over the settings')."""
+        root = self._options(over, "root")["root"]
+        return TensorBoardTarget(root=Path(root).expanduser().resolve() if root else settings.tensorboard_dir,
+                                 primary_suite=settings.wandb_primary_suite)
+
+    def target_from_json(self, data: dict) -> TensorBoardTarget:
+        return TensorBoardTarget.from_json(data)
+
+    def publish_run(self, run_id: str, target: TensorBoardTarget, *, results_dir: str | os.PathLike,
+                    redis_url: str | None = None, force: bool = False, lock_wait_s: float = 600.0) -> dict:
+        return publish_run(run_id, target, results_dir=results_dir, redis_url=redis_url, force=force,
+                           lock_wait_s=lock_wait_s)
+
+    def summary(self, info: dict, target: TensorBoardTarget) -> list[str]:
+        what = "already up to date" if info.get("skipped") else "rebuilt"
+        return [f"tensorboard eval run {info['eval_run_id']} {what}: steps {', '.join(map(str, info['steps']))}",
+                f"  event file: {info['event_file']}",
+                f"  to view:    {info['view']}"]

@@ -29,15 +29,12 @@ uploaded instead of referenced when ``$DFLASH_WANDB_UPLOAD_CHECKPOINTS=1`` (opt-
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,7 +45,8 @@ from dflash_train.checkpoints import storage
 from dflash_train.common.fsutil import atomic_write_text
 from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, lag_scalars, load_run, series_of
-from eval_worker.results.sinks.base import SinkError, run_child  # noqa: F401 - SinkError: the sinks' one error
+from eval_worker.results.sinks.base import Sink, SinkError, register
+from eval_worker.results.sinks.common import eval_run_id, read_json, safe_name
 from eval_worker.results.sinks.names import suite_prefix
 from eval_worker.results.sinks.wandb_lock import writer_lock
 from eval_worker.results.sinks.wandb_payload import HF_STEP_KEY, STEP_KEY, run_log
@@ -57,7 +55,6 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["offline", "online", "disabled"]
 MODES: tuple[Mode, ...] = ("offline", "online", "disabled")
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -107,10 +104,6 @@ def target_from(cfg: dict | None, settings: Settings, *, mode: str | None = None
                        root=Path(root or cfg.get("root") or settings.wandb_dir).expanduser().resolve(),
                        init_timeout_s=settings.wandb_init_timeout_s, primary_suite=settings.wandb_primary_suite,
                        upload_checkpoints=settings.wandb_upload_checkpoints)
-
-
-def eval_run_id(run_id: str) -> str:
-    return _SAFE.sub("_", run_id)[:120] + "-eval"
 
 
 def _settings(target: WandbTarget):
@@ -170,7 +163,7 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None, up
     if not files:
         log.warning("checkpoint %s is gone; logging step %d without its artifact", ck_dir, res.step)
         return False
-    art = wandb.Artifact(f"{_SAFE.sub('_', run_id)}-drafter", type="model",
+    art = wandb.Artifact(f"{safe_name(run_id)}-drafter", type="model",
                          metadata={"train_step": res.step, "digest": ck.get("digest"), "path": str(ck_dir),
                                    "tau": res.result["tau"]["macro"], "suite": res.result["suite"]["name"]})
     for f in files:
@@ -192,7 +185,7 @@ def _log_store_checkpoint(run, run_id: str, res: RunResult, best: RunResult | No
 
     ck = res.result["checkpoint"]
     info = {"uri": ck["path"], "digest": ck.get("digest"), "run_id": ck.get("run_id"), "step": res.step}
-    art = wandb.Artifact(f"{_SAFE.sub('_', run_id)}-drafter", type="model",
+    art = wandb.Artifact(f"{safe_name(run_id)}-drafter", type="model",
                          metadata={"train_step": res.step, "digest": ck.get("digest"), "uri": ck["path"],
                                    "tau": res.result["tau"]["macro"], "suite": res.result["suite"]["name"]})
     with art.new_file("checkpoint.json") as fh:
@@ -241,16 +234,6 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError) as e:
-        log.warning("ignoring unreadable %s: %s", path, e)
-        return None
-
-
 def _write_json(path: Path, data: dict) -> None:
     atomic_write_text(path, json.dumps(data, indent=1), durable=False)
 
@@ -297,7 +280,7 @@ def append_online(run_id: str, results: list[RunResult], target: WandbTarget) ->
     """Log the records not yet sent to the live run. Caller holds the lock."""
     eid = eval_run_id(run_id)
     state_path = target.root / f"{eid}.online.json"
-    state = _read_json(state_path) or {"eval_run_id": eid, "records": []}
+    state = read_json(state_path) or {"eval_run_id": eid, "records": []}
     done = set(state["records"])
     todo = [r for r in results if r.key not in done]
     if todo:
@@ -328,7 +311,7 @@ def publish_run(run_id: str, target: WandbTarget, *, results_dir: str | os.PathL
         if target.mode == "online":
             info = append_online(run_id, results, target)
         else:
-            current = _read_json(target.root / f"{eid}.json")
+            current = read_json(target.root / f"{eid}.json")
             if (not force and current and set(current.get("records", [])) == {r.key for r in results}
                     and Path(current.get("wandb_file", "")).is_file()):
                 info = {**current, "skipped": "up to date"}
@@ -351,46 +334,50 @@ def saved_identity(run_id: str, root: Path) -> dict:
     """The project/entity/group/name/tags the last publication of ``run_id`` used (or {})."""
     eid = eval_run_id(run_id)
     for name in (f"{eid}.json", f"{eid}.online.json"):
-        data = _read_json(root / name)
+        data = read_json(root / name)
         if data and isinstance(data.get("target"), dict):
             return data["target"]
     return {}
 
 
-# --------------------------------------------------------------------------- worker side
+@register
+class WandbSink(Sink[WandbTarget]):
+    """W&B: the job's ``wandb`` block; the worker's ``$DFLASH_WANDB_TIMEOUT_S``."""
 
+    name = "wandb"
+    label = "W&B"
 
-def publish_in_child(run_id: str, target: WandbTarget, *, results_dir: str | os.PathLike,
-                     redis_url: str | None = None, timeout_s: float = 300.0) -> dict:
-    """Run :func:`publish_run` in a child process with a hard timeout (`sinks.base.run_child`).
+    def target(self, cfg: dict | None, settings: Settings, **over: Any) -> WandbTarget:
+        """`over`: `mode` (over the settings' and the job's), `root` (the local W&B directory), `identity_of`: a
+        run whose last publication's project/entity/name/tags are the base under `cfg` (`dflash-eval publish`
+        keeps a run where it was)."""
+        o = self._options(over, "mode", "root", "identity_of")
+        if o["identity_of"] is not None:
+            root = Path(o["root"]).expanduser().resolve() if o["root"] else settings.wandb_dir
+            cfg = {**saved_identity(o["identity_of"], root), **(cfg or {})}
+        return target_from(cfg, settings, mode=o["mode"], root=o["root"])
 
-    W&B may hang or leave its service process behind; a child that is killed on timeout
-    (with its whole process group) cannot stall or leak into the worker. The child gets
-    everything as arguments, the Redis URL on its stdin (it may hold a password).
-    """
-    cmd = [sys.executable, "-m", "eval_worker.results.sinks.wandb_sink", "--run", run_id, "--target",
-           json.dumps(target.to_json()), "--results", str(results_dir)]
-    return run_child(cmd, label=f"W&B publication for {run_id!r}", redis_url=redis_url, timeout_s=timeout_s)
+    def target_from_json(self, data: dict) -> WandbTarget:
+        return WandbTarget.from_json(data)
 
+    def publish_run(self, run_id: str, target: WandbTarget, *, results_dir: str | os.PathLike,
+                    redis_url: str | None = None, force: bool = False, lock_wait_s: float = 600.0) -> dict:
+        return publish_run(run_id, target, results_dir=results_dir, redis_url=redis_url, force=force,
+                           lock_wait_s=lock_wait_s)
 
-def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="internal: one W&B publication (used by the worker's sink)")
-    p.add_argument("--run", required=True)
-    p.add_argument("--target", required=True, help="WandbTarget as JSON")
-    p.add_argument("--results", required=True)
-    args = p.parse_args(argv)
-    target = WandbTarget.from_json(json.loads(args.target))
-    redis_url = sys.stdin.readline().strip() or None  # from the worker (not argv: it may hold a password)
-    try:
-        info = publish_run(args.run, target, results_dir=args.results, redis_url=redis_url)
-    except Exception as e:  # one line for the parent's log; the details stay in W&B's debug logs
-        from dflash_train.common.redaction import redact_url
+    def summary(self, info: dict, target: WandbTarget) -> list[str]:
+        if info.get("mode") == "disabled":
+            return ["W&B is disabled (WANDB_MODE=disabled); nothing published"]
+        if target.mode == "online":
+            return [f"eval run {info['eval_run_id']}: logged {len(info['logged'])} missing record(s), "
+                    f"{len(info['records'])} in total (project {target.project})"]
+        what = "already up to date" if info.get("skipped") else "rebuilt"
+        return [f"eval run {info['eval_run_id']} {what}: steps {', '.join(map(str, info['steps']))}",
+                f"  offline run: {info['run_dir']}",
+                f"  to upload:   {info['sync']}"]
 
-        print("error: " + redact_url(f"{type(e).__name__}: {e}").replace("\n", " "), file=sys.stderr)
-        return 1
-    print(json.dumps(info))
-    return 0
+    def timeout_s(self, settings: Settings) -> float:
+        return settings.wandb_timeout_s
 
-
-if __name__ == "__main__":
-    sys.exit(_main())
+    def skipped(self, target: WandbTarget) -> dict | None:
+        return {"mode": "disabled"} if target.mode == "disabled" else None

@@ -6,6 +6,7 @@ transaction log, the real ledger and Redis index.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sqlite3
@@ -369,16 +370,28 @@ def test_rediss_sink_url_keeps_tls_and_user(redis_url):
     """The sink's child got `redis://` without the user for a worker on `rediss://user:...@` (a TLS downgrade):
     it gets the URL the worker connected with; one rebuilt from a client opened elsewhere keeps TLS and user."""
     import redis
+    from redis.connection import SSLConnection
 
     from eval_worker.redis_client import connect
     from eval_worker.results.sinks import _redis_url
 
     settings = Settings.from_env()
     assert settings.redis_url is None
-    url = "rediss://alice:s3cret@redis.example:6380/2?ssl_cert_reqs=required"
+    url = "rediss://alice:s3cret@redis.example:6380/2?ssl_cert_reqs=required&ssl_ca_certs=%2Fetc%2Fca.pem"
     client = connect(url, ping=False)
     assert _redis_url(settings, client) == url
+    # the connection wins over $REDIS_URL: the worker may have been started with --redis-url
+    assert _redis_url(dataclasses.replace(settings, redis_url="redis://other:6379/0"), client) == url
     elsewhere = redis.Redis.from_url(url)  # a plain `rq worker --url`: not opened by our connect
-    assert _redis_url(settings, elsewhere).startswith("rediss://alice:s3cret@redis.example:6380/2")
+    rebuilt = _redis_url(settings, elsewhere)
+    assert rebuilt.startswith("rediss://alice:s3cret@redis.example:6380/2?")
+    pool = redis.Redis.from_url(rebuilt).connection_pool  # opens as the worker's: TLS, user and CA kept
+    assert issubclass(pool.connection_class, SSLConnection)
+    assert {k: pool.connection_kwargs.get(k) for k in ("username", "password", "host", "port", "db", "ssl_cert_reqs",
+                                                        "ssl_ca_certs")} == {
+        "username": "alice", "password": "s3cret", "host": "redis.example", "port": 6380, "db": 2,
+        "ssl_cert_reqs": "required", "ssl_ca_certs": "/etc/ca.pem"}
+    sock = redis.Redis.from_url("unix:///run/redis.sock?db=3&password=pw")  # its password was dropped
+    assert redis.Redis.from_url(_redis_url(settings, sock)).connection_pool.connection_kwargs["password"] == "pw"
     plain = connect(redis_url)
     assert _redis_url(settings, plain) == redis_url

@@ -304,11 +304,11 @@ def test_tensorboard_sink_concurrent_writers_leave_one_complete_file(tmp_path, r
     for step, p in ((1, 0.3), (2, 0.5), (3, 0.7)):
         record_for(tmp_path, "run-c", step, p)
     target = json.dumps(TensorBoardTarget(root=tmp_path / "tb").to_json())
-    cmd = [sys.executable, "-m", "eval_worker.results.sinks.base", "--sink", "tensorboard", "--run", "run-c",
-           "--target", target, "--results", str(tmp_path / "results")]
+    cmd = [sys.executable, "-m", "eval_worker.results.sinks.child", "--sink", "tensorboard", "--run", "run-c",
+           "--results", str(tmp_path / "results")]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    outs = [p.communicate(input=redis_url + "\n", timeout=300) for p in procs]
+    outs = [p.communicate(input=redis_url + "\n" + target + "\n", timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-500:] for o in outs]
     infos = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
     assert sum(not i.get("skipped") for i in infos) == 1  # the writers that waited found it up to date
