@@ -139,7 +139,8 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
 
 
 def queue_part(args, conn) -> float:
-    from eval_worker.service.queue import QueueConfig, enqueue, status
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import QueueConfig, status
 
     config = QueueConfig(retry_max=0)
     runs = [f"run-{i:02d}" for i in range(args.runs)]

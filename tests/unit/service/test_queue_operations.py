@@ -9,8 +9,9 @@ from rq.job import JobStatus
 from eval_worker.cli import main as cli
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_client import enqueue
 from eval_worker.service.job_schema import JobError
-from eval_worker.service.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
+from eval_worker.service.queue import QueueConfig, dismiss_failed, fetch_job, get_queue, status
 from eval_worker.service.worker import serve
 from tests.support.sidecar_support import publish_random
 
