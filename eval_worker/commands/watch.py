@@ -96,11 +96,13 @@ def main(args: argparse.Namespace) -> int:
     watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
                       run_id=args.run, state_path=state_path, prefix=args.prefix, retry_failed=args.retry_failed,
                       log=lambda line: print(line, flush=True))
-    run_dir = watcher.url or Path(into).resolve() / watcher.run_id  # type: ignore[arg-type]
+    # the runs whose outboxes this watcher fills: converted records under `into`, or ours queued where they are
+    runs = [watcher.url] if watcher.url else [Path(into).resolve() / watcher.run_id, watcher.directory]
 
-    def before_scan() -> None:  # what an outage left in the run's outbox goes out before anything new
+    def before_scan() -> None:  # what an outage left in the outbox goes out before anything new
         with contextlib.suppress(Exception):  # noqa: BLE001 - the scan's own delivery says what is wrong
-            client.deliver(client.run_outbox(run_dir))
+            for run in runs:
+                client.deliver(client.run_outbox(run))  # type: ignore[arg-type]
             client.release_pins()
 
     print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
