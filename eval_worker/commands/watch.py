@@ -97,12 +97,13 @@ def main(args: argparse.Namespace) -> int:
                       run_id=args.run, state_path=state_path, prefix=args.prefix, retry_failed=args.retry_failed,
                       log=lambda line: print(line, flush=True))
     # the runs whose outboxes this watcher fills: converted records under `into`, or ours queued where they are
-    runs = [watcher.url] if watcher.url else [Path(into).resolve() / watcher.run_id, watcher.directory]
+    runs = [watcher.url] if watcher.url else [Path(str(into)).resolve() / watcher.run_id, watcher.directory]
 
     def before_scan() -> None:  # what an outage left in the outbox goes out before anything new
         with contextlib.suppress(Exception):  # noqa: BLE001 - the scan's own delivery says what is wrong
             for run in runs:
-                client.deliver(client.run_outbox(run))  # type: ignore[arg-type]
+                if run is not None:
+                    client.deliver(client.run_outbox(run))
             client.release_pins()
 
     print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -368,12 +369,12 @@ class JobClient:
                 "set_aside": box.rejected()}
 
     # ---- durable -----------------------------------------------------------------------
-    def outbox_for(self, checkpoint: str | Path) -> Path:
+    def outbox_for(self, checkpoint: str | os.PathLike) -> Path:
         """The outbox beside a checkpoint's run; for checkpoints in an object store (no local run
         directory), `$DFLASH_HOME/outbox/<run>`."""
         return self.run_outbox(storage.store_for(checkpoint).parent(checkpoint))
 
-    def run_outbox(self, run: str | Path) -> Path:
+    def run_outbox(self, run: str | os.PathLike) -> Path:
         """A run's outbox: `<run>/.eval-outbox`, or `$DFLASH_HOME/outbox/<run>` for a run in a store."""
         store = storage.store_for(run)
         return Path(run) / OUTBOX_DIRNAME if store.local else self.settings.home / "outbox" / store.name(run)
@@ -442,7 +443,7 @@ class JobClient:
                     self._give_up_owed(d.outbox)
         return ok
 
-    def protects(self, checkpoint: str | Path) -> bool:
+    def protects(self, checkpoint: str | os.PathLike) -> bool:
         """Whether a job waiting in its outbox (on disk or owed in memory) names this checkpoint."""
         d = self._deliverers.get(self.outbox_for(checkpoint))
         return (d.outbox if d is not None else Outbox(self.outbox_for(checkpoint))).holds(checkpoint)
