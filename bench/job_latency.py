@@ -50,7 +50,8 @@ def main():
 
     from eval_worker.redis_client import connect
     from eval_worker.service.job_builder import make_job
-    from eval_worker.service.queue import enqueue, fetch_job
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import fetch_job
     from eval_worker.service.redis_server import LocalRedis
     from tests.support.sidecar_support import (
         WorkerProcess,

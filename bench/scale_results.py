@@ -5,7 +5,7 @@
 Two sizes side by side in one process: the full size and 1/`small` of it (same runs, fewer
 records / jobs per run), so each line prints the ratio of the two — ~`small`x is linear, more is
 super-linear. Real parts: the ledger on disk (`Ledger.write`, what a worker's job completion
-does, with the Redis index), a real redis-server on loopback (`LocalRedis`), `queue.enqueue`
+does, with the Redis index), a real redis-server on loopback (`LocalRedis`), `job_client.enqueue`
 and `queue.status`, `results` rows, `report`, and the W&B sink's offline `publish` of one run
 (wandb offline; it is timed at both sizes of that one run). Peak memory: tracemalloc's peak of
 Python allocations during the call, in a second pass (tracemalloc slows the call down, so the
@@ -141,7 +141,8 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
 
 
 def queue_part(args, conn) -> float:
-    from eval_worker.service.queue import QueueConfig, enqueue, status
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import QueueConfig, status
 
     config = QueueConfig(retry_max=0)
     runs = [f"run-{i:02d}" for i in range(args.runs)]

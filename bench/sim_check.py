@@ -45,7 +45,8 @@ def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     from eval_worker.results.ledger import Ledger
     from eval_worker.service import routing
     from eval_worker.service.job_builder import make_job
-    from eval_worker.service.queue import QueueConfig, enqueue, fetch_job
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import QueueConfig, fetch_job
     from tests.support.eval_results import fake_checkpoint
     from tests.support.sidecar_support import WorkerProcess
 

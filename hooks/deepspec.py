@@ -5,7 +5,9 @@
 
 It converts `checkpoint_dir` (DeepSpec's `step_N/`: save_pretrained output, DSpark config read as a
 DFlash drafter) into a checkpoint under `$DFLASH_CHECKPOINT_ROOTS` (so DeepSpec's own retention may
-delete `step_N/` before the eval runs) and queues its eval on `$REDIS_URL`, run id = `exp_name`.
+delete `step_N/` before the eval runs) and posts its eval through the `JobClient`, run id = `exp_name`:
+written to the run's outbox first, then queued on `$REDIS_URL`. Redis away: the job waits in the
+outbox and goes out with the next checkpoint's (or `dflash-eval enqueue --outbox DIR`).
 It never raises into training: a failure is printed and returned.
 """
 from __future__ import annotations
@@ -23,10 +25,9 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         from dflash_train.checkpoints.training_state import import_checkpoint
         from dflash_train.common.settings import Settings
         from dflash_train.common.urls import is_url
-        from eval_worker.redis_client import connect
         from eval_worker.service.job_builder import make_job
-        from eval_worker.service.queue import QueueConfig, enqueue
-        from eval_worker.service.redis_server import resolve_redis_url
+        from eval_worker.service.job_client import JobClient
+        from eval_worker.service.queue import QueueConfig
 
         settings = Settings.from_env()
         roots = settings.checkpoint_roots
@@ -40,9 +41,14 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
                                          config=Path(checkpoint_dir) / "config.json")
         target = resolve_target(str(target_model_name_or_path)) if target_model_name_or_path else None
         job = make_job(record, suite=suite, target=target, requested_by="hook", roots=roots)
-        outcome = enqueue(connect(resolve_redis_url(redis_url, settings)), job, config=QueueConfig(base=queue),
-                          roots=roots)
-        line = f"[dflash-eval] step {step}: {outcome.status} {outcome.job_id} ({record})"
+        client = JobClient(redis_url, config=QueueConfig(base=queue), roots=roots, settings=settings)
+        try:
+            [receipt] = client.post([job])
+        finally:
+            client.close()
+        line = f"[dflash-eval] step {step}: {receipt.status} {receipt.job_id} ({record})"
+        if not receipt.taken:
+            line += f": {receipt.message}"
     except Exception as e:  # noqa: BLE001 - training goes on; the eval can be queued later (dflash-eval watch)
         line = f"[dflash-eval] step {step}: eval not queued: {type(e).__name__}: {e}"
     print(line, flush=True)

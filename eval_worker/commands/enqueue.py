@@ -101,10 +101,11 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.checkpoints.storage import StoreError
     from dflash_train.common.settings import parse_roots
     from eval_worker.engine.suite import DEFAULT_SUITE
+    from eval_worker.service.job_client import JobClient
     from eval_worker.service.job_schema import JobError
     from eval_worker.service.queue import QueueConfig
     from eval_worker.service.routing import parse_policy
-    from eval_worker.service.submission import Submission, deliver_outbox, expand_checkpoints, is_published
+    from eval_worker.service.submission import Submission, expand_checkpoints, is_published
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -176,8 +177,9 @@ def main(args: argparse.Namespace) -> int:
             for err in submission.errors:
                 fail(f"{err['checkpoint']}: {err['error']}")
             return fail(str(e))
-        submission.enqueue_all(conn, config, force=args.force)
-        delivered = [deliver_outbox(directory, conn, config, retry_rejected=args.retry_rejected, roots=roots)
+        client = JobClient(connection=conn, config=config, roots=roots)  # an outbox's jobs face the same roots
+        submission.enqueue_all(client, force=args.force)
+        delivered = [client.deliver_outbox(directory, retry_rejected=args.retry_rejected)
                      for directory in args.outbox]
     outcomes, errors = submission.outcomes, submission.errors
 

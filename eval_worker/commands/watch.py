@@ -40,13 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import contextlib
     import hashlib
+    from pathlib import Path
 
     from dflash_train.checkpoints import storage
     from dflash_train.common.settings import parse_roots
     from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_client import JobClient
     from eval_worker.service.job_schema import JobError
-    from eval_worker.service.queue import QueueConfig, enqueue
+    from eval_worker.service.queue import QueueConfig
     from eval_worker.service.watch import Watcher
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
@@ -76,24 +79,39 @@ def main(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         return fail(str(e))
     suites = list(dict.fromkeys(args.suite or ["builtin:coding-v1"]))
-    config = QueueConfig(base=args.queue)
+    # outbox first, as the trainer's hook: a Redis outage keeps the jobs beside the checkpoints
+    client = JobClient(connection=conn, config=QueueConfig(base=args.queue), roots=roots, settings=args.settings)
 
     def submit(record) -> str:
-        out = []
-        for suite in suites:
-            job = make_job(record, suite=suite, target=target, baseline=args.baseline, requested_by="hook",
-                           roots=roots)
-            o = enqueue(conn, job, config=config, roots=roots)
-            out.append(f"{o.status} {o.job_id}")
-        return "; ".join(out)
+        jobs = [make_job(record, suite=suite, target=target, baseline=args.baseline, requested_by="hook",
+                         roots=roots) for suite in suites]
+        receipts = client.post(jobs)
+        for r in receipts:
+            if r.status == "rejected":  # refused for itself: the command says why, the entry stays unhandled
+                raise JobError(r.message)
+            if r.status == "owed":  # neither written nor queued: tried again next scan (the job id dedupes)
+                raise OSError(r.message)
+        return "; ".join(f"{r.status} {r.job_id}" + ("" if r.taken else f" ({r.message})") for r in receipts)
 
     watcher = Watcher(args.directory, into, submit=submit, config=args.config, every=args.every, settle=args.settle,
                       run_id=args.run, state_path=state_path, prefix=args.prefix, retry_failed=args.retry_failed,
                       log=lambda line: print(line, flush=True))
+    # the runs whose outboxes this watcher fills: converted records under `into`, or ours queued where they are
+    runs = [watcher.url] if watcher.url else [Path(str(into)).resolve() / watcher.run_id, watcher.directory]
+
+    def before_scan() -> None:  # what an outage left in the outbox goes out before anything new
+        with contextlib.suppress(Exception):  # noqa: BLE001 - the scan's own delivery says what is wrong
+            for run in runs:
+                if run is not None:
+                    client.deliver(client.run_outbox(run))
+            client.release_pins()
+
     print(f"watching {watcher.url or watcher.directory} (run {watcher.run_id}, state {watcher.state_path}, "
           f"redis {url})", flush=True)
     try:
-        watcher.run(args.interval, once=args.once)
+        watcher.run(args.interval, once=args.once, before_scan=before_scan)
     except JobError as e:
         return fail(str(e))
+    finally:
+        client.close()  # what is on disk waits in the outbox for the next start (or `enqueue --outbox`)
     return 0

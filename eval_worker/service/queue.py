@@ -1,44 +1,34 @@
-"""The eval queue on RQ: enqueue (dedupe, force, priorities, timeouts, retries), status, requeue, cancel.
+"""The eval queue on RQ: its names and settings, status, requeue of failures, cancel, dismiss.
 
 Queues: `<base>-high`, `<base>`, `<base>-low` (base `dflash-eval`); workers take them in that
 order. Every RQ job stores JSON only (`JSONSerializer`: the function is named by its
 dotted path, the argument is the job payload), so `rq info`, rq-dashboard and any
 language can read them, and no pickle is ever loaded.
 
-Dedupe: the job id is deterministic (see job_ids.job_id_for) and enqueued with RQ's
-`unique=True`, so a second enqueue of the same evaluation is refused atomically while the
-first job exists (queued, running, finished within its result TTL, failed within its
-failure TTL); after that, the ledger index still knows the evaluation was done. `force`
-takes a new attempt number (`-r<n>` id) from a Redis counter.
-
-A job is the validated, frozen `JobPayload` here; `to_json()` makes the RQ argument and the payload
-remembered for `requeue`.
+Putting a job on a queue (dedupe by deterministic job id, `force`, the outbox) is
+`job_client.py`'s alone: every producer goes through its `JobClient`.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
-from rq.exceptions import DuplicateJobError, InvalidJobOperation
+from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from dflash_train.checkpoints.publication import pin_checkpoint, unpin_checkpoint
+from dflash_train.checkpoints.publication import unpin_checkpoint
 from dflash_train.common.redaction import redact
-from eval_worker.results.attempts import strip_attempt
-from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, series_keys, step_checkpoints
+from eval_worker.results.ledger import Ledger, series_keys
 from eval_worker.service import routing
-from eval_worker.service.job_checkpoints import check_checkpoint
-from eval_worker.service.job_ids import base_job_id, job_fingerprint, job_id_for
-from eval_worker.service.job_schema import PRIORITIES, JobError, JobPayload, validate_job
+from eval_worker.service.job_schema import PRIORITIES, JobError
 from eval_worker.service.outbox import job_key
 from eval_worker.service.rq_jobs import fetch_job, fetch_jobs, get_queue
 
@@ -46,7 +36,6 @@ JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an e
 DEFAULT_BASE = "dflash-eval"
 # Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
-ATTEMPT_PREFIX = "dflash:attempt:"  # counter per base job id (forced re-evaluations)
 TARGET_FIELD = "dflash_target"      # in an RQ worker's hash: its own --target (job_ids.canonical_target)
 OWED_PREFIX = "dflash:owed:"        # hash per run: outbox key -> a job the trainer holds in memory only
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED,
@@ -109,102 +98,6 @@ def _cut(reason: str) -> str:
     return f"{reason[:MAX_REASON]}... ({len(reason)} characters; `rq info` or the job's result has all of it)"
 
 
-@dataclass
-class EnqueueOutcome:
-    """What `enqueue` did: status is `enqueued`, `duplicate` (job exists) or `evaluated` (in ledger)."""
-
-    status: str
-    job_id: str
-    queue: str
-    message: str
-    job: JobPayload
-
-    @property
-    def enqueued(self) -> bool:
-        return self.status == "enqueued"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "job_id": self.job_id, "queue": self.queue, "message": self.message}
-
-
-def enqueue(connection, payload: JobPayload | dict[str, Any], *, force: bool = False, config: QueueConfig | None = None,
-            roots: Sequence[Path | str] | None = None, check: bool = True,
-            suite_fp: str | None = None) -> EnqueueOutcome:
-    """Validate `payload` and put it on its priority queue (or say why not).
-
-    - validation: schema, then (with `check`) the checkpoint: inside `roots` when given,
-      completion marker present, digest equal to the job's;
-    - dedupe: the same evaluation already queued/running/finished/failed, or recorded in
-      the ledger index, is not enqueued again (status `duplicate` / `evaluated`);
-    - `force`: a new attempt with its own id, whatever exists.
-    Raises JobError for an invalid job; Redis errors propagate (the hook's outbox catches them).
-    """
-    config = config or QueueConfig()
-    job = validate_job(payload)  # a dict from the outbox, Redis or a caller; a JobPayload as it is
-    if check:
-        check_checkpoint(job, roots)
-    suite_fp = suite_fp or job_fingerprint(job)
-    base_id = base_job_id(job.run_id, job.step, job.checkpoint_digest, suite_fp)
-    if force:
-        attempt = int(connection.incr(ATTEMPT_PREFIX + base_id))
-        done = Ledger(connection=connection).lookup_job(base_id)
-        recorded = int(done.get("attempt") or 0) if done else -1
-        if attempt <= recorded:  # the counter was lost with Redis' data, the index was rebuilt from the ledger:
-            # an attempt number the ledger holds would hand back that record instead of evaluating anew
-            attempt = int(connection.incrby(ATTEMPT_PREFIX + base_id, recorded + 1 - attempt))
-        job = job.replace(attempt=attempt)
-    job_id = job_id_for(job, suite_fp)
-    family = routing.routed_base(config.base, job.target) if config.route_by_target else config.base
-    qname = queue_name(family, job.priority)
-
-    if not force:
-        done = Ledger(connection=connection).lookup_job(base_id)
-        if done:
-            unpin_checkpoint(job.checkpoint, job_id)
-            return EnqueueOutcome(
-                "evaluated", done.get("job_id") or job_id, qname,
-                f"already evaluated: run {job.run_id} step {job.step} τ={_fmt(done.get('tau'))} "
-                f"(attempt {done.get('attempt')}, {done.get('path')}); use --force to evaluate again", job)
-
-    queue = get_queue(connection, qname)
-    meta = {"run_id": job.run_id, "step": job.step, "suite": job.suite, "suite_fingerprint": suite_fp,
-            "checkpoint": job.checkpoint, "attempt": job.attempt, "requested_by": job.requested_by}
-    # Pin first: a fast worker may run the job and unpin before enqueue_call even returns, and
-    # a pin written after that would keep the checkpoint through retention for ever.
-    pin_checkpoint(job.checkpoint, job_id)
-    try:
-        queue.enqueue_call(
-            JOB_FUNC, args=(job.to_json(),), job_id=job_id, unique=True, timeout=config.job_timeout,
-            result_ttl=config.result_ttl, failure_ttl=config.failure_ttl, ttl=config.ttl, retry=config.retry(),
-            meta=meta, description=f"eval {job.run_id} step {job.step} suite {job.suite}"
-                                   + (f" attempt {job.attempt}" if job.attempt else ""),
-            at_front=False)
-    except DuplicateJobError:
-        outcome, state = _duplicate(connection, job_id, qname, job)
-        # done, or recorded (the worker records, then unpins, then RQ hears it finished): our pin,
-        # written before this check, would outlive the job
-        if state in (JobStatus.FINISHED, JobStatus.CANCELED, JobStatus.STOPPED) or _recorded(connection, job_id):
-            unpin_checkpoint(job.checkpoint, job_id)  # nothing will read it for this job any more
-        return outcome
-    except BaseException:
-        unpin_checkpoint(job.checkpoint, job_id)  # not queued: nothing will ever release it
-        raise
-    others = other_checkpoints_at_step(connection, job)
-    _remember(connection, job, job_id, suite_fp)
-    note = _after_enqueue(connection, job, job_id, qname, family, config)
-    if others:
-        note = (f"; note: run {job.run_id} step {job.step} already has checkpoint(s) "
-                f"{', '.join(d[:12] + '...' for d in others)} and this one is {job.checkpoint_digest[:12]}...: "
-                "each is recorded and shown on its own (docs/design.md)")
-    return EnqueueOutcome("enqueued", job_id, qname, f"enqueued {job_id} on {qname}{note}", job)
-
-
-def _recorded(connection, job_id: str) -> bool:
-    """Whether the ledger index holds this very job id (attempt included) as recorded."""
-    done = Ledger(connection=connection).lookup_job(strip_attempt(job_id))
-    return bool(done and done.get("job_id") == job_id)
-
-
 def workers_target(connection, queue: str) -> str | None:
     """The target that a job naming none gets: the own `--target` of the workers serving `queue`
     (recorded in their registration), when they all have the same one. Spelling it in the job
@@ -215,57 +108,6 @@ def workers_target(connection, queue: str) -> str | None:
             raw = connection.hget(w.key, TARGET_FIELD)
             targets.add(raw.decode() if isinstance(raw, bytes) else raw)
     return targets.pop() if len(targets) == 1 and None not in targets else None
-
-
-def _after_enqueue(connection, job: JobPayload, job_id: str, qname: str, family: str,
-                   config: QueueConfig) -> str:
-    """Routing, backlog policy and eval-lag bookkeeping of a queued job (service/routing.py)."""
-    if family != config.base:
-        routing.remember_target(connection, job.target)
-    routing.note_published(connection, job.run_id, job.step)
-    done = routing.apply_backlog(connection, job, job_id, qname, config.backlog, family)
-    return f"; {done}" if done else ""
-
-
-def other_checkpoints_at_step(connection, job: JobPayload) -> list[str]:
-    """Digests of other checkpoints queued or recorded at the job's (run, step) (one set read:
-    the run's job hash and ledger index are only scanned once, for entries older than the sets)."""
-    found = step_checkpoints(connection, job.run_id, job.step,
-                             legacy_hashes=(INDEX_PREFIX + job.run_id, JOBS_PREFIX + job.run_id))
-    return sorted(d for d in found if isinstance(d, str) and d != job.checkpoint_digest)
-
-
-def _fmt(tau) -> str:
-    return f"{tau:.3f}" if isinstance(tau, (int, float)) else "?"
-
-
-def _duplicate(connection, job_id: str, qname: str, job: JobPayload):
-    try:
-        existing = fetch_job(connection, job_id)
-        status = existing.get_status()
-    except JobError:
-        status = None
-    if status == JobStatus.FAILED:
-        msg = (f"already failed: {job_id} ({failure_reason(existing)}); "
-               "re-run it with `dflash-eval requeue --failed` or evaluate anew with --force")
-    elif status == JobStatus.FINISHED:
-        msg = f"already evaluated: {job_id} finished; use --force to evaluate again"
-    elif status in (JobStatus.STOPPED, JobStatus.CANCELED):
-        msg = f"{job_id} was {status.value}; use --force to evaluate again"
-    else:
-        msg = f"already {status.value if status else 'present'}: {job_id} is not enqueued twice"
-    return EnqueueOutcome("duplicate", job_id, qname, msg, job), status
-
-
-def _remember(connection, job: JobPayload, job_id: str, suite_fp: str) -> None:
-    """Index the payload by run/step so `requeue --run` can find it later."""
-    payload = job.to_json()
-    entry = json.dumps({"job_id": job_id, "suite_fingerprint": suite_fp, "job": payload}, sort_keys=True)
-    with connection.pipeline() as pipe:
-        pipe.hset(JOBS_PREFIX + job.run_id, f"{job.step}:{job.checkpoint_digest[:12]}:{suite_fp}", entry)
-        pipe.hdel(OWED_PREFIX + job.run_id, job_key(payload))  # queued: a trainer owes it no more
-        note_step_checkpoint(pipe, job.run_id, job.step, job.checkpoint_digest)
-        pipe.execute()
 
 
 # --------------------------------------------------------------------------- owed by a trainer
@@ -495,51 +337,6 @@ def remembered(connection, run: str) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return sorted(out, key=lambda e: (e["job"]["step"], e["suite_fingerprint"]))
-
-
-@dataclass
-class RequeueReport:
-    """What `requeue_run` did: one outcome per job it found, and the asked-for steps it has no job for."""
-
-    outcomes: list[EnqueueOutcome | tuple[str, str]]
-    missing_steps: list[int]
-
-
-def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, config: QueueConfig | None = None,
-                roots: Sequence[Path | str] | None = None) -> RequeueReport:
-    """Evaluate steps of a run again: failed jobs are re-queued as they are, finished ones get a new
-    attempt, pending ones are left alone. `steps=None` means every step the queue has seen.
-
-    Steps the queue has never seen for `run` are reported in `missing_steps`; the others are
-    requeued all the same. JobError only when nothing at all matches."""
-    config = config or QueueConfig()
-    wanted = None if steps is None else {int(s) for s in steps}
-    entries = [e for e in remembered(connection, run) if wanted is None or e["job"]["step"] in wanted]
-    missing = sorted(wanted - {e["job"]["step"] for e in entries}) if wanted is not None else []
-    if not entries:
-        raise JobError(f"run {run!r} has no enqueued job" + (f" for step(s) {missing}" if missing else "s")
-                       + " to requeue; enqueue checkpoints with `dflash-eval enqueue DIR`")
-    results: list[EnqueueOutcome | tuple[str, str]] = []
-    for entry in entries:
-        job_id = entry["job_id"]
-        try:
-            current = fetch_job(connection, job_id)
-            state = current.get_status()
-        except JobError:
-            current, state = None, None
-        if state in PENDING:
-            results.append((job_id, f"{job_id} is {state.value}; left as it is"))
-            continue
-        if state == JobStatus.FAILED:
-            requeued = requeue_failed(connection, config.base, [job_id])
-            results.append((job_id,
-                            f"re-queued failed job {job_id}" if requeued else f"{job_id}: not in failed registry"))
-            continue
-        payload = {**entry["job"], "requested_by": "requeue", "attempt": 0}
-        routed = current is not None and "@" in (current.origin or "")  # back to its target's queues
-        results.append(enqueue(connection, payload, force=True, config=replace(config, route_by_target=True)
-                               if routed else config, roots=roots, suite_fp=entry["suite_fingerprint"]))
-    return RequeueReport(results, missing)
 
 
 # --------------------------------------------------------------------------- cancel

@@ -1,8 +1,9 @@
 """Submitting evaluations: checkpoints (or run directories) named by a user turned into jobs and queued.
 
 The service side of `dflash-eval enqueue`: which paths a run directory stands for, one job per
-checkpoint and suite, the workers' own target spelled out, each job enqueued, hook outboxes
-delivered. The command parses flags and prints what it gets back; nothing here prints.
+checkpoint and suite, the workers' own target spelled out, each job sent through the `JobClient`
+(its `deliver_outbox` delivers hook outboxes). The command parses flags and prints what it gets
+back; nothing here prints.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from typing import Any
 from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
 from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_client import EnqueueOutcome, JobClient
 from eval_worker.service.job_schema import JobError, JobPayload
-from eval_worker.service.outbox import Outbox
-from eval_worker.service.queue import EnqueueOutcome, QueueConfig, enqueue, queue_name, workers_target
+from eval_worker.service.queue import queue_name, workers_target
 
 
 def is_published(path: str) -> bool:
@@ -72,10 +73,11 @@ class Submission:
                 except (JobError, storage.StoreError, OSError) as e:  # OSError: StoreUnavailable, no answer
                     self.errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
 
-    def enqueue_all(self, connection, config: QueueConfig, *, force: bool = False) -> None:
-        """Enqueue every job made; a job naming no target gets the workers' own, spelled out (the same
-        job as one naming it). A server that refuses writes (out of memory, MISCONF, ...) stops the
-        loop: that job and every one after it is an error saying why and what fixes it."""
+    def enqueue_all(self, client: JobClient, *, force: bool = False) -> None:
+        """Enqueue every job made through `client` (its roots checked again at the queue); a job naming no
+        target gets the workers' own, spelled out (the same job as one naming it). A server that refuses
+        writes (out of memory, MISCONF, ...) stops the loop: that job and every one after it is an error
+        saying why and what fixes it."""
         import redis
 
         from eval_worker.redis_client import refusal_message, server_unavailable
@@ -83,24 +85,14 @@ class Submission:
         for i, job in enumerate(self.jobs):
             try:
                 if not job.target:
-                    job = job.replace(target=workers_target(connection, queue_name(config.base, job.priority)))
-                self.outcomes.append(enqueue(connection, job, force=force, config=config, roots=self.roots))
+                    queue = queue_name(client.config.base, job.priority)
+                    job = job.replace(target=workers_target(client.connection(), queue))
+                self.outcomes.append(client.send(job, force=force))
             except (JobError, storage.StoreError, OSError) as e:
                 self.errors.append({"checkpoint": job.checkpoint, "error": str(e)})
             except redis.exceptions.RedisError as e:
                 if not server_unavailable(e):
                     raise
-                why = f"not queued: {refusal_message(e, connection)}"
+                why = f"not queued: {refusal_message(e, client.connection())}"
                 self.errors += [{"checkpoint": j.checkpoint, "error": why} for j in self.jobs[i:]]
                 return
-
-
-def deliver_outbox(directory: str, connection, config: QueueConfig, *, retry_rejected: bool = False,
-                   roots: Sequence[Path | str] | None = None) -> dict:
-    """Deliver the jobs waiting in a hook outbox; what happened, as JSON data. With `roots`, a job whose
-    checkpoint lies outside them is set aside with the reason, as a plain `enqueue` refuses it."""
-    box = Outbox(directory)
-    restored = box.restore_rejected() if retry_rejected else []
-    report = box.deliver(lambda job: enqueue(connection, job, config=config, roots=roots))
-    return {"dir": directory, "restored": restored, "delivered": report.delivered, "rejected": report.rejected,
-            "remaining": report.remaining, "error": report.error, "set_aside": box.rejected()}

@@ -70,7 +70,7 @@ def _pointed_step(latest: Path) -> int | None:
 
 class Watcher:
     """`scan()` once per poll; `submit(record_path) -> str` queues a record and says how (the CLI
-    enqueues on Redis). `clock` is injectable so tests step time instead of sleeping."""
+    submits through the `JobClient`, outbox first). `clock` is injectable so tests step time instead of sleeping."""
 
     def __init__(self, directory: str | Path, into: str | Path | None, *, submit: Callable[[Path], str],
                  config: str | Path | None = None, every: int | None = None, settle: float = 30.0,
@@ -276,6 +276,8 @@ class Watcher:
                                                  "job": self.submit(url)}))
             except CheckpointError as e:
                 events.append(self._record(url, {"status": "failed", "step": step, "reason": str(e)}))
+            except OSError as e:  # not queued nor kept (the outbox's disk full, the queue away): next scan
+                self._odd_entry(url, f"not queued now ({type(e).__name__}: {e}); tried again next scan")
         return events
 
     def _save(self) -> None:
@@ -297,8 +299,13 @@ class Watcher:
         self.log(f"{entry['status']:8s} {key}{step}: {detail}")
         return {"checkpoint": key, **{k: v for k, v in entry.items() if k not in ("signature", "inputs")}}
 
-    def run(self, interval: float = 10.0, once: bool = False) -> None:
+    def run(self, interval: float = 10.0, once: bool = False,
+            before_scan: Callable[[], object] | None = None) -> None:
+        """Scan every `interval` s; `before_scan`: the caller's housekeeping (the CLI: deliver what waits
+        in the run's outbox)."""
         while True:
+            if before_scan is not None:
+                before_scan()
             self.scan()
             if once:
                 return

@@ -151,8 +151,9 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
 
     from eval_worker.redis_client import connect
     from eval_worker.service.job_builder import make_job
+    from eval_worker.service.job_client import enqueue
     from eval_worker.service.job_ids import canonical_target
-    from eval_worker.service.queue import TARGET_FIELD, enqueue
+    from eval_worker.service.queue import TARGET_FIELD
 
     root, (c100, c200) = identity_ckpts
     conn = connect(redis_url)
@@ -386,7 +387,7 @@ def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):  # noqa: F81
     from rq_dashboard.app import create_app
 
     from eval_worker.commands.dashboard import dashboard_app
-    from eval_worker.service.queue import enqueue
+    from eval_worker.service.job_client import enqueue
     from tests.support.sidecar_support import read_calls, wait_for
 
     monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test

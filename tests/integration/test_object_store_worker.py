@@ -18,7 +18,8 @@ from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
 from eval_worker.service.job_builder import make_job
-from eval_worker.service.queue import enqueue, fetch_job
+from eval_worker.service.job_client import enqueue
+from eval_worker.service.queue import fetch_job
 from tests.integration.test_sidecar_worker import _target
 from tests.support.s3_server import CREDENTIALS
 from tests.support.sidecar_support import (

@@ -56,7 +56,8 @@ def test_worker_carries_on_through_a_wandb_outage_and_publish_reproduces_every_p
     still finishes and is in the ledger; `publish --mode offline` then rebuilds every point."""
     from eval_worker.redis_client import connect
     from eval_worker.service.job_builder import make_job
-    from eval_worker.service.queue import enqueue, fetch_job
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import fetch_job
 
     port = dead_port()
     ckpt, target = tmp_path / "ckpt", tmp_path / "target"

@@ -20,8 +20,9 @@ from rq.job import JobStatus
 
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_client import enqueue
 from eval_worker.service.job_schema import JobError
-from eval_worker.service.queue import enqueue, fetch_job
+from eval_worker.service.queue import fetch_job
 from eval_worker.service.worker import serve
 from tests.support.sidecar_support import REPO_ROOT, publish_random
 

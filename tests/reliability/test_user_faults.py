@@ -139,7 +139,7 @@ def test_redis_data_loss_the_hook_sends_lost_jobs_again_and_each_is_recorded_onc
         assert status(conn)["failed"] == []
         hook.release_pins()
         pins = {s: sorted(p.name for p in (c / ".pins").glob("*")) for s, c in ckpts.items()}
-        assert pins == {1: [], 2: []}, (pins, hook._pins)
+        assert pins == {1: [], 2: []}, (pins, hook.client.pins)
     finally:
         hook.close()
         worker.stop()
@@ -151,7 +151,8 @@ def test_redis_data_loss_the_results_index_is_rebuilt_from_the_ledger(volatile_r
     lives in Redis, nothing rebuilt it) and `enqueue` queued the recorded checkpoint again as new. Now a
     running worker's maintenance sees the index gone, rebuilds it from the ledger files and says so."""
     from eval_worker.redis_client import connect
-    from eval_worker.service.queue import enqueue, status
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import status
     from tests.support.sidecar_support import WorkerProcess, wait_for
 
     root = tmp_path / "ck"
@@ -186,7 +187,7 @@ def test_redis_data_loss_a_forced_evaluation_after_it_evaluates_anew(volatile_re
     forces one more evaluation. On main the attempt counter restarted at 1: the job got the id of the
     recorded attempt 1 and the worker handed that record back without evaluating ("already recorded")."""
     from eval_worker.redis_client import connect
-    from eval_worker.service.queue import enqueue
+    from eval_worker.service.job_client import enqueue
     from eval_worker.service.worker import serve
     from tests.support.sidecar_support import read_calls
 
@@ -357,7 +358,8 @@ def test_unusable_drafters_fail_once_with_the_reason_through_the_worker(conn, tm
     from dflash_train.checkpoints.checkpoint import publish_checkpoint
     from dflash_train.core.config import DrafterConfig
     from dflash_train.core.model import DFlashDrafter
-    from eval_worker.service.queue import QueueConfig, enqueue, failure_reason, fetch_job
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import QueueConfig, failure_reason, fetch_job
     from eval_worker.service.worker import serve
 
     monkeypatch.setenv("DFLASH_SINKS", "none")

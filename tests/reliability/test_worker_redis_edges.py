@@ -79,7 +79,8 @@ def test_partition_no_false_loss_warning_from_a_second_worker(conn, tmp_path, wo
     "lost its data": it had not (the run's jobs are all there). B indexes the record quietly; the
     warning stays for a Redis that did lose its data (flushed: no trace of the run)."""
     from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.queue import enqueue, get_queue, status
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import get_queue, status
     from eval_worker.service.worker import serve
 
     monkeypatch.setenv("DFLASH_SINKS", "none")

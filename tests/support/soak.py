@@ -1056,7 +1056,7 @@ def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: flo
     evaluation under another job id (the worker's own target named by omission). Each must end
     in a record of its own; none may take another's."""
     from eval_worker.service.job_builder import make_job
-    from eval_worker.service.queue import enqueue
+    from eval_worker.service.job_client import enqueue
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1361,8 +1361,9 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
 
     from dflash_train.checkpoints.publication import is_pinned
     from eval_worker.cli import main as cli
+    from eval_worker.service.job_client import enqueue
     from eval_worker.service.job_schema import JobError
-    from eval_worker.service.queue import enqueue, failure_reason, fetch_job
+    from eval_worker.service.queue import failure_reason, fetch_job
 
     t0 = time.monotonic()
     big = "x" * 10_000_000

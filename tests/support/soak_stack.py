@@ -532,7 +532,7 @@ class Stack:
         return make_job(checkpoint, suite=str(self.suite), target=str(self.target), **kw).to_json()
 
     def enqueue(self, checkpoint: Path, *, config=None, force: bool = False, **kw) -> str:
-        from eval_worker.service.queue import enqueue
+        from eval_worker.service.job_client import enqueue
 
         out = enqueue(self.conn, self.job(checkpoint, **kw), config=config, roots=[self.root], force=force)
         if out.status != "enqueued":

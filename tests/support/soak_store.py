@@ -56,7 +56,7 @@ class StoreStack:
 
     def enqueue(self, url: str, *, retries: int = 0, force: bool = False) -> str:
         from eval_worker.service.job_builder import make_job
-        from eval_worker.service.queue import enqueue
+        from eval_worker.service.job_client import enqueue
 
         job = make_job(url, suite=str(self.s.suite), target=str(self.s.target), options=dict(OPTIONS),
                        roots=[self.prefix])

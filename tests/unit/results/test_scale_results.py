@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 
 from eval_worker.results.ledger import STEP_CKPTS_DONE, STEP_CKPTS_PREFIX, Ledger
-from eval_worker.service.queue import QueueConfig, _job_brief, enqueue, get_queue, status
+from eval_worker.service.job_client import enqueue
+from eval_worker.service.queue import QueueConfig, _job_brief, get_queue, status
 from eval_worker.service.rq_jobs import fetch_jobs
 
 

@@ -19,8 +19,9 @@ from eval_worker.cli import main as cli
 from eval_worker.engine import acceptance, options
 from eval_worker.redis_client import connect
 from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_client import enqueue
 from eval_worker.service.job_schema import JobError, validate_job
-from eval_worker.service.queue import JOB_FUNC, MAX_REASON, enqueue, fetch_job, get_queue, status
+from eval_worker.service.queue import JOB_FUNC, MAX_REASON, fetch_job, get_queue, status
 from tests.support.sidecar_support import publish_random
 
 BIG = "x" * 10_000_000

@@ -9,8 +9,9 @@ from rq.job import JobStatus
 from eval_worker.cli import main as cli
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.job_builder import make_job
+from eval_worker.service.job_client import enqueue
 from eval_worker.service.job_schema import JobError
-from eval_worker.service.queue import QueueConfig, dismiss_failed, enqueue, fetch_job, get_queue, status
+from eval_worker.service.queue import QueueConfig, dismiss_failed, fetch_job, get_queue, status
 from eval_worker.service.worker import serve
 from tests.support.sidecar_support import publish_random
 
@@ -125,6 +126,7 @@ def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, m
 def test_submission_expands_run_directories_and_queues_one_job_per_checkpoint_and_suite(conn, tmp_path):
     """The service behind `enqueue`: a run directory stands for its checkpoints, a suite named twice is one job,
     a checkpoint that cannot be made into a job is an error with its reason, the others are queued."""
+    from eval_worker.service.job_client import JobClient
     from eval_worker.service.submission import Submission, expand_checkpoints, is_published
 
     root = tmp_path / "ck"
@@ -138,10 +140,10 @@ def test_submission_expands_run_directories_and_queues_one_job_per_checkpoint_an
     assert [(j.step, j.priority) for j in sub.jobs] == [(1, "high"), (2, "high")]
     [error] = sub.errors
     assert error["checkpoint"] == str(tmp_path / "plain") and "outside the checkpoint roots" in error["error"]
-    sub.enqueue_all(conn, QueueConfig())
+    sub.enqueue_all(JobClient(connection=conn, roots=[root]))
     assert [o.status for o in sub.outcomes] == ["enqueued", "enqueued"]
     assert get_queue(conn, "dflash-eval-high").count == 2
     again = Submission(suites=["builtin:coding-v1"], roots=[root], priority="high")
     again.make_jobs([str(ck[1])])
-    again.enqueue_all(conn, QueueConfig())
+    again.enqueue_all(JobClient(connection=conn, roots=[root]))
     assert [o.status for o in again.outcomes] == ["duplicate"] and not again.errors

@@ -19,7 +19,8 @@ from eval_worker.results.run_results import load_run
 from eval_worker.service import evaluators, routing
 from eval_worker.service.evaluators import WorkerSettings
 from eval_worker.service.job_builder import make_job
-from eval_worker.service.queue import QueueConfig, enqueue, fetch_job, requeue_run, status
+from eval_worker.service.job_client import enqueue, requeue_run
+from eval_worker.service.queue import QueueConfig, fetch_job, status
 from eval_worker.service.worker import serve
 from tests.support.eval_results import fake_checkpoint
 from tests.support.wandb_reader import read_run

@@ -117,7 +117,8 @@ def test_dashboard_jobs_tab_opens_on_the_eval_queue(conn, redis_url, monkeypatch
     from rq_dashboard import web
 
     from eval_worker.commands.dashboard import dashboard_app
-    from eval_worker.service.queue import QueueConfig, enqueue
+    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queue import QueueConfig
     from eval_worker.service.routing import routed_base
     from tests.support.eval_results import fake_checkpoint
 
