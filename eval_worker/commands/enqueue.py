@@ -185,8 +185,8 @@ def main(args: argparse.Namespace) -> int:
         print_json({"redis": url, "outcomes": [o.to_dict() for o in outcomes], "errors": errors,
                     "outboxes": delivered, "imports": records})
     else:
-        for o in outcomes:
-            print(f"{o.status:9s} {o.job_id}  {o.message}")
+        for o in outcomes:  # the job id once: most messages name it already
+            print(f"{o.status:9s} " + (o.message if o.job_id in o.message else f"{o.job_id}  {o.message}"))
         for d in delivered:
             print(f"outbox {d['dir']}: "
                   + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
