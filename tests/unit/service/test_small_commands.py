@@ -147,8 +147,8 @@ def test_dashboard_jobs_tab_opens_on_the_eval_queue(conn, redis_url, monkeypatch
 # --------------------------------------------------------------------------- item 17: enqueue's line
 
 def test_enqueue_prints_the_job_id_once(tmp_path, capsys, redis_url):
-    """`enqueue` printed `enqueued  ID  enqueued ID on QUEUE`: the id twice on one line. Now once, on
-    every outcome line (`enqueued`, then `duplicate` on a second enqueue)."""
+    """`enqueue` printed `enqueued  ID  enqueued ID on QUEUE`: the id twice on one line. Now the status and
+    the id once each, on every outcome line (`enqueued`, then `duplicate` on a second enqueue)."""
     from tests.support.eval_results import fake_checkpoint
 
     root = tmp_path / "ck"
@@ -158,7 +158,7 @@ def test_enqueue_prints_the_job_id_once(tmp_path, capsys, redis_url):
         assert cli(argv, settings=_settings(tmp_path / "home")) == 0
         (line,) = capsys.readouterr().out.splitlines()
         job_id = next(w for w in line.split() if w.startswith("eval-run-once-100-"))
-        assert line.startswith(status) and line.count(job_id) == 1, line
+        assert line.split()[0] == status and line.count(job_id) == 1 and line.count(status) == 1, line
 
 
 # --------------------------------------------------------------------------- item 17: the dashboard's log
