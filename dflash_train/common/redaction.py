@@ -87,6 +87,10 @@ class _RedactingStream(io.TextIOBase):
         self._inner = inner
 
     def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            # as a text stream does: click (Flask's banner) probes with `write(b"")` for a binary stream
+            # and, when that is accepted, writes bytes, which came out as `b''b" * Serving Flask app..."`
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
         self._inner.write(redact(s))
         return len(s)
 

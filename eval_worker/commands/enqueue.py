@@ -187,8 +187,9 @@ def main(args: argparse.Namespace) -> int:
         print_json({"redis": url, "outcomes": [o.to_dict() for o in outcomes], "errors": errors,
                     "outboxes": delivered, "imports": records})
     else:
-        for o in outcomes:
-            print(f"{o.status:9s} {o.job_id}  {o.message}")
+        for o in outcomes:  # the status and the job id once each: most messages name the id already
+            msg = o.message.removeprefix(f"{o.status} ")  # `enqueued ID on Q`: not `enqueued  enqueued ID ...`
+            print(f"{o.status:9s} " + (msg if o.job_id in msg else f"{o.job_id}  {msg}"))
         for d in delivered:
             print(f"outbox {d['dir']}: "
                   + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")

@@ -1,4 +1,4 @@
-"""`dflash-eval requeue --run RUN [--steps 100,200 | --all] | --failed`: evaluate again.
+"""`dflash-eval requeue --run RUN [--steps 100,200 | --all] [--target T] | --failed`: evaluate again.
 
 Exit status: 0 done; 1 some of `--steps` have no job (the others were requeued, the missing
 ones are listed); 2 nothing to do or bad input.
@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--steps", type=_steps, default=None, help="comma-separated steps, e.g. 100,200")
     which.add_argument("--all", action="store_true", help="every step of the run the queue has seen")
+    parser.add_argument("--target", default=None, metavar="PATH",
+                        help="with --run: only the run's jobs on this target (a run evaluated on two targets "
+                             "otherwise gets the steps evaluated again on both)")
     parser.add_argument("--failed", action="store_true",
                         help="put failed jobs back on their queues as they are (all, or of --run)")
     parser.add_argument("--job", action="append", default=None, metavar="JOB_ID", help="with --failed: only these")
@@ -44,6 +47,8 @@ def main(args: argparse.Namespace) -> int:
         return fail("give --failed, or --run RUN with --steps or --all")
     if args.run and not args.failed and not (args.steps or args.all):
         return fail("with --run, say which steps: --steps 100,200 or --all")
+    if args.target and (args.failed or not args.run):
+        return fail("--target goes with --run RUN --steps/--all (`--failed --job ID` picks failed jobs one by one)")
     try:
         conn, _ = connect_from_args(args)
     except Exception as e:  # noqa: BLE001
@@ -56,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
             if not lines:
                 lines.append({"job_id": None, "status": "none", "message": "no failed jobs to re-queue"})
         else:
-            report = requeue_run(conn, args.run, None if args.all else args.steps, config=QueueConfig(base=args.queue))
+            report = requeue_run(conn, args.run, None if args.all else args.steps, config=QueueConfig(base=args.queue),
+                                 target=args.target)
             for r in report.outcomes:
                 if isinstance(r, EnqueueOutcome):
                     lines.append(r.to_dict())
@@ -65,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
                                   "message": r[1]})
             for step in report.missing_steps:
                 lines.append({"job_id": None, "status": "missing", "step": step,
-                              "message": f"run {args.run} step {step}: the queue has never seen a job for it "
+                              "message": f"run {args.run} step {step}: the queue has never seen a job for it"
+                                         + (f" on target {args.target}" if args.target else "") + " "
                                          "(enqueue its checkpoint with `dflash-eval enqueue DIR`)"})
     except (JobError, OSError) as e:  # OSError: a store (checkpoints by URL) that did not answer
         return fail(str(e))

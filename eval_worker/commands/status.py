@@ -53,9 +53,17 @@ def _routing_lines(st: dict) -> None:
         print(f"target {t['target'] or t['target_key']}: {t['queued']} job(s) queued and no worker serves it "
               f"(start one with `dflash-eval worker --serve-target {t['target'] or 'DIR'}`)")
     if st.get("skipped"):
+        from eval_worker.service.routing import requeue_command
+
         _listed("skipped by the backlog policy", st["skipped"],
-                lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}: {j['reason']}")
-        print("  (`dflash-eval requeue --run RUN --steps STEP,...` evaluates them)")
+                lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}"
+                          + (f" target={j['target']}" if j.get("target") else "") + f": {j['reason']}")
+        groups: dict[tuple, list] = {}  # one command per run and target: it evaluates only those jobs again
+        for j in st["skipped"]:
+            groups.setdefault((j["run_id"], j.get("target")), []).append(j["step"])
+        for (run, target), steps in groups.items():
+            print(f"  (`{printable(requeue_command(run, steps, target))}` evaluates "
+                  + ("it)" if len(steps) == 1 else "them)"))
 
 
 def main(args: argparse.Namespace) -> int:

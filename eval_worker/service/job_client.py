@@ -226,18 +226,24 @@ class RequeueReport:
 
 
 def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, config: QueueConfig | None = None,
-                roots: Sequence[Path | str] | None = None) -> RequeueReport:
-    """Evaluate steps of a run again: failed jobs are re-queued as they are, finished ones get a new
-    attempt, pending ones are left alone. `steps=None` means every step the queue has seen.
+                roots: Sequence[Path | str] | None = None, target: str | None = None) -> RequeueReport:
+    """Evaluate steps of a run again: failed jobs are re-queued as they are, finished ones and those a
+    backlog policy skipped get a new attempt, pending ones are left alone. `steps=None` means every
+    step the queue has seen; `target`: only the jobs on that target (same path, as routing compares
+    them), not the run's other targets.
 
-    Steps the queue has never seen for `run` are reported in `missing_steps`; the others are
-    requeued all the same. JobError only when nothing at all matches."""
+    Steps the queue has never seen for `run` (on `target`) are reported in `missing_steps`; the
+    others are requeued all the same. JobError only when nothing at all matches."""
     config = config or QueueConfig()
     wanted = None if steps is None else {int(s) for s in steps}
-    entries = [e for e in remembered(connection, run) if wanted is None or e["job"]["step"] in wanted]
+    on_target = None if target is None else routing.target_key(target)
+    entries = [e for e in remembered(connection, run) if (wanted is None or e["job"]["step"] in wanted)
+               and (on_target is None or (e["job"].get("target") and routing.target_key(e["job"]["target"])
+                                          == on_target))]
     missing = sorted(wanted - {e["job"]["step"] for e in entries}) if wanted is not None else []
     if not entries:
         raise JobError(f"run {run!r} has no enqueued job" + (f" for step(s) {missing}" if missing else "s")
+                       + (f" on target {target}" if target else "")
                        + " to requeue; enqueue checkpoints with `dflash-eval enqueue DIR`")
     results: list[EnqueueOutcome | tuple[str, str]] = []
     for entry in entries:
@@ -257,10 +263,12 @@ def requeue_run(connection, run: str, steps: Iterable[int] | None = None, *, con
             continue
         payload = {**entry["job"], "requested_by": "requeue", "attempt": 0}
         routed = current is not None and "@" in (current.origin or "")  # back to its target's queues
-        results.append(enqueue(connection, payload, force=True, config=replace(config, route_by_target=True)
-                               if routed else config, roots=roots, suite_fp=entry["suite_fingerprint"]))
+        outcome = enqueue(connection, payload, force=True, config=replace(config, route_by_target=True)
+                          if routed else config, roots=roots, suite_fp=entry["suite_fingerprint"])
+        if state == JobStatus.CANCELED and outcome.enqueued:
+            routing.note_requeued(connection, job_id, outcome.job_id)  # `status` lists it as skipped no more
+        results.append(outcome)
     return RequeueReport(results, missing)
-
 
 
 # --------------------------------------------------------------------------- the client

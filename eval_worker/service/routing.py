@@ -19,7 +19,8 @@ are a stream of their own; the train-end checkpoint is the newest, so no policy 
   older ones are filled in, newest first, when nothing newer waits;
 - ``thin:K``: the previous newest is canceled and marked ``skipped`` (its job meta says why)
   unless it was the K-th, 2K-th, ... checkpoint queued for the run; `status` lists skipped jobs
-  and ``dflash-eval requeue --run RUN --steps ...`` evaluates them after all.
+  and ``dflash-eval requeue --run RUN --steps ... [--target T]`` evaluates them after all (then
+  they are no longer listed as skipped).
 Moves and skips are atomic on Redis (a Lua script takes a job out of its list only if it is
 still there: a worker that already took it keeps it).
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -181,8 +183,8 @@ def apply_backlog(connection, job: JobPayload, job_id: str, queue: str, policy: 
     if _take(connection, old_queue, old_id, None):
         _mark_skipped(connection, old_id, f"thin:{k} keeps every {_ordinal(k)} checkpoint and the newest; this one "
                                           "is neither (a newer one is queued)")
-        return f"{old_id} skipped (thin:{k}; `dflash-eval requeue --run {job.run_id} --steps "\
-               f"{prev.get('head_step')}` evaluates it)"
+        return f"{old_id} skipped (thin:{k}; `{requeue_command(job.run_id, [prev.get('head_step')], job.target)}` "\
+               "evaluates it)"
     return None
 
 
@@ -213,8 +215,27 @@ def _mark_skipped(connection, job_id: str, reason: str) -> None:
         unpin_checkpoint(job.meta["checkpoint"], job_id)  # as a cancel does: retention may take it
 
 
+def requeue_command(run_id: str, steps: Iterable[Any], target: str | None) -> str:
+    """The `requeue` command line that evaluates skipped `steps` of a run: on their own target only
+    (without `--target`, a run on two targets would evaluate the step again on both)."""
+    cmd = f"dflash-eval requeue --run {shlex.quote(run_id)} --steps {','.join(str(s) for s in steps)}"
+    return cmd + (f" --target {shlex.quote(target)}" if target else "")  # quoted: pasted into a shell
+
+
+def note_requeued(connection, job_id: str, new_id: str) -> None:
+    """A skipped job evaluated after all (`requeue`): it stays canceled to RQ, but is no longer listed
+    as skipped, and its description says by which job it was evaluated."""
+    job = fetch_job(connection, job_id)
+    if not (job.meta or {}).get("skipped"):
+        return
+    job.meta["requeued_as"] = new_id
+    job.save_meta()
+    connection.hset(job.key, "description", f"{job.description} [requeued as {new_id}]")
+
+
 def skipped(connection, queues: Iterable[str], run: str | None = None) -> list[dict[str, Any]]:
-    """Jobs a thin policy skipped (canceled with a `skipped` reason), with run, step and reason."""
+    """Jobs a thin policy skipped (canceled with a `skipped` reason) and not requeued since, with run,
+    step, target and reason."""
     from rq.registry import CanceledJobRegistry
     from rq.serializers import JSONSerializer
 
@@ -223,10 +244,11 @@ def skipped(connection, queues: Iterable[str], run: str | None = None) -> list[d
         reg = CanceledJobRegistry(q, connection=connection, serializer=JSONSerializer)
         for j in fetch_jobs(connection, reg.get_job_ids()):
             meta = j.meta or {}
-            if meta.get("skipped") and (run is None or meta.get("run_id") == run):
+            if meta.get("skipped") and not meta.get("requeued_as") and (run is None or meta.get("run_id") == run):
+                payload = j.args[0] if j.args and isinstance(j.args[0], dict) else {}
                 out.append({"job_id": j.id, "run_id": meta.get("run_id"), "step": meta.get("step"),
-                            "reason": meta["skipped"], "origin": j.origin})
-    return sorted(out, key=lambda s: (str(s["run_id"]), s["step"] or 0))
+                            "target": payload.get("target"), "reason": meta["skipped"], "origin": j.origin})
+    return sorted(out, key=lambda s: (str(s["run_id"]), str(s["target"] or ""), s["step"] or 0))
 
 
 # --------------------------------------------------------------------------- eval lag

@@ -190,6 +190,46 @@ def test_backlog_per_target_one_targets_policy_never_holds_back_anothers_newest(
     assert fetch_job(conn, ids2[1]).get_status() == JobStatus.FINISHED
 
 
+def _records(stack, run: str) -> list[int]:
+    return sorted(e.step for e in Ledger(stack["results"]).entries(run, all_attempts=True))
+
+
+def test_requeue_target_evaluates_a_skipped_job_on_its_own_target_only(conn, stack, capsys, redis_url):
+    """Issue 35 item 9: one run on two targets, T1 `thin:2` skipped its step 300. The hint `status` gave,
+    `requeue --run R --steps 300`, evaluated step 300 again on both targets (T2's was finished), and the
+    skipped job stayed listed as skipped. Now the hint names T1, `requeue --target` takes T1's job alone,
+    and a requeued skipped job leaves the skipped list (RQ keeps it canceled, its description says by which
+    job it was evaluated)."""
+    t1, t2 = stack["targets"]["qwen-a"], stack["targets"]["qwen-b"]
+    ids1 = _queue(conn, stack, "run-rq", (300, 600), target=t1, config=QueueConfig(route_by_target=True,
+                                                                                    backlog="thin:2"))
+    _queue(conn, stack, "run-rq", (300, 600), target=t2, config=QueueConfig(route_by_target=True))
+    _work(conn, stack, serve_targets=[t1, t2], default_target=t1, name="wrq")
+    # the two (empty) stand-in targets have one fingerprint, so their records share keys: count every attempt
+    assert _records(stack, "run-rq") == [300, 600, 600]
+    assert cli(["status", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    hint = f"dflash-eval requeue --run run-rq --steps 300 --target {t1}"
+    assert f"(`{hint}` evaluates it)" in out, out
+    assert f"run=run-rq step=300 target={t1}:" in out
+
+    assert cli(["requeue", *hint.split()[2:], "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("enqueued") and ids1[0] in lines[0], out  # T2's: left alone
+    assert status(conn)["skipped"] == []
+    assert "skipped by the backlog policy" not in (cli(["status", "--redis-url", redis_url]) or
+                                                    capsys.readouterr().out)
+    old = fetch_job(conn, ids1[0])
+    assert old.get_status() == JobStatus.CANCELED and "[requeued as " in old.description
+    _work(conn, stack, serve_targets=[t1, t2], default_target=t1, name="wrq2")
+    assert _records(stack, "run-rq") == [300, 300, 600, 600]  # before: 300 three times (T2's again)
+    # a target that has no job of the run: said, nothing requeued
+    assert cli(["requeue", "--run", "run-rq", "--steps", "300", "--target", str(stack["tmp"] / "other"),
+                "--redis-url", redis_url]) == 2
+    assert "on target" in capsys.readouterr().err
+
+
 def test_backlog_thin_skip_is_named_where_rq_shows_canceled(conn, stack):
     """A thin-skipped job is `canceled` to RQ: rq-dashboard and `rq info` show "Canceled" and its
     description, which names the skip; the reason reads "every 2nd", not "a 2-th" (item 17)."""

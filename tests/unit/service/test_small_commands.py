@@ -1,5 +1,6 @@
 """Small commands as a new user meets them (issue 35 items 12, 15, 16, 17): quick refusals, the offline
-`suites` message, `status` on a fresh home, the demo's line in `status`, rq-dashboard's Jobs tab.
+`suites` message, `status` on a fresh home, the demo's line in `status`, rq-dashboard's Jobs tab, `enqueue`'s
+line, the dashboard's log.
 
 Real parts: the CLI entry point (in-process, or a fresh interpreter where imports are measured), the
 session's redis-server, the real rq-dashboard Flask app.
@@ -142,3 +143,40 @@ def test_dashboard_jobs_tab_opens_on_the_eval_queue(conn, redis_url, monkeypatch
     assert tab.headers["Location"].endswith(f"/0/view/jobs/{family.replace('@', '%40')}/queued/8/asc/1")
     page = client.get(tab.headers["Location"])
     assert page.status_code == 200
+
+
+# --------------------------------------------------------------------------- item 17: enqueue's line
+
+def test_enqueue_prints_the_job_id_once(tmp_path, capsys, redis_url):
+    """`enqueue` printed `enqueued  ID  enqueued ID on QUEUE`: the id twice on one line. Now the status and
+    the id once each, on every outcome line (`enqueued`, then `duplicate` on a second enqueue)."""
+    from tests.support.eval_results import fake_checkpoint
+
+    root = tmp_path / "ck"
+    ck, _ = fake_checkpoint(root, "run-once", 100)
+    argv = ["enqueue", str(ck), "--checkpoint-root", str(root), "--target", str(tmp_path), "--redis-url", redis_url]
+    for status in ("enqueued", "duplicate"):
+        assert cli(argv, settings=_settings(tmp_path / "home")) == 0
+        (line,) = capsys.readouterr().out.splitlines()
+        job_id = next(w for w in line.split() if w.startswith("eval-run-once-100-"))
+        assert line.split()[0] == status and line.count(job_id) == 1 and line.count(status) == 1, line
+
+
+# --------------------------------------------------------------------------- item 17: the dashboard's log
+
+def test_dashboard_log_banner_is_text_not_bytes(capfd):
+    """`dflash-eval dashboard` logged `b''b" * Serving Flask app 'rq_dashboard.cli'\\n"`: the commands' redacting
+    stdout accepted `write(b"")`, click's probe for a binary stream, so click wrote bytes to it. Now it
+    refuses bytes as a text stream does, and Flask's real banner reads as text (still redacted)."""
+    pytest.importorskip("flask")
+    from flask.cli import show_server_banner
+
+    from dflash_train.common.redaction import redacted_output
+
+    with redacted_output():
+        show_server_banner(False, "rq_dashboard.cli")
+        print("on redis://:hunter2@host:6379/0")
+    out = capfd.readouterr().out
+    assert "b'" not in out and 'b"' not in out, out
+    assert " * Serving Flask app 'rq_dashboard.cli'\n * Debug mode: off\n" in out, out
+    assert "hunter2" not in out and "redis://:***@host:6379/0" in out
