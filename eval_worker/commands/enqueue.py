@@ -103,44 +103,26 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.engine.suite import DEFAULT_SUITE
     from eval_worker.service.job_client import JobClient
     from eval_worker.service.job_schema import JobError
-    from eval_worker.service.queue import QueueConfig
-    from eval_worker.service.routing import parse_policy
     from eval_worker.service.submission import Submission, expand_checkpoints, is_published
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
-    options = dict(args.option)
-    if args.max_new_tokens is not None:
-        options["max_new_tokens"] = args.max_new_tokens
-    if args.tree_budget is not None:
-        options["tree_budget"] = args.tree_budget
-    if args.counting is not None:
-        options["counting"] = args.counting
-    if args.sliding_rule is not None:
-        options["sliding_rule"] = args.sliding_rule
-    options.update(sampling_options(args))
+    options = _options(args)
+    sinks, unknown = _sinks(args)
+    if unknown:
+        from dflash_train.common.settings import KNOWN_SINKS
+
+        return fail(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
     wandb = None
     if args.wandb_project or args.wandb_entity or args.wandb_mode:
         wandb = {"project": args.wandb_project or "dflash-eval", "entity": args.wandb_entity,
                  "mode": args.wandb_mode or "online"}
-    sinks = None
-    if args.sink is not None:
-        from dflash_train.common.settings import KNOWN_SINKS, parse_sinks
-
-        sinks, unknown = parse_sinks(args.sink)
-        if unknown:
-            return fail(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
     mlflow = {k: v for k, v in (("experiment", args.mlflow_experiment), ("parent_run_id", args.mlflow_parent_run))
               if v} or None
     try:
-        parse_policy(args.backlog)
+        config = _queue_config(args)
     except JobError as e:
         return fail(f"--backlog: {e}")
-    config = QueueConfig(base=args.queue, route_by_target=args.route_by_target, backlog=args.backlog)
-    if args.job_timeout:
-        config.job_timeout = args.job_timeout
-    if args.retries is not None:
-        config.retry_max = args.retries
     try:
         roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     except StoreError as e:
@@ -187,18 +169,56 @@ def main(args: argparse.Namespace) -> int:
         print_json({"redis": url, "outcomes": [o.to_dict() for o in outcomes], "errors": errors,
                     "outboxes": delivered, "imports": records})
     else:
-        for o in outcomes:  # the status and the job id once each: most messages name the id already
-            msg = o.message.removeprefix(f"{o.status} ")  # `enqueued ID on Q`: not `enqueued  enqueued ID ...`
-            print(f"{o.status:9s} " + (msg if o.job_id in msg else f"{o.job_id}  {msg}"))
-        for d in delivered:
-            print(f"outbox {d['dir']}: "
-                  + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
-                  + f"delivered {len(d['delivered'])}, rejected {len(d['rejected'])}, "
-                  f"remaining {d['remaining']}" + (f" ({d['error']})" if d["error"] else ""))
-            for key, reason in d["set_aside"].items():
-                print(f"  set aside {key}: {reason}")
-            if d["set_aside"]:
-                print(f"  (fix the cause, then `dflash-eval enqueue --outbox {d['dir']} --retry-rejected`)")
-        for err in errors:
-            print(f"error     {err['checkpoint']}: {err['error']}")
+        _print_report(outcomes, delivered, errors)
     return 2 if errors or any(d["remaining"] or d["rejected"] or d["set_aside"] for d in delivered) else 0
+
+
+def _options(args: argparse.Namespace) -> dict:
+    """The job's evaluation options: `--option K=V` pairs, then the flags that name one option."""
+    options = dict(args.option)
+    for flag in ("max_new_tokens", "tree_budget", "counting", "sliding_rule"):
+        if getattr(args, flag) is not None:
+            options[flag] = getattr(args, flag)
+    options.update(sampling_options(args))
+    return options
+
+
+def _sinks(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """The sinks `--sink` names (None: the worker's settings decide), and the names no sink has."""
+    if args.sink is None:
+        return None, ()
+    from dflash_train.common.settings import parse_sinks
+
+    sinks, unknown = parse_sinks(args.sink)
+    return sinks, unknown
+
+
+def _queue_config(args: argparse.Namespace):
+    """The queue's settings from the flags (JobError: the backlog policy is not one we know)."""
+    from eval_worker.service.queue import QueueConfig
+    from eval_worker.service.routing import parse_policy
+
+    parse_policy(args.backlog)
+    config = QueueConfig(base=args.queue, route_by_target=args.route_by_target, backlog=args.backlog)
+    if args.job_timeout:
+        config.job_timeout = args.job_timeout
+    if args.retries is not None:
+        config.retry_max = args.retries
+    return config
+
+
+def _print_report(outcomes: list, delivered: list[dict], errors: list[dict]) -> None:
+    for o in outcomes:  # the status and the job id once each: most messages name the id already
+        msg = o.message.removeprefix(f"{o.status} ")  # `enqueued ID on Q`: not `enqueued  enqueued ID ...`
+        print(f"{o.status:9s} " + (msg if o.job_id in msg else f"{o.job_id}  {msg}"))
+    for d in delivered:
+        print(f"outbox {d['dir']}: "
+              + (f"{len(d['restored'])} set-aside job(s) put back; " if d["restored"] else "")
+              + f"delivered {len(d['delivered'])}, rejected {len(d['rejected'])}, "
+              f"remaining {d['remaining']}" + (f" ({d['error']})" if d["error"] else ""))
+        for key, reason in d["set_aside"].items():
+            print(f"  set aside {key}: {reason}")
+        if d["set_aside"]:
+            print(f"  (fix the cause, then `dflash-eval enqueue --outbox {d['dir']} --retry-rejected`)")
+    for err in errors:
+        print(f"error     {err['checkpoint']}: {err['error']}")

@@ -26,6 +26,8 @@ class LockTimeout(TimeoutError):
 
 @contextlib.contextmanager
 def redis_lock(url: str, name: str, *, wait_s: float = 600.0, ttl_s: float = 60.0) -> Iterator[None]:
+    from redis.exceptions import RedisError
+
     from dflash_train.common.redaction import redact_url
     from eval_worker.redis_client import connect
 
@@ -41,7 +43,7 @@ def redis_lock(url: str, name: str, *, wait_s: float = 600.0, ttl_s: float = 60.
             while not stop.wait(ttl_s / 3):
                 try:
                     lock.reacquire()
-                except Exception:
+                except RedisError:  # lost (not owned any more) or Redis gone: the writer's own calls will say
                     return
 
         keeper = threading.Thread(target=keep_alive, name=f"wandb-lock-{name}", daemon=True)
