@@ -130,15 +130,16 @@ def suite_for(target, n: int, max_new: int):
     return s
 
 
-def fitted_checkpoint(target, kind, layers, steps, suite, work: Path, ev) -> Path:
-    """A B=16 drafter fitted `steps` passes over the suite's own references (kept in `work`)."""
+def fitted_checkpoint(target, kind, layers, steps, suite, work: Path, ev, lr: float = 1e-2) -> Path:
+    """A B=16 drafter fitted `steps` passes over the suite's own references at Adam `lr` (kept in `work`)."""
     from dflash_train.checkpoints.checkpoint import save_drafter
     from dflash_train.core.config import DrafterConfig
     from dflash_train.core.model import DFlashDrafter
     from eval_worker.engine.cache import CacheReport
     from tests.support.engine_helpers import fit_drafter
 
-    path = work / f"{kind}-L{layers}-s{steps}-p{len(suite.prompts)}-n{suite.max_new_tokens}"
+    path = work / (f"{kind}-L{layers}-s{steps}-p{len(suite.prompts)}-n{suite.max_new_tokens}"
+                   + ("" if lr == 1e-2 else f"-lr{lr:g}"))
     if (path / "config.json").is_file():
         return path
     torch.manual_seed(1)
@@ -149,7 +150,7 @@ def fitted_checkpoint(target, kind, layers, steps, suite, work: Path, ev) -> Pat
     seqs = [r.prompt_ids + r.tokens for r in refs]
     drafter = DFlashDrafter(cfg).eval()
     if steps:
-        drafter = fit_drafter(target, drafter, seqs, [len(r.prompt_ids) for r in refs], steps=steps, lr=1e-2)
+        drafter = fit_drafter(target, drafter, seqs, [len(r.prompt_ids) for r in refs], steps=steps, lr=lr)
     save_drafter(drafter, path)
     return path
 
