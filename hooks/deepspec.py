@@ -21,10 +21,10 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
     """Import `checkpoint_dir` and queue its eval; returns the line it printed."""
     try:
         from dflash_train.checkpoints.hub import resolve_target
+        from dflash_train.checkpoints.location import first_local_root
         from dflash_train.checkpoints.publication import run_id_from
         from dflash_train.checkpoints.training_state import import_checkpoint
         from dflash_train.common.settings import Settings
-        from dflash_train.common.urls import is_url
         from eval_worker.service.job_builder import make_job
         from eval_worker.service.job_client import JobClient
         from eval_worker.service.queue import QueueConfig
@@ -32,12 +32,12 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         settings = Settings.from_env()
         roots = settings.checkpoint_roots
         # converted into a local root: a store prefix among the roots is read by workers, not written here
-        into = into or next((str(r) for r in roots or () if not is_url(r)), None)
-        if into is None:
+        record_root = into or first_local_root(roots)
+        if record_root is None:
             raise ValueError("set $DFLASH_CHECKPOINT_ROOTS (a local directory among them) or pass into= for the "
                              "converted checkpoints")
         run = run_id_from(str(exp_name or Path(checkpoint_dir).parent.name), default="deepspec")
-        record, _, _ = import_checkpoint(into, run, int(step), checkpoint_dir,
+        record, _, _ = import_checkpoint(record_root, run, int(step), checkpoint_dir,
                                          config=Path(checkpoint_dir) / "config.json")
         target = resolve_target(str(target_model_name_or_path)) if target_model_name_or_path else None
         job = make_job(record, suite=suite, target=target, requested_by="hook", roots=roots)

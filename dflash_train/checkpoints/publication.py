@@ -61,6 +61,7 @@ from dflash_train.common.errors import CheckpointError, StoreError
 from dflash_train.common.fsutil import atomic_write_json, fsync_path, pid_alive
 
 from . import storage
+from .location import CheckpointRef
 
 # Published checkpoints are read by eval workers that may run as another user: every file is
 # 0644 and every directory we create 0755, whatever the umask (safetensors alone writes 0600).
@@ -77,7 +78,7 @@ RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 RUN_ID_RULE = "1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, no '..'"
 _RUN_ID = re.compile(rf"^{RUN_ID_PATTERN}$")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_TMP_DIR = re.compile(r"^\.step-(\d{8,})\.tmp-(\d+)(?:-[0-9a-f]+)?$")
+TMP_DIR = re.compile(r"^\.step-(\d{8,})\.tmp-(\d+)(?:-[0-9a-f]+)?$")
 UPLOAD_LEASE = ".upload-lease"  # inside a step prefix of a store: who is uploading it (removed once marked)
 
 class MissingBucket(CheckpointError):
@@ -382,7 +383,7 @@ def read_marker(directory: str | Path) -> bytes:
     try:
         return store.read_bytes(store.join(directory, MARKER_NAME))
     except FileNotFoundError:
-        problem = storage.missing_bucket(str(directory)) if not store.local else None  # not "no marker": no bucket
+        problem = storage.missing_bucket(directory)  # not "no marker": no bucket
         if problem:
             raise MissingBucket(problem) from None
         raise CheckpointError(f"{directory}: no {MARKER_NAME}; not a published checkpoint "
@@ -443,9 +444,8 @@ def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
 
 def within(path: str | os.PathLike, roots: Iterable[Path | str]) -> Path | None:
     """The real path of `path` (symlinks resolved) if it lies inside one of `roots`, else None."""
-    real = Path(os.path.realpath(path))
-    local = [Path(r) for r in roots if not urls.is_url(r)]  # store prefixes never hold a local path
-    return real if any(real == root or root in real.parents for root in local) else None
+    inside = CheckpointRef(os.path.abspath(path), "local").within(roots)
+    return inside.path if inside is not None else None
 
 
 def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None = None) -> dict:
@@ -676,7 +676,7 @@ def cleanup_incomplete(run_dir: str | Path) -> list:
     removed = []
     for n in store.list_names(run_dir):
         where = store.join(run_dir, n)
-        m = _TMP_DIR.match(n)
+        m = TMP_DIR.match(n)
         stale_tmp = m is not None and (int(m.group(2)) == os.getpid() or not pid_alive(int(m.group(2))))
         unmarked = _STEP_DIR.match(n) is not None and MARKER_NAME not in store.list_names(where)
         if stale_tmp or unmarked:

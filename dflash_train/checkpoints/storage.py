@@ -420,10 +420,12 @@ def canonical(location: Location) -> str | Path:
 BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")  # the URL's first segment is a bucket/container
 
 
-def missing_bucket(url: str) -> str | None:
+def missing_bucket(url: Location) -> str | None:
     """The sentence to say when the bucket (container) of `url` does not exist, naming it and the endpoint;
     None when it exists or the protocol has no buckets. StoreUnavailable when the store cannot be reached.
     One wording for the trainer's preflight and every reader that finds no marker (`publication.read_marker`)."""
+    if not is_url(url):
+        return None  # a local path has no bucket
     url = check_url(url)
     proto = protocol(url)
     if proto not in BUCKET_PROTOCOLS:

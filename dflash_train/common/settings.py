@@ -53,7 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .urls import check_url, is_url
+from .urls import parse_root
 
 __all__ = ["Settings", "KNOWN_SINKS", "parse_roots", "parse_sinks"]
 
@@ -79,9 +79,7 @@ def parse_roots(roots) -> tuple[Path | str, ...] | None:
         return None
     if isinstance(roots, str):
         roots = _split_roots(roots)
-    out = tuple(check_url(str(r).strip()) if is_url(str(r).strip())
-                else Path(os.path.realpath(os.path.expanduser(str(r))))
-                for r in roots if str(r).strip())
+    out = tuple(parse_root(str(r).strip()) for r in roots if str(r).strip())
     return out or None
 
 

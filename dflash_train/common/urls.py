@@ -7,6 +7,7 @@ the stores that act on a location are `dflash_train/checkpoints/storage.py`.
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import TypeGuard
 from .errors import StoreError
 from .redaction import redact
 
-__all__ = ["LOCAL_PROTOCOLS", "check_url", "is_url", "join", "name", "parent", "path_of", "protocol",
+__all__ = ["LOCAL_PROTOCOLS", "check_url", "is_url", "join", "name", "parent", "parse_root", "path_of", "protocol",
            "within_prefixes"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
@@ -52,6 +53,12 @@ def check_url(url: str) -> str:
     if not segments[0] or any(s in ("", ".", "..") for s in segments):
         raise StoreError(f"{redact(url)}: empty, '.' or '..' path segments are not allowed")
     return f"{proto}://{rest}"
+
+
+def parse_root(text: str) -> Path | str:
+    """One root of a root list as confinement compares it: a URL prefix in canonical form (str), else a
+    directory, user expanded, symlinks resolved (Path)."""
+    return check_url(text) if is_url(text) else Path(os.path.realpath(os.path.expanduser(text)))
 
 
 def protocol(url: str) -> str:

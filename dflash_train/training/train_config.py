@@ -157,12 +157,12 @@ class TrainConfig:
             # checked here, not at the first publication: every eval job of the run would be refused
             problems.append(f"run_id {self.run_id!r} must be {RUN_ID_RULE}")
         if self.publish_to is not None:
-            from dflash_train.checkpoints.storage import StoreError, check_url, is_url
+            from dflash_train.checkpoints.location import CheckpointRef
+            from dflash_train.common.errors import StoreError
 
             try:
-                if not is_url(self.publish_to):
+                if CheckpointRef.parse(self.publish_to).on_this_machine:
                     raise StoreError("must be an object-store URL such as s3://bucket/runs")
-                check_url(self.publish_to)
             except StoreError as e:
                 problems.append(f"publish_to {self.publish_to!r}: {e}")
         if problems:

@@ -108,14 +108,14 @@ def main(args: argparse.Namespace) -> int:
     train_metrics = {"accuracy": args.train_accuracy} if args.train_accuracy is not None else None
     from contextlib import ExitStack
 
-    from dflash_train.checkpoints import storage
+    from dflash_train.checkpoints.location import CheckpointRef
 
     pulls = ExitStack()
     urls: dict[str, str] = {}
     try:
         for key in ("checkpoint", "baseline"):  # a store or Hub location: evaluate a verified local copy
             where = getattr(args, key)
-            if storage.is_url(where):
+            if where and not CheckpointRef.parse(where).on_this_machine:
                 setattr(args, key, str(_pull(where, args.settings, pulls, urls)))
         from eval_worker.engine.checkpoint_source import check_drafter_config
 
@@ -164,11 +164,12 @@ def _pull(url: str, settings, stack, urls: dict):
     """A verified local copy of the checkpoint at `url` (held by `stack`); `urls` maps it back."""
     import os
 
-    from dflash_train.checkpoints import storage
+    from dflash_train.checkpoints.location import CheckpointRef
     from eval_worker.service.checkpoint_cache import CheckpointCache
 
-    url = storage.check_url(url)
-    if url.startswith("hf://"):
+    ref = CheckpointRef.parse(url)
+    url = ref.text
+    if ref.kind == "hub":
         from dflash_train.checkpoints import hub
 
         url = hub.resolve(url)

@@ -39,12 +39,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_args(parser)
 
 
+def _state_path(args: argparse.Namespace, roots, into):
+    """Where a watch of a store prefix keeps its state (nothing is converted: only the state is kept, here);
+    None for a local directory, whose state lives under `into`. ValueError saying what is missing."""
+    import hashlib
+
+    from dflash_train.checkpoints.location import CheckpointRef
+    from dflash_train.common.errors import StoreError
+
+    try:
+        watched = CheckpointRef.parse(args.directory)
+    except StoreError as e:
+        raise ValueError(f"{args.directory}: {e}") from None
+    if not watched.on_this_machine:
+        key = hashlib.sha256(args.directory.encode()).hexdigest()[:16]
+        return args.settings.home / "watch" / f"{key}.json"
+    if into is None:
+        raise ValueError("no place for the converted checkpoints: give --into ROOT or set $DFLASH_CHECKPOINT_ROOTS "
+                         "(a local directory)")
+    if roots is not None:  # `import`'s rule: every checkpoint is converted into --into, which the worker reads
+        from eval_worker.service.confinement import import_roots_problem
+
+        problem = import_roots_problem(into, roots)
+        if problem:
+            raise ValueError(problem)
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     import contextlib
-    import hashlib
     from pathlib import Path
 
-    from dflash_train.checkpoints import storage
+    from dflash_train.checkpoints.location import first_local_root
     from dflash_train.common.settings import parse_roots
     from eval_worker.service.job_builder import make_job
     from eval_worker.service.job_client import JobClient
@@ -53,20 +79,11 @@ def main(args: argparse.Namespace) -> int:
     from eval_worker.service.watch import Watcher
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
-    into = args.into or next((str(r) for r in roots or () if not storage.is_url(str(r))), None)
-    state_path = None
-    if storage.is_url(args.directory):  # nothing converted: only the watch state is kept, here
-        key = hashlib.sha256(args.directory.encode()).hexdigest()[:16]
-        state_path = args.settings.home / "watch" / f"{key}.json"
-    elif into is None:
-        return fail("no place for the converted checkpoints: give --into ROOT or set $DFLASH_CHECKPOINT_ROOTS "
-                    "(a local directory)")
-    elif roots is not None:  # `import`'s rule: every checkpoint is converted into --into, which the worker reads
-        from eval_worker.service.confinement import import_roots_problem
-
-        problem = import_roots_problem(into, roots)
-        if problem:
-            return fail(problem)
+    into = args.into or first_local_root(roots)
+    try:
+        state_path = _state_path(args, roots, into)
+    except ValueError as e:
+        return fail(str(e))
     try:
         conn, url = connect_from_args(args)
     except Exception as e:  # noqa: BLE001 - RedisAccessError and friends: say why

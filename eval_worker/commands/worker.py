@@ -114,13 +114,14 @@ def main(args: argparse.Namespace) -> int:
         return fail("no checkpoint roots configured: pass --checkpoint-root DIR (repeatable) or set "
                     "DFLASH_CHECKPOINT_ROOTS; the worker only reads checkpoints under them")
     from dflash_train.checkpoints import storage
+    from dflash_train.checkpoints.location import CheckpointRef
 
-    for root in settings.roots:  # a missing bucket or a read-only key: now, not at the first job
-        if storage.is_url(root):
+    for root in CheckpointRef.parse_all(settings.roots):  # a missing bucket, a read-only key: now, not at job 1
+        if not root.on_this_machine:
             try:
-                storage.preflight(str(root))
+                storage.preflight(root.text)
             except (StoreError, OSError) as e:
-                return fail(f"--checkpoint-root {storage.redact(str(root))}: {e}")
+                return fail(f"--checkpoint-root {root.shown}: {e}")
     serve_targets = None
     if args.serve_target:
         serve_targets = list(dict.fromkeys(os.path.abspath(t) for t in [*([args.target] if args.target else []),

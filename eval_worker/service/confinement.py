@@ -10,31 +10,40 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import within
+from dflash_train.common.errors import StoreError
 from eval_worker.engine.options import shorten
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec
 from eval_worker.service.job_schema import MAX_PATH, JobError
 
 
 def confine(path: str | os.PathLike, roots: Sequence[Path | str], what: str = "checkpoint",
-            how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> Path:
+            how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> Path | str:
     """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError.
-    A store URL must lie under one of the URL prefixes among `roots`."""
-    if storage.is_url(path):
-        url = storage.within_prefixes(str(path), roots)
-        if url is None:
-            prefixes = [str(r) for r in roots if storage.is_url(r)]
-            raise JobError(f"{storage.redact(str(path))} is outside the {what} prefixes this worker serves "
-                           f"({', '.join(prefixes) or 'none: only local roots are configured'}); add its prefix with "
-                           f"{how} (e.g. s3://bucket/runs)")
-        return url  # type: ignore[return-value]
-    real = within(path, [r for r in roots if isinstance(r, Path)])
-    if real is not None:
-        return real
-    real = Path(os.path.realpath(path))
-    shown = os.pathsep.join(str(r) for r in roots if isinstance(r, Path))
-    if str(real) != os.path.abspath(path):
+    A store URL must lie under one of the URL prefixes among `roots` (then the canonical URL is returned)."""
+    ref = confine_ref(path, roots, what, how)
+    return ref.path if ref.on_this_machine else ref.text
+
+
+def confine_ref(path: str | os.PathLike | CheckpointRef, roots: Sequence[Path | str], what: str = "checkpoint",
+                how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> CheckpointRef:
+    """`path` parsed and confined to `roots` (CheckpointRef.within), else JobError saying which roots it missed."""
+    try:
+        ref = CheckpointRef.parse(path)
+    except StoreError as e:
+        raise JobError(f"{what}: {e}") from None
+    inside = ref.within(roots)
+    if inside is not None:
+        return inside
+    mine = ", ".join(r.shown for r in ref.same_kind(roots))
+    if not ref.on_this_machine:
+        raise JobError(f"{ref.shown} is outside the {what} prefixes this worker serves "
+                       f"({mine or 'none: only local roots are configured'}); add its prefix with "
+                       f"{how} (e.g. s3://bucket/runs)")
+    real = Path(os.path.realpath(ref.text))
+    shown = os.pathsep.join(str(r) for r in ref.same_kind(roots))
+    if str(real) != ref.text:
         raise JobError(f"{path} resolves to {real}, outside the {what} roots ({shown}); "
                        "a symlink may not lead out of the roots")
     raise JobError(f"{path} is outside the {what} roots ({shown}); add its root with {how}")

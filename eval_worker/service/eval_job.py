@@ -268,8 +268,8 @@ def _evaluate(job: JobPayload, s: WorkerSettings, rq_job) -> tuple[dict[str, Any
     if suite_name.startswith(HF_PREFIX):  # a standard benchmark, from this worker's dataset copies or cache
         suite = load_suite(suite_name, hf_datasets_dir=s.env.hf_datasets_dir)
     # what is not on this machine (an object store, the Hub) is evaluated from the worker's checkpoint cache
-    remote = {k: v for k, v in (("checkpoint", job.checkpoint), ("baseline", job.baseline))
-              if v and not storage.store_for(v).local}
+    remote = {k: ref.text for k, ref in (("checkpoint", job.checkpoint_ref), ("baseline", job.baseline_ref))
+              if ref is not None and not ref.on_this_machine}
     cache = evaluators.current().checkpoint_cache() if remote else None
     for refetched in (False, True):
         used: list[str] = []

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import CheckpointError
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec
 from eval_worker.service.job_checkpoints import check_location
@@ -20,12 +21,12 @@ def _canonical(location: str | os.PathLike) -> str:
     """A store URL in canonical form, or an absolute local path (storage.canonical); a Hub branch or
     tag becomes its commit: the job means fixed bytes."""
     try:
-        where = storage.canonical(os.fspath(location))
-        if storage.store_for(where).read_only:
+        ref = CheckpointRef.parse(location)
+        if ref.kind == "hub":
             from dflash_train.checkpoints import hub
 
-            where = hub.resolve(str(where))
-        return str(where)
+            return hub.resolve(ref.text)
+        return ref.text
     except (storage.StoreError, CheckpointError) as e:
         raise JobError(str(e)) from None
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
@@ -54,8 +55,9 @@ def check_location(path: str, roots: Sequence[Path | str] | None, verify_digest:
                    what: str) -> tuple[str, dict[str, Any]]:
     """(real path or canonical URL, manifest) of a published checkpoint: confined to `roots` (unless
     None), its marker read; with `verify_digest` (local only) every file hashed again."""
-    if storage.is_url(path):
-        url, _, manifest = _check_remote(path, roots, what)
+    ref = _parsed(path, what)
+    if not ref.on_this_machine:
+        url, _, manifest = _check_remote(ref.text, roots, what)
         return url, manifest
     if roots is not None:
         confine(path, roots)
@@ -83,6 +85,13 @@ def check_location(path: str, roots: Sequence[Path | str] | None, verify_digest:
     return real, manifest
 
 
+def _parsed(location: str, what: str) -> CheckpointRef:
+    try:
+        return CheckpointRef.parse(location)
+    except storage.StoreError as e:
+        raise JobError(f"{what}: {e}") from None
+
+
 def _check_remote(url: str, roots: Sequence[Path | str] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
     """(canonical url, marker bytes, manifest) of a checkpoint in a store, confined to the store
     prefixes among `roots`. A store that cannot be reached raises StoreUnavailable (retryable)."""
@@ -105,7 +114,7 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
     from `cache` (a eval_worker.service.checkpoint_cache.CheckpointCache; downloaded once per
     publication, every file's digest verified), held for the block so it is not evicted.
     """
-    if all(_on_this_machine(where) for where in (job.checkpoint, job.baseline) if where):
+    if all(ref.on_this_machine for ref in (job.checkpoint_ref, job.baseline_ref) if ref is not None):
         manifests = check_checkpoint(job, roots, verify_digest=True)
         yield job.checkpoint, job.baseline, manifests
         return
@@ -136,7 +145,7 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
 
 def _on_this_machine(where: str) -> bool:
     """A local directory is evaluated in place; anything else (an object store, the Hub) from the cache."""
-    return storage.store_for(where).local
+    return CheckpointRef.parse(where).on_this_machine
 
 
 def _match_job(job: JobPayload, manifest: dict[str, Any]) -> None:

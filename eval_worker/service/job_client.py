@@ -37,7 +37,7 @@ from rq.exceptions import DuplicateJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import has_pin, pin_checkpoint, unpin_checkpoint
 from dflash_train.common.errors import retryable
 from dflash_train.common.redaction import redact
@@ -380,12 +380,14 @@ class JobClient:
     def outbox_for(self, checkpoint: str | os.PathLike) -> Path:
         """The outbox beside a checkpoint's run; for checkpoints in an object store (no local run
         directory), `$DFLASH_HOME/outbox/<run>`."""
-        return self.run_outbox(storage.store_for(checkpoint).parent(checkpoint))
+        ref = CheckpointRef.parse(checkpoint)
+        return self.run_outbox(ref.store().parent(ref.text))
 
     def run_outbox(self, run: str | os.PathLike) -> Path:
         """A run's outbox: `<run>/.eval-outbox`, or `$DFLASH_HOME/outbox/<run>` for a run in a store."""
-        store = storage.store_for(run)
-        return Path(run) / OUTBOX_DIRNAME if store.local else self.settings.home / "outbox" / store.name(run)
+        ref = CheckpointRef.parse(run)
+        return ref.path / OUTBOX_DIRNAME if ref.on_this_machine else self.settings.home / "outbox" / \
+            ref.store().name(ref.text)
 
     def submit(self, job: JobPayload, outbox: Path | None = None) -> Path | None:
         """Pin the checkpoint, write the job to its outbox (default `outbox_for`) and wake its delivery.

@@ -28,9 +28,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import RUN_ID_PATTERN, RUN_ID_RULE, valid_run_id
-from dflash_train.common.errors import DFlashError
+from dflash_train.common.errors import DFlashError, StoreError
 from dflash_train.common.settings import KNOWN_SINKS as SINK_NAMES
 from eval_worker.engine.options import MAX_NAME, MAX_SHOWN, EvalOptions, OptionsError, describe_one, shorten
 
@@ -71,16 +71,19 @@ _AbsPath = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH), 
 
 
 def _location(value: str) -> str:
-    if storage.is_url(value):
-        try:
-            if storage.check_url(value) != value:
-                raise ValueError("must be in canonical form (no trailing '/')")
-        except storage.StoreError as e:
-            raise ValueError(str(e)) from None
-        if value.startswith("hf://") and not re.fullmatch(r"hf://[^/@]+/[^/@]+@[0-9a-f]{40}", value):
-            raise ValueError("a Hub checkpoint must name a commit: hf://ORG/REPO@<40-hex sha>")
-        return value
-    return _abs_path(value)
+    if "\x00" in value:
+        raise ValueError("contains a NUL byte")
+    try:
+        ref = CheckpointRef.parse(value)
+    except StoreError as e:
+        raise ValueError(str(e)) from None
+    if ref.on_this_machine:
+        return _abs_path(value)
+    if ref.text != value:
+        raise ValueError("must be in canonical form (no trailing '/')")
+    if ref.kind == "hub" and not re.fullmatch(r"hf://[^/@]+/[^/@]+@[0-9a-f]{40}", value):
+        raise ValueError("a Hub checkpoint must name a commit: hf://ORG/REPO@<40-hex sha>")
+    return value
 
 
 # a checkpoint: an absolute path, or an object-store URL (never one with credentials in it)
@@ -140,6 +143,15 @@ class JobPayload(BaseModel):
     attempt: int = Field(0, ge=0, le=1_000_000)
     train_metrics: dict[_Name, _FiniteNumber] | None = Field(None, max_length=MAX_METRICS)
     options: dict[str, Any] | None = None  # checked by EvalOptions (eval_worker.engine.options), the engine's schema
+
+    @property
+    def checkpoint_ref(self) -> CheckpointRef:
+        """The checkpoint's location as a value (it parsed when the job was validated)."""
+        return CheckpointRef.parse(self.checkpoint)
+
+    @property
+    def baseline_ref(self) -> CheckpointRef | None:
+        return CheckpointRef.parse(self.baseline) if self.baseline else None
 
     def to_json(self) -> dict[str, Any]:
         """The job as JSON data, exactly the fields it was validated with (defaults filled in;

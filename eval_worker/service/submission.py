@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
 from eval_worker.service.job_builder import make_job
 from eval_worker.service.job_client import EnqueueOutcome, JobClient
@@ -20,9 +21,16 @@ from eval_worker.service.job_schema import JobError, JobPayload
 from eval_worker.service.queue import queue_name, workers_target
 
 
+def _on_this_machine(path: str) -> bool:
+    try:
+        return CheckpointRef.parse(path).on_this_machine
+    except storage.StoreError:
+        return False  # a store URL that breaks the rules: make_job says what is wrong with it
+
+
 def is_published(path: str) -> bool:
     """Whether `path` is a published checkpoint or a run directory of them (else: a drafter to import)."""
-    if storage.is_url(path):  # never imported: a store URL is a published checkpoint or refused by make_job
+    if not _on_this_machine(path):  # never imported: a store URL is a published checkpoint or refused by make_job
         return True
     return (Path(path) / MARKER_NAME).exists() or bool(list_checkpoints(path))
 
@@ -31,11 +39,10 @@ def expand_checkpoints(paths: Sequence[str]) -> list[str]:
     """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
     out: list = []
     for p in paths:
-        if storage.is_url(p):  # a run prefix in a store stands for its marked step prefixes
+        if not _on_this_machine(p):  # a run prefix in a store stands for its marked step prefixes
             try:
-                url = storage.check_url(p)
-                store = storage.store_for(url)
-                inner = [] if store.exists(storage.join(url, MARKER_NAME)) else list_checkpoints(url)
+                ref = CheckpointRef.parse(p)
+                inner = [] if ref.store().exists(storage.join(ref.text, MARKER_NAME)) else list_checkpoints(ref.text)
             except (storage.StoreError, OSError):
                 inner = []  # make_job says what is wrong with it
         else:

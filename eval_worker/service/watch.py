@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
@@ -78,12 +78,12 @@ class Watcher:
                  retry_failed: bool = False, log: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.time):
         # an object-store run prefix (s3://...): its published checkpoints (COMPLETE.json written last) are queued
-        store = storage.store_for(str(directory))
-        self.url = None if store.local else storage.check_url(str(directory))
-        self.directory = Path(directory).resolve() if store.local else None
+        ref = CheckpointRef.parse(directory)
+        self.url = ref.url
+        self.directory = Path(directory).resolve() if ref.on_this_machine else None
         self.into = Path(into) if into is not None else None
         self.submit, self.config, self.every, self.settle, self.prefix = submit, config, every, settle, prefix
-        self.run_id = run_id or run_id_from(store.name(self.url or Path(directory).resolve()), default="watch")
+        self.run_id = run_id or run_id_from(ref.store().name(self.url or Path(directory).resolve()), default="watch")
         if state_path is None and self.into is None:
             raise ValueError("give `into` (converted checkpoints and the state file) or `state_path`")
         if state_path:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from eval_worker.results.series import options_label, options_of
 from tests.support.wandb_reader import read_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,17 +81,24 @@ def test_demo_runs_end_to_end_and_leaves_nothing_running_demo_pointer(tmp_path, 
     assert report.is_file() and (report.parent / "tau_vs_step.png").stat().st_size > 5000
     assert f"report:      {report}" in proc.stdout
 
+    # SHORT's max_new_tokens is not the engine's default: its numbers are their own series (docs/design.md
+    # "Series"), `eval/coding.max_new_tokens-24/...` in every sink, and nothing is drawn under plain `eval/tau`
+    record = json.loads(record_path.read_text())
+    series = ".".join(p for p in (result["suite"]["name"], options_label(options_of(record))) if p)
+    assert series == f"{result['suite']['name']}.max_new_tokens-24"
+    key = f"eval/{series}/tau"
     pointer = json.loads((work / "wandb" / "demo-test-eval.json").read_text())
     log = read_run(pointer["wandb_file"])
-    assert log.points("eval/tau") == {2: pytest.approx(result["tau"]["macro"])}
-    assert log.points("eval/prompts/nrows")[2] == len(result["prompts"])
+    assert log.points(key) == {2: pytest.approx(result["tau"]["macro"])}
+    assert log.points("eval/tau") == {}
+    assert log.points(f"eval/{series}/prompts/nrows")[2] == len(result["prompts"])
     assert f"W&B offline: {pointer['run_dir']}" in proc.stdout
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(work / "tensorboard" / "demo-test-eval"))
     acc.Reload()
-    assert {e.step: e.value for e in acc.Scalars("eval/tau")} == {2: pytest.approx(result["tau"]["macro"], rel=1e-6)}
+    assert {e.step: e.value for e in acc.Scalars(key)} == {2: pytest.approx(result["tau"]["macro"], rel=1e-6)}
     assert f"TensorBoard: tensorboard --logdir {work / 'tensorboard'}" in proc.stdout
 
     from mlflow.tracking import MlflowClient
@@ -98,7 +106,7 @@ def test_demo_runs_end_to_end_and_leaves_nothing_running_demo_pointer(tmp_path, 
     client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow' / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                 filter_string="tags.`dflash.train_run` = 'demo-test'")
-    tau_history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/tau")}
+    tau_history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
     assert tau_history == {2: pytest.approx(result["tau"]["macro"])}
     assert f"MLflow:      run {run.info.run_id}" in proc.stdout
 

@@ -46,6 +46,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dflash_train.checkpoints.publication import TMP_DIR
 from eval_worker.service.queue import JOB_FUNC
 from tests.support import soak_sinks, soak_store
 from tests.support.soak_stack import (
@@ -337,7 +338,8 @@ def scenario_wandb(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, m
         points = []
         if rc == 0:
             pointer = json.loads((wandb_dir / f"{RUN}-eval.json").read_text())
-            points = sorted(read_run(pointer["wandb_file"]).points("eval/tau"))
+            log = read_run(pointer["wandb_file"])
+            points = sorted(log.points(soak_sinks.tau_key(k for row in log.history for k in row)))
         problems = _problem_list(all_recorded=c.recorded == c.accepted, publish_ok=rc == 0,
                                  every_point_published=points == list(range(1, step + 1)),
                                  sink_errors_reported=all(m["sink_errors"] == m["jobs"] for m in per_mode.values()),
@@ -642,7 +644,7 @@ def scenario_cache(base: Path, zygote: Zygote, target: Path, *, timeout: float =
 
 # --------------------------------------------------------------------------- trainer killed mid-write
 
-_TMP_RE = re.compile(r"^\.step-\d{8,}\.tmp-\d+$")
+_TMP_RE = TMP_DIR  # the publisher's own pattern (`.step-<step>.tmp-<pid>-<random>`): one home
 _STEP_RE = re.compile(r"^step-\d{8,}$")
 
 
@@ -696,6 +698,30 @@ def trainer_main(argv: list[str]) -> int:
     return 0
 
 
+def _caught(run_dir: Path, aim: str) -> bool:
+    names = [x.name for x in run_dir.iterdir()]
+    if aim == "tmp":
+        return any(_TMP_RE.match(n) for n in names)
+    return any(_STEP_RE.match(n) and not (run_dir / n / "COMPLETE.json").exists()
+               and not (run_dir / n / ".pins").exists() for n in names)
+
+
+def _freeze_in(tr, run_dir: Path, aim: str, deadline: float) -> bool:
+    """Stop the trainer (SIGSTOP) while a write is in the `aim` state. Seeing the state and stopping the
+    process are two steps; a write that finished between them is let go on (SIGCONT) and the next one
+    aimed at, so a loaded machine does not turn an aimed kill into a random one."""
+    while time.monotonic() < deadline:
+        if _caught(run_dir, aim):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(tr.pid, signal.SIGSTOP)
+            if _caught(run_dir, aim):
+                return True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(tr.pid, signal.SIGCONT)
+        time.sleep(0.0005)
+    return False
+
+
 def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: int = 5, seed: int = 0,
                           timeout: float = 180) -> Row:
     """SIGKILL the trainer at random moments while it publishes checkpoints back to back (so
@@ -724,15 +750,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
             wait_for(lambda tr=tr: '"cleaned"' in tr.log(), 60, "the trainer to start")
             time.sleep(rng.uniform(0.2, 1.5))
             aim = (None, "tmp", "unmarked")[k % 3]  # a random moment, or aimed at a write in progress
-            deadline = time.monotonic() + 5
-            while aim and time.monotonic() < deadline:
-                names = [x.name for x in run_dir.iterdir()]
-                if aim == "tmp" and any(_TMP_RE.match(n) for n in names):
-                    break
-                if aim == "unmarked" and any(_STEP_RE.match(n) and not (run_dir / n / "COMPLETE.json").exists()
-                                             and not (run_dir / n / ".pins").exists() for n in names):
-                    break
-                time.sleep(0.0005)
+            if aim:
+                _freeze_in(tr, run_dir, aim, deadline=time.monotonic() + 5)
             tr.kill()
             partial = set(partial_checkpoints(run_dir))
             partial_total += len(partial)

@@ -72,7 +72,7 @@ def _steps(values) -> dict[str, object]:
     return {"points": len(steps), "steps": sorted(set(steps)), "duplicate_steps": dupes}
 
 
-def _tau_key(keys) -> str:
+def tau_key(keys) -> str:
     """The one τ key of the run (the soak's options are not the defaults: `eval/<suite>.<options>/tau`)."""
     found = sorted({k for k in keys if _TAU.match(k)})
     if len(found) != 1:
@@ -89,7 +89,7 @@ def read_back(base: Path, run: str = RUN) -> dict[str, dict]:
 
         pointer = json.loads((base / "wandb" / f"{run}-eval.json").read_text())
         history = read_run(pointer["wandb_file"]).history
-        key = _tau_key(k for row in history for k in row)
+        key = tau_key(k for row in history for k in row)
         out["wandb"] = {"key": key, **_steps(row["train/step"] for row in history if key in row)}
     except Exception as e:  # noqa: BLE001 - a sink with nothing readable is a finding, not a crash
         out["wandb"] = {"error": f"{type(e).__name__}: {e}"}
@@ -98,7 +98,7 @@ def read_back(base: Path, run: str = RUN) -> dict[str, dict]:
 
         acc = EventAccumulator(str(base / "tensorboard" / f"{run}-eval"), size_guidance={"scalars": 0})
         acc.Reload()
-        key = _tau_key(acc.Tags()["scalars"])
+        key = tau_key(acc.Tags()["scalars"])
         out["tensorboard"] = {"key": key, **_steps(e.step for e in acc.Scalars(key))}
     except Exception as e:  # noqa: BLE001
         out["tensorboard"] = {"error": f"{type(e).__name__}: {e}"}
@@ -110,7 +110,7 @@ def read_back(base: Path, run: str = RUN) -> dict[str, dict]:
         runs = client.search_runs(exps, filter_string=f"tags.`dflash.train_run` = '{run}'")
         if len(runs) != 1:
             raise AssertionError(f"{len(runs)} MLflow runs for {run} (one expected)")
-        key = _tau_key(runs[0].data.metrics)
+        key = tau_key(runs[0].data.metrics)
         out["mlflow"] = {"key": key, **_steps(m.step for m in client.get_metric_history(runs[0].info.run_id, key))}
     except Exception as e:  # noqa: BLE001
         out["mlflow"] = {"error": f"{type(e).__name__}: {e}"}

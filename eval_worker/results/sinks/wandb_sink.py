@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.common.fsutil import atomic_write_text
 from dflash_train.common.settings import Settings
 from eval_worker.results.run_results import RunResult, lag_scalars, load_run, series_of
@@ -156,7 +156,7 @@ def _log_checkpoint(run, run_id: str, res: RunResult, best: RunResult | None, up
     import wandb
 
     ck = res.result["checkpoint"]
-    if storage.is_url(ck.get("path")):  # in an object store or on the Hub: no file:// to point at
+    if ck.get("path") and not CheckpointRef.parse(ck["path"]).on_this_machine:  # a store or the Hub: no file://
         return _log_store_checkpoint(run, run_id, res, best)
     ck_dir = Path(ck.get("source") or ck["path"]).resolve()  # an import record's files are at its source
     files = [ck_dir / f for f in CHECKPOINT_FILES if (ck_dir / f).is_file()]
@@ -190,8 +190,9 @@ def _log_store_checkpoint(run, run_id: str, res: RunResult, best: RunResult | No
                                    "tau": res.result["tau"]["macro"], "suite": res.result["suite"]["name"]})
     with art.new_file("checkpoint.json") as fh:
         json.dump(info, fh, sort_keys=True)
-    if str(ck["path"]).startswith("s3://") and importlib.util.find_spec("boto3") is not None:
-        base = str(ck["path"]).rstrip("/")
+    ref = CheckpointRef.parse(ck["path"])
+    if ref.kind == "s3" and importlib.util.find_spec("boto3") is not None:
+        base = ref.text
         for f in CHECKPOINT_FILES:
             art.add_reference(f"{base}/{f}", name=f, checksum=False)
     aliases = [f"step-{res.step}"] + (["best-tau"] if best is not None and best.key == res.key else [])

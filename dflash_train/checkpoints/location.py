@@ -1,0 +1,117 @@
+"""A checkpoint location parsed once: `CheckpointRef`, the value every layer passes instead of a string.
+
+A location arrives as text at an edge (the CLI, the hook, `watch`, `import`, a job's JSON) and is parsed
+there, once, into a frozen `CheckpointRef`: its canonical form (a URL by `check_url`, a path made
+absolute), its kind (`local`, `s3`, `fsspec`, `hub`), whether it can be written, and the `Store` that
+serves it. Confinement (`within`: does it lie inside the roots a worker serves?) is a method of the value,
+so the kind of a location is decided here and in `storage.py`, nowhere else (tests/architecture/
+test_location_kind.py holds every other module to that).
+
+Jobs stay JSON: a job carries the canonical text (`str(ref)`), and `CheckpointRef.parse(job.checkpoint)`
+gives the value back (`JobPayload.checkpoint_ref`).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from dflash_train.common.errors import StoreError
+from dflash_train.common.redaction import redact
+from dflash_train.common.urls import check_url, is_url, protocol, within_prefixes
+
+from . import storage
+
+Kind = Literal["local", "s3", "fsspec", "hub"]
+S3_PROTOCOLS = ("s3",)  # what W&B's reference artifacts and boto3 name; s3a:// goes through fsspec
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One checkpoint location: `text` canonical (a checked URL, or an absolute path), `kind` what serves it."""
+
+    text: str
+    kind: Kind
+
+    @classmethod
+    def parse(cls, location: str | os.PathLike[str] | CheckpointRef) -> CheckpointRef:
+        """The ref of `location`; StoreError for a URL that breaks the rules (credentials, '..', no bucket, ...)."""
+        if isinstance(location, CheckpointRef):
+            return location
+        if isinstance(location, str) and "\x00" in location:
+            raise StoreError(f"invalid location {location!r}")
+        if not is_url(location):
+            return cls(os.path.abspath(os.fspath(location)), "local")
+        url = check_url(location)
+        proto = protocol(url)
+        kind: Kind = "hub" if proto in storage.READ_ONLY else "s3" if proto in S3_PROTOCOLS else "fsspec"
+        return cls(url, kind)
+
+    @classmethod
+    def parse_all(cls, roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> list[CheckpointRef]:
+        """Refs of a root list, skipping what does not parse (a root list is the settings' business to check)."""
+        out = []
+        for r in roots or ():
+            try:
+                out.append(cls.parse(r))
+            except StoreError:
+                continue
+        return out
+
+    def __str__(self) -> str:
+        return self.text
+
+    # --- what kind of place (the only answers to "is this a URL?" outside storage.py)
+    @property
+    def on_this_machine(self) -> bool:
+        """A directory here: evaluated in place, pinned and pruned with file operations."""
+        return self.kind == "local"
+
+    @property
+    def writable(self) -> bool:
+        """Whether pins, uploads and retention may write here (the Hub: never)."""
+        return self.kind != "hub"
+
+    @property
+    def path(self) -> Path:
+        """The local path (ValueError for a store URL: there is no file to point at)."""
+        if self.kind != "local":
+            raise ValueError(f"{self.shown} is not on this machine")
+        return Path(self.text)
+
+    @property
+    def url(self) -> str | None:
+        """The canonical URL of a store location, None for a local path."""
+        return None if self.kind == "local" else self.text
+
+    @property
+    def shown(self) -> str:
+        """For messages: a URL without anything secret in it."""
+        return redact(self.text)
+
+    def store(self, *, file_mode: int | None = None, dir_mode: int | None = None) -> storage.Store:
+        return storage.store_for(self.text, file_mode=file_mode, dir_mode=dir_mode)
+
+    def same_kind(self, roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> list[CheckpointRef]:
+        """The roots that can hold this location: URL prefixes for a store URL, directories for a path."""
+        local = self.kind == "local"
+        return [r for r in self.parse_all(roots) if (r.kind == "local") == local]
+
+    def within(self, roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> CheckpointRef | None:
+        """This location, confined: inside one of `roots` of its own kind (a local path by its real path,
+        symlinks resolved; a URL under a prefix by whole path segments), else None."""
+        mine = self.same_kind(roots)
+        if self.kind != "local":
+            url = within_prefixes(self.text, [r.text for r in mine])
+            return None if url is None else CheckpointRef(url, self.kind)
+        real = Path(os.path.realpath(self.text))
+        inside = any(real == r.path or r.path in real.parents for r in mine)
+        return CheckpointRef(str(real), "local") if inside else None
+
+
+def first_local_root(roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> Path | None:
+    """The first directory among `roots` (where `import` and `watch` write converted checkpoints: a store prefix
+    among the roots is read by workers, not written by a converter), None when every root is a store prefix."""
+    return next((r.path for r in CheckpointRef.parse_all(roots) if r.on_this_machine), None)
