@@ -30,7 +30,8 @@ S3_PROTOCOLS = ("s3",)  # what W&B's reference artifacts and boto3 name; s3a:// 
 
 @dataclass(frozen=True)
 class CheckpointRef:
-    """One checkpoint location: `text` canonical (a checked URL, or an absolute path), `kind` what serves it."""
+    """One checkpoint location: `text` (a checked URL in canonical form, or an absolute path exactly as given:
+    `..` after a symlink is not where a lexical clean-up puts it), `kind` what serves it."""
 
     text: str
     kind: Kind
@@ -43,7 +44,8 @@ class CheckpointRef:
         if isinstance(location, str) and "\x00" in location:
             raise StoreError(f"invalid location {location!r}")
         if not is_url(location):
-            return cls(os.path.abspath(os.fspath(location)), "local")
+            raw = os.fspath(location)
+            return cls(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw), "local")
         url = check_url(location)
         proto = protocol(url)
         kind: Kind = "hub" if proto in storage.READ_ONLY else "s3" if proto in S3_PROTOCOLS else "fsspec"
@@ -62,6 +64,11 @@ class CheckpointRef:
 
     def __str__(self) -> str:
         return self.text
+
+    @property
+    def canonical(self) -> str:
+        """As a job names it: the URL, or the path made absolute and cleaned (`..`, `//`, a trailing '/')."""
+        return self.text if self.kind != "local" else os.path.abspath(self.text)
 
     # --- what kind of place (the only answers to "is this a URL?" outside storage.py)
     @property

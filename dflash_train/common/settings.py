@@ -79,7 +79,7 @@ def parse_roots(roots) -> tuple[Path | str, ...] | None:
         return None
     if isinstance(roots, str):
         roots = _split_roots(roots)
-    out = tuple(parse_root(str(r).strip()) for r in roots if str(r).strip())
+    out = tuple(parse_root(str(r)) for r in roots if str(r).strip())
     return out or None
 
 

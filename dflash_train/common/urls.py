@@ -57,8 +57,10 @@ def check_url(url: str) -> str:
 
 def parse_root(text: str) -> Path | str:
     """One root of a root list as confinement compares it: a URL prefix in canonical form (str), else a
-    directory, user expanded, symlinks resolved (Path)."""
-    return check_url(text) if is_url(text) else Path(os.path.realpath(os.path.expanduser(text)))
+    directory, user expanded, symlinks resolved (Path). A URL is stripped of blanks; a path is taken as is (a
+    directory may end in a space)."""
+    url = text.strip()
+    return check_url(url) if is_url(url) else Path(os.path.realpath(os.path.expanduser(text)))
 
 
 def protocol(url: str) -> str:

@@ -43,7 +43,7 @@ def confine_ref(path: str | os.PathLike | CheckpointRef, roots: Sequence[Path | 
                        f"{how} (e.g. s3://bucket/runs)")
     real = Path(os.path.realpath(ref.text))
     shown = os.pathsep.join(str(r) for r in ref.same_kind(roots))
-    if str(real) != ref.text:
+    if str(real) != ref.canonical:
         raise JobError(f"{path} resolves to {real}, outside the {what} roots ({shown}); "
                        "a symlink may not lead out of the roots")
     raise JobError(f"{path} is outside the {what} roots ({shown}); add its root with {how}")

@@ -26,7 +26,7 @@ def _canonical(location: str | os.PathLike) -> str:
             from dflash_train.checkpoints import hub
 
             return hub.resolve(ref.text)
-        return ref.text
+        return ref.canonical
     except (storage.StoreError, CheckpointError) as e:
         raise JobError(str(e)) from None
 

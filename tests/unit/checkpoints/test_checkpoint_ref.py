@@ -69,6 +69,11 @@ def test_checkpoint_ref_within_resolves_symlinks(tmp_path):
     os.symlink(outside, root / "run" / "escape")
     assert CheckpointRef.parse(root / "run").within([root]) == CheckpointRef(str(root / "run"), "local")
     assert CheckpointRef.parse(root / "run" / "escape").within([root]) is None
+    # `..` after a symlink is resolved by the file system, not cleaned away: run/escape/.. is tmp_path
+    assert CheckpointRef.parse(f"{root}/run/escape/..").within([root]) is None
+    assert CheckpointRef.parse(f"{root}/run/escape/..").canonical == str(root / "run")  # lexical: what a job names
+    assert CheckpointRef.parse(f"{root}/run/escape/../root/run").within([root]) == CheckpointRef(str(root / "run"),
+                                                                                              "local")
     assert CheckpointRef.parse(root / "run").within(["s3://bucket/runs"]) is None  # a prefix never holds a path
 
 
