@@ -15,9 +15,11 @@ from tests.support import soak, soak_sinks
 def test_sink_catch_up_soak_kills_in_the_sink_phase_every_sink_equals_the_ledger(tmp_path, zygote, target):
     row = soak_sinks.scenario_sink_kills(tmp_path, zygote, target, **soak.QUICK["sink_kills"])
     assert not row.details.get("problems"), f"{row.details['problems']}:\n{row.observed}\n{row.details}"
-    assert row.lost == 0 and row.duplicated == 0 and row.recorded == row.accepted == 4
+    # 3 jobs and the control one, plus any the scenario added to keep publications coming until both kills landed
+    assert row.lost == 0 and row.duplicated == 0 and row.recorded == row.accepted >= 4
     kinds = [k["kind"] for k in row.details["kills"]]
     assert kinds == ["worker", "sink child"], row.details["kills"]
     for name in soak_sinks.SINKS:
-        assert row.details["points"][name]["points"] == row.details["ledger_records"] == 4, row.details["points"]
+        assert row.details["points"][name]["points"] == row.details["ledger_records"] == row.accepted, \
+            row.details["points"]
         assert row.details["points"][name]["duplicate_steps"] == []
