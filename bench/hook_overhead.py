@@ -140,7 +140,7 @@ def main():
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     target, examples, mask_id = setup(args)
     modes = ["no hook", "publish only", "hook", "redis down"]

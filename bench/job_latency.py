@@ -49,10 +49,10 @@ def main():
     args = ap.parse_args()
 
     from eval_worker.redis_client import connect
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import fetch_job
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.local_redis.server import LocalRedis
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import fetch_job
     from tests.support.sidecar_support import (
         WorkerProcess,
         publish_random,

@@ -45,7 +45,7 @@ def _median_time(fn, n: int) -> float:
 
 def transfer(tmp: Path, mb: int, repeats: int) -> dict:
     from dflash_train.checkpoints.publication import publish_directory, upload_checkpoint, verify_checkpoint
-    from eval_worker.service.checkpoint_cache import CheckpointCache
+    from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 
     def write(d: Path) -> None:
         (d / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
@@ -86,8 +86,8 @@ def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
     """The checkpoint part of a worker's job (`job_checkpoints.materialize`: confine, read the marker, then
     verify in place, or pull into the cache and verify, or find it cached), fastest of `n`
     interleaved rounds: local path, store URL with an empty cache, store URL cached."""
-    from eval_worker.service.checkpoint_cache import CheckpointCache
-    from eval_worker.service.job_checkpoints import check_checkpoint, materialize
+    from eval_worker.service.jobs.checkpoints import check_checkpoint, materialize
+    from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 
     def phase(j: dict, clear: bool) -> float:
         if clear:
@@ -109,10 +109,10 @@ def checkpoint_phase(job: dict, roots: list, cache_dir: Path, n: int) -> dict:
 
 def jobs(tmp: Path, n: int, big: Path | None) -> dict:
     from dflash_train.checkpoints.publication import upload_checkpoint
-    from eval_worker.service import evaluators
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.worker import evaluators
+    from eval_worker.service.worker.eval_job import run_eval_job
+    from eval_worker.service.worker.evaluators import WorkerSettings
     from tests.support.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
     target = REPO / "dflash_train" / "assets" / "tiny_target"

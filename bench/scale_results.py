@@ -62,7 +62,7 @@ def _job(run: str, step: int, digest: str) -> dict:
 def fill_ledger(results: Path, conn, runs: list[str], per_run: int, first_step: int = 0) -> list[float]:
     """Write per_run records for every run as a worker would (record + index); per-write seconds."""
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service.job_schema import validate_job
+    from eval_worker.service.jobs.schema import validate_job
     from tests.support.eval_results import make_result
 
     ledger = Ledger(results, connection=conn)
@@ -81,7 +81,7 @@ def fill_ledger(results: Path, conn, runs: list[str], per_run: int, first_step: 
 def ledger_part(args, tmp: Path, conn) -> None:
     from eval_worker.commands.results import rows
     from eval_worker.results.report import build_report
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
 
     runs = [f"run-{i:02d}" for i in range(args.runs)]
     per_full = args.records // args.runs
@@ -141,8 +141,8 @@ def publish_part(tmp: Path, results: Path, run: str, per_small: int, per_full: i
 
 
 def queue_part(args, conn) -> float:
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import QueueConfig, status
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import QueueConfig, status
 
     config = QueueConfig(retry_max=0)
     runs = [f"run-{i:02d}" for i in range(args.runs)]
@@ -193,9 +193,9 @@ def main() -> None:
     import eval_worker.commands.results  # noqa: F401
     import eval_worker.results.report  # noqa: F401
     import eval_worker.results.sinks.registry  # noqa: F401 - and the sinks it registers
-    import eval_worker.service.queue  # noqa: F401
+    import eval_worker.service.queueing.queue  # noqa: F401
     from eval_worker.redis_client import connect
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     print("| operation | small size | time | peak | full size | time | peak | time ratio |")
     print("|---|---|---|---|---|---|---|---|", flush=True)

@@ -43,10 +43,10 @@ class SleepyEvaluator:
 def real(policy: str, args, tmp: Path, redis_url: str) -> dict:
     from eval_worker.redis_client import connect
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service import routing
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import QueueConfig, fetch_job
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.queueing import routing
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import QueueConfig, fetch_job
     from tests.support.eval_results import fake_checkpoint
     from tests.support.sidecar_support import WorkerProcess
 
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--eval", type=float, default=1.5, help="seconds per evaluation")
     ap.add_argument("--load", type=float, default=3.0, help="seconds per target load")
     args = ap.parse_args()
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     print(f"2 runs x {args.checkpoints} checkpoints every {args.cadence} s / {args.cadence_b or args.cadence} s, 2 "
           f"targets, 2 workers; "

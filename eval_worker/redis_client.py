@@ -5,7 +5,7 @@ lock, the sinks' messages) talk to Redis too, and results never import the servi
 the commands and `hooks` import it alike. Not in `dflash_train.common`: the drafter and its trainer
 never talk to Redis (the trainer reaches it only through the `hooks` plug-in). The embedded
 redis-server that commands start when no URL is given is the service's
-(`eval_worker.service.redis_server`).
+(`eval_worker.service.local_redis.server`).
 
 :func:`connect` opens a client for ``redis://``, ``rediss://`` (TLS; ``ssl_*`` options go in
 the URL query, e.g. ``?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem``) and ``unix://`` URLs;

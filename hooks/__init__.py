@@ -5,7 +5,7 @@
   so that using `EvalOnCheckpoint` does not import transformers' trainer machinery.
 - `Outbox`: the durable local job outbox next to the checkpoints.
 """
-from eval_worker.service.outbox import Outbox
+from eval_worker.service.queueing.outbox import Outbox
 
 from .eval_on_checkpoint import EvalOnCheckpoint
 

@@ -25,9 +25,9 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         from dflash_train.checkpoints.publication import run_id_from
         from dflash_train.checkpoints.training_state import import_checkpoint
         from dflash_train.common.settings import Settings
-        from eval_worker.service.job_builder import make_job
-        from eval_worker.service.job_client import JobClient
-        from eval_worker.service.queue import QueueConfig
+        from eval_worker.service.jobs.builder import make_job
+        from eval_worker.service.queueing.client import JobClient
+        from eval_worker.service.queueing.queue import QueueConfig
 
         settings = Settings.from_env()
         roots = settings.checkpoint_roots

@@ -1,7 +1,7 @@
 """`EvalOnCheckpoint`: enqueue an acceptance eval for published checkpoints (dflash_train callback).
 
 Implements the trainer hook protocol (dflash_train/training/callbacks.py), rank 0 only. The hook
-keeps the cadence and makes the jobs; `eval_worker.service.job_client.JobClient` (the one way every
+keeps the cadence and makes the jobs; `eval_worker.service.queueing.client.JobClient` (the one way every
 producer enqueues) does the rest, in a background delivery thread:
 
 - `on_checkpoint_published(trainer, step, path, manifest)`: the marker is present. If this
@@ -33,10 +33,10 @@ from typing import Any
 
 from dflash_train.checkpoints import storage
 from dflash_train.common.settings import Settings
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import Delivery, EnqueueOutcome, JobClient
-from eval_worker.service.job_schema import JobPayload
-from eval_worker.service.queue import QueueConfig
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobPayload
+from eval_worker.service.queueing.client import Delivery, EnqueueOutcome, JobClient
+from eval_worker.service.queueing.queue import QueueConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class EvalOnCheckpoint:
         self.settings = settings or Settings.from_env()
         self.eval_final = eval_final
         self.train_end_timeout = train_end_timeout
-        # many runs, several targets (eval_worker/service/routing.py): the run's backlog policy, target queues
-        from eval_worker.service.routing import parse_policy
+        # many runs, several targets (eval_worker/service/queueing/routing.py): the run's backlog policy, target queues
+        from eval_worker.service.queueing.routing import parse_policy
 
         parse_policy(backlog)  # a typo fails at construction, not at the first checkpoint
         config = QueueConfig(base=queue, backlog=backlog, route_by_target=route_by_target)

@@ -91,7 +91,7 @@ def _isolated_dflash_home(tmp_path_factory: pytest.TempPathFactory):
             mp.delenv(var, raising=False)
         yield home
     if (home / "redis").exists():
-        from eval_worker.service.redis_server import LocalRedis
+        from eval_worker.service.local_redis.server import LocalRedis
 
         LocalRedis(home / "redis").stop()
 
@@ -122,7 +122,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     tests can take Redis away and bring it back. ``appendfsync always`` makes
     every acknowledged write survive even a SIGKILL.
     """
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     server = LocalRedis(tmp_path_factory.mktemp("redis_server"), appendfsync="always")
     server.start()
@@ -151,7 +151,7 @@ def redis_url(redis_server) -> str:
 def worker_evaluators():
     """`worker_evaluators(settings)`: fresh `Evaluators` with those settings, installed as this process's
     (what the job function uses) for the test; the ones installed before come back after it."""
-    from eval_worker.service import evaluators
+    from eval_worker.service.worker import evaluators
 
     previous = evaluators.install(None)
 

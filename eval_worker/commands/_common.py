@@ -2,7 +2,7 @@
 share the sampling flags).
 
 Redis URL: `--redis-url` > `$REDIS_URL` (`args.settings`) > the embedded local redis-server
-(eval_worker.service.redis_server.resolve_redis_url). Passwords are never printed (redact_url).
+(eval_worker.service.local_redis.server.resolve_redis_url). Passwords are never printed (redact_url).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def no_redis_to_read(args: argparse.Namespace) -> str | None:
     would only show an empty queue, so it starts none), or None when there is one."""
     if args.redis_url or args.settings.redis_url:
         return None
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     local = LocalRedis(args.settings.redis_dir, password=args.settings.redis_password,
                        binary=args.settings.redis_server)
@@ -41,14 +41,14 @@ def connect_from_args(args: argparse.Namespace, *, start: bool = True):
     `start=False`: never start the local redis-server (a read-only command)."""
     from dflash_train.common.redaction import redact_url
     from eval_worker.redis_client import connect
-    from eval_worker.service.redis_server import resolve_redis_url
+    from eval_worker.service.local_redis.server import resolve_redis_url
 
     # the notice goes first, on stderr: stdout may be JSON that a script reads
     url = resolve_redis_url(args.redis_url, args.settings, start=start,
                             notice=lambda text: print(f"note: {text}", file=sys.stderr))
     conn = connect(url)
     try:
-        from eval_worker.service.queue import server_risks
+        from eval_worker.service.queueing.queue import server_risks
 
         for risk in server_risks(conn):  # a server that can drop accepted jobs: said by every command
             print(f"warning: {risk}", file=sys.stderr)

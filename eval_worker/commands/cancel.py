@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.service.job_schema import JobError
-    from eval_worker.service.queue import cancel
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.queueing.queue import cancel
 
     try:
         conn, _ = connect_from_args(args)

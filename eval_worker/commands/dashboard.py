@@ -22,30 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=9181, help="port (default: %(default)s)")
 
 
-def _json_workers() -> None:
-    """rq-dashboard's views build workers through its module's `Worker`: one that reads jobs as JSON."""
-    from rq.serializers import JSONSerializer
-    from rq.worker import Worker
-    from rq_dashboard import web
-
-    if getattr(web.Worker, "_dflash_json", False):
-        return
-
-    class JSONWorker(Worker):
-        _dflash_json = True
-
-        @classmethod
-        def all(cls, *args, **kwargs):
-            kwargs.setdefault("serializer", JSONSerializer)
-            return Worker.all(*args, **kwargs)
-
-    web.Worker = JSONWorker
-
-
 def _jobs_queue(connection, base: str) -> str:
     """The queue the Jobs tab opens on: the first of `base`'s queues, in the order workers serve them,
     that holds queued jobs (routed targets' included), else `base` itself."""
-    from eval_worker.service.queue import all_queue_names, get_queue
+    from eval_worker.service.queueing.queue import all_queue_names, get_queue
 
     names = all_queue_names(connection, base)
     return next((n for n in names if get_queue(connection, n).count), base)
@@ -61,10 +41,12 @@ def dashboard_app(redis_url: str, queue: str = "dflash-eval"):
     from flask import current_app, redirect, request
     from rq_dashboard.app import create_app
 
+    from eval_worker.service.worker.rq_compat import json_dashboard_workers
+
     os.environ["RQ_DASHBOARD_REDIS_URL"] = redis_url  # read by create_app (as `rq-dashboard --redis-url`)
     os.environ["RQ_DASHBOARD_JSON_SERIALIZER"] = "true"
     os.environ.setdefault("RQ_DASHBOARD_URL_PREFIX", "")
-    _json_workers()
+    json_dashboard_workers()
     app = create_app()
 
     @app.before_request
@@ -85,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         return fail("rq-dashboard is not installed: pip install -e '.[worker]'")
     from dflash_train.common.redaction import redact_url
     from eval_worker.redis_client import connect
-    from eval_worker.service.redis_server import resolve_redis_url
+    from eval_worker.service.local_redis.server import resolve_redis_url
 
     try:  # the embedded Redis when REDIS_URL is unset, as for the worker
         url = resolve_redis_url(args.redis_url, args.settings,

@@ -50,7 +50,7 @@ def _threads() -> tuple[int, int]:
 
 def _wait_for_jobs(conn, job_ids: list[str], stack, timeout_s: float,
                    check: Callable[[], None] = lambda: None) -> dict[str, str]:
-    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.queueing.queue import fetch_job
 
     deadline = time.monotonic() + timeout_s
     status: dict[str, str] = {}
@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.INFO)
     # the progress module's lines stay at WARNING, as before it was named under dflash_train
     logging.getLogger("dflash_train.common.progress").setLevel(logging.WARNING)
-    from eval_worker.service.demo_stack import DemoStack, tail
+    from eval_worker.service.local_redis.demo_stack import DemoStack, tail
 
     work = Path(args.workdir).resolve()
     paths = {k: work / k for k in ("runs", "results", "wandb", "tensorboard", "mlflow", "report", "cache", "logs")}

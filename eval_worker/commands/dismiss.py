@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.service.queue import dismiss_failed
+    from eval_worker.service.queueing.queue import dismiss_failed
 
     if bool(args.job_ids) == bool(args.all):
         return fail("name the failed job(s) to dismiss, or give --all (optionally with --run RUN)")

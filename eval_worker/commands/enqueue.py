@@ -101,9 +101,9 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.checkpoints.storage import StoreError
     from dflash_train.common.settings import parse_roots
     from eval_worker.engine.suite import DEFAULT_SUITE
-    from eval_worker.service.job_client import JobClient
-    from eval_worker.service.job_schema import JobError
-    from eval_worker.service.submission import Submission, expand_checkpoints, is_published
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.queueing.client import JobClient
+    from eval_worker.service.queueing.submission import Submission, expand_checkpoints, is_published
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
@@ -195,8 +195,8 @@ def _sinks(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, tuple[str,
 
 def _queue_config(args: argparse.Namespace):
     """The queue's settings from the flags (JobError: the backlog policy is not one we know)."""
-    from eval_worker.service.queue import QueueConfig
-    from eval_worker.service.routing import parse_policy
+    from eval_worker.service.queueing.queue import QueueConfig
+    from eval_worker.service.queueing.routing import parse_policy
 
     parse_policy(args.backlog)
     config = QueueConfig(base=args.queue, route_by_target=args.route_by_target, backlog=args.backlog)

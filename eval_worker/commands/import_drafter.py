@@ -53,7 +53,7 @@ def import_drafters(args: argparse.Namespace, sources: list[str], run: str | Non
 
     from dflash_train.checkpoints.publication import CheckpointError, import_name, run_id_from, valid_run_id
     from dflash_train.common.settings import parse_roots
-    from eval_worker.service.confinement import converts_outside_roots, import_roots_problem
+    from eval_worker.service.jobs.confinement import converts_outside_roots, import_roots_problem
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     into = args.into or next((str(r) for r in roots or () if isinstance(r, Path)), None)

@@ -1,5 +1,5 @@
 """`dflash-eval redis status|stop [--force]`: the embedded redis-server that commands start when
-`REDIS_URL` is unset (it runs detached, so it outlives them; eval_worker.service.redis_server).
+`REDIS_URL` is unset (it runs detached, so it outlives them; eval_worker.service.local_redis.server).
 
 `stop` refuses while a worker it serves is alive (its jobs would stall on a server that is gone);
 `--force` stops it anyway. A server named by `REDIS_URL` / `--redis-url` is never touched here.
@@ -45,7 +45,7 @@ def _serving_workers(local) -> list[dict]:
 def main(args: argparse.Namespace) -> int:
     from dflash_train.common.redaction import redact_url
     from eval_worker.redis_client import RedisAccessError
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     settings = args.settings
     local = LocalRedis(settings.redis_dir, password=settings.redis_password, binary=settings.redis_server)

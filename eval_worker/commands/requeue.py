@@ -39,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.service.job_client import EnqueueOutcome, requeue_run
-    from eval_worker.service.job_schema import JobError
-    from eval_worker.service.queue import QueueConfig, requeue_failed
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.queueing.client import EnqueueOutcome, requeue_run
+    from eval_worker.service.queueing.queue import QueueConfig, requeue_failed
 
     if not args.failed and not args.run:
         return fail("give --failed, or --run RUN with --steps or --all")

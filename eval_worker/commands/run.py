@@ -165,7 +165,7 @@ def _pull(url: str, settings, stack, urls: dict):
     import os
 
     from dflash_train.checkpoints.location import CheckpointRef
-    from eval_worker.service.checkpoint_cache import CheckpointCache
+    from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 
     ref = CheckpointRef.parse(url)
     url = ref.text

@@ -53,7 +53,7 @@ def _routing_lines(st: dict) -> None:
         print(f"target {t['target'] or t['target_key']}: {t['queued']} job(s) queued and no worker serves it "
               f"(start one with `dflash-eval worker --serve-target {t['target'] or 'DIR'}`)")
     if st.get("skipped"):
-        from eval_worker.service.routing import requeue_command
+        from eval_worker.service.queueing.routing import requeue_command
 
         _listed("skipped by the backlog policy", st["skipped"],
                 lambda j: f"{j['job_id']}  run={j['run_id']} step={j['step']}"
@@ -67,7 +67,7 @@ def _routing_lines(st: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
 
     try:
         why = no_redis_to_read(args)

@@ -58,7 +58,7 @@ def _state_path(args: argparse.Namespace, roots, into):
         raise ValueError("no place for the converted checkpoints: give --into ROOT or set $DFLASH_CHECKPOINT_ROOTS "
                          "(a local directory)")
     if roots is not None:  # `import`'s rule: every checkpoint is converted into --into, which the worker reads
-        from eval_worker.service.confinement import import_roots_problem
+        from eval_worker.service.jobs.confinement import import_roots_problem
 
         problem = import_roots_problem(into, roots)
         if problem:
@@ -72,11 +72,11 @@ def main(args: argparse.Namespace) -> int:
 
     from dflash_train.checkpoints.location import first_local_root
     from dflash_train.common.settings import parse_roots
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_client import JobClient
-    from eval_worker.service.job_schema import JobError
-    from eval_worker.service.queue import QueueConfig
-    from eval_worker.service.watch import Watcher
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.queueing.client import JobClient
+    from eval_worker.service.queueing.queue import QueueConfig
+    from hooks.watch import Watcher
 
     roots = parse_roots(args.checkpoint_root) or args.settings.checkpoint_roots
     into = args.into or first_local_root(roots)

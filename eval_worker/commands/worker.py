@@ -83,10 +83,10 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.checkpoints.publication import CheckpointError
     from dflash_train.checkpoints.storage import StoreError
     from dflash_train.common.progress import limit_repeated_warnings
-    from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.queue import queue_name
-    from eval_worker.service.routing import serving_queue_names
-    from eval_worker.service.worker import serve, worker_name
+    from eval_worker.service.queueing.queue import queue_name
+    from eval_worker.service.queueing.routing import serving_queue_names
+    from eval_worker.service.worker.evaluators import WorkerSettings
+    from eval_worker.service.worker.worker import serve, worker_name
 
     try:
         args.target = resolve_target(args.target)  # a Hub model id: its snapshot in the Hugging Face cache

@@ -1,6 +1,6 @@
 """The attempt suffix of a job id: `<base id>-r<n>` is the n-th forced re-evaluation of `<base id>`.
 
-Written by the service (service/job_ids.py names jobs), read by the ledger (its index is keyed by
+Written by the service (service/jobs/ids.py names jobs), read by the ledger (its index is keyed by
 base id), so it lives here, below both.
 """
 from __future__ import annotations

@@ -307,7 +307,7 @@ class Ledger:
             "checkpoint_digest": job.checkpoint_digest, "recorded_at": _utcnow(), "job": job.to_json(),
             "worker": worker or {"host": socket.gethostname(), "pid": os.getpid()}, "result": result,
         }
-        if queue:  # the queue's view when it was recorded (eval lag: service/routing.py)
+        if queue:  # the queue's view when it was recorded (eval lag: service/queueing/routing.py)
             record["queue"] = queue
         _mkdirs(record_dir)
         while True:

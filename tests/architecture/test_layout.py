@@ -72,14 +72,14 @@ def test_each_redis_key_belongs_to_one_module():
 def test_job_func_is_defined_once_and_names_the_job_function():
     from importlib import import_module
 
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.queue import JOB_FUNC
+    from eval_worker.service.queueing.queue import JOB_FUNC
+    from eval_worker.service.worker.eval_job import run_eval_job
 
     defined = [rel for rel, tree in _sources(*PACKAGES) for node in ast.walk(tree)
                if isinstance(node, (ast.Assign, ast.AnnAssign))
                and any(isinstance(t, ast.Name) and t.id == "JOB_FUNC"
                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))]
-    assert defined == ["eval_worker/service/queue.py"]
+    assert defined == ["eval_worker/service/queueing/queue.py"]
     module, _, name = JOB_FUNC.rpartition(".")
     assert getattr(import_module(module), name) is run_eval_job
 
@@ -230,7 +230,7 @@ def test_no_import_cycles_between_modules():
 def test_the_service_reads_a_validated_job_by_attribute():
     """A job is validated once into a frozen model and read as `job.step`, not `job["step"]`: dicts only where it
     leaves the process (the outbox's files are JSON data, read back before validation)."""
-    json_side = {"eval_worker/service/outbox.py"}
+    json_side = {"eval_worker/service/queueing/outbox.py"}
     trees = [*_sources("eval_worker/service", "hooks"),
              ("eval_worker/results/ledger.py", ast.parse((REPO / "eval_worker/results/ledger.py").read_text()))]
     found = [(rel, node.lineno) for rel, tree in trees if rel not in json_side for node in ast.walk(tree)

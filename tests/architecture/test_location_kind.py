@@ -25,7 +25,7 @@ EXCEPTIONS = {
     ("dflash_train/checkpoints/publication.py", "store_for"),
     ("dflash_train/checkpoints/publication.py", "read_only"),
     # the checkpoint cache downloads a URL a confined job named: the store is the transport
-    ("eval_worker/service/checkpoint_cache.py", "store_for"),
+    ("eval_worker/service/worker/checkpoint_cache.py", "store_for"),
 }
 
 

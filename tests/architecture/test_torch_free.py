@@ -23,15 +23,18 @@ def _imported_after(code: str) -> list[str]:
 
 @pytest.mark.parametrize("code", [
     "import dflash_train.checkpoints.publication",
-    "import dflash_train.checkpoints.storage, eval_worker.service.checkpoint_cache, dflash_train.checkpoints.hub",
-    "import eval_worker.service.job_schema, eval_worker.service.job_ids, eval_worker.service.confinement",
-    "import eval_worker.service.job_checkpoints, eval_worker.service.job_builder, eval_worker.service.submission",
-    "import eval_worker.service.queue, eval_worker.results.ledger",
-    "import eval_worker.redis_client, eval_worker.service.redis_server",
+    "import dflash_train.checkpoints.storage, dflash_train.checkpoints.hub",
+    "import eval_worker.service.worker.checkpoint_cache",
+    "import eval_worker.service.jobs.schema, eval_worker.service.jobs.ids, eval_worker.service.jobs.confinement",
+    "import eval_worker.service.jobs.checkpoints, eval_worker.service.jobs.builder",
+    "import eval_worker.service.queueing.submission",
+    "import eval_worker.service.queueing.queue, eval_worker.results.ledger",
+    "import eval_worker.redis_client, eval_worker.service.local_redis.server",
     "import eval_worker.commands.enqueue",
-    "import eval_worker.service.outbox, hooks",  # the hook's job building and delivery
+    "import eval_worker.service.queueing.outbox, hooks",  # the hook's job building and delivery
     # a plain `rq worker` imports the job function: torch comes with the first evaluator, not before
-    "import eval_worker.service.eval_job, eval_worker.service.job_guard, eval_worker.service.worker",
+    "import eval_worker.service.worker.eval_job, eval_worker.service.worker.job_guard",
+    "import eval_worker.service.worker.worker",
     "from eval_worker.cli import build_parser; build_parser()",
     "import dflash_train.training.corpus",  # the stdlib corpus: the tiny-target builder's first stage
 ])
@@ -44,9 +47,9 @@ def test_enqueue_path_imports_no_torch(tmp_path):
     code = f"""
 import hashlib, json, pathlib
 from dflash_train.checkpoints.publication import publish_directory, pin_checkpoint
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_checkpoints import check_checkpoint
-from eval_worker.service.job_ids import job_fingerprint, job_id_for
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.checkpoints import check_checkpoint
+from eval_worker.service.jobs.ids import job_fingerprint, job_id_for
 
 def write(tmp):
     (tmp / "config.json").write_text("{{}}")
@@ -62,7 +65,7 @@ assert pin_checkpoint(ck, job_id_for(job, job_fingerprint(job)))
 def test_enqueue_command_imports_no_torch(tmp_path, redis_url):
     """`dflash-eval enqueue` for a published checkpoint, into a real Redis: queued, and no torch loaded."""
     from eval_worker.redis_client import connect
-    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.queueing.queue import fetch_job
 
     root = tmp_path / "ck"
     code = f"""

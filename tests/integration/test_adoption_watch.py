@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from dflash_train.checkpoints.checkpoint import save_drafter
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
-from eval_worker.service.queue import get_queue, queue_name
-from eval_worker.service.watch import Watcher
+from eval_worker.service.queueing.queue import get_queue, queue_name
+from hooks.watch import Watcher
 from tests.support.factories import drafter_for, qwen3_target
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.queue import fetch_job
+from eval_worker.service.queueing.queue import fetch_job
 from tests.integration.test_sidecar_worker import _target
 from tests.support.sidecar_support import REPO_ROOT, WorkerProcess, wait_for, write_suite
 

@@ -19,9 +19,9 @@ from dflash_train.checkpoints.checkpoint import save_drafter
 from dflash_train.checkpoints.publication import read_manifest, verify_checkpoint
 from dflash_train.common.settings import Settings
 from eval_worker.cli import main as cli
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.outbox import Outbox
-from eval_worker.service.queue import get_queue, queue_name
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.queueing.outbox import Outbox
+from eval_worker.service.queueing.queue import get_queue, queue_name
 from tests.support.factories import drafter_for, qwen3_target
 from tests.support.sidecar_support import publish_random
 

@@ -18,7 +18,7 @@ def _settings(home, **env) -> Settings:
 def test_redis_stop_notice_status_and_stop(tmp_path, capsys):
     """The command that starts the server says so first (stderr); `redis status` finds it and `redis stop` ends it.
     (`status`, read-only, starts none: tests/unit/service/test_small_commands.py.)"""
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     settings = _settings(tmp_path)
     try:
@@ -48,7 +48,7 @@ def test_redis_stop_refuses_while_a_worker_is_served_unless_forced(tmp_path, cap
     from rq.worker import Worker
 
     from eval_worker.redis_client import connect
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     settings = _settings(tmp_path)
     local = LocalRedis(settings.redis_dir).start()
@@ -150,10 +150,10 @@ def test_job_identity_baseline_and_target_spelling(redis_url, identity_ckpts, tm
     from rq.worker import Worker
 
     from eval_worker.redis_client import connect
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.job_ids import canonical_target
-    from eval_worker.service.queue import TARGET_FIELD
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.jobs.ids import canonical_target
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import TARGET_FIELD
 
     root, (c100, c200) = identity_ckpts
     conn = connect(redis_url)
@@ -190,7 +190,7 @@ def test_job_identity_baseline_property(identity_ckpts):
     from hypothesis import settings as hsettings
     from hypothesis import strategies as st
 
-    from eval_worker.service.job_ids import suite_fingerprint
+    from eval_worker.service.jobs.ids import suite_fingerprint
 
     @hsettings(max_examples=40, deadline=None)
     @given(st.sampled_from([None, "/t/a", "/t/b"]), st.sampled_from([None, "/b/x", "s3://b/r/run/step-00000001"]),
@@ -219,8 +219,8 @@ def test_import_roots_unchecked_import_names_the_roots_the_worker_needs(tmp_path
 
     from dflash_train.checkpoints.checkpoint import save_drafter
     from dflash_train.checkpoints.publication import CheckpointError
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_schema import JobError
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.jobs.schema import JobError
     from tests.support.factories import drafter_for, qwen3_target
 
     drafter = drafter_for(qwen3_target(layers=2), layers=1, features=1, block_size=4)
@@ -306,8 +306,9 @@ _DEMO_IMPORTS = """
 import sys
 for name in sys.argv[1:]:  # not installed by `make demo`: `import` fails and find_spec says None, as there
     sys.modules[name] = None
-import eval_worker.cli, eval_worker.commands.demo, eval_worker.service.demo_stack, eval_worker.service.worker
-import eval_worker.service.eval_job, eval_worker.engine.acceptance, eval_worker.results.report
+import eval_worker.cli, eval_worker.commands.demo, eval_worker.service.local_redis.demo_stack
+import eval_worker.service.worker.worker
+import eval_worker.service.worker.eval_job, eval_worker.engine.acceptance, eval_worker.results.report
 import eval_worker.results.sinks.wandb_sink, hooks.eval_on_checkpoint, hooks.eval_flags
 import dflash_train.training.trainer, dflash_train.training.cli
 from eval_worker.results import report_figures
@@ -387,7 +388,7 @@ def test_dashboard_workers_view_while_a_job_runs(ctx, monkeypatch):  # noqa: F81
     from rq_dashboard.app import create_app
 
     from eval_worker.commands.dashboard import dashboard_app
-    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.queueing.client import enqueue
     from tests.support.sidecar_support import read_calls, wait_for
 
     monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test

@@ -17,9 +17,9 @@ from dflash_train.checkpoints.publication import MARKER_NAME, read_manifest, upl
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.queue import fetch_job
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.queue import fetch_job
 from tests.integration.test_sidecar_worker import _target
 from tests.support.s3_server import CREDENTIALS
 from tests.support.sidecar_support import (

@@ -55,9 +55,9 @@ def test_worker_carries_on_through_a_wandb_outage_and_publish_reproduces_every_p
     """A real worker with W&B "online" at a dead 127.0.0.1 port: the sink fails fast, every job
     still finishes and is in the ledger; `publish --mode offline` then rebuilds every point."""
     from eval_worker.redis_client import connect
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import fetch_job
 
     port = dead_port()
     ckpt, target = tmp_path / "ckpt", tmp_path / "target"

@@ -8,7 +8,7 @@ from dflash_train.training.trainer import train
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.queue import fetch_job, status
+from eval_worker.service.queueing.queue import fetch_job, status
 from hooks import EvalOnCheckpoint
 from tests.integration.test_sidecar_worker import _target
 from tests.support.sidecar_support import WorkerProcess, wait_for, write_suite

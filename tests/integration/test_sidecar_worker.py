@@ -18,9 +18,9 @@ import pytest
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.queue import QueueConfig, cancel, fetch_job, status
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.queue import QueueConfig, cancel, fetch_job, status
 from tests.support.sidecar_support import (
     REPO_ROOT,
     WorkerProcess,

@@ -19,11 +19,11 @@ from dflash_train.checkpoints.checkpoint import load_drafter, publish_checkpoint
 from dflash_train.checkpoints.publication import CheckpointError, read_manifest
 from dflash_train.core.config import ConfigError, DrafterConfig
 from eval_worker.engine.suite import SuiteError, load_suite, parse_suite
-from eval_worker.service.confinement import confine
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_ids import job_id_for, suite_fingerprint
-from eval_worker.service.job_schema import DEFAULTS, FIELDS, SCHEMA, JobError, validate_job
-from eval_worker.service.queue import JOB_FUNC
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.confinement import confine
+from eval_worker.service.jobs.ids import job_id_for, suite_fingerprint
+from eval_worker.service.jobs.schema import DEFAULTS, FIELDS, SCHEMA, JobError, validate_job
+from eval_worker.service.queueing.queue import JOB_FUNC
 from tests.support import soak, soak_stack
 
 FUZZ = settings(max_examples=150, deadline=5000, database=None,
@@ -298,7 +298,7 @@ def _valid_job_runs(s) -> None:
 @settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(payloads(), min_size=12, max_size=12))
 def test_fuzzed_payloads_in_the_queue_never_crash_the_worker(live, batch):
-    from eval_worker.service.queue import failure_reason, fetch_job, get_queue
+    from eval_worker.service.queueing.queue import failure_reason, fetch_job, get_queue
 
     s, w = live
     q = get_queue(s.conn, "dflash-eval")
@@ -333,7 +333,7 @@ HASH_FIELDS = ["data", "status", "origin", "created_at", "enqueued_at", "started
 def test_garbage_job_hashes_never_crash_the_worker(live, hashes):
     """Raw job hashes with random fields: each is run and failed, set aside, or skipped; the worker
     stays up, `status` still works, and a real job afterwards finishes."""
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
 
     s, w = live
     for fields in hashes:

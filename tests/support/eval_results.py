@@ -103,7 +103,7 @@ def write_ledger(results_dir: Path, result: dict, attempt: int = 0, train_metric
     """Record ``result`` through the real ledger, as the worker does (with the job's `options` and the
     queue's view, eval lag included, when given); returns the record path."""
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service.job_schema import validate_job
+    from eval_worker.service.jobs.schema import validate_job
 
     ck = result["checkpoint"]
     job = {"schema": "dflash-eval-job/1", "run_id": ck["run_id"], "step": ck["step"], "checkpoint": ck["path"],

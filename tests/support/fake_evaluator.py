@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eval_worker.service.job_ids import suite_fingerprint
+from eval_worker.service.jobs.ids import suite_fingerprint
 from tests.support.eval_results import make_result
 
 

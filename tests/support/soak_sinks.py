@@ -122,7 +122,7 @@ def scenario_sink_kills(base: Path, zygote: Zygote, target: Path, *, jobs: int =
     """SIGKILL at random points of publishing (kills alternate: the worker with its sink child, the
     sink child alone), then a job of the run never killed; each sink's points must equal the ledger's records."""
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.queueing.queue import fetch_job
 
     t0, rng = time.monotonic(), random.Random(seed)
     env = sink_env(base)

@@ -219,7 +219,7 @@ import json, os, sys, threading, time, traceback, signal
 sys.path.insert(0, sys.argv[1])
 import torch, transformers, redis, rq                                   # the expensive imports, once
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-import eval_worker.engine.acceptance, eval_worker.service.worker, eval_worker.cli, eval_worker.commands.worker
+import eval_worker.engine.acceptance, eval_worker.service.worker.worker, eval_worker.cli, eval_worker.commands.worker
 import eval_worker.results.sinks, dflash_train.checkpoints.checkpoint, tests.support.soak
 children, lock = {}, threading.Lock()
 
@@ -446,7 +446,7 @@ class Stack:
                  password: str | None = None, redis_config: dict | None = None, appendfsync: str = "always",
                  redis_binary: str | None = None):
         from eval_worker.redis_client import connect
-        from eval_worker.service.redis_server import LocalRedis
+        from eval_worker.service.local_redis.server import LocalRedis
 
         self.base = Path(base)
         self.base.mkdir(parents=True, exist_ok=True)
@@ -526,13 +526,13 @@ class Stack:
 
     def job(self, checkpoint: Path, **kw) -> dict:
         """A job payload as RQ carries it (JSON data: the scenarios plant and mutate it)."""
-        from eval_worker.service.job_builder import make_job
+        from eval_worker.service.jobs.builder import make_job
 
         kw.setdefault("options", dict(OPTIONS))
         return make_job(checkpoint, suite=str(self.suite), target=str(self.target), **kw).to_json()
 
     def enqueue(self, checkpoint: Path, *, config=None, force: bool = False, **kw) -> str:
-        from eval_worker.service.job_client import enqueue
+        from eval_worker.service.queueing.client import enqueue
 
         out = enqueue(self.conn, self.job(checkpoint, **kw), config=config, roots=[self.root], force=force)
         if out.status != "enqueued":
@@ -588,7 +588,7 @@ class Stack:
 
     def audit(self, ids: Iterable[str] | None = None, *, results: Path | None = None,
               extra_failed: dict[str, str] | None = None) -> Counts:
-        from eval_worker.service.queue import failure_reason, fetch_job
+        from eval_worker.service.queueing.queue import failure_reason, fetch_job
 
         ids = list(self.accepted if ids is None else ids)
         records = self.ledger_by_job(results)
@@ -621,7 +621,7 @@ class Stack:
         from rq.registry import FailedJobRegistry, FinishedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
         from rq.serializers import JSONSerializer
 
-        from eval_worker.service.queue import get_queue, queue_names
+        from eval_worker.service.queueing.queue import get_queue, queue_names
 
         out = {"queued": 0, "started": 0, "scheduled": 0, "finished": 0, "failed": 0}
         for name in queue_names():
@@ -677,7 +677,7 @@ class Row:
 
 
 def retry_now(retries: int):
-    from eval_worker.service.queue import QueueConfig
+    from eval_worker.service.queueing.queue import QueueConfig
 
     return QueueConfig(retry_max=retries, retry_intervals=[])
 

@@ -55,8 +55,8 @@ class StoreStack:
                                                         str(self.cache_dir), "--checkpoint-cache-gb", "1000"])
 
     def enqueue(self, url: str, *, retries: int = 0, force: bool = False) -> str:
-        from eval_worker.service.job_builder import make_job
-        from eval_worker.service.job_client import enqueue
+        from eval_worker.service.jobs.builder import make_job
+        from eval_worker.service.queueing.client import enqueue
 
         job = make_job(url, suite=str(self.s.suite), target=str(self.s.target), options=dict(OPTIONS),
                        roots=[self.prefix])
@@ -73,7 +73,7 @@ class StoreStack:
 
     def entry(self, url: str) -> Path:
         from dflash_train.checkpoints.publication import read_marker
-        from eval_worker.service.checkpoint_cache import CheckpointCache
+        from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 
         return self.cache_dir / CheckpointCache.key(read_marker(url))
 
@@ -251,7 +251,7 @@ def scenario_store_missing(base: Path, zygote: Zygote, target: Path, *, timeout:
     (about 5.5 min) ending with "The specified key does not exist." without the file's name;
     now one failure, not retried, naming the file. A good job next to them is recorded."""
     from dflash_train.checkpoints import storage
-    from eval_worker.service.queue import failure_reason, fetch_job
+    from eval_worker.service.queueing.queue import failure_reason, fetch_job
 
     t0 = time.monotonic()
     with store_stack(base, zygote, target) as st:
@@ -292,7 +292,7 @@ def scenario_store_transport(base: Path, zygote: Zygote, target: Path, *, flaky:
     visibly with the store's error, retryable, no partial download left; `requeue --failed`
     records it once the store answers). Before, aiohttp's ClientPayloadError escaped the
     mapping: no cache retry, the raw error as the reason, a `.tmp-PID` directory left behind."""
-    from eval_worker.service.queue import failure_reason, fetch_job, requeue_failed
+    from eval_worker.service.queueing.queue import failure_reason, fetch_job, requeue_failed
 
     t0 = time.monotonic()
     with store_stack(base, zygote, target) as st:

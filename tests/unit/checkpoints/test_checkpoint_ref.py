@@ -84,7 +84,7 @@ def test_checkpoint_ref_first_local_root_skips_store_prefixes(tmp_path):
 
 def test_checkpoint_ref_of_a_job(tmp_path):
     """A job carries the canonical text; its ref is the value every layer asks."""
-    from eval_worker.service.job_schema import validate_job
+    from eval_worker.service.jobs.schema import validate_job
 
     job = validate_job({"schema": "dflash-eval-job/1", "run_id": "r", "step": 1, "checkpoint": "s3://b/runs/r/step-1",
                         "checkpoint_digest": "0" * 64, "suite": "builtin:coding-v1", "baseline": str(tmp_path)})

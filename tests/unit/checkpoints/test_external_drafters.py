@@ -26,9 +26,9 @@ from dflash_train.checkpoints.publication import (
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_schema import JobError
-from eval_worker.service.queue import fetch_job
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobError
+from eval_worker.service.queueing.queue import fetch_job
 from tests.integration.test_sidecar_worker import _target
 from tests.support.factories import drafter_for, qwen3_target
 from tests.support.sidecar_support import (
@@ -258,7 +258,7 @@ def test_an_import_record_uploads_as_a_self_contained_checkpoint(tmp_path, s3_se
     import uuid
 
     from dflash_train.checkpoints.publication import upload_checkpoint
-    from eval_worker.service.checkpoint_cache import CheckpointCache
+    from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     s3_server.make_bucket(bucket)

@@ -25,7 +25,7 @@ from dflash_train.checkpoints.publication import (
     unpin_checkpoint,
     upload_checkpoint,
 )
-from eval_worker.service.checkpoint_cache import CheckpointCache
+from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 from tests.support.sidecar_support import publish_random
 
 

@@ -22,10 +22,10 @@ from dflash_train.checkpoints.publication import (
     sha256_file,
     upload_checkpoint,
 )
-from eval_worker.service.checkpoint_cache import CheckpointCache
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_checkpoints import check_checkpoint
-from eval_worker.service.job_schema import JobError, validate_job
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.checkpoints import check_checkpoint
+from eval_worker.service.jobs.schema import JobError, validate_job
+from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 from tests.integration.test_sidecar_worker import _target
 from tests.support.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
@@ -113,8 +113,8 @@ def test_object_store_hub_drafter_as_baseline_is_evaluated(hub_cache, tmp_path, 
     """A published checkpoint compared with a Hub drafter, on the real engine: the baseline is
     pulled (read-only), evaluated, and recorded by its URL and digest."""
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.worker.eval_job import run_eval_job
+    from eval_worker.service.worker.evaluators import WorkerSettings
 
     target = _target()
     cfg, mask = tiny_target_drafter_config(target)

@@ -218,7 +218,7 @@ def test_sharded_bf16_hub_snapshot_and_its_fp32_copy_same_tau_through_a_real_wor
     from eval_worker.cli import main as cli
     from eval_worker.redis_client import connect
     from eval_worker.results.ledger import Ledger
-    from eval_worker.service.queue import fetch_job
+    from eval_worker.service.queueing.queue import fetch_job
     from tests.integration.test_sidecar_worker import _target
     from tests.support.sidecar_support import (
         WorkerProcess,

@@ -213,7 +213,7 @@ def test_one_run_id_rule_for_trainer_jobs_and_ledger(text):
     and `run_id_from` turns any text into one of them."""
     from dflash_train.training.train_config import TrainConfig, TrainConfigError
     from eval_worker.results.ledger import Ledger, LedgerError
-    from eval_worker.service.job_schema import JobError, validate_job
+    from eval_worker.service.jobs.schema import JobError, validate_job
 
     ok = valid_run_id(text)
     try:

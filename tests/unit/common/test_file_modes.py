@@ -14,8 +14,8 @@ import stat
 
 import pytest
 
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.outbox import Outbox
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.queueing.outbox import Outbox
 from tests.support.sidecar_support import publish_random
 
 

@@ -40,7 +40,7 @@ def test_explicit_mode_is_exact_whatever_the_umask(tmp_path):
 
 
 def test_outbox_job_files_are_owner_only(tmp_path):
-    from eval_worker.service.outbox import Outbox
+    from eval_worker.service.queueing.outbox import Outbox
 
     job = {"run_id": "r", "step": 3, "checkpoint_digest": "a" * 64, "suite": "s"}
     path = Outbox(tmp_path / "box").put(job)

@@ -16,7 +16,7 @@ from dflash_train.training.train_config import load_config
 from eval_worker.cli import main as cli
 from eval_worker.engine.suite import SuiteError, check_suite_spec, load_suite
 from eval_worker.redis_client import connect
-from eval_worker.service.queue import get_queue
+from eval_worker.service.queueing.queue import get_queue
 from hooks.eval_flags import eval_hook
 from tests.integration.test_sidecar_worker import _target
 from tests.support.sidecar_support import publish_random, tiny_target_drafter_config

@@ -176,12 +176,12 @@ def test_worker_job_on_a_standard_benchmark(hf_dir, tmp_path, monkeypatch, worke
     record carries the suite's dataset identity; a bad spec is refused at enqueue."""
     from dflash_train.common.settings import Settings
     from eval_worker.results.ledger import read_record
-    from eval_worker.service.confinement import check_suite
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_ids import job_fingerprint
-    from eval_worker.service.job_schema import JobError
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.jobs.confinement import check_suite
+    from eval_worker.service.jobs.ids import job_fingerprint
+    from eval_worker.service.jobs.schema import JobError
+    from eval_worker.service.worker.eval_job import run_eval_job
+    from eval_worker.service.worker.evaluators import WorkerSettings
     from tests.integration.test_sidecar_worker import _target
     from tests.support.sidecar_support import publish_random, tiny_target_drafter_config
 

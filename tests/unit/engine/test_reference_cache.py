@@ -14,7 +14,7 @@ from eval_worker.cli import main
 from eval_worker.commands.demo import worker_cache_dir
 from eval_worker.engine.acceptance import Evaluator
 from eval_worker.engine.suite import Prompt, Suite
-from eval_worker.service.evaluators import WorkerSettings, _new_evaluator
+from eval_worker.service.worker.evaluators import WorkerSettings, _new_evaluator
 from tests.support.factories import drafter_for
 
 TINY = "dflash_train/assets/tiny_target"

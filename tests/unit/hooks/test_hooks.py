@@ -8,11 +8,11 @@ from rq.job import JobStatus
 
 from dflash_train.checkpoints.publication import apply_retention, is_pinned, read_manifest
 from eval_worker.redis_client import connect
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.job_schema import JobError
-from eval_worker.service.outbox import OUTBOX_DIRNAME, job_key
-from eval_worker.service.queue import get_queue, status
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobError
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.outbox import OUTBOX_DIRNAME, job_key
+from eval_worker.service.queueing.queue import get_queue, status
 from hooks import EvalOnCheckpoint, Outbox
 from tests.support.sidecar_support import publish_random, wait_for
 

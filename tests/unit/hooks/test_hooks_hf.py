@@ -7,7 +7,7 @@ from torch import nn
 from dflash_train.checkpoints.checkpoint import load_drafter
 from dflash_train.checkpoints.publication import list_checkpoints, read_manifest, verify_checkpoint
 from eval_worker.redis_client import connect
-from eval_worker.service.queue import get_queue
+from eval_worker.service.queueing.queue import get_queue
 from hooks import DFlashEvalCallback
 from tests.support.factories import drafter_for, qwen3_target
 from tests.support.sidecar_support import publish_random

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from eval_worker.results.ledger import Ledger, LedgerError, read_record, record_key, tau_of
-from eval_worker.service.job_schema import validate_job
+from eval_worker.service.jobs.schema import validate_job
 
 DIGEST = "ab" * 32
 

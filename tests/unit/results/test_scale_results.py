@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 
 from eval_worker.results.ledger import STEP_CKPTS_DONE, STEP_CKPTS_PREFIX, Ledger
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.queue import QueueConfig, _job_brief, get_queue, status
-from eval_worker.service.rq_jobs import fetch_jobs
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.queue import QueueConfig, _job_brief, get_queue, status
+from eval_worker.service.queueing.rq_jobs import fetch_jobs
 
 
 def _digest(n: int) -> str:
@@ -84,10 +84,10 @@ def test_scale_worker_catching_up_publishes_a_run_once_not_once_per_job(conn, tm
     publishes every record (an offline W&B rebuild costs ~0.1 s per record: per job, it was quadratic)."""
     import json
 
-    from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.queue import fetch_job
-    from eval_worker.service.worker import serve
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.queueing.queue import fetch_job
+    from eval_worker.service.worker.evaluators import WorkerSettings
+    from eval_worker.service.worker.worker import serve
     from tests.support.eval_results import fake_checkpoint
     from tests.support.wandb_reader import read_run
 
@@ -112,10 +112,10 @@ def test_deferred_sink_failure_still_publishes(conn, tmp_path, wandb_offline, mo
     (damaged weights): job 1's record must still reach W&B, published by the failing job."""
     import json
 
-    from eval_worker.service.evaluators import WorkerSettings
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.queue import fetch_job
-    from eval_worker.service.worker import serve
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.queueing.queue import fetch_job
+    from eval_worker.service.worker.evaluators import WorkerSettings
+    from eval_worker.service.worker.worker import serve
     from tests.support.eval_results import fake_checkpoint
     from tests.support.wandb_reader import read_run
 

@@ -134,7 +134,7 @@ def test_target_keyed_wandb_status_and_results(tmp_path, wandb_offline, monkeypa
     from eval_worker.commands.results import rows
     from eval_worker.results.ledger import Ledger
     from eval_worker.results.sinks import publish_result
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
     from tests.support.wandb_reader import read_run
 
     monkeypatch.setenv("DFLASH_SINKS", "wandb")

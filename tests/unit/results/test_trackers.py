@@ -269,7 +269,7 @@ def test_mlflow_sink_server_on_loopback_nested_under_trainer_run(tmp_path, monke
 
 def test_tensorboard_sink_chosen_per_job_over_the_workers(tmp_path, monkeypatch):
     """A job's `sinks` list wins over the worker's: W&B configured, the job asks for TensorBoard only."""
-    from eval_worker.service.job_schema import JobError, validate_job
+    from eval_worker.service.jobs.schema import JobError, validate_job
 
     monkeypatch.setenv("DFLASH_SINKS", "wandb")
     monkeypatch.setenv("DFLASH_RESULTS_DIR", str(tmp_path / "results"))

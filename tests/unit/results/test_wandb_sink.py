@@ -187,8 +187,8 @@ def test_two_worker_processes_publish_to_one_eval_run_without_loss(env, redis_ur
     ledger, sink child processes, Redis lock and W&B are all real.
     """
     from eval_worker.redis_client import connect
-    from eval_worker.service.job_builder import make_job
-    from eval_worker.service.job_client import enqueue
+    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.queueing.client import enqueue
 
     target = tmp_path / "target"
     target.mkdir()

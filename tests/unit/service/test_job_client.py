@@ -9,10 +9,10 @@ import time
 
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import Delivery, JobClient
-from eval_worker.service.outbox import OUTBOX_DIRNAME, Outbox
-from eval_worker.service.queue import get_queue
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.queueing.client import Delivery, JobClient
+from eval_worker.service.queueing.outbox import OUTBOX_DIRNAME, Outbox
+from eval_worker.service.queueing.queue import get_queue
 from tests.support.sidecar_support import publish_random
 
 SUITE = "builtin:coding-v1"

@@ -7,10 +7,10 @@ import os
 import pytest
 
 from eval_worker.results.attempts import strip_attempt
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_checkpoints import check_checkpoint
-from eval_worker.service.job_ids import base_job_id, job_id_for, suite_fingerprint
-from eval_worker.service.job_schema import SCHEMA, JobError, validate_job
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.checkpoints import check_checkpoint
+from eval_worker.service.jobs.ids import base_job_id, job_id_for, suite_fingerprint
+from eval_worker.service.jobs.schema import SCHEMA, JobError, validate_job
 from tests.support.sidecar_support import publish_random
 
 

@@ -18,10 +18,10 @@ from dflash_train.checkpoints.publication import is_pinned
 from eval_worker.cli import main as cli
 from eval_worker.engine import acceptance, options
 from eval_worker.redis_client import connect
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.job_schema import JobError, validate_job
-from eval_worker.service.queue import JOB_FUNC, MAX_REASON, fetch_job, get_queue, status
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobError, validate_job
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.queue import JOB_FUNC, MAX_REASON, fetch_job, get_queue, status
 from tests.support.sidecar_support import publish_random
 
 BIG = "x" * 10_000_000
@@ -110,8 +110,8 @@ def test_options_schema_oversized_fields_fail_once_at_the_worker_and_status_stay
                                                                                         capsys, worker_evaluators):
     """Hand-pushed payloads with a 10 MB suite / option: a non-retryable job error (ValueError) at the
     worker, before any file is touched; `status` shows a short reason."""
-    from eval_worker.service.eval_job import run_eval_job
-    from eval_worker.service.evaluators import WorkerSettings
+    from eval_worker.service.worker.eval_job import run_eval_job
+    from eval_worker.service.worker.evaluators import WorkerSettings
 
     job = make_job(ckpt, suite="builtin:coding-v1")
     worker_evaluators(WorkerSettings(results_dir=tmp_path / "results", roots=[ckpt.parents[1]]))

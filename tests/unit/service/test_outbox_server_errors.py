@@ -20,10 +20,10 @@ from dflash_train.checkpoints.publication import read_manifest
 from dflash_train.common.errors import retryable
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
-from eval_worker.service.job_schema import JobError
-from eval_worker.service.outbox import OUTBOX_DIRNAME
-from eval_worker.service.queue import get_queue
-from eval_worker.service.redis_server import LocalRedis
+from eval_worker.service.jobs.schema import JobError
+from eval_worker.service.local_redis.server import LocalRedis
+from eval_worker.service.queueing.outbox import OUTBOX_DIRNAME
+from eval_worker.service.queueing.queue import get_queue
 from hooks import EvalOnCheckpoint, Outbox
 from tests.support.sidecar_support import publish_random
 

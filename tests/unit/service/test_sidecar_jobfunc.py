@@ -6,11 +6,11 @@ import pytest
 from dflash_train.common.settings import Settings
 from eval_worker.engine.options import shorten
 from eval_worker.results.ledger import Ledger, read_record
-from eval_worker.service import evaluators
-from eval_worker.service.eval_job import run_eval_job
-from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_schema import JobError
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobError
+from eval_worker.service.worker import evaluators
+from eval_worker.service.worker.eval_job import run_eval_job
+from eval_worker.service.worker.evaluators import WorkerSettings
 from tests.integration.test_sidecar_worker import _target
 from tests.support.sidecar_support import publish_random, tiny_target_drafter_config, write_suite
 
@@ -53,7 +53,7 @@ def test_sink_catch_up_after_a_kill_between_ledger_and_sinks(wandb_offline, env,
     `finished` with `sink_error: null` and nothing published."""
     import json
 
-    from eval_worker.service import eval_job
+    from eval_worker.service.worker import eval_job
     from tests.support.wandb_reader import read_run
 
     settings, (j1, _) = env
@@ -214,7 +214,7 @@ def test_ledger_collision_second_checkpoint_at_one_step_is_recorded_next_to_the_
 
 def test_failed_ledger_write_keeps_the_result_and_the_retry_only_writes_it(env, monkeypatch):
     """Observed: with an unwritable results directory every retry ran the whole evaluation again."""
-    from eval_worker.service.eval_job import LedgerWriteFailed
+    from eval_worker.service.worker.eval_job import LedgerWriteFailed
 
     settings, (j1, _) = env
     calls = _count_evaluations(monkeypatch)

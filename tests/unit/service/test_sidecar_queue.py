@@ -11,11 +11,11 @@ import pytest
 from eval_worker.cli import main as cli
 from eval_worker.redis_client import connect
 from eval_worker.results.ledger import Ledger
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import enqueue
-from eval_worker.service.job_ids import job_id_for, suite_fingerprint
-from eval_worker.service.job_schema import SCHEMA, JobError, validate_job
-from eval_worker.service.queue import JOB_FUNC, QueueConfig, cancel, fetch_job, get_queue, status
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.ids import job_id_for, suite_fingerprint
+from eval_worker.service.jobs.schema import SCHEMA, JobError, validate_job
+from eval_worker.service.queueing.client import enqueue
+from eval_worker.service.queueing.queue import JOB_FUNC, QueueConfig, cancel, fetch_job, get_queue, status
 from tests.support.sidecar_support import REPO_ROOT, publish_random
 
 

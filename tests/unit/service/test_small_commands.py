@@ -77,7 +77,7 @@ def test_offline_message_for_an_hf_suite_is_one_sentence_naming_the_hf_command(t
 def test_status_starts_nothing_on_a_fresh_home(tmp_path, capsys):
     """`status` on an empty DFLASH_HOME without REDIS_URL. On main it started a detached redis-server
     (left running) only to print an empty queue. Now it says there is no Redis, and starts nothing."""
-    from eval_worker.service.redis_server import LocalRedis
+    from eval_worker.service.local_redis.server import LocalRedis
 
     home = tmp_path / "home"
     try:
@@ -118,9 +118,9 @@ def test_dashboard_jobs_tab_opens_on_the_eval_queue(conn, redis_url, monkeypatch
     from rq_dashboard import web
 
     from eval_worker.commands.dashboard import dashboard_app
-    from eval_worker.service.job_client import enqueue
-    from eval_worker.service.queue import QueueConfig
-    from eval_worker.service.routing import routed_base
+    from eval_worker.service.queueing.client import enqueue
+    from eval_worker.service.queueing.queue import QueueConfig
+    from eval_worker.service.queueing.routing import routed_base
     from tests.support.eval_results import fake_checkpoint
 
     monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test
@@ -131,7 +131,7 @@ def test_dashboard_jobs_tab_opens_on_the_eval_queue(conn, redis_url, monkeypatch
     tab = client.get("/0/view/jobs")
     assert tab.status_code == 302 and tab.headers["Location"].endswith("/0/view/jobs/dflash-eval/queued/8/asc/1")
 
-    from eval_worker.service.job_builder import make_job
+    from eval_worker.service.jobs.builder import make_job
 
     target = tmp_path / "target"
     target.mkdir()

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from dflash_train.checkpoints.checkpoint import save_drafter
 from dflash_train.checkpoints.publication import read_manifest
-from eval_worker.service.watch import Watcher
+from hooks.watch import Watcher
 from tests.support.factories import drafter_for, qwen3_target
 
 

@@ -176,7 +176,7 @@ def test_torchrun_two_ranks_rank0_alone_reports(tmp_path, tiny_target_path):
 def test_eval_every_queues_one_job_per_suite(tmp_path, tiny_target_path, redis_url):
     """`--eval-every` wires the EvalOnCheckpoint hook: every 2nd step's checkpoint, each suite, on the queue."""
     from eval_worker.redis_client import connect
-    from eval_worker.service.queue import status
+    from eval_worker.service.queueing.queue import status
 
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"text": "def add(a, b):\n    return a + b\n" * (i + 2)}) for i in range(8)))

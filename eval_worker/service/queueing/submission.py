@@ -15,10 +15,10 @@ from typing import Any
 from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
-from eval_worker.service.job_builder import make_job
-from eval_worker.service.job_client import EnqueueOutcome, JobClient
-from eval_worker.service.job_schema import JobError, JobPayload
-from eval_worker.service.queue import queue_name, workers_target
+from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.schema import JobError, JobPayload
+from eval_worker.service.queueing.client import EnqueueOutcome, JobClient
+from eval_worker.service.queueing.queue import queue_name, workers_target
 
 
 def _on_this_machine(path: str) -> bool:

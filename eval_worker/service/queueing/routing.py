@@ -39,8 +39,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from eval_worker.service.job_schema import PRIORITIES, JobError, JobPayload
-from eval_worker.service.rq_jobs import fetch_job, fetch_jobs
+from eval_worker.service.jobs.schema import PRIORITIES, JobError, JobPayload
+from eval_worker.service.queueing.rq_jobs import fetch_job, fetch_jobs
 
 BACKLOG = "backlog"                      # the fill-in queue of a family: served after `low`
 POLICIES_HELP = "all | newest-first | thin:K"

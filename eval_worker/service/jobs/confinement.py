@@ -15,7 +15,7 @@ from dflash_train.checkpoints.publication import within
 from dflash_train.common.errors import StoreError
 from eval_worker.engine.options import shorten
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec
-from eval_worker.service.job_schema import MAX_PATH, JobError
+from eval_worker.service.jobs.schema import MAX_PATH, JobError
 
 
 def confine(path: str | os.PathLike, roots: Sequence[Path | str], what: str = "checkpoint",

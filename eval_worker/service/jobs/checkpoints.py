@@ -27,8 +27,8 @@ from dflash_train.checkpoints.publication import (
     read_marker,
     verify_checkpoint,
 )
-from eval_worker.service.confinement import confine
-from eval_worker.service.job_schema import JobError, JobPayload
+from eval_worker.service.jobs.confinement import confine
+from eval_worker.service.jobs.schema import JobError, JobPayload
 
 
 def check_checkpoint(job: JobPayload, roots: Sequence[Path | str] | None, *,
@@ -111,7 +111,7 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
 
     Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
     pass). Store URLs: confined, the marker read and compared with the job, then a local copy
-    from `cache` (a eval_worker.service.checkpoint_cache.CheckpointCache; downloaded once per
+    from `cache` (a eval_worker.service.worker.checkpoint_cache.CheckpointCache; downloaded once per
     publication, every file's digest verified), held for the block so it is not evicted.
     """
     if all(ref.on_this_machine for ref in (job.checkpoint_ref, job.baseline_ref) if ref is not None):

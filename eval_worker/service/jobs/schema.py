@@ -17,7 +17,7 @@ JSON data back where the job leaves the process. Every failure raises :class:`Jo
 message is the reason.
 
 `checkpoint` and `baseline` may be URLs of an object store (`s3://bucket/runs/<run>/step-…`,
-dflash_train/checkpoints/storage.py; rules in eval_worker/service/job_checkpoints.py).
+dflash_train/checkpoints/storage.py; rules in eval_worker/service/jobs/checkpoints.py).
 """
 from __future__ import annotations
 

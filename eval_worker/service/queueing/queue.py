@@ -27,12 +27,15 @@ from rq.worker import Worker
 from dflash_train.checkpoints.publication import unpin_checkpoint
 from dflash_train.common.redaction import redact
 from eval_worker.results.ledger import Ledger, series_keys
-from eval_worker.service import routing
-from eval_worker.service.job_schema import PRIORITIES, JobError
-from eval_worker.service.outbox import job_key
-from eval_worker.service.rq_jobs import fetch_job, fetch_jobs, get_queue
+from eval_worker.service.jobs.schema import PRIORITIES, JobError
+from eval_worker.service.queueing import routing
+from eval_worker.service.queueing.outbox import job_key
+from eval_worker.service.queueing.rq_jobs import fetch_job, fetch_jobs, get_queue
 
-JOB_FUNC = "eval_worker.service.eval_job.run_eval_job"  # the only function an eval job may name (job_guard.EvalJob)
+# the only function an eval job may name (job_guard.EvalJob); jobs queued before the service was split into
+# sub-packages name it by its old module, and still run
+JOB_FUNC = "eval_worker.service.worker.eval_job.run_eval_job"
+LEGACY_JOB_FUNCS = ("eval_worker.service.eval_job.run_eval_job",)
 DEFAULT_BASE = "dflash-eval"
 # Redis keys of this module (the ledger's index and the worker's quarantine are theirs)
 JOBS_PREFIX = "dflash:jobs:"        # hash per run: "<step>:<digest[:12]>:<suitefp>" -> {"job_id", "job"}
@@ -53,7 +56,7 @@ class QueueConfig:
     result_ttl: int = 7 * 86400          # finished jobs stay visible (and deduped) a week
     failure_ttl: int = 30 * 86400        # failed jobs stay re-queueable a month
     ttl: int | None = None               # max time waiting in the queue (None: forever)
-    route_by_target: bool = False        # a job naming a target goes to its target's queues (service/routing.py)
+    route_by_target: bool = False        # a job naming a target goes to its target's queues (service/queueing/routing.py)
     backlog: str = "all"                 # the run's backlog policy: all | newest-first | thin:K (routing.py)
 
     def retry(self) -> Retry | None:

@@ -2,7 +2,7 @@
 
 Why once per process: a target may be tens of GB on a GPU, and the in-memory caches
 (tokenizer, reference/feature caches, compiled kernels) stay warm between jobs
-(see eval_worker.service.worker for why jobs run in the worker process itself).
+(see eval_worker.service.worker.worker for why jobs run in the worker process itself).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.common.settings import Settings
-from eval_worker.service.job_schema import JobError
+from eval_worker.service.jobs.schema import JobError
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,10 @@ class Evaluators:
         self._settings, self._checkpoint_cache = settings, None
 
     def checkpoint_cache(self):
-        """The cache of checkpoints pulled from object stores (eval_worker.service.checkpoint_cache)."""
+        """The cache of checkpoints pulled from object stores (eval_worker.service.worker.checkpoint_cache)."""
         s = self.settings
         if self._checkpoint_cache is None:
-            from eval_worker.service.checkpoint_cache import CheckpointCache
+            from eval_worker.service.worker.checkpoint_cache import CheckpointCache
 
             assert s.env is not None, "WorkerSettings fills env"
             root = (s.checkpoint_cache_dir or s.env.checkpoint_cache_dir

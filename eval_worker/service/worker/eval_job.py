@@ -31,12 +31,13 @@ from eval_worker.engine.suite import HF_PREFIX, Suite, load_suite
 from eval_worker.results import sinks
 from eval_worker.results.ledger import Ledger, read_record, tau_of
 from eval_worker.results.sinks import owed
-from eval_worker.service import evaluators, routing
-from eval_worker.service.confinement import check_suite, check_target
-from eval_worker.service.evaluators import WorkerSettings
-from eval_worker.service.job_checkpoints import check_checkpoint, materialize
-from eval_worker.service.job_ids import job_id_for
-from eval_worker.service.job_schema import JobError, JobPayload, validate_job
+from eval_worker.service.jobs.checkpoints import check_checkpoint, materialize
+from eval_worker.service.jobs.confinement import check_suite, check_target
+from eval_worker.service.jobs.ids import job_id_for
+from eval_worker.service.jobs.schema import JobError, JobPayload, validate_job
+from eval_worker.service.queueing import routing
+from eval_worker.service.worker import evaluators
+from eval_worker.service.worker.evaluators import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def _next_job_of_run(rq_job, job: JobPayload) -> str | None:
     if rq_job is None:
         return None
     try:
-        from eval_worker.service.rq_jobs import fetch_jobs, get_queue
+        from eval_worker.service.queueing.rq_jobs import fetch_jobs, get_queue
 
         ids = [i for i in get_queue(rq_job.connection, rq_job.origin).get_job_ids(0, PEEK) if i != rq_job.id]
         for other in fetch_jobs(rq_job.connection, ids):
@@ -235,7 +236,7 @@ def _next_job_of_run(rq_job, job: JobPayload) -> str | None:
 
 
 def _queue_view(connection, job: JobPayload) -> dict[str, Any] | None:
-    """The run's eval lag once this job is recorded (service/routing.py); None outside a queue."""
+    """The run's eval lag once this job is recorded (service/queueing/routing.py); None outside a queue."""
     if connection is None:
         return None
     try:

@@ -1,7 +1,7 @@
 """The eval worker process: an RQ worker that keeps the target loaded and rides out Redis outages.
 
-The job it runs is eval_worker.service.eval_job.run_eval_job (settings and the evaluator
-cache: eval_worker.service.evaluators; the allow-list check: eval_worker.service.job_guard).
+The job it runs is eval_worker.service.worker.eval_job.run_eval_job (settings and the evaluator
+cache: eval_worker.service.worker.evaluators; the allow-list check: eval_worker.service.worker.job_guard).
 
 Why jobs run in the worker process (EvalWorker, a SimpleWorker with a heartbeat thread)
 rather than in RQ's forked work-horse:
@@ -24,7 +24,6 @@ SIGTERM/SIGINT, the current job is put back at the front of its queue and the wo
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -34,22 +33,24 @@ import time
 from datetime import timedelta
 
 import redis
-from rq import registry as rq_registry
 from rq import worker_registration
-from rq.defaults import RQ_KEY_PREFIX
 from rq.job import JobStatus
-from rq.registry import StartedJobRegistry
-from rq.scheduler import RQScheduler
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from dflash_train.common.redaction import install_log_redaction, redact
 from eval_worker.redis_client import server_unavailable
 from eval_worker.results.ledger import RUNS_KEY, Ledger
-from eval_worker.service import evaluators, routing
-from eval_worker.service.evaluators import Evaluators, WorkerSettings
-from eval_worker.service.job_guard import EvalJob
-from eval_worker.service.queue import JOBS_PREFIX, TARGET_FIELD, get_queue, server_risks
+from eval_worker.service.queueing import routing
+from eval_worker.service.queueing.queue import JOBS_PREFIX, TARGET_FIELD, get_queue, server_risks
+from eval_worker.service.worker import evaluators
+from eval_worker.service.worker.evaluators import Evaluators, WorkerSettings
+from eval_worker.service.worker.job_guard import EvalJob
+from eval_worker.service.worker.rq_compat import (
+    EvalScheduler,
+    _ride_out,
+    clean_queue_registries,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,114 +64,6 @@ class JobInterrupted(Exception):
 
 
 
-@contextlib.contextmanager
-def _ride_out(log, what: str):
-    """Skip `what` when Redis is unavailable (redis_client.server_unavailable); other errors propagate."""
-    try:
-        yield
-    except redis.exceptions.RedisError as e:
-        if not server_unavailable(e):
-            raise
-        log.warning("%s skipped, Redis unavailable: %s", what, e)
-
-
-# --------------------------------------------------------------------------- abandoned jobs
-
-_LONG_AGO = 1  # a started-registry score every clock has passed
-
-
-class HeartbeatStartedJobRegistry(StartedJobRegistry):
-    """RQ's started registry, with abandonment judged by Redis' clock instead of the boxes'.
-
-    RQ scores each running job with the running worker's wall clock plus the heartbeat TTL,
-    and a maintenance pass takes every entry scored before its own wall clock for abandoned:
-    a box whose clock runs ahead of another's by more than the TTL retries the other's running
-    jobs (one that lags never recovers a crashed one in time). Each entry's execution key
-    (`rq:execution:<job>:<execution>`) has the same TTL, counted down by Redis itself and
-    renewed by every heartbeat, so whether it still exists is one verdict every box shares:
-    cleanup takes exactly the entries whose execution key lapsed, whatever their scores.
-    """
-
-    def lapsed(self) -> list[str]:
-        members = [m.decode() if isinstance(m, bytes) else str(m) for m in self.connection.zrange(self.key, 0, -1)]
-        members = [m for m in members if ":" in m]  # job:execution (an older entry has no key to judge by)
-        if not members:
-            return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for m in members:
-                pipe.exists(f"{RQ_KEY_PREFIX}:execution:{m}")
-            alive = pipe.execute()
-        return [m for m, a in zip(members, alive, strict=True) if not a]
-
-    def cleanup(self, timestamp: float | None = None, exception_handlers: list | None = None):
-        lapsed = self.lapsed()
-        if not lapsed:
-            return
-        # moved before every clock's "now" (xx: an entry that ended meanwhile stays gone), then RQ's
-        # own cleanup (retry or fail, callbacks, rate-limit slots) for exactly those entries
-        self.connection.zadd(self.key, {m: _LONG_AGO for m in lapsed}, xx=True)
-        super().cleanup(timestamp=_LONG_AGO, exception_handlers=exception_handlers)
-
-
-def clean_queue_registries(queue, exception_handlers: list | None = None) -> None:
-    """rq.registry.clean_registries, with the started registry judged by heartbeat keys."""
-    kw = dict(name=queue.name, connection=queue.connection, job_class=queue.job_class, serializer=queue.serializer)
-    rq_registry.FinishedJobRegistry(**kw).cleanup()
-    HeartbeatStartedJobRegistry(**kw).cleanup(exception_handlers=exception_handlers)
-    for name in ("FailedJobRegistry", "DeferredJobRegistry", "ReadyJobRegistry"):  # Ready: rq >= 3
-        if hasattr(rq_registry, name):
-            getattr(rq_registry, name)(**kw).cleanup()
-    rate_limits = getattr(rq_registry, "RateLimitRegistry", None)  # rq >= 3 (rq.rate_limit)
-    for registry in rate_limits.all(queue.connection) if rate_limits is not None else ():
-        registry.cleanup()
-
-
-# --------------------------------------------------------------------------- the scheduler
-
-def _die_with_parent(sig: int = signal.SIGTERM) -> bool:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux prctl); True if set."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return False
-
-
-class EvalScheduler(RQScheduler):
-    """RQ's scheduler process, which never outlives the worker that started it.
-
-    RQ forks the scheduler as a child of the worker; a worker killed with SIGKILL (OOM killer,
-    a crashed machine's supervisor) left it running, reparented to init, still moving retries
-    onto the queues and holding the scheduler lock. Here the child asks for SIGTERM when its
-    parent dies (prctl PR_SET_PDEATHSIG: its normal, graceful stop, which releases the lock),
-    and, for kernels without it, checks on every heartbeat that its parent is still the worker.
-    """
-
-    _parent_pid: int | None = None
-
-    def start(self):
-        self._parent_pid = os.getpid()
-        return super().start()
-
-    def work(self):
-        _die_with_parent(signal.SIGTERM)  # before the handlers RQ installs: the signal is handled by them
-        super().work()
-
-    def heartbeat(self):
-        if self._parent_pid is not None and os.getppid() != self._parent_pid:
-            self.log.warning("Scheduler %s: its worker (pid %s) is gone; stopping", self.name, self._parent_pid)
-            self._stop_requested = True
-            return
-        with _ride_out(self.log, f"Scheduler {self.name}: heartbeat"):  # like the worker: ride out an outage
-            super().heartbeat()
-
-    def enqueue_scheduled_jobs(self):
-        with _ride_out(self.log, f"Scheduler {self.name}: moving scheduled jobs"):
-            super().enqueue_scheduled_jobs()
-
-
 # --------------------------------------------------------------------------- the worker
 
 class EvalWorker(SimpleWorker):
@@ -179,7 +72,7 @@ class EvalWorker(SimpleWorker):
     def __init__(self, *args, heartbeat_grace: int = 60, stop_timeout: float | None = None,
                  route_base: str | None = None, serve_targets: list[str] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        # routing (service/routing.py): the targets served, by real path -> routing key
+        # routing (service/queueing/routing.py): the targets served, by real path -> routing key
         self._route_base = route_base
         self._served = {os.path.realpath(t): routing.target_key(t) for t in serve_targets or []}
         self.heartbeat_grace = int(heartbeat_grace)
@@ -549,7 +442,7 @@ def serve(connection, queue_names: list[str], settings_: WorkerSettings, *, burs
                         worker_ttl=worker_ttl, heartbeat_grace=heartbeat_grace, stop_timeout=stop_timeout,
                         route_base=route_base, serve_targets=serve_targets)
     if settings_.default_target:
-        from eval_worker.service.job_ids import canonical_target
+        from eval_worker.service.jobs.ids import canonical_target
 
         worker.default_target = canonical_target(settings_.default_target)
     return worker.work(burst=burst, with_scheduler=with_scheduler, logging_level=logging_level, max_jobs=max_jobs)

@@ -11,7 +11,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from eval_worker.service.job_schema import JobError
+from eval_worker.service.jobs.schema import JobError
 
 
 def get_queue(connection, name: str) -> Queue:

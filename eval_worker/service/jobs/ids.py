@@ -1,7 +1,7 @@
 """Job identity: one id per distinct evaluation, one spelling per target, the suite fingerprint in the id.
 
 `eval-<run>-<step>-<digest[:12]>-<suitefp[:8]>[-r<attempt>]` is enqueued with RQ's `unique=True`,
-so the same evaluation asked twice is one job (service/queue.py); the attempt suffix is
+so the same evaluation asked twice is one job (service/queueing/queue.py); the attempt suffix is
 results/attempts.py's (the ledger's index reads it too).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from eval_worker.engine.options import OptionsError, options_identity, shorten
 from eval_worker.engine.suite import request_fingerprint
 from eval_worker.results.attempts import with_attempt
-from eval_worker.service.job_schema import JobError, JobPayload
+from eval_worker.service.jobs.schema import JobError, JobPayload
 
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 

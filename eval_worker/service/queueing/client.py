@@ -45,12 +45,12 @@ from dflash_train.common.settings import Settings
 from eval_worker.redis_client import connect
 from eval_worker.results.attempts import strip_attempt
 from eval_worker.results.ledger import INDEX_PREFIX, Ledger, note_step_checkpoint, step_checkpoints
-from eval_worker.service import routing
-from eval_worker.service.job_checkpoints import check_checkpoint
-from eval_worker.service.job_ids import base_job_id, job_fingerprint, job_id_for
-from eval_worker.service.job_schema import JobError, JobPayload, validate_job
-from eval_worker.service.outbox import OUTBOX_DIRNAME, Deliverer, DeliveryReport, Outbox, job_key
-from eval_worker.service.queue import (
+from eval_worker.service.jobs.checkpoints import check_checkpoint
+from eval_worker.service.jobs.ids import base_job_id, job_fingerprint, job_id_for
+from eval_worker.service.jobs.schema import JobError, JobPayload, validate_job
+from eval_worker.service.queueing import routing
+from eval_worker.service.queueing.outbox import OUTBOX_DIRNAME, Deliverer, DeliveryReport, Outbox, job_key
+from eval_worker.service.queueing.queue import (
     JOB_FUNC,
     JOBS_PREFIX,
     OWED_PREFIX,
@@ -63,7 +63,7 @@ from eval_worker.service.queue import (
     requeue_failed,
     server_risks,
 )
-from eval_worker.service.rq_jobs import fetch_job, get_queue
+from eval_worker.service.queueing.rq_jobs import fetch_job, get_queue
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def _recorded(connection, job_id: str) -> bool:
 
 def _after_enqueue(connection, job: JobPayload, job_id: str, qname: str, family: str,
                    config: QueueConfig) -> str:
-    """Routing, backlog policy and eval-lag bookkeeping of a queued job (service/routing.py)."""
+    """Routing, backlog policy and eval-lag bookkeeping of a queued job (service/queueing/routing.py)."""
     if family != config.base:
         routing.remember_target(connection, job.target)
     routing.note_published(connection, job.run_id, job.step)
@@ -335,7 +335,7 @@ class JobClient:
     def connection(self):
         with self._conn_lock:
             if self._conn is None:
-                from eval_worker.service.redis_server import resolve_redis_url  # may start the embedded server
+                from eval_worker.service.local_redis.server import resolve_redis_url  # may start the embedded server
 
                 timeout = self.delivery.connect_timeout
                 self._conn = connect(resolve_redis_url(self.redis_url, self.settings),

@@ -12,9 +12,9 @@ from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import CheckpointError
 from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec
-from eval_worker.service.job_checkpoints import check_location
-from eval_worker.service.job_ids import canonical_target
-from eval_worker.service.job_schema import SCHEMA, JobError, JobPayload, validate_job
+from eval_worker.service.jobs.checkpoints import check_location
+from eval_worker.service.jobs.ids import canonical_target
+from eval_worker.service.jobs.schema import SCHEMA, JobError, JobPayload, validate_job
 
 
 def _canonical(location: str | os.PathLike) -> str:

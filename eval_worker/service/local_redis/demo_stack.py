@@ -31,7 +31,7 @@ class DemoStack:
 
             connect(self.redis_url).close()  # fail now, with a clear message, if unreachable
             return self.redis_url
-        from eval_worker.service.redis_server import LocalRedis
+        from eval_worker.service.local_redis.server import LocalRedis
 
         self._redis = LocalRedis(self.workdir / "redis").start()
         self.redis_url = self._redis.url

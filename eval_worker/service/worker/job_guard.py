@@ -4,9 +4,9 @@ from __future__ import annotations
 from rq.exceptions import DeserializationError
 from rq.job import Job
 
-from eval_worker.service.eval_job import run_eval_job
-from eval_worker.service.job_schema import JobError
-from eval_worker.service.queue import JOB_FUNC
+from eval_worker.service.jobs.schema import JobError
+from eval_worker.service.queueing.queue import JOB_FUNC, LEGACY_JOB_FUNCS
+from eval_worker.service.worker.eval_job import run_eval_job
 
 
 class EvalJob(Job):
@@ -41,7 +41,7 @@ class EvalJob(Job):
         reason = None
         if getattr(self, "_foreign", None):
             reason = f"names callbacks/webhooks {self._foreign}"
-        elif self.func_name != JOB_FUNC or self.instance is not None:
+        elif self.func_name not in (JOB_FUNC, *LEGACY_JOB_FUNCS) or self.instance is not None:
             reason = f"names the function {self.func_name!r}"
         elif len(self.args or ()) != 1 or self.kwargs:
             reason = "does not carry exactly one payload argument"
