@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +35,16 @@ class CheckpointRef:
 
     text: str
     kind: Kind
+    # answered once, when the value is made (attributes, not properties: asked at every layer)
+    on_this_machine: bool = field(init=False, repr=False, compare=False)  # a directory here: evaluated in place
+    writable: bool = field(init=False, repr=False, compare=False)  # pins, uploads, retention may write (Hub: never)
+    url: str | None = field(init=False, repr=False, compare=False)  # the canonical URL; None for a local path
+
+    def __post_init__(self) -> None:
+        local = self.kind == "local"
+        object.__setattr__(self, "on_this_machine", local)
+        object.__setattr__(self, "writable", self.kind != "hub")
+        object.__setattr__(self, "url", None if local else self.text)
 
     @classmethod
     def parse(cls, location: str | os.PathLike[str] | CheckpointRef) -> CheckpointRef:
@@ -70,28 +80,12 @@ class CheckpointRef:
         """As a job names it: the URL, or the path made absolute and cleaned (`..`, `//`, a trailing '/')."""
         return self.text if self.kind != "local" else os.path.abspath(self.text)
 
-    # --- what kind of place (the only answers to "is this a URL?" outside storage.py)
-    @property
-    def on_this_machine(self) -> bool:
-        """A directory here: evaluated in place, pinned and pruned with file operations."""
-        return self.kind == "local"
-
-    @property
-    def writable(self) -> bool:
-        """Whether pins, uploads and retention may write here (the Hub: never)."""
-        return self.kind != "hub"
-
     @property
     def path(self) -> Path:
         """The local path (ValueError for a store URL: there is no file to point at)."""
         if self.kind != "local":
             raise ValueError(f"{self.shown} is not on this machine")
         return Path(self.text)
-
-    @property
-    def url(self) -> str | None:
-        """The canonical URL of a store location, None for a local path."""
-        return None if self.kind == "local" else self.text
 
     @property
     def shown(self) -> str:
@@ -103,18 +97,18 @@ class CheckpointRef:
 
     def same_kind(self, roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> list[CheckpointRef]:
         """The roots that can hold this location: URL prefixes for a store URL, directories for a path."""
-        local = self.kind == "local"
-        return [r for r in self.parse_all(roots) if (r.kind == "local") == local]
+        return [r for r in self.parse_all(roots) if r.on_this_machine == self.on_this_machine]
 
     def within(self, roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> CheckpointRef | None:
         """This location, confined: inside one of `roots` of its own kind (a local path by its real path,
         symlinks resolved; a URL under a prefix by whole path segments), else None."""
-        mine = self.same_kind(roots)
+        mine = [r.text for r in self.same_kind(roots)]
         if self.kind != "local":
-            url = within_prefixes(self.text, [r.text for r in mine])
+            url = within_prefixes(self.text, mine)
             return None if url is None else CheckpointRef(url, self.kind)
-        real = Path(os.path.realpath(self.text))
-        inside = any(real == r.path or r.path in real.parents for r in mine)
+        real = os.path.realpath(self.text)
+        tops = [os.path.normpath(r) for r in mine]  # '/a/b/' holds '/a/b'; whole segments: not '/a/bc'
+        inside = any(real == t or real.startswith(t if t.endswith(os.sep) else t + os.sep) for t in tops)
         return CheckpointRef(str(real), "local") if inside else None
 
 

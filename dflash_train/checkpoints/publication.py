@@ -442,27 +442,30 @@ def parse_manifest(raw: bytes, directory: str | Path = "checkpoint") -> dict:
     return data
 
 
-def within(path: str | os.PathLike, roots: Iterable[Path | str]) -> Path | None:
+def within(path: str | os.PathLike, roots: Iterable[Path | str | CheckpointRef]) -> Path | None:
     """The real path of `path` (symlinks resolved) if it lies inside one of `roots`, else None."""
-    inside = CheckpointRef(os.path.abspath(path), "local").within(roots)
+    inside = CheckpointRef.parse(Path(path)).within(roots)  # a Path: never taken for a URL, never cleaned
     return inside.path if inside is not None else None
 
 
-def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None = None) -> dict:
-    """`read_manifest` plus a sha256 check of every listed file; returns the manifest.
+def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None = None,
+                      manifest: dict | None = None) -> dict:
+    """`read_manifest` (or the `manifest` the caller just read from it) plus a sha256 check of every listed
+    file; returns the manifest.
 
     With `roots`, every listed file must also lie inside them once symlinks are resolved
     (a checkpoint may not point the worker at files elsewhere; an import record's source
     files are checked the same way).
     """
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
+    inside = CheckpointRef.parse_all(roots) if roots is not None else None  # parsed once, not per file
     where = files_dir(directory, manifest)
     for name, want in sorted(manifest["files"].items()):
         path = where / name
         if os.sep in name or name.startswith("."):
             raise CheckpointError(f"{directory}: {MARKER_NAME} lists a file outside the directory: {name!r}")
-        if roots is not None and within(path, roots) is None:
+        if inside is not None and within(path, inside) is None:
             raise CheckpointError(f"{directory}: {path} resolves to {os.path.realpath(path)}, outside the "
                                   "checkpoint roots; a symlink may not lead out of the roots (an imported "
                                   "drafter's directory must lie in a checkpoint root too)")

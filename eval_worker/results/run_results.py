@@ -42,7 +42,7 @@ class RunResult:
     # the training run's metrics when the checkpoint was published (its COMPLETE.json, via the job):
     # recent-window means of loss, accuracy and streak (1 + leading correct slots: the train-side accept length)
     train_metrics: dict | None = None
-    # the queue's view when the record was written: {"eval_lag": {"lag_steps", "lag_s", ...}} (service/queueing/routing.py)
+    # the queue's view when the record was written: {"eval_lag": {"lag_steps", "lag_s", ...}} (queueing/routing.py)
     queue: dict | None = None
     # the job's options that change a recorded number (engine.options.options_identity; {}: every default)
     options: dict = field(default_factory=dict)

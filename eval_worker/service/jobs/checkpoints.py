@@ -27,7 +27,7 @@ from dflash_train.checkpoints.publication import (
     read_marker,
     verify_checkpoint,
 )
-from eval_worker.service.jobs.confinement import confine
+from eval_worker.service.jobs.confinement import confine, confine_ref
 from eval_worker.service.jobs.schema import JobError, JobPayload
 
 
@@ -59,9 +59,7 @@ def check_location(path: str, roots: Sequence[Path | str] | None, verify_digest:
     if not ref.on_this_machine:
         url, _, manifest = _check_remote(ref.text, roots, what)
         return url, manifest
-    if roots is not None:
-        confine(path, roots)
-    real = os.path.realpath(path)
+    real = str(confine_ref(ref, roots).path) if roots is not None else os.path.realpath(path)
     if not os.path.isdir(real):
         raise JobError(f"{what}: checkpoint {path} does not exist or is not a directory")
     try:
@@ -79,7 +77,7 @@ def check_location(path: str, roots: Sequence[Path | str] | None, verify_digest:
             raise JobError(f"{what}: {path} records the drafter at {manifest['source']}: {e}") from None
     if verify_digest:
         try:
-            verify_checkpoint(real, roots)
+            verify_checkpoint(real, roots, manifest)
         except CheckpointError as e:
             raise JobError(f"{what}: {e}") from None
     return real, manifest

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
@@ -144,12 +145,12 @@ class JobPayload(BaseModel):
     train_metrics: dict[_Name, _FiniteNumber] | None = Field(None, max_length=MAX_METRICS)
     options: dict[str, Any] | None = None  # checked by EvalOptions (eval_worker.engine.options), the engine's schema
 
-    @property
+    @cached_property
     def checkpoint_ref(self) -> CheckpointRef:
-        """The checkpoint's location as a value (it parsed when the job was validated)."""
+        """The checkpoint's location as a value (it parsed when the job was validated; parsed once more here)."""
         return CheckpointRef.parse(self.checkpoint)
 
-    @property
+    @cached_property
     def baseline_ref(self) -> CheckpointRef | None:
         return CheckpointRef.parse(self.baseline) if self.baseline else None
 

@@ -56,7 +56,7 @@ class QueueConfig:
     result_ttl: int = 7 * 86400          # finished jobs stay visible (and deduped) a week
     failure_ttl: int = 30 * 86400        # failed jobs stay re-queueable a month
     ttl: int | None = None               # max time waiting in the queue (None: forever)
-    route_by_target: bool = False        # a job naming a target goes to its target's queues (service/queueing/routing.py)
+    route_by_target: bool = False        # a job naming a target goes to its target's queues (routing.py)
     backlog: str = "all"                 # the run's backlog policy: all | newest-first | thin:K (routing.py)
 
     def retry(self) -> Retry | None:
