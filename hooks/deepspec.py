@@ -25,7 +25,7 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         from dflash_train.checkpoints.publication import run_id_from
         from dflash_train.checkpoints.training_state import import_checkpoint
         from dflash_train.common.settings import Settings
-        from eval_worker.service.jobs.builder import make_job
+        from eval_worker.service.jobs.request import EvalRequest
         from eval_worker.service.queueing.client import JobClient
         from eval_worker.service.queueing.queue import QueueConfig
 
@@ -40,7 +40,7 @@ def launch_eval(target_model_name_or_path, checkpoint_dir, step, tensorboard_dir
         record, _, _ = import_checkpoint(record_root, run, int(step), checkpoint_dir,
                                          config=Path(checkpoint_dir) / "config.json")
         target = resolve_target(str(target_model_name_or_path)) if target_model_name_or_path else None
-        job = make_job(record, suite=suite, target=target, requested_by="hook", roots=roots)
+        (job,) = EvalRequest.of(suites=suite, target=target, requested_by="hook").jobs(record, roots=roots)
         client = JobClient(redis_url, config=QueueConfig(base=queue), roots=roots, settings=settings)
         try:
             [receipt] = client.post([job])

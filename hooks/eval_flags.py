@@ -11,6 +11,7 @@ import logging
 from dflash_train.common.settings import Settings
 from dflash_train.training.train_config import TrainConfig
 from eval_worker.engine.suite import check_suite_spec
+from eval_worker.service.jobs.request import EvalRequest
 
 from .eval_on_checkpoint import EvalOnCheckpoint
 
@@ -24,13 +25,13 @@ def eval_hook(config: TrainConfig, settings: Settings, redis_url: str | None, **
         note = check_suite_spec(spec, hf_datasets_dir=settings.hf_datasets_dir)
         if note:
             log.warning("--eval-suite %s", note)
-    options = {k: v for k, v in (("num_prompts", config.eval_num_prompts),
-                                 ("max_new_tokens", config.eval_max_new_tokens)) if v is not None}
-    if options or "options" in hook_options:
-        hook_options = {**hook_options, "options": {**options, **(hook_options.get("options") or {})}}
-    wandb = None
-    if config.wandb:  # the eval run lands next to the training run: same project and entity
-        wandb = {"project": config.wandb_project, "entity": config.wandb_entity, "mode": config.wandb_mode}
-    kwargs = dict(every_n_steps=config.eval_every, suite=list(config.eval_suite), target=config.eval_target,
-                  baseline=config.eval_baseline, wandb=wandb, redis_url=redis_url, settings=settings)
+    # the request's fields among `hook_options` (the demo's options, its W&B group) override the flags'
+    asked = {k: hook_options.pop(k) for k in REQUEST_ARGS if k in hook_options}
+    if "suite" in asked:
+        asked["suites"] = asked.pop("suite")
+    request = EvalRequest.from_train_config(config, **asked)
+    kwargs = dict(every_n_steps=config.eval_every, redis_url=redis_url, settings=settings, request=request)
     return EvalOnCheckpoint(**{**kwargs, **hook_options})
+
+
+REQUEST_ARGS = ("suite", "target", "baseline", "options", "wandb", "sinks", "mlflow", "priority")

@@ -31,9 +31,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dflash_train.checkpoints import storage
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.common.settings import Settings
-from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.request import EvalRequest
 from eval_worker.service.jobs.schema import JobPayload
 from eval_worker.service.queueing.client import Delivery, EnqueueOutcome, JobClient
 from eval_worker.service.queueing.queue import QueueConfig
@@ -68,17 +68,20 @@ class EvalOnCheckpoint:
                  priority: str = "default", redis_url: str | None = None, eval_final: bool = True,
                  train_end_timeout: float = 30.0, connect_timeout: float = 2.0, job_timeout: int | None = None,
                  min_backoff: float = 1.0, max_backoff: float = 60.0, reconcile_interval: float = 30.0,
-                 settings: Settings | None = None, backlog: str = "all", route_by_target: bool = False):
+                 settings: Settings | None = None, backlog: str = "all", route_by_target: bool = False,
+                 request: EvalRequest | None = None):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = int(every_n_steps)
         self.queue = queue
-        self.suites = [suite] if isinstance(suite, str) else list(suite)  # one job per suite and checkpoint
-        if not self.suites:
+        if isinstance(suite, (list, tuple)) and not suite:
             raise ValueError("suite: name at least one suite")
-        self.target, self.baseline = target, baseline
-        self.options, self.wandb, self.priority = options, wandb, priority
-        self.sinks, self.mlflow = sinks, mlflow
+        # checked now (a typo in an option fails when training starts, not at its first checkpoint); `request`
+        # (EvalRequest.from_train_config, the `--eval-*` flags) stands for the arguments it holds
+        self.request = request or EvalRequest.of(suites=suite, target=target, baseline=baseline, options=options,
+                                                 wandb=wandb, sinks=sinks, mlflow=mlflow, priority=priority,
+                                                 requested_by="hook")
+        self.suites = list(self.request.suites)  # one job per suite and checkpoint
         self.settings = settings or Settings.from_env()
         self.eval_final = eval_final
         self.train_end_timeout = train_end_timeout
@@ -153,15 +156,12 @@ class EvalOnCheckpoint:
         return self.suites[0]
 
     def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> JobPayload:
-        return make_job(path, manifest=manifest, suite=suite or self.suite, target=self.target,
-                                 baseline=self.baseline, wandb=self.wandb, sinks=self.sinks, mlflow=self.mlflow,
-                                 requested_by="hook",
-                                 priority=self.priority, options=self.options)
+        return self.request.job(path, suite or self.suite, manifest=manifest)
 
     def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> list[Path]:
         """For each suite: make the job and submit it (pinned, written to the outbox, delivery woken).
         Returns the job files written."""
-        path = storage.canonical(path)
+        path = CheckpointRef.parse(path).canonical
         outbox = self.client.outbox_for(path)
         files = []
         for suite in self.suites:

@@ -189,8 +189,9 @@ class DFlashEvalCallback(TrainerCallback):
             return
         mode = "offline" if getattr(run, "offline", False) or getattr(run.settings, "mode",
                                                                       "") == "offline" else "online"
-        self.hook.wandb = {"project": run.project, "entity": run.entity or None, "mode": mode,
-                           "group": run.group or self.run_id or _run_id_from(args)}
+        self.hook.request = self.hook.request.replace(wandb={
+            "project": run.project, "entity": run.entity or None, "mode": mode,
+            "group": run.group or self.run_id or _run_id_from(args)})
 
     def _nest_under_hf_mlflow(self, args) -> None:
         """Nest the MLflow eval run under the HF run's MLflow run (unless `mlflow=` was given)."""
@@ -202,7 +203,7 @@ class DFlashEvalCallback(TrainerCallback):
             return
         run = mlflow.active_run()
         if run is not None:
-            self.hook.mlflow = {"parent_run_id": run.info.run_id}
+            self.hook.request = self.hook.request.replace(mlflow={"parent_run_id": run.info.run_id})
 
     def _publisher(self, args):
         if self.publisher is None:

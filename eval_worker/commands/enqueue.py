@@ -100,25 +100,17 @@ def main(args: argparse.Namespace) -> int:
     from dflash_train.checkpoints.publication import CheckpointError
     from dflash_train.checkpoints.storage import StoreError
     from dflash_train.common.settings import parse_roots
-    from eval_worker.engine.suite import DEFAULT_SUITE
     from eval_worker.service.jobs.schema import JobError
     from eval_worker.service.queueing.client import JobClient
     from eval_worker.service.queueing.submission import Submission, expand_checkpoints, is_published
 
     if not args.checkpoints and not args.outbox:
         return fail("give at least one CHECKPOINT_DIR (or --outbox DIR)")
-    options = _options(args)
     sinks, unknown = _sinks(args)
     if unknown:
         from dflash_train.common.settings import KNOWN_SINKS
 
         return fail(f"--sink: unknown sink(s) {list(unknown)}; known: {', '.join(KNOWN_SINKS)}")
-    wandb = None
-    if args.wandb_project or args.wandb_entity or args.wandb_mode:
-        wandb = {"project": args.wandb_project or "dflash-eval", "entity": args.wandb_entity,
-                 "mode": args.wandb_mode or "online"}
-    mlflow = {k: v for k, v in (("experiment", args.mlflow_experiment), ("parent_run_id", args.mlflow_parent_run))
-              if v} or None
     try:
         config = _queue_config(args)
     except JobError as e:
@@ -147,9 +139,11 @@ def main(args: argparse.Namespace) -> int:
             paths = []  # the comparison was asked for: nothing is queued without its baseline
         paths = [record_of.get(p, p) for p in paths if p not in external or p in record_of]
         baseline = record_of.get(baseline, baseline)
-    submission = Submission(suites=args.suite or [DEFAULT_SUITE], target=target, baseline=baseline, wandb=wandb,
-                            sinks=sinks, mlflow=mlflow, priority=args.priority, options=options or None,
-                            roots=roots, errors=import_errors)
+    try:
+        request = _request(args, target, baseline, sinks)
+    except JobError as e:
+        return fail(str(e))
+    submission = Submission(request, roots=roots, errors=import_errors)
     submission.make_jobs(paths)
     url, delivered = None, []
     if submission.jobs or args.outbox:  # every checkpoint refused: said without waiting for Redis
@@ -181,6 +175,20 @@ def _options(args: argparse.Namespace) -> dict:
             options[flag] = getattr(args, flag)
     options.update(sampling_options(args))
     return options
+
+
+def _request(args: argparse.Namespace, target: str | None, baseline: str | None, sinks):
+    """The flags as one EvalRequest, checked once (JobError naming every problem)."""
+    from eval_worker.service.jobs.request import EvalRequest
+
+    wandb = None
+    if args.wandb_project or args.wandb_entity or args.wandb_mode:
+        wandb = {"project": args.wandb_project or "dflash-eval", "entity": args.wandb_entity,
+                 "mode": args.wandb_mode or "online"}
+    mlflow = {k: v for k, v in (("experiment", args.mlflow_experiment), ("parent_run_id", args.mlflow_parent_run))
+              if v} or None
+    return EvalRequest.of(suites=args.suite, target=target, baseline=baseline, options=_options(args) or None,
+                          wandb=wandb, mlflow=mlflow, sinks=sinks, priority=args.priority, requested_by="user")
 
 
 def _sinks(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:

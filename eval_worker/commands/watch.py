@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
 
     from dflash_train.checkpoints.location import first_local_root
     from dflash_train.common.settings import parse_roots
-    from eval_worker.service.jobs.builder import make_job
+    from eval_worker.service.jobs.request import EvalRequest
     from eval_worker.service.jobs.schema import JobError
     from eval_worker.service.queueing.client import JobClient
     from eval_worker.service.queueing.queue import QueueConfig
@@ -95,13 +95,15 @@ def main(args: argparse.Namespace) -> int:
         target = resolve_target(args.target or args.settings.target)
     except CheckpointError as e:
         return fail(str(e))
-    suites = list(dict.fromkeys(args.suite or ["builtin:coding-v1"]))
+    try:
+        request = EvalRequest.of(suites=args.suite, target=target, baseline=args.baseline, requested_by="hook")
+    except JobError as e:
+        return fail(str(e))
     # outbox first, as the trainer's hook: a Redis outage keeps the jobs beside the checkpoints
     client = JobClient(connection=conn, config=QueueConfig(base=args.queue), roots=roots, settings=args.settings)
 
     def submit(record) -> str:
-        jobs = [make_job(record, suite=suite, target=target, baseline=args.baseline, requested_by="hook",
-                         roots=roots) for suite in suites]
+        jobs = request.jobs(record, roots=roots)
         receipts = client.post(jobs)
         for r in receipts:
             if r.status == "rejected":  # refused for itself: the command says why, the entry stays unhandled

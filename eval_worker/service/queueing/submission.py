@@ -15,7 +15,7 @@ from typing import Any
 from dflash_train.checkpoints import storage
 from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.checkpoints.publication import MARKER_NAME, list_checkpoints
-from eval_worker.service.jobs.builder import make_job
+from eval_worker.service.jobs.request import EvalRequest
 from eval_worker.service.jobs.schema import JobError, JobPayload
 from eval_worker.service.queueing.client import EnqueueOutcome, JobClient
 from eval_worker.service.queueing.queue import queue_name, workers_target
@@ -53,16 +53,9 @@ def expand_checkpoints(paths: Sequence[str]) -> list[str]:
 
 @dataclass
 class Submission:
-    """What was asked (everything but the checkpoints) and what came of it."""
+    """What was asked (the request: everything but the checkpoints) and what came of it."""
 
-    suites: Sequence[str]
-    target: str | None = None
-    baseline: str | None = None
-    wandb: dict[str, Any] | None = None
-    sinks: Sequence[str] | None = None
-    mlflow: dict[str, Any] | None = None
-    priority: str = "default"
-    options: dict[str, Any] | None = None
+    request: EvalRequest
     roots: Sequence[Path | str] | None = None
     jobs: list[JobPayload] = field(default_factory=list)
     outcomes: list[EnqueueOutcome] = field(default_factory=list)
@@ -71,12 +64,9 @@ class Submission:
     def make_jobs(self, paths: Sequence[str]) -> None:
         """One job per checkpoint and suite (suites deduplicated); what cannot be made goes to `errors`."""
         for path in paths:
-            for suite in dict.fromkeys(self.suites):
+            for suite in self.request.suites:
                 try:
-                    self.jobs.append(make_job(path, suite=suite, target=self.target, baseline=self.baseline,
-                                              wandb=self.wandb, sinks=self.sinks, mlflow=self.mlflow,
-                                              requested_by="user", priority=self.priority,
-                                              options=self.options or None, roots=self.roots))
+                    self.jobs.append(self.request.job(path, suite, roots=self.roots))
                 except (JobError, storage.StoreError, OSError) as e:  # OSError: StoreUnavailable, no answer
                     self.errors.append({"checkpoint": path, "suite": suite, "error": str(e)})
 

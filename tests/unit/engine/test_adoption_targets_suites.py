@@ -92,7 +92,7 @@ def test_train_quick_eval_knobs_and_eval_suite_checked_at_start(tmp_path, capsys
     assert out["eval_num_prompts"] == 4 and out["eval_max_new_tokens"] == 32
     config = load_config("demo", {"eval_every": 5, "eval_num_prompts": 4, "eval_max_new_tokens": 32})
     hook = eval_hook(config, Settings.from_env(), None)
-    assert hook.options == {"num_prompts": 4, "max_new_tokens": 32}
+    assert hook.request.options == {"num_prompts": 4, "max_new_tokens": 32}
     assert eval_hook(config, Settings.from_env(), None, options={"tree_budget": 0}).options == {
         "num_prompts": 4, "max_new_tokens": 32, "tree_budget": 0}
     assert train_main(["--config", "demo", "--eval-every", "5", "--eval-num-prompts", "0", "--print-config"]) == 2

@@ -151,7 +151,7 @@ def test_evals_join_the_hf_wandb_run(tmp_path, redis_url, wandb_offline):
         cb.on_train_begin(_hf_args(tmp_path, report_to=["wandb"], run_name="my-run"), state, None,
                           model=DrafterWrapper(drafter))
         assert cb.run_id == "my-run"
-        assert cb.hook.wandb == {"project": "hf-proj", "entity": None, "mode": "offline", "group": "exp-7"}
+        assert cb.hook.request.wandb == {"project": "hf-proj", "entity": None, "mode": "offline", "group": "exp-7"}
         job = cb.hook.make_job(publish_random(tmp_path / "ckpts", "my-run", 1), suite="builtin:coding-v1")
         assert job.wandb is not None and (job.wandb.group, job.wandb.project) == ("exp-7", "hf-proj")
     finally:
@@ -159,7 +159,7 @@ def test_evals_join_the_hf_wandb_run(tmp_path, redis_url, wandb_offline):
     # no W&B in report_to: the job's W&B settings are left alone
     cb = DFlashEvalCallback(tmp_path / "ckpts", every_n_steps=1, redis_url=redis_url)
     cb.on_train_begin(_hf_args(tmp_path), state, None, model=DrafterWrapper(drafter))
-    assert cb.hook.wandb is None
+    assert cb.hook.request.wandb is None
 
 
 def test_eval_points_carry_the_hf_step_axis():
