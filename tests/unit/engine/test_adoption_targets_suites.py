@@ -93,7 +93,7 @@ def test_train_quick_eval_knobs_and_eval_suite_checked_at_start(tmp_path, capsys
     config = load_config("demo", {"eval_every": 5, "eval_num_prompts": 4, "eval_max_new_tokens": 32})
     hook = eval_hook(config, Settings.from_env(), None)
     assert hook.request.options == {"num_prompts": 4, "max_new_tokens": 32}
-    assert eval_hook(config, Settings.from_env(), None, options={"tree_budget": 0}).options == {
+    assert eval_hook(config, Settings.from_env(), None, options={"tree_budget": 0}).request.options == {
         "num_prompts": 4, "max_new_tokens": 32, "tree_budget": 0}
     assert train_main(["--config", "demo", "--eval-every", "5", "--eval-num-prompts", "0", "--print-config"]) == 2
     assert "eval_num_prompts must be >= 1" in capsys.readouterr().err

@@ -126,6 +126,7 @@ def test_the_worker_logs_each_jobs_tau_ci_and_duration(conn, tmp_path, caplog, m
 def test_submission_expands_run_directories_and_queues_one_job_per_checkpoint_and_suite(conn, tmp_path):
     """The service behind `enqueue`: a run directory stands for its checkpoints, a suite named twice is one job,
     a checkpoint that cannot be made into a job is an error with its reason, the others are queued."""
+    from eval_worker.service.jobs.request import EvalRequest
     from eval_worker.service.queueing.client import JobClient
     from eval_worker.service.queueing.submission import Submission, expand_checkpoints, is_published
 
@@ -135,7 +136,7 @@ def test_submission_expands_run_directories_and_queues_one_job_per_checkpoint_an
     paths = expand_checkpoints([str(root / "run-s"), str(tmp_path / "plain")])
     assert paths == [str(ck[1]), str(ck[2]), str(tmp_path / "plain")]
     assert is_published(str(root / "run-s")) and not is_published(str(tmp_path / "plain"))
-    sub = Submission(suites=["builtin:coding-v1", "builtin:coding-v1"], roots=[root], priority="high")
+    sub = Submission(EvalRequest.of(suites=["builtin:coding-v1", "builtin:coding-v1"], priority="high"), roots=[root])
     sub.make_jobs(paths)
     assert [(j.step, j.priority) for j in sub.jobs] == [(1, "high"), (2, "high")]
     [error] = sub.errors
@@ -143,7 +144,7 @@ def test_submission_expands_run_directories_and_queues_one_job_per_checkpoint_an
     sub.enqueue_all(JobClient(connection=conn, roots=[root]))
     assert [o.status for o in sub.outcomes] == ["enqueued", "enqueued"]
     assert get_queue(conn, "dflash-eval-high").count == 2
-    again = Submission(suites=["builtin:coding-v1"], roots=[root], priority="high")
+    again = Submission(EvalRequest.of(suites=["builtin:coding-v1"], priority="high"), roots=[root])
     again.make_jobs([str(ck[1])])
     again.enqueue_all(JobClient(connection=conn, roots=[root]))
     assert [o.status for o in again.outcomes] == ["duplicate"] and not again.errors
