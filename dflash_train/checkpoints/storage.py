@@ -51,7 +51,7 @@ from . import hub
 
 __all__ = ["StoreError", "StoreUnavailable", "Store", "LocalStore", "FsspecStore", "HubStore", "Snapshot",
            "transport_errors", "LOCAL_DISK_ERRNOS", "is_url", "check_url", "join", "parent", "name",
-           "within_prefixes", "store_for", "canonical", "redact", "preflight", "missing_bucket"]
+           "within_prefixes", "store_for", "redact", "preflight", "missing_bucket"]
 
 READ_ONLY = ("hf",)  # the Hugging Face Hub: read, never uploaded to, pinned or pruned
 Location = str | os.PathLike[str]  # a URL for a store, a path for a LocalStore
@@ -410,11 +410,6 @@ def store_for(location: Location, *, file_mode: int | None = None, dir_mode: int
     if proto in READ_ONLY:
         return HubStore()
     return FsspecStore(_filesystem(proto))
-
-
-def canonical(location: Location) -> str | Path:
-    """`location` as jobs and pins name it: a URL in canonical form, a path made absolute."""
-    return check_url(location) if is_url(location) else Path(os.path.abspath(location))
 
 
 BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")  # the URL's first segment is a bucket/container

@@ -18,7 +18,7 @@ from eval_worker.service.jobs.schema import SCHEMA, JobError, JobPayload, valida
 
 
 def _canonical(location: str | os.PathLike) -> str:
-    """A store URL in canonical form, or an absolute local path (storage.canonical); a Hub branch or
+    """A store URL in canonical form, or an absolute local path (CheckpointRef.canonical); a Hub branch or
     tag becomes its commit: the job means fixed bytes."""
     try:
         ref = CheckpointRef.parse(location)
