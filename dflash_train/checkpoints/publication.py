@@ -512,6 +512,8 @@ def upload_checkpoint(directory: str | Path, run_url: str, *, verify: bool = Tru
     _refuse_uploaded(store, dest)
     lease = _take_lease(store, dest, manifest["digest"])
     try:
+        # another uploader may have marked the step and released its lease between our first look and our lease
+        _refuse_uploaded(store, dest)
         leftovers = [n for n in store.list_names(dest) if n != UPLOAD_LEASE]  # an interrupted earlier upload
         for name in leftovers:
             store.remove(store.join(dest, name), recursive=True)

@@ -137,3 +137,42 @@ def test_upload_conditional_a_dead_uploaders_lease_is_taken_over(tmp_path, bucke
     store.write_bytes(lease, json.dumps({**held, "pid": 999_999_999}).encode())  # no such process
     assert upload_checkpoint(local, run_url) == f"{run_url}/step-00000005"
     assert store.list_names(f"{run_url}/step-00000005") == [MARKER_NAME, "config.json", "model.safetensors"]
+
+
+def test_upload_conditional_a_late_lease_never_removes_a_published_step(tmp_path, bucket, monkeypatch):
+    """The interleaving CI caught once: B looks (no marker yet), A uploads whole and releases its lease, then B
+    takes the free lease. B must be refused and A's checkpoint must stand, not be taken for an interrupted upload."""
+    from dflash_train.checkpoints import publication
+
+    run_url = f"s3://{bucket}/runs/late"
+    local = {tag: _local(tmp_path, 3, tag) for tag in "AB"}
+    a_done, b_looked = threading.Event(), threading.Event()
+    take_lease = publication._take_lease
+
+    def paused_take_lease(store, dest, digest):
+        if threading.current_thread().name == "B":
+            b_looked.set()
+            assert a_done.wait(waits.scaled(60))
+        return take_lease(store, dest, digest)
+
+    monkeypatch.setattr(publication, "_take_lease", paused_take_lease)
+    results: dict[str, tuple[str, str]] = {}
+
+    def upload(tag: str) -> None:
+        try:
+            results[tag] = ("ok", upload_checkpoint(local[tag], run_url))
+        except CheckpointError as e:
+            results[tag] = ("refused", str(e))
+
+    b = threading.Thread(target=upload, args=("B",), name="B")
+    b.start()
+    assert b_looked.wait(waits.scaled(60))
+    upload("A")
+    a_done.set()
+    b.join(waits.scaled(60))
+    assert results["A"][0] == "ok" and results["B"][0] == "refused", results
+    assert "already published by" in results["B"][1]
+    url = results["A"][1]
+    assert read_manifest(url) == read_manifest(local["A"])
+    for name in read_manifest(url)["files"]:
+        assert storage.store_for(url).read_bytes(f"{url}/{name}") == (local["A"] / name).read_bytes(), name
