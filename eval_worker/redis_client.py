@@ -15,6 +15,7 @@ server that cannot take a write now from a command that was wrong.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
 from urllib.parse import quote
@@ -128,6 +129,18 @@ def server_unavailable(error: BaseException) -> bool:
     if isinstance(error, _UNAVAILABLE):
         return True
     return isinstance(error, redis.exceptions.ResponseError) and bool(_UNAVAILABLE_RE.search(str(error)))
+
+
+@contextlib.contextmanager
+def ride_out(log, what: str):
+    """Skip `what` when Redis is unavailable (`server_unavailable`); other errors propagate. The worker's and
+    the scheduler's periodic writes (heartbeats, state, maintenance) wait out an outage this way."""
+    try:
+        yield
+    except redis.exceptions.RedisError as e:
+        if not server_unavailable(e):
+            raise
+        log.warning("%s skipped, Redis unavailable: %s", what, e)
 
 
 def refusal_message(error: BaseException, connection=None) -> str:

@@ -155,17 +155,19 @@ class EvalOnCheckpoint:
         """The first suite (the hook's jobs run every one of `suites`)."""
         return self.suites[0]
 
-    def make_job(self, path: str | os.PathLike, manifest: dict | None = None, suite: str | None = None) -> JobPayload:
+    def make_job(self, path: str | os.PathLike | CheckpointRef, manifest: dict | None = None,
+                 suite: str | None = None) -> JobPayload:
         return self.request.job(path, suite or self.suite, manifest=manifest)
 
     def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> list[Path]:
         """For each suite: make the job and submit it (pinned, written to the outbox, delivery woken).
         Returns the job files written."""
-        path = CheckpointRef.parse(path).canonical
-        outbox = self.client.outbox_for(path)
+        ref = CheckpointRef.parse(path)
+        ref = ref if ref.text == ref.canonical else CheckpointRef.parse(ref.canonical)  # parsed once for every job
+        outbox = self.client.outbox_for(ref)
         files = []
         for suite in self.suites:
-            job = self.make_job(path, manifest, suite)
+            job = self.make_job(ref, manifest, suite)
             written = self.client.submit(job, outbox)
             if written is not None:
                 files.append(written)

@@ -13,7 +13,7 @@ gives the value back (`JobPayload.checkpoint_ref`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,6 +25,8 @@ from dflash_train.common.urls import check_url, is_url, protocol, within_prefixe
 from . import storage
 
 Kind = Literal["local", "s3", "fsspec", "hub"]
+# a root list as callers hold it: text, paths, or refs parsed once (`CheckpointRef.parse_all`)
+Roots = Sequence["str | os.PathLike[str] | CheckpointRef"]
 S3_PROTOCOLS = ("s3",)  # what W&B's reference artifacts and boto3 name; s3a:// goes through fsspec
 
 
@@ -53,7 +55,7 @@ class CheckpointRef:
             return location
         if isinstance(location, str) and "\x00" in location:
             raise StoreError(f"invalid location {location!r}")
-        if not is_url(location):
+        if isinstance(location, Path) or not is_url(location):  # a Path is never a URL
             raw = os.fspath(location)
             return cls(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw), "local")
         url = check_url(location)
@@ -66,6 +68,9 @@ class CheckpointRef:
         """Refs of a root list, skipping what does not parse (a root list is the settings' business to check)."""
         out = []
         for r in roots or ():
+            if isinstance(r, CheckpointRef):  # parsed once by the caller: kept as is
+                out.append(r)
+                continue
             try:
                 out.append(cls.parse(r))
             except StoreError:
@@ -88,6 +93,13 @@ class CheckpointRef:
         return Path(self.text)
 
     @property
+    def parent(self) -> CheckpointRef:
+        """The location one level up (a checkpoint's run), of the same kind."""
+        if self.kind == "local":
+            return CheckpointRef(os.path.dirname(self.text.rstrip(os.sep)) or os.sep, "local")
+        return CheckpointRef(str(self.store().parent(self.text)), self.kind)
+
+    @property
     def shown(self) -> str:
         """For messages: a URL without anything secret in it."""
         return redact(self.text)
@@ -107,9 +119,33 @@ class CheckpointRef:
             url = within_prefixes(self.text, mine)
             return None if url is None else CheckpointRef(url, self.kind)
         real = os.path.realpath(self.text)
-        tops = [os.path.normpath(r) for r in mine]  # '/a/b/' holds '/a/b'; whole segments: not '/a/bc'
-        inside = any(real == t or real.startswith(t if t.endswith(os.sep) else t + os.sep) for t in tops)
-        return CheckpointRef(str(real), "local") if inside else None
+        return CheckpointRef(real, "local") if _inside(real, _tops(mine)) else None
+
+
+def real_paths_within(paths: Iterable[str | os.PathLike[str]],
+                      roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> list[Path | None]:
+    """For each local path, its real path (symlinks resolved) if it lies inside one of the directories among
+    `roots`, else None: `CheckpointRef.within` for many files at once (a checkpoint's listed files), the roots
+    parsed once."""
+    tops = _tops([r.text for r in CheckpointRef.parse_all(roots) if r.on_this_machine])
+    out: list[Path | None] = []
+    for p in paths:
+        real = os.path.realpath(p)
+        out.append(Path(real) if _inside(real, tops) else None)
+    return out
+
+
+def _tops(dirs: Iterable[str]) -> list[str]:
+    """Root directories as prefixes of whole segments: '/a/b/' holds '/a/b', '/a/b' never holds '/a/bc'."""
+    out = []
+    for d in dirs:
+        d = os.path.normpath(d)
+        out.append(d if d.endswith(os.sep) else d + os.sep)
+    return out
+
+
+def _inside(real: str, tops: list[str]) -> bool:
+    return any(real + os.sep == t or real.startswith(t) for t in tops)
 
 
 def first_local_root(roots: Iterable[str | os.PathLike[str] | CheckpointRef] | None) -> Path | None:

@@ -52,7 +52,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -61,7 +61,7 @@ from dflash_train.common.errors import CheckpointError, StoreError
 from dflash_train.common.fsutil import atomic_write_json, fsync_path, pid_alive
 
 from . import storage
-from .location import CheckpointRef
+from .location import CheckpointRef, Roots, real_paths_within
 
 # Published checkpoints are read by eval workers that may run as another user: every file is
 # 0644 and every directory we create 0755, whatever the umask (safetensors alone writes 0600).
@@ -448,7 +448,7 @@ def within(path: str | os.PathLike, roots: Iterable[Path | str | CheckpointRef])
     return inside.path if inside is not None else None
 
 
-def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None = None,
+def verify_checkpoint(directory: str | Path, roots: Roots | None = None,
                       manifest: dict | None = None) -> dict:
     """`read_manifest` (or the `manifest` the caller just read from it) plus a sha256 check of every listed
     file; returns the manifest.
@@ -459,13 +459,16 @@ def verify_checkpoint(directory: str | Path, roots: Sequence[Path | str] | None 
     """
     directory = Path(directory)
     manifest = read_manifest(directory) if manifest is None else manifest
-    inside = CheckpointRef.parse_all(roots) if roots is not None else None  # parsed once, not per file
     where = files_dir(directory, manifest)
-    for name, want in sorted(manifest["files"].items()):
-        path = where / name
+    listed = sorted(manifest["files"].items())
+    for name, _ in listed:
         if os.sep in name or name.startswith("."):
             raise CheckpointError(f"{directory}: {MARKER_NAME} lists a file outside the directory: {name!r}")
-        if inside is not None and within(path, inside) is None:
+    # every file confined at once (the roots parsed once, not per file)
+    inside = real_paths_within([where / n for n, _ in listed], roots) if roots is not None else None
+    for i, (name, want) in enumerate(listed):
+        path = where / name
+        if inside is not None and inside[i] is None:
             raise CheckpointError(f"{directory}: {path} resolves to {os.path.realpath(path)}, outside the "
                                   "checkpoint roots; a symlink may not lead out of the roots (an imported "
                                   "drafter's directory must lie in a checkpoint root too)")

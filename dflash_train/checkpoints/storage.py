@@ -404,7 +404,7 @@ def store_for(location: Location, *, file_mode: int | None = None, dir_mode: int
     """The Store that serves `location`: a LocalStore (with `file_mode` / `dir_mode` for what it writes) for
     a path, the read-only HubStore for `hf://`, an FsspecStore (one filesystem per protocol and process) for
     any other URL. StoreError for a URL that breaks the rules or whose protocol has no library here."""
-    if not is_url(location):
+    if isinstance(location, Path) or not is_url(location):  # a Path is never a URL
         return LocalStore(file_mode=file_mode, dir_mode=dir_mode)
     proto = protocol(check_url(location))
     if proto in READ_ONLY:

@@ -17,32 +17,34 @@ from eval_worker.service.jobs.ids import canonical_target
 from eval_worker.service.jobs.schema import SCHEMA, JobError, JobPayload, validate_job
 
 
-def _canonical(location: str | os.PathLike) -> str:
-    """A store URL in canonical form, or an absolute local path (CheckpointRef.canonical); a Hub branch or
-    tag becomes its commit: the job means fixed bytes."""
+def _canonical(location: str | os.PathLike | CheckpointRef) -> CheckpointRef:
+    """The ref a job names: a store URL in canonical form, or an absolute local path (CheckpointRef.canonical);
+    a Hub branch or tag becomes its commit: the job means fixed bytes."""
     try:
         ref = CheckpointRef.parse(location)
         if ref.kind == "hub":
             from dflash_train.checkpoints import hub
 
-            return hub.resolve(ref.text)
-        return ref.canonical
+            return CheckpointRef.parse(hub.resolve(ref.text))
+        return ref if ref.text == ref.canonical else CheckpointRef.parse(ref.canonical)
     except (storage.StoreError, CheckpointError) as e:
         raise JobError(str(e)) from None
 
 
-def make_job(checkpoint: str | os.PathLike, *, suite: str, target: str | os.PathLike | None = None,
+def make_job(checkpoint: str | os.PathLike | CheckpointRef, *, suite: str, target: str | os.PathLike | None = None,
              baseline: str | os.PathLike | None = None, wandb: dict[str, Any] | None = None,
              sinks: Sequence[str] | None = None, mlflow: dict[str, Any] | None = None,
              requested_by: str = "user", priority: str = "default", options: dict[str, Any] | None = None,
              manifest: dict[str, Any] | None = None, roots: Sequence[Path | str] | None = None) -> JobPayload:
     """A validated job for a published checkpoint directory (run, step, digest from its marker)."""
-    checkpoint = _canonical(checkpoint)
+    ref = _canonical(checkpoint)
+    parsed_roots = CheckpointRef.parse_all(roots) if roots is not None else None  # once for both checkpoints
     if manifest is None:
-        _, manifest = check_location(checkpoint, roots, False, "checkpoint")
-    baseline = _canonical(baseline) if baseline else None  # once: a Hub ref is resolved by a Hub call
-    if baseline:  # refused here, not an hour later on the worker
-        check_location(baseline, roots, False, "baseline")
+        _, manifest = check_location(ref, parsed_roots, False, "checkpoint")
+    base_ref = _canonical(baseline) if baseline else None  # once: a Hub ref is resolved by a Hub call
+    if base_ref is not None:  # refused here, not an hour later on the worker
+        check_location(base_ref, parsed_roots, False, "baseline")
+    checkpoint, baseline = ref.text, (base_ref.text if base_ref is not None else None)
     run_id, step, digest = manifest["run_id"], manifest["step"], manifest["digest"]
     metrics = manifest.get("train_metrics") or None
     if not isinstance(metrics, dict):

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dflash_train.checkpoints import storage
-from dflash_train.checkpoints.location import CheckpointRef
+from dflash_train.checkpoints.location import CheckpointRef, Roots
 from dflash_train.checkpoints.publication import (
     MARKER_NAME,
     CheckpointError,
@@ -31,7 +30,7 @@ from eval_worker.service.jobs.confinement import confine, confine_ref
 from eval_worker.service.jobs.schema import JobError, JobPayload
 
 
-def check_checkpoint(job: JobPayload, roots: Sequence[Path | str] | None, *,
+def check_checkpoint(job: JobPayload, roots: Roots | None, *,
                      verify_digest: bool = False) -> dict[str, dict[str, Any]]:
     """Check the job's checkpoint on disk; return the manifests read, keyed by real path.
 
@@ -42,20 +41,22 @@ def check_checkpoint(job: JobPayload, roots: Sequence[Path | str] | None, *,
     The same is done for `baseline` when the job names one. A store URL is checked by its
     marker only (confined to the store prefixes); `materialize` pulls and verifies its files.
     """
-    path, manifest = check_location(job.checkpoint, roots, verify_digest, "checkpoint")
+    roots = CheckpointRef.parse_all(roots) if roots is not None else None  # once for both checkpoints
+    path, manifest = check_location(job.checkpoint_ref, roots, verify_digest, "checkpoint")
     _match_job(job, manifest)
     manifests = {path: manifest}
-    if job.baseline:
-        base_path, base = check_location(job.baseline, roots, verify_digest, "baseline")
+    if job.baseline_ref is not None:
+        base_path, base = check_location(job.baseline_ref, roots, verify_digest, "baseline")
         manifests[base_path] = base
     return manifests
 
 
-def check_location(path: str, roots: Sequence[Path | str] | None, verify_digest: bool,
-                   what: str) -> tuple[str, dict[str, Any]]:
+def check_location(location: str | CheckpointRef, roots: Roots | None,
+                   verify_digest: bool, what: str) -> tuple[str, dict[str, Any]]:
     """(real path or canonical URL, manifest) of a published checkpoint: confined to `roots` (unless
     None), its marker read; with `verify_digest` (local only) every file hashed again."""
-    ref = _parsed(path, what)
+    ref = location if isinstance(location, CheckpointRef) else _parsed(location, what)
+    path = ref.text
     if not ref.on_this_machine:
         url, _, manifest = _check_remote(ref.text, roots, what)
         return url, manifest
@@ -63,7 +64,7 @@ def check_location(path: str, roots: Sequence[Path | str] | None, verify_digest:
     if not os.path.isdir(real):
         raise JobError(f"{what}: checkpoint {path} does not exist or is not a directory")
     try:
-        manifest = read_manifest(real)
+        manifest = read_manifest(Path(real))
     except CheckpointError as e:
         hint = ""
         if not os.path.exists(os.path.join(real, MARKER_NAME)) and os.path.isfile(os.path.join(real, "config.json")):
@@ -90,7 +91,7 @@ def _parsed(location: str, what: str) -> CheckpointRef:
         raise JobError(f"{what}: {e}") from None
 
 
-def _check_remote(url: str, roots: Sequence[Path | str] | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
+def _check_remote(url: str, roots: Roots | None, what: str) -> tuple[str, bytes, dict[str, Any]]:
     """(canonical url, marker bytes, manifest) of a checkpoint in a store, confined to the store
     prefixes among `roots`. A store that cannot be reached raises StoreUnavailable (retryable)."""
     url = str(confine(url, roots)) if roots is not None else storage.check_url(url)
@@ -104,7 +105,7 @@ def _check_remote(url: str, roots: Sequence[Path | str] | None, what: str) -> tu
 
 
 @contextlib.contextmanager
-def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None):
+def materialize(job: JobPayload, roots: Roots | None, cache=None):
     """What the worker evaluates: `(checkpoint dir, baseline dir or None, verified manifests)`.
 
     Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
@@ -121,11 +122,13 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
     with contextlib.ExitStack() as stack:
         local: dict[str, str | None] = {"checkpoint": None, "baseline": None}
         verified: dict[str, dict[str, Any]] = {}
-        for key, where in (("checkpoint", job.checkpoint), ("baseline", job.baseline)):
-            if not where:
+        roots = CheckpointRef.parse_all(roots) if roots is not None else None  # once for both checkpoints
+        for key, ref in (("checkpoint", job.checkpoint_ref), ("baseline", job.baseline_ref)):
+            if ref is None:
                 continue
-            if _on_this_machine(where):
-                real, manifest = check_location(where, roots, True, key)
+            where = ref.text
+            if ref.on_this_machine:
+                real, manifest = check_location(ref, roots, True, key)
                 if key == "checkpoint":
                     _match_job(job, manifest)
             else:
@@ -139,11 +142,6 @@ def materialize(job: JobPayload, roots: Sequence[Path | str] | None, cache=None)
                 real = os.path.realpath(entry)
             local[key], verified[real] = real, manifest
         yield local["checkpoint"], local["baseline"], verified
-
-
-def _on_this_machine(where: str) -> bool:
-    """A local directory is evaluated in place; anything else (an object store, the Hub) from the cache."""
-    return CheckpointRef.parse(where).on_this_machine
 
 
 def _match_job(job: JobPayload, manifest: dict[str, Any]) -> None:

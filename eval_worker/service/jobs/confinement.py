@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_train.checkpoints.location import CheckpointRef
+from dflash_train.checkpoints.location import CheckpointRef, Roots
 from dflash_train.checkpoints.publication import within
 from dflash_train.common.errors import StoreError
 from eval_worker.engine.options import shorten
@@ -18,7 +18,7 @@ from eval_worker.engine.suite import HF_PREFIX, SuiteError, parse_hf_spec
 from eval_worker.service.jobs.schema import MAX_PATH, JobError
 
 
-def confine(path: str | os.PathLike, roots: Sequence[Path | str], what: str = "checkpoint",
+def confine(path: str | os.PathLike, roots: Roots, what: str = "checkpoint",
             how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> Path | str:
     """The real path of `path` if it lies inside one of `roots` (symlinks resolved), else JobError.
     A store URL must lie under one of the URL prefixes among `roots` (then the canonical URL is returned)."""
@@ -26,11 +26,11 @@ def confine(path: str | os.PathLike, roots: Sequence[Path | str], what: str = "c
     return ref.path if ref.on_this_machine else ref.text
 
 
-def confine_ref(path: str | os.PathLike | CheckpointRef, roots: Sequence[Path | str], what: str = "checkpoint",
+def confine_ref(path: str | os.PathLike | CheckpointRef, roots: Roots, what: str = "checkpoint",
                 how: str = "--checkpoint-root or $DFLASH_CHECKPOINT_ROOTS") -> CheckpointRef:
     """`path` parsed and confined to `roots` (CheckpointRef.within), else JobError saying which roots it missed."""
     try:
-        ref = CheckpointRef.parse(path)
+        ref = path if isinstance(path, CheckpointRef) else CheckpointRef.parse(path)
     except StoreError as e:
         raise JobError(f"{what}: {e}") from None
     inside = ref.within(roots)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dflash_train.checkpoints.location import CheckpointRef
 from dflash_train.common.settings import KNOWN_SINKS
 from eval_worker.engine.options import EvalOptions, OptionsError
 from eval_worker.engine.suite import DEFAULT_SUITE
@@ -102,8 +103,8 @@ class EvalRequest(BaseModel):
         """One job per suite for a published checkpoint (JobError / StoreError / OSError as make_job)."""
         return [self.job(checkpoint, suite, roots=roots, manifest=manifest) for suite in self.suites]
 
-    def job(self, checkpoint: str | os.PathLike, suite: str, *, roots: Sequence[Path | str] | None = None,
-            manifest: dict[str, Any] | None = None) -> JobPayload:
+    def job(self, checkpoint: str | os.PathLike | CheckpointRef, suite: str, *,
+            roots: Sequence[Path | str] | None = None, manifest: dict[str, Any] | None = None) -> JobPayload:
         return make_job(checkpoint, suite=suite, target=self.target, baseline=self.baseline, wandb=self.wandb,
                         sinks=list(self.sinks) if self.sinks else None, mlflow=self.mlflow,
                         requested_by=self.requested_by, priority=self.priority, options=self.options,

@@ -210,7 +210,7 @@ def validate_job(payload: Any) -> JobPayload:  # noqa: C901 - one refusal per wa
 
     One schema, run by `enqueue` and again by the worker: the types, ranges and sizes of
     every field (:class:`JobPayload`) and of every option (eval_worker.engine.options.EvalOptions,
-    the engine's own). No filesystem access: see `job_checkpoints.check_checkpoint` for that.
+    the engine's own). No filesystem access: see `jobs.checkpoints.check_checkpoint` for that.
     """
     if isinstance(payload, JobPayload):
         return payload  # made here: frozen, valid

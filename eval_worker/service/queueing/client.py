@@ -377,13 +377,12 @@ class JobClient:
                 "set_aside": box.rejected()}
 
     # ---- durable -----------------------------------------------------------------------
-    def outbox_for(self, checkpoint: str | os.PathLike) -> Path:
+    def outbox_for(self, checkpoint: str | os.PathLike | CheckpointRef) -> Path:
         """The outbox beside a checkpoint's run; for checkpoints in an object store (no local run
         directory), `$DFLASH_HOME/outbox/<run>`."""
-        ref = CheckpointRef.parse(checkpoint)
-        return self.run_outbox(ref.store().parent(ref.text))
+        return self.run_outbox(CheckpointRef.parse(checkpoint).parent)
 
-    def run_outbox(self, run: str | os.PathLike) -> Path:
+    def run_outbox(self, run: str | os.PathLike | CheckpointRef) -> Path:
         """A run's outbox: `<run>/.eval-outbox`, or `$DFLASH_HOME/outbox/<run>` for a run in a store."""
         ref = CheckpointRef.parse(run)
         return ref.path / OUTBOX_DIRNAME if ref.on_this_machine else self.settings.home / "outbox" / \
@@ -393,7 +392,7 @@ class JobClient:
         """Pin the checkpoint, write the job to its outbox (default `outbox_for`) and wake its delivery.
         Returns the file; None when the outbox cannot be written (the job is owed in memory, written
         or queued as soon as either works). No network call."""
-        d = self._deliverer(outbox or self.outbox_for(job.checkpoint))
+        d = self._deliverer(outbox or self.outbox_for(job.checkpoint_ref))
         try:
             pin_checkpoint(job.checkpoint, job_id_for(job, job_fingerprint(job)))
         except JobError as e:  # unknown suite: still queued, the queue will say why

@@ -15,9 +15,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dflash_train.common.settings import Settings
 from eval_worker.service.jobs.schema import JobError
@@ -30,7 +30,9 @@ PROBE_BYTES = 64 * 1024  # the cache directory's start-up write probe: what a sm
 @dataclass
 class WorkerSettings:
     """What a worker process needs besides Redis: the environment's settings (`env`), with the
-    command line's choices applied (`from_settings`)."""
+    command line's choices applied (`from_settings`). Every field but the worker-only ones
+    (`WORKER_ONLY`) is read from the Settings field of the same name (or the one `SETTINGS_NAME`
+    gives), so a setting added to both is never left uncopied."""
 
     results_dir: Path
     roots: Sequence[Path | str] | None
@@ -46,6 +48,9 @@ class WorkerSettings:
     checkpoint_cache_dir: Path | None = None  # local copies of checkpoints pulled from a store
     checkpoint_cache_gb: float = 20.0
 
+    SETTINGS_NAME: ClassVar[dict[str, str]] = {"roots": "checkpoint_roots", "default_target": "target"}
+    WORKER_ONLY: ClassVar[frozenset[str]] = frozenset({"max_targets", "env"})  # a flag, and Settings itself
+
     def __post_init__(self) -> None:
         if self.spool_dir is None:
             self.spool_dir = (self.cache_dir or self.results_dir).parent / "spool"
@@ -55,12 +60,9 @@ class WorkerSettings:
     @classmethod
     def from_settings(cls, settings: Settings, **overrides) -> WorkerSettings:
         """The worker's settings: `settings` (the environment), with `overrides` (flags given) applied."""
-        values: dict[str, Any] = dict(results_dir=settings.results_dir, roots=settings.checkpoint_roots,
-                      target_roots=settings.target_roots, suite_roots=settings.suite_roots,
-                      cache_dir=settings.cache_dir, default_target=settings.target, device=settings.device,
-                      evaluator_factory=settings.evaluator_factory, spool_dir=settings.spool_dir, env=settings,
-                      checkpoint_cache_dir=settings.checkpoint_cache_dir,
-                      checkpoint_cache_gb=settings.checkpoint_cache_gb)
+        values: dict[str, Any] = {f.name: getattr(settings, cls.SETTINGS_NAME.get(f.name, f.name))
+                                  for f in fields(cls) if f.name not in cls.WORKER_ONLY}
+        values["env"] = settings
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -6,29 +6,15 @@ until that test passes on the new release). `EvalWorker` (worker.py) overrides R
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 
-import redis
 from rq import registry as rq_registry
 from rq.defaults import RQ_KEY_PREFIX
 from rq.registry import StartedJobRegistry
 from rq.scheduler import RQScheduler
 
-from eval_worker.redis_client import server_unavailable
-
-
-@contextlib.contextmanager
-def _ride_out(log, what: str):
-    """Skip `what` when Redis is unavailable (redis_client.server_unavailable); other errors propagate."""
-    try:
-        yield
-    except redis.exceptions.RedisError as e:
-        if not server_unavailable(e):
-            raise
-        log.warning("%s skipped, Redis unavailable: %s", what, e)
-
+from eval_worker.redis_client import ride_out
 
 # --------------------------------------------------------------------------- abandoned jobs
 
@@ -119,11 +105,11 @@ class EvalScheduler(RQScheduler):
             self.log.warning("Scheduler %s: its worker (pid %s) is gone; stopping", self.name, self._parent_pid)
             self._stop_requested = True
             return
-        with _ride_out(self.log, f"Scheduler {self.name}: heartbeat"):  # like the worker: ride out an outage
+        with ride_out(self.log, f"Scheduler {self.name}: heartbeat"):  # like the worker: ride out an outage
             super().heartbeat()
 
     def enqueue_scheduled_jobs(self):
-        with _ride_out(self.log, f"Scheduler {self.name}: moving scheduled jobs"):
+        with ride_out(self.log, f"Scheduler {self.name}: moving scheduled jobs"):
             super().enqueue_scheduled_jobs()
 
 

@@ -39,7 +39,7 @@ from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from dflash_train.common.redaction import install_log_redaction, redact
-from eval_worker.redis_client import server_unavailable
+from eval_worker.redis_client import ride_out, server_unavailable
 from eval_worker.results.ledger import RUNS_KEY, Ledger
 from eval_worker.service.queueing import routing
 from eval_worker.service.queueing.queue import JOBS_PREFIX, TARGET_FIELD, get_queue, server_risks
@@ -48,7 +48,6 @@ from eval_worker.service.worker.evaluators import Evaluators, WorkerSettings
 from eval_worker.service.worker.job_guard import EvalJob
 from eval_worker.service.worker.rq_compat import (
     EvalScheduler,
-    _ride_out,
     clean_queue_registries,
 )
 
@@ -292,7 +291,7 @@ class EvalWorker(SimpleWorker):
     def heartbeat(self, timeout=None, pipeline=None):
         if pipeline is not None:
             return super().heartbeat(timeout, pipeline=pipeline)
-        with _ride_out(self.log, f"Worker {self.name}: heartbeat"):
+        with ride_out(self.log, f"Worker {self.name}: heartbeat"):
             self._keep_registered(timeout or self.worker_ttl + 60)
             super().heartbeat(timeout)
 
@@ -300,15 +299,15 @@ class EvalWorker(SimpleWorker):
         if pipeline is not None:
             return super().set_state(state, pipeline=pipeline)
         self._state = state  # kept here even when Redis cannot hear of it
-        with _ride_out(self.log, f"Worker {self.name}: saving state {state}"):
+        with ride_out(self.log, f"Worker {self.name}: saving state {state}"):
             super().set_state(state)
 
     def check_for_suspension(self, burst: bool):
-        with _ride_out(self.log, f"Worker {self.name}: suspension check"):
+        with ride_out(self.log, f"Worker {self.name}: suspension check"):
             super().check_for_suspension(burst)
 
     def run_maintenance_tasks(self):
-        with _ride_out(self.log, f"Worker {self.name}: maintenance"):
+        with ride_out(self.log, f"Worker {self.name}: maintenance"):
             super().run_maintenance_tasks()
 
     def clean_registries(self):

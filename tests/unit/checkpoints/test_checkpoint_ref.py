@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dflash_train.checkpoints import storage
-from dflash_train.checkpoints.location import CheckpointRef, first_local_root
+from dflash_train.checkpoints.location import CheckpointRef, first_local_root, real_paths_within
 from dflash_train.common.errors import StoreError
 
 SEGMENT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=12)
@@ -90,3 +90,22 @@ def test_checkpoint_ref_of_a_job(tmp_path):
                         "checkpoint_digest": "0" * 64, "suite": "builtin:coding-v1", "baseline": str(tmp_path)})
     assert job.checkpoint_ref == CheckpointRef("s3://b/runs/r/step-1", "s3")
     assert job.baseline_ref is not None and job.baseline_ref.on_this_machine
+
+
+@given(names=st.lists(st.sampled_from(["a", "ab", "a/b", "c", "link", "link/x", "out", "ab/../a"]), max_size=8),
+       root_names=st.lists(st.sampled_from(["a", "ab", "c", "link", "a/", "s3://b/a"]), max_size=3))
+def test_checkpoint_ref_many_files_confined_as_one_by_one(tmp_path_factory, names, root_names):
+    """`real_paths_within` (a checkpoint's files, roots parsed once) answers what `within` answers per file."""
+    base = tmp_path_factory.mktemp("conf").resolve()
+    for d in ("a/b", "ab", "c", "out"):
+        (base / d).mkdir(parents=True, exist_ok=True)
+    if not (base / "link").exists():
+        (base / "link").symlink_to(base / "out")
+    roots = [r if r.startswith("s3://") else str(base / r) for r in root_names]
+    paths = [base / n for n in names]
+    one_by_one = []
+    for p in paths:
+        inside = CheckpointRef.parse(p).within(roots)
+        one_by_one.append(None if inside is None else inside.path)
+    assert real_paths_within(paths, roots) == one_by_one
+    assert real_paths_within(paths, CheckpointRef.parse_all(roots)) == one_by_one
