@@ -105,16 +105,21 @@ def _check_remote(url: str, roots: Roots | None, what: str) -> tuple[str, bytes,
 
 
 @contextlib.contextmanager
-def materialize(job: JobPayload, roots: Roots | None, cache=None):
+def materialize(job: JobPayload, roots: Roots | None, cache=None, checked: dict[str, dict[str, Any]] | None = None):
     """What the worker evaluates: `(checkpoint dir, baseline dir or None, verified manifests)`.
 
-    Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing
-    pass). Store URLs: confined, the marker read and compared with the job, then a local copy
-    from `cache` (a eval_worker.service.worker.checkpoint_cache.CheckpointCache; downloaded once per
-    publication, every file's digest verified), held for the block so it is not evicted.
+    Local checkpoints: `check_checkpoint(..., verify_digest=True)` (the job's one hashing pass), or only
+    the hashing pass when `checked` holds what the caller's `check_checkpoint` of this job returned
+    (confined, marked, matched: not done twice). Store URLs: confined, the marker read and compared with
+    the job, then a local copy from `cache` (a eval_worker.service.worker.checkpoint_cache.CheckpointCache;
+    downloaded once per publication, every file's digest verified), held for the block so it is not evicted.
     """
     if all(ref.on_this_machine for ref in (job.checkpoint_ref, job.baseline_ref) if ref is not None):
-        manifests = check_checkpoint(job, roots, verify_digest=True)
+        if checked is None:
+            manifests = check_checkpoint(job, roots, verify_digest=True)
+        else:
+            manifests = {real: _verified(what, real, roots, manifest)
+                         for what, (real, manifest) in zip(("checkpoint", "baseline"), checked.items(), strict=False)}
         yield job.checkpoint, job.baseline, manifests
         return
     if cache is None:
@@ -142,6 +147,13 @@ def materialize(job: JobPayload, roots: Roots | None, cache=None):
                 real = os.path.realpath(entry)
             local[key], verified[real] = real, manifest
         yield local["checkpoint"], local["baseline"], verified
+
+
+def _verified(what: str, real: str, roots: Roots | None, manifest: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return verify_checkpoint(real, roots, manifest)
+    except CheckpointError as e:
+        raise JobError(f"{what}: {e}") from None
 
 
 def _match_job(job: JobPayload, manifest: dict[str, Any]) -> None:

@@ -21,29 +21,33 @@ from eval_worker.service.queueing.client import EnqueueOutcome, JobClient
 from eval_worker.service.queueing.queue import queue_name, workers_target
 
 
-def _on_this_machine(path: str) -> bool:
+def _ref(path: str) -> CheckpointRef | None:
+    """The location's ref; None for a store URL that breaks the rules (make_job says what is wrong with it)."""
     try:
-        return CheckpointRef.parse(path).on_this_machine
+        return CheckpointRef.parse(path)
     except storage.StoreError:
-        return False  # a store URL that breaks the rules: make_job says what is wrong with it
+        return None
 
 
 def is_published(path: str) -> bool:
     """Whether `path` is a published checkpoint or a run directory of them (else: a drafter to import)."""
-    if not _on_this_machine(path):  # never imported: a store URL is a published checkpoint or refused by make_job
+    ref = _ref(path)
+    if ref is None or not ref.on_this_machine:  # never imported: a store URL is published or refused by make_job
         return True
-    return (Path(path) / MARKER_NAME).exists() or bool(list_checkpoints(path))
+    return (ref.path / MARKER_NAME).exists() or bool(list_checkpoints(ref.path))
 
 
 def expand_checkpoints(paths: Sequence[str]) -> list[str]:
     """A run directory (no marker of its own, published step-* inside) stands for its checkpoints."""
     out: list = []
     for p in paths:
-        if not _on_this_machine(p):  # a run prefix in a store stands for its marked step prefixes
+        ref = _ref(p)
+        if ref is None:
+            inner = []  # make_job says what is wrong with it
+        elif not ref.on_this_machine:  # a run prefix in a store stands for its marked step prefixes
             try:
-                ref = CheckpointRef.parse(p)
                 inner = [] if ref.store().exists(storage.join(ref.text, MARKER_NAME)) else list_checkpoints(ref.text)
-            except (storage.StoreError, OSError):
+            except (storage.StoreError, OSError):  # no library for its protocol, the store unreachable
                 inner = []  # make_job says what is wrong with it
         else:
             inner = [] if (Path(p) / MARKER_NAME).exists() else list_checkpoints(p)

@@ -31,7 +31,7 @@ from eval_worker.engine.suite import HF_PREFIX, Suite, load_suite
 from eval_worker.results import sinks
 from eval_worker.results.ledger import Ledger, read_record, tau_of
 from eval_worker.results.sinks import owed
-from eval_worker.service.jobs.checkpoints import materialize
+from eval_worker.service.jobs.checkpoints import check_checkpoint, materialize
 from eval_worker.service.jobs.confinement import check_suite, check_target
 from eval_worker.service.jobs.ids import job_id_for
 from eval_worker.service.jobs.schema import JobError, JobPayload, validate_job
@@ -256,6 +256,7 @@ def _local_job_id(job: JobPayload) -> str:
 
 def _evaluate(job: JobPayload, s: WorkerSettings, rq_job) -> tuple[dict[str, Any], dict[str, Any]]:
     """Check the job's files (checkpoint, target, suite: inside their roots), run the engine; (result, worker info)."""
+    checked = check_checkpoint(job, s.roots)  # confined and marked: cheap, before anything is loaded or pulled
     target = job.target or s.default_target
     if not target:
         raise JobError("the job names no target and this worker has no default (--target / $DFLASH_TARGET)")
@@ -275,7 +276,8 @@ def _evaluate(job: JobPayload, s: WorkerSettings, rq_job) -> tuple[dict[str, Any
         used: list[str] = []
         try:
             # the one hashing pass of the job: local files verified in place, a store's on download (cached by manifest)
-            with materialize(job, s.roots, cache) as (checkpoint, baseline, verified):
+            with materialize(job, s.roots, cache, checked=None if refetched else checked) as (
+                    checkpoint, baseline, verified):
                 used = [p for p in (checkpoint, baseline) if p]
                 evaluator = evaluators.current().get(target)
                 result = evaluator.evaluate(checkpoint, suite, baseline=baseline, train_metrics=job.train_metrics,
