@@ -162,8 +162,7 @@ class EvalOnCheckpoint:
     def submit(self, path: str | os.PathLike, manifest: dict | None = None) -> list[Path]:
         """For each suite: make the job and submit it (pinned, written to the outbox, delivery woken).
         Returns the job files written."""
-        ref = CheckpointRef.parse(path)
-        ref = ref if ref.text == ref.canonical else CheckpointRef.parse(ref.canonical)  # parsed once for every job
+        ref = CheckpointRef.parse(path).as_canonical()  # parsed once for every job
         outbox = self.client.outbox_for(ref)
         files = []
         for suite in self.suites:

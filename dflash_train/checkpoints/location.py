@@ -92,11 +92,13 @@ class CheckpointRef:
             raise ValueError(f"{self.shown} is not on this machine")
         return Path(self.text)
 
+    def as_canonical(self) -> CheckpointRef:
+        """This location as a job names it (`canonical`): itself when its text already is."""
+        return self if self.text == self.canonical else CheckpointRef(self.canonical, self.kind)
+
     @property
     def parent(self) -> CheckpointRef:
         """The location one level up (a checkpoint's run), of the same kind."""
-        if self.kind == "local":
-            return CheckpointRef(os.path.dirname(self.text.rstrip(os.sep)) or os.sep, "local")
         return CheckpointRef(str(self.store().parent(self.text)), self.kind)
 
     @property

@@ -26,7 +26,7 @@ def _canonical(location: str | os.PathLike | CheckpointRef) -> CheckpointRef:
             from dflash_train.checkpoints import hub
 
             return CheckpointRef.parse(hub.resolve(ref.text))
-        return ref if ref.text == ref.canonical else CheckpointRef.parse(ref.canonical)
+        return ref.as_canonical()
     except (storage.StoreError, CheckpointError) as e:
         raise JobError(str(e)) from None
 

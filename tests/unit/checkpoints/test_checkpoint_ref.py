@@ -109,3 +109,12 @@ def test_checkpoint_ref_many_files_confined_as_one_by_one(tmp_path_factory, name
         one_by_one.append(None if inside is None else inside.path)
     assert real_paths_within(paths, roots) == one_by_one
     assert real_paths_within(paths, CheckpointRef.parse_all(roots)) == one_by_one
+
+
+@pytest.mark.parametrize("text", ["/a/b/../c", "/a//b/", "/a/./b", "/a/b", "s3://bucket/runs/r", "memory://x/y"])
+def test_checkpoint_ref_as_canonical_and_parent_as_the_store_says(text):
+    ref = CheckpointRef.parse(text)
+    canon = ref.as_canonical()
+    assert canon == CheckpointRef.parse(ref.canonical) and canon.text == ref.canonical and canon.kind == ref.kind
+    assert (canon is ref) == (ref.text == ref.canonical)
+    assert ref.parent == CheckpointRef.parse(str(ref.store().parent(ref.text)))
