@@ -1,7 +1,7 @@
 """The first evaluation (cold) and a later one (warm) vs the reference loop, at τ ≈ 1.3 and τ ≈ 7, one run.
 
     python bench/cold_cost.py [--cases low,high] [--num-prompts 32] [--max-new-tokens 128] [--repeat 3] [--parts]
-                              [--threads 1] [--work DIR] [--json OUT]
+                              [--flops] [--threads 1] [--work DIR] [--json OUT]
 
 The bundled tiny target, the built-in coding suite (chat template applied), B=16 two-layer drafters
 fitted to the suite's references (`walk_cost.fitted_checkpoint`, kept in --work; `CASES`): `low` (τ ≈ 1.3,
@@ -15,6 +15,9 @@ Per case, in interleaved rounds (fastest of --repeat):
   - warm: the same `Evaluator` again (references and features cached): run defaults, `drafting="walk"`,
     and the defaults less one part at a time (no leak probe, no step-cost timing, no tree) to show
     what each part of the defaults costs.
+With --flops, each way's matrix-product FLOPs (one more untimed run) and the best ratio to the loop they allow at
+this machine's single-thread GEMM peak: a goal above that ratio cannot be met by making the code faster, only by
+doing less work.
 Every result's τ is checked equal to the loop's (macro over prompts) and the references to the loop's tokens
 before anything is printed. Target steps: the loop's verify steps; the engine's reference decoding steps
 (batched: one forward serves every row of a batch) plus one features pass per prompt.
@@ -57,6 +60,9 @@ def main() -> None:
     p.add_argument("--oracle-tau", type=float, default=7.0,
                    help="also time the references alone, plain vs speculative, with an oracle drafter "
                         "at this τ (0: off)")
+    p.add_argument("--flops", action="store_true",
+                   help="also count each way's GEMM FLOPs (one more untimed run each) and the best ratio they "
+                        "allow at this machine's GEMM peak")
     p.add_argument("--json")
     args = p.parse_args()
     if (args.num_prompts, args.max_new_tokens) not in CASES:
@@ -125,6 +131,7 @@ def run_case(name: str, args, work: Path) -> dict:
             t = time.perf_counter()
             out[way] = fn()
             best[way] = min(best.get(way, float("inf")), time.perf_counter() - t)
+    flops = {way: gemm_flops(fn) for way, fn in ways.items()} if args.flops else {}
     for way, r in out.items():
         if way == "loop":
             continue
@@ -137,17 +144,50 @@ def run_case(name: str, args, work: Path) -> dict:
            "vs_loop": {w: best["loop"] / s for w, s in best.items()},
            "timings_cold_defaults": out["cold defaults"].provenance["timings_s"],
            "timings_warm_defaults": out["warm defaults"].provenance["timings_s"],
-           "drafting_warm_defaults": out["warm defaults"].provenance["drafting"]["path"]}
+           "drafting_warm_defaults": out["warm defaults"].provenance["drafting"]["path"], "gemm_gflop": flops}
     print(f"\n{name}: τ {row['tau']:.2f}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
           f"{args.threads} thread(s), fastest of {args.repeat}")
     print(f"  target steps: loop {row['loop_steps']}; engine cold {row['reference_steps']} reference steps "
           f"({refs['decoding']}, batched, speculative steps kept: {refs.get('speculative_steps')}) "
           f"+ {len(prompts)} features passes")
+    peak = gemm_peak() if flops else 0.0
+    if flops:
+        row["gemm_peak_gflops"] = peak
+        print(f"  GEMM FLOPs per way (torch.utils.flop_counter; attention and elementwise work not counted), and the "
+              f"best ratio they allow at this machine's single-thread GEMM peak ({peak:.0f} GFLOP/s, measured "
+              f"now): the loop's seconds over each way's FLOPs at that peak")
     for way, s in best.items():
-        print(f"  {way:34s} {s:7.2f} s  {row['vs_loop'][way]:5.2f}x the loop")
+        floor = (f"  {flops[way][0]:6.1f} GFLOP, at most {best['loop'] * peak / flops[way][0]:5.2f}x "
+                 f"{flops[way][1]}") if flops else ""
+        print(f"  {way:34s} {s:7.2f} s  {row['vs_loop'][way]:5.2f}x the loop{floor}")
     print("  cold defaults' timings:", row["timings_cold_defaults"])
     print("  warm defaults' timings:", row["timings_warm_defaults"], "path", row["drafting_warm_defaults"])
     return row
+
+
+def gemm_flops(fn) -> tuple[float, str]:
+    """GFLOP of the matrix products one more (untimed) run of `fn` makes, and its drafting path ("" for the loop):
+    `auto` may time its other path on that run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        r = fn()
+    path = r.provenance["drafting"]["path"] if hasattr(r, "provenance") else ""
+    return counter.get_total_flops() / 1e9, path
+
+
+def gemm_peak() -> float:
+    """GFLOP/s of the drafter's and the target's largest products here ([448, 256] x [256, 704], a 28-row
+    verify's MLP), the fastest of a few seconds: what no way can beat per FLOP."""
+    x, w = torch.randn(448, 256), torch.randn(704, 256)
+    best = 0.0
+    for _ in range(5):
+        t, n = time.perf_counter(), 0
+        while time.perf_counter() - t < 0.2:
+            torch.nn.functional.linear(x, w)
+            n += 1
+        best = max(best, 2 * 448 * 256 * 704 * n / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 class Oracle:

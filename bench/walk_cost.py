@@ -190,7 +190,7 @@ def required_flops(drafter, vocab: int, ev, refs, result, opts) -> float:
         P, n = len(ref.prompt_ids), len(ref.tokens)
         feats = ev._features(ref, result_suite(result), drafter.config.target_layer_ids, CacheReport())["features"]
         sample = sample_offsets(n, quota, opts.seed, ref.name)
-        probe = probe_offsets(n, probe_quota)
+        probe = probe_offsets(n, probe_quota, sample)  # as the engine picks them
         seq = WalkSeq(torch.tensor(ref.prompt_ids + ref.tokens), P, n, np.asarray(ref.ext),
                       full=np.union1d(sample, probe))
         got = walker.run([seq], [context_kv(drafter, feats[:P + n - 1])])[0]

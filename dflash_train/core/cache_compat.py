@@ -11,13 +11,17 @@ per-token states), so this module snapshots exactly what a linear-attention laye
 - its own token count (`cumulative_length_linear`, from 5.25 on: `Cache.get_seq_length()` reads it when the
   first layer is a linear one, and the model derives positions from it).
 
+It also gives the batched references' decoder attention layers that append into spare room (`spare_room`):
+`DynamicLayer.update` concatenates a new tensor every step, which copies the whole cache per token (at 28
+rows x 8 layers it was a third of plain decoding's time on the 2-core VM, bench/cold_cost.py).
+
 What a release renames or adds here fails `tests/unit/core/test_cache_compat.py` on that release, which
 `make test-newest` runs; setup.cfg bounds transformers to the releases it passed on (docs/compatibility.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
@@ -91,6 +95,57 @@ def restore(saved: Snapshot) -> None:
         for name in COUNTERS:
             if name in held:
                 getattr(layer, name).copy_(held[name])
+
+
+class SpareLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys/values are views of larger buffers: a step writes its positions into the spare
+    room after them (the buffers grow by half when full) instead of concatenating new tensors. Whatever replaces
+    the views (`crop` keeps them a prefix; `select_slots`, `batch_select_indices` make new tensors) is copied
+    into new buffers on the next update, so every operation of the base class stays valid."""
+
+    GROW = 1.5
+    MIN_ROOM = 64
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)  # set by the initialization
+        held = keys.shape[-2] if keys.numel() else 0
+        n = held + key_states.shape[-2]
+        room: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_room", None)
+        if room is None or not _fits(room, keys, values, held, n, key_states):
+            size = max(n, int(held * self.GROW)) + self.MIN_ROOM
+            shape = (*key_states.shape[:2], size, key_states.shape[3])
+            room = (key_states.new_empty(shape), value_states.new_empty(shape))
+            if held:
+                room[0][..., :held, :] = keys
+                room[1][..., :held, :] = values
+            self._room = room
+        room[0][..., held:n, :] = key_states
+        room[1][..., held:n, :] = value_states
+        self.keys, self.values = room[0][..., :n, :], room[1][..., :n, :]
+        return self.keys, self.values
+
+
+def _fits(room: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor, held: int, n: int,
+          new: torch.Tensor) -> bool:
+    """The room takes `n` positions of `new`'s rows and heads, and the layer's keys/values are still its prefix."""
+    return n <= room[0].shape[-2] and room[0].shape[:2] == new.shape[:2] and (
+        not held or (_prefix(keys, room[0]) and _prefix(values, room[1])))
+
+
+def _prefix(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """`view` is `buffer[..., :k, :]` for some k (what `SpareLayer.update` and `DynamicLayer.crop` leave)."""
+    return view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride() \
+        and view.shape[:2] == buffer.shape[:2]
+
+
+def spare_room(cache: Any) -> Any:
+    """`cache` with its plain attention layers appending in place (`SpareLayer`); other layers as they are."""
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer.__class__ = SpareLayer
+    return cache
 
 
 def select_slots(cache: Any, rows: torch.Tensor, index: torch.Tensor) -> None:

@@ -585,13 +585,13 @@ class Evaluator:
             return self._features(ref, suite, cfg.layer_ids, report, check, written,
                                   None if sampling_id is None else {**sampling_id, "sample": ref.sample})
 
-    def _probe(self, leak: LeakProbe, drafter, ref: Reference, ids, feats, opts, timings, strict=None):
-        """The leak probe's anchor-state view of `ref` (and its contract check); with `strict`
-        (offsets -> argmax), also add the views up. Returns (offsets, anchor-state argmax)."""
+    def _probe(self, leak: LeakProbe, drafter, ref: Reference, ids, feats, opts, timings, sample=None):
+        """The leak probe's anchor-state view of `ref` (and its contract check), at anchors of `sample` (the
+        run's anchor sample of `ref`) where it has enough. Returns (offsets, anchor-state argmax)."""
         embed, head = self.target.parts.embed_tokens, self.target.parts.lm_head
         P, n = len(ref.prompt_ids), len(ref.tokens)
         with _timer(timings, "leak_probe"):
-            rows = probe_offsets(n, leak.quota)
+            rows = probe_offsets(n, leak.quota, sample)
             kw = {"head_rows": opts.head_rows or DEFAULT_HEAD_ROWS, "backend": opts.backend}
             seen = draft_anchors(drafter, embed, head, ids, feats, P + rows, see_anchor_state=True,
                                  anchors_per_chunk=opts.anchors_per_chunk, **kw)
@@ -615,14 +615,15 @@ class Evaluator:
                                        head_rows=opts.head_rows or DEFAULT_HEAD_ROWS, backend=opts.backend)
             drafted["blocks"] += n
             drafted["head_slots"] += n * (B - 1)
+            sample = sample_offsets(n, quota, opts.seed, _label(ref))
             with _timer(timings, "score"):
                 sc = score_prompt(ref.name, ref.ext, n, drafts, B, tree_budget=opts.tree_budget,
                                   tree_spine=opts.tree_spine, max_blocks=opts.max_blocks, counting=opts.counting,
                                   ends_with_stop=ref.finish == "eos", stop_offset=_stop_offset(ref.ext, eos),
-                                  sample=sample_offsets(n, quota, opts.seed, _label(ref)))
+                                  sample=sample)
                 sc.greedy = feats["greedy"].numpy()
             if leak is not None:
-                rows, seen = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings)
+                rows, seen = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings, sample)
                 leak.add(ref.ext, rows, drafts.argmax[rows], seen)
             scores.append(sc)
         return scores
@@ -649,7 +650,8 @@ class Evaluator:
                 P, n = len(ref.prompt_ids), len(ref.tokens)
                 ids = torch.tensor(ref.prompt_ids + ref.tokens, device=self.target.device)
                 sample = sample_offsets(n, quota, opts.seed, _label(ref))
-                probed = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings) if leak else None
+                probed = self._probe(leak, drafter, ref, ids, feats["features"], opts, timings, sample) if leak \
+                    else None
                 full = np.union1d(sample, probed[0]) if probed else sample
                 seqs.append(WalkSeq(ids, P, n, np.asarray(ref.ext, dtype=np.int64), full=full,
                                     max_blocks=opts.max_blocks,

@@ -33,7 +33,7 @@ from dflash_train.core.masks import cached_block_mask
 from dflash_train.core.model import DFlashDrafter, DraftCache, mask_blocks
 from dflash_train.core.target import Target, VerifyCache
 
-DEFAULT_ROWS = 16  # prompts per batch: one forward per step verifies them all
+DEFAULT_ROWS = 32  # prompts per batch: one forward per step serves them all (a 32-prompt suite: one batch)
 # compact the shared cache when the masked slots exceed the longest row's live ones by this factor
 COMPACT_RATIO = 1.0
 
@@ -244,7 +244,7 @@ def _decode_batch(target: Target, rows: list[Row], proposer: DrafterProposer | N
 
     dev = target.device
     layer_ids = proposer.layer_ids if proposer else []
-    kv = DynamicCache(config=target.model.config)
+    kv = cache_compat.spare_room(DynamicCache(config=target.model.config))  # no copy of the cache per step
     width = max(len(r.context) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
     mask = torch.zeros(len(rows), width, dtype=torch.bool, device=dev)

@@ -44,10 +44,15 @@ LEAK_GAIN_REL = 1.5
 VIEWS = ("strict", "anchor_state", "shifted_label")
 
 
-def probe_offsets(num_tokens: int, quota: int) -> np.ndarray:
-    """Up to `quota` response offsets spread evenly over 0..num_tokens-1 (deterministic)."""
+def probe_offsets(num_tokens: int, quota: int, within: np.ndarray | None = None) -> np.ndarray:
+    """Up to `quota` response offsets spread evenly over 0..num_tokens-1 (deterministic); with `within` (sorted
+    offsets, the run's anchor sample) holding at least `quota`, spread evenly over those instead: the sample's
+    blocks are drafted on every slot anyway, so the probe's strict view costs no block of its own (any anchors
+    serve the probe: its views are compared on the same ones)."""
     if num_tokens <= 0 or quota <= 0:
         return np.zeros(0, dtype=np.int64)
+    if within is not None and len(within) >= quota:
+        return np.unique(within[np.linspace(0, len(within) - 1, quota).round().astype(np.int64)])
     return np.unique(np.linspace(0, num_tokens - 1, min(quota, num_tokens)).round().astype(np.int64))
 
 

@@ -3,6 +3,8 @@ layers. `make test-newest` runs this file on the newest releases; a failure here
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dflash_train.core import cache_compat
 from dflash_train.core.target import VerifyCache
@@ -57,3 +59,38 @@ def test_length_is_an_int_and_counts_positions_on_plain_and_hybrid_targets():
         cache = VerifyCache(target)
         target.forward(torch.tensor([PROMPT]), [1], past_key_values=cache.kv, use_cache=True)
         assert type(cache.length) is int and cache.length == len(PROMPT)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["step", "crop", "select"]), st.integers(1, 40), st.integers(0, 2**16)),
+                min_size=1, max_size=12))
+def test_spare_room_holds_what_a_dynamic_cache_holds(ops):
+    """Steps of 1-40 tokens (past the spare room, so it grows), crops and slot selections (the batched decoder's
+    operations) in any order: a `spare_room` cache holds exactly the keys and values of a plain DynamicCache,
+    the forward passes over it return the same logits, and its attention layers are `SpareLayer`s."""
+    from transformers import DynamicCache
+
+    target, rows = qwen3_target(layers=2), 3
+    plain = DynamicCache(config=target.model.config)
+    spare = cache_compat.spare_room(DynamicCache(config=target.model.config))
+    assert all(type(layer) is cache_compat.SpareLayer for layer in spare.layers)
+    gen = torch.Generator().manual_seed(7)
+    for op, n, seed in [("step", 5, 0), *ops]:
+        held = cache_compat.seq_length(plain)
+        if op == "step" or not held:
+            ids = torch.randint(0, 50, (rows, n), generator=gen)
+            pos = held + torch.arange(n)[None].expand(rows, -1)
+            got = [target.model(input_ids=ids, position_ids=pos, past_key_values=kv, use_cache=True).logits
+                   for kv in (plain, spare)]
+            assert torch.equal(got[0], got[1])
+        elif op == "crop":
+            for kv in (plain, spare):
+                for layer in cache_compat.attention_layers(kv):
+                    cache_compat.crop_attention(layer, max(held - n, 1))
+        else:  # every row's slots in a seeded order (left in place: the positions they were rotated with)
+            keep = sorted(torch.randperm(held, generator=torch.Generator().manual_seed(seed))[:max(held - n, 1)])
+            index = torch.tensor([keep] * rows)
+            for kv in (plain, spare):
+                cache_compat.select_slots(kv, torch.arange(rows), index)
+        for a, b in zip(cache_compat.attention_layers(plain), cache_compat.attention_layers(spare), strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), (op, n)

@@ -378,6 +378,32 @@ def test_walk_driven_early_exit_evaluator_results_equal(engine, options):
     assert sample["seed"] == 0 and sample["anchors"] <= sample["of"] and "mean_streak_all_anchors" in sample["stats"]
 
 
+@pytest.mark.parametrize("sample,probe", [(40, 20), (200, 100), (5, 20)])
+def test_leak_probe_anchors_come_from_the_anchor_sample(engine, sample, probe):
+    """Where the anchor sample holds the probe's quota, the probe's anchors are sample anchors, so the walk drafts
+    no block for the probe's strict view (the same blocks with the probe as without); where it does not, the probe
+    takes evenly spread anchors of its own, and the walk drafts them too."""
+    from eval_worker.engine.leak_probe import LeakProbe, probe_offsets
+    from eval_worker.engine.scoring import sample_offsets
+
+    ev, root, suite = engine
+    opts = {"measure_speed": False, "drafting": "walk", "anchor_sample": sample, "tree_budget": 0}
+    on = ev.evaluate(root / "good", suite, options={**opts, "leak_probe_anchors": probe})
+    off = ev.evaluate(root / "good", suite, options={**opts, "leak_probe_anchors": 0})
+    quota, probe_quota = -(-sample // len(PROMPTS)), LeakProbe(6, probe, len(PROMPTS)).quota
+    inside = True
+    for q in on.to_dict()["prompts"]:
+        n = q["num_tokens"]
+        drawn = sample_offsets(n, quota, 0, q["name"])
+        probed = probe_offsets(n, probe_quota, drawn)
+        assert len(probed) == min(probe_quota, n)
+        inside &= bool(np.isin(probed, drawn).all())
+    assert inside == (quota >= probe_quota)
+    blocks = on.provenance["drafting"]["blocks"], off.provenance["drafting"]["blocks"]
+    assert (blocks[0] == blocks[1]) if inside else (blocks[0] > blocks[1]), blocks
+    assert on.leak_probe["anchors"] == sum(min(probe_quota, q["num_tokens"]) for q in on.to_dict()["prompts"])
+
+
 def test_auto_measures_both_paths_then_takes_the_cheaper(engine):
     ev, root, suite = engine
     ev._draft_costs.clear()
